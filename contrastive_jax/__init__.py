@@ -1,0 +1,1 @@
+"""Contrastive self-supervised learning of image encoders in JAX/Flax."""

@@ -1,0 +1,178 @@
+"""Host input pipeline: TFDS + tf.data, one part of each split per process.
+
+Training examples are two random-resized-crop-and-flip views of one image,
+as uint8 so that host-to-device transfers stay small; the photometric
+augmentations run on the device (augment.py).
+
+Exact resume: the order of the stream and every random crop are functions of
+(seed, process, position in the stream). Epoch e is shuffled with a seed made
+from (seed, e) and the crop of the example at stream position p is drawn with a
+stateless seed made from (seed, process, p), so a pipeline started at step s
+yields exactly what an uninterrupted one yields from step s on.
+"""
+import collections
+import os
+from typing import Iterator, Optional
+
+import jax
+import numpy as np
+import tensorflow as tf
+import tensorflow_datasets as tfds
+
+from contrastive_jax.errors import ConfigError
+
+
+def get_builder(name: str, data_dir: Optional[str], splits) -> tfds.core.DatasetBuilder:
+  """Returns the prepared TFDS builder, checking name, data_dir and splits.
+
+  data_dir None means TFDS's default (the TFDS_DATA_DIR environment variable or
+  ~/tensorflow_datasets). Nothing is downloaded.
+
+  Raises:
+    ConfigError: unknown dataset name, a data_dir that does not hold the
+      prepared dataset (the message says where it looked), or an unknown split.
+  """
+  try:
+    builder = tfds.builder(name, data_dir=data_dir)
+  except tfds.core.registered.DatasetNotFoundError:
+    raise ConfigError("dataset", name, "a TFDS dataset name such as 'cifar10' or 'imagenet2012'") from None
+  if not builder.is_prepared():
+    looked = data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
+    raise ConfigError(
+        "data_dir", data_dir,
+        f"a directory holding the prepared dataset '{name}'; looked in {builder.data_dir} "
+        f"(data_dir={looked}). Prepare it with tfds.builder('{name}').download_and_prepare() "
+        "on a machine with internet, or point data_dir / TFDS_DATA_DIR at a copy")
+  for field, split in splits.items():
+    try:
+      builder.info.splits[split]  # Also accepts TFDS slices such as 'train[:10%]'.
+    except (KeyError, ValueError, AssertionError):
+      raise ConfigError(field, split, f"a split of {name} (one of {sorted(builder.info.splits)}, "
+                        "or a TFDS slice of one such as 'train[:1000]')") from None
+  return builder
+
+
+def _seed_pair(seed: int, a, b):
+  """A stateless-op seed [2] int64 from (seed, a, b) (a, b scalar tensors)."""
+  return tf.stack([tf.cast(seed, tf.int64) * 1_000_003 + tf.cast(a, tf.int64),
+                   tf.cast(b, tf.int64)])
+
+
+def random_resized_crop(image, seed, size: int, area_range=(0.08, 1.0)):
+  """Random resized crop + horizontal flip of one uint8 image [H, W, 3].
+
+  Crop area in area_range of the image and aspect ratio in [3/4, 4/3] (Szegedy
+  et al. 2015; SimCLR Appendix A), up to 10 attempts, else the whole image;
+  bilinear resize to [size, size]; flip with probability 1/2. Returns uint8.
+  """
+  crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+  begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
+      tf.shape(image), bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
+      seed=crop_seed, min_object_covered=area_range[0], aspect_ratio_range=(3 / 4, 4 / 3),
+      area_range=area_range, max_attempts=10, use_image_if_no_bounding_boxes=True)
+  crop = tf.slice(image, begin, crop_size)
+  crop = tf.image.resize(crop, [size, size], method="bilinear")
+  crop = tf.where(tf.random.stateless_uniform([], flip_seed) < 0.5, crop, crop[:, ::-1])
+  return tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)
+
+
+def center_crop(image, size: int, crop_fraction: float):
+  """Central crop of crop_fraction of the shorter side, resized to [size, size] uint8."""
+  if crop_fraction == 1.0 and tuple(image.shape[:2]) == (size, size):
+    return image  # Already the right size (CIFAR): keep the exact pixels.
+  shape = tf.shape(image)
+  side = tf.cast(tf.cast(tf.minimum(shape[0], shape[1]), tf.float32) * crop_fraction, tf.int32)
+  top, left = (shape[0] - side) // 2, (shape[1] - side) // 2
+  crop = tf.image.resize(image[top:top + side, left:left + side], [size, size], method="bilinear")
+  return tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)
+
+
+def _options(threads: int) -> tf.data.Options:
+  options = tf.data.Options()
+  options.deterministic = True
+  # A private pool of `threads` threads keeps the host pipeline from competing
+  # with XLA's own threads for the cores.
+  options.threading.private_threadpool_size = threads
+  options.threading.max_intra_op_parallelism = 1
+  return options
+
+
+def train_dataset(builder, split: str, *, local_batch: int, image_size: int,
+                  crop_area_min: float, seed: int, start_step: int, cache: bool,
+                  shuffle_buffer: int, threads: int, num_views: int = 2) -> tf.data.Dataset:
+  """Infinite dataset of this process's batches from step `start_step` on.
+
+  Each element is {'image': uint8 [local_batch, num_views, S, S, 3], 'label':
+  int32 [local_batch]}: num_views independent random-resized-crop-and-flip views
+  of the same image in axis 1. The stream is never padded: batches run across
+  epoch boundaries as after repeat() and batch(drop_remainder=True).
+  Steps per epoch for schedules: split size // global batch.
+  """
+  process_split = tfds.split_for_jax_process(split, drop_remainder=True)
+  num_local = builder.info.splits[process_split].num_examples
+  base = builder.as_dataset(split=process_split, shuffle_files=False,
+                            read_config=tfds.ReadConfig(shuffle_seed=seed))
+  base = base.map(lambda ex: (ex["image"], tf.cast(ex["label"], tf.int32)))
+  if cache:
+    base = base.cache()
+  first = start_step * local_batch
+  start_epoch, offset = divmod(first, num_local)
+  ds = tf.data.Dataset.range(start_epoch, np.iinfo(np.int64).max).flat_map(
+      lambda epoch: base.shuffle(shuffle_buffer, seed=seed * 10_007 + epoch))
+  ds = ds.skip(offset)
+  positions = tf.data.Dataset.range(first, np.iinfo(np.int64).max)
+  process = jax.process_index()
+
+  def views(example, position):
+    image, label = example
+    seeds = tf.random.experimental.stateless_split(_seed_pair(seed, process, position), num_views)
+    return {"image": tf.stack([random_resized_crop(image, seeds[v], image_size,
+                                                   (crop_area_min, 1.0))
+                               for v in range(num_views)]),
+            "label": label}
+
+  ds = tf.data.Dataset.zip(ds, positions).map(views, num_parallel_calls=threads)
+  ds = ds.batch(local_batch, drop_remainder=True).prefetch(2)
+  return ds.with_options(_options(threads))
+
+
+def eval_dataset(builder, split: str, *, local_batch: int, image_size: int,
+                 crop_fraction: float, threads: int, cache: bool = False) -> tf.data.Dataset:
+  """This process's part of `split`, every example once, in fixed order.
+
+  Elements are {'image': uint8 [local_batch, S, S, 3], 'label': int32 [b],
+  'mask': bool [b]}. The last batches are padded with mask False so that every
+  process yields the same number of batches (multi-host collectives need it).
+  """
+  process_split = tfds.split_for_jax_process(split, drop_remainder=False)
+  counts = [builder.info.splits[s].num_examples
+            for s in tfds.even_splits(split, n=jax.process_count(), drop_remainder=False)]
+  num_batches = -(-max(counts) // local_batch)
+  ds = builder.as_dataset(split=process_split, shuffle_files=False)
+  ds = ds.map(lambda ex: {"image": center_crop(ex["image"], image_size, crop_fraction),
+                          "label": tf.cast(ex["label"], tf.int32), "mask": True},
+              num_parallel_calls=threads)
+  if cache:
+    ds = ds.cache()
+  pad = tf.data.Dataset.from_tensors({
+      "image": tf.zeros([image_size, image_size, 3], tf.uint8),
+      "label": tf.constant(0, tf.int32), "mask": False}).repeat()
+  ds = ds.concatenate(pad).take(num_batches * local_batch)
+  ds = ds.batch(local_batch, drop_remainder=True).prefetch(2)
+  return ds.with_options(_options(threads))
+
+
+def device_batches(ds: tf.data.Dataset, sharding, prefetch: int = 2) -> Iterator[dict]:
+  """Yields global jax.Arrays assembled from each process's local batches.
+
+  Keeps `prefetch` batches in flight: device_put is asynchronous, so the
+  transfer of batch i+1 overlaps the step on batch i.
+  """
+  queue = collections.deque()
+  for local in tfds.as_numpy(ds):
+    queue.append(jax.tree.map(
+        lambda x: jax.make_array_from_process_local_data(sharding, x), local))
+    if len(queue) > prefetch:
+      yield queue.popleft()
+  while queue:
+    yield queue.popleft()

@@ -1,0 +1,207 @@
+"""Encoders (ResNet) and MLP heads (projection head, predictor) in Flax Linen.
+
+The encoder output h (after global average pooling) is the representation used
+downstream (linear probe, kNN monitor); the projection head maps it to z, which
+feeds the contrastive loss (SimCLR, Chen et al. 2020, Sec. 2.1).
+
+Parameters are always float32; `dtype` sets the compute dtype of convolutions and
+dense layers (bfloat16 on accelerators). BatchNorm statistics are reduced in
+float32 by Flax. Outputs h and z are returned in float32 so that similarity
+logits and losses are computed in float32.
+"""
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+from contrastive_jax.errors import ConfigError
+
+# name -> (block type, blocks per stage); He et al. 2016, Table 1.
+RESNET_SPECS = {
+    "resnet18": ("basic", (2, 2, 2, 2)),
+    "resnet34": ("basic", (3, 4, 6, 3)),
+    "resnet50": ("bottleneck", (3, 4, 6, 3)),
+}
+STEMS = ("cifar", "imagenet")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+
+
+class BasicBlock(nn.Module):
+  """Two 3x3 convolutions with a residual connection (ResNet-18/34)."""
+  features: int
+  strides: int
+  conv: Callable
+  norm: Callable
+
+  @nn.compact
+  def __call__(self, x):
+    residual = x
+    y = self.conv(self.features, (3, 3), (self.strides, self.strides))(x)
+    y = nn.relu(self.norm()(y))
+    y = self.conv(self.features, (3, 3))(y)
+    # Zero-init the last BN scale so that each block starts as the identity
+    # (Goyal et al. 2017), which stabilises large-batch training.
+    y = self.norm(scale_init=nn.initializers.zeros)(y)
+    if residual.shape != y.shape:
+      residual = self.conv(self.features, (1, 1), (self.strides, self.strides))(x)
+      residual = self.norm()(residual)
+    return nn.relu(y + residual)
+
+
+class BottleneckBlock(nn.Module):
+  """1x1 -> 3x3 -> 1x1 convolutions with 4x expansion (ResNet-50)."""
+  features: int
+  strides: int
+  conv: Callable
+  norm: Callable
+
+  @nn.compact
+  def __call__(self, x):
+    residual = x
+    y = nn.relu(self.norm()(self.conv(self.features, (1, 1))(x)))
+    y = self.conv(self.features, (3, 3), (self.strides, self.strides))(y)
+    y = nn.relu(self.norm()(y))
+    y = self.conv(self.features * 4, (1, 1))(y)
+    y = self.norm(scale_init=nn.initializers.zeros)(y)
+    if residual.shape != y.shape:
+      residual = self.conv(self.features * 4, (1, 1), (self.strides, self.strides))(x)
+      residual = self.norm()(residual)
+    return nn.relu(y + residual)
+
+
+class ResNet(nn.Module):
+  """ResNet encoder (He et al. 2016) with a width multiplier.
+
+  Attributes:
+    depth_spec: (block type, blocks per stage), a value of RESNET_SPECS.
+    width: channel multiplier; stage widths are round(64 * 2**i * width).
+    stem: 'cifar' (3x3 stride-1 conv, no max-pool; SimCLR Appendix B.9) or
+      'imagenet' (7x7 stride-2 conv and 3x3 stride-2 max-pool).
+    dtype: compute dtype.
+    bn_axis_name: mesh axis over which BatchNorm statistics are averaged
+      (global BN); None for per-device statistics.
+  """
+  depth_spec: tuple
+  width: float = 1.0
+  stem: str = "imagenet"
+  dtype: Any = jnp.float32
+  bn_axis_name: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    """Maps images [N, H, W, 3] (float, values in [0, 1]) to h [N, C] float32."""
+    block_type, stage_sizes = self.depth_spec
+    block_cls = BasicBlock if block_type == "basic" else BottleneckBlock
+    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype,
+                             kernel_init=nn.initializers.variance_scaling(
+                                 2.0, "fan_out", "normal"))
+    norm = functools.partial(nn.BatchNorm, use_running_average=not train,
+                             momentum=0.9, epsilon=1e-5, dtype=self.dtype,
+                             axis_name=self.bn_axis_name if train else None)
+    base = max(1, round(64 * self.width))
+    x = x.astype(self.dtype)
+    if self.stem == "cifar":
+      x = conv(base, (3, 3), name="stem_conv")(x)
+      x = nn.relu(norm(name="stem_bn")(x))
+    else:
+      x = conv(base, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="stem_conv")(x)
+      x = nn.relu(norm(name="stem_bn")(x))
+      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+    for i, num_blocks in enumerate(stage_sizes):
+      for j in range(num_blocks):
+        strides = 2 if i > 0 and j == 0 else 1
+        x = block_cls(base * 2**i, strides, conv, norm)(x)
+    return jnp.mean(x, axis=(1, 2)).astype(jnp.float32)
+
+
+class MLP(nn.Module):
+  """Projection head or predictor: [Dense -> BN -> ReLU] * len(hidden) -> Dense.
+
+  SimCLR's projection head (Chen et al. 2020, Eq. 2 and Appendix B.1), MoCo v2's
+  MLP head and BYOL's projector/predictor (Grill et al. 2020, Sec. 3.3) all have
+  this shape. Maps [N, D_in] to [N, out_dim] float32.
+  """
+  hidden_dims: Sequence[int]
+  out_dim: int
+  use_bn: bool = True
+  dtype: Any = jnp.float32
+  bn_axis_name: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    for width in self.hidden_dims:
+      x = nn.Dense(width, use_bias=not self.use_bn, dtype=self.dtype)(x)
+      if self.use_bn:
+        x = nn.BatchNorm(use_running_average=not train, momentum=0.9,
+                         epsilon=1e-5, dtype=self.dtype,
+                         axis_name=self.bn_axis_name if train else None)(x)
+      x = nn.relu(x)
+    return nn.Dense(self.out_dim, dtype=self.dtype)(x).astype(jnp.float32)
+
+
+class ContrastiveModel(nn.Module):
+  """Encoder + projection head (+ optional predictor).
+
+  Returns (h, z) or, with a predictor, (h, z, p): h [N, C] the representation,
+  z [N, head.out_dim] the projection, p [N, predictor.out_dim] the prediction;
+  all float32. Submodules are named 'encoder', 'projector', 'predictor' so that
+  downstream jobs can pick out `params['encoder']`.
+  """
+  encoder: nn.Module
+  projector: nn.Module
+  predictor: Optional[nn.Module] = None
+
+  def __call__(self, x, train: bool):
+    h = self.encoder(x, train=train)
+    z = self.projector(h, train=train)
+    if self.predictor is None:
+      return h, z
+    return h, z, self.predictor(z, train=train)
+
+
+def build_encoder(model_config, bn_axis_name=None) -> ResNet:
+  """Builds the ResNet named by `model_config` (fields name, width, stem, dtype).
+
+  Raises:
+    ConfigError: unknown name, stem or dtype, or width <= 0.
+  """
+  check_model_config(model_config)
+  return ResNet(RESNET_SPECS[model_config.name], width=model_config.width,
+                stem=model_config.stem, dtype=DTYPES[model_config.dtype],
+                bn_axis_name=bn_axis_name)
+
+
+def build_mlp(mlp_config, dtype_name, bn_axis_name=None) -> MLP:
+  """Builds an MLP head from a config with hidden_dims, out_dim, use_bn."""
+  return MLP(tuple(mlp_config.hidden_dims), mlp_config.out_dim,
+             use_bn=mlp_config.use_bn, dtype=DTYPES[dtype_name],
+             bn_axis_name=bn_axis_name)
+
+
+def encoder_width(model_config) -> int:
+  """Dimension of h for a model config (512 * width, or 2048 * width for R50)."""
+  block_type, _ = RESNET_SPECS[model_config.name]
+  base = max(1, round(64 * model_config.width))
+  return base * 8 * (4 if block_type == "bottleneck" else 1)
+
+
+def check_model_config(model_config):
+  """Raises ConfigError naming the field if the model config cannot be built."""
+  if model_config.name not in RESNET_SPECS:
+    raise ConfigError("model.name", model_config.name, f"one of {sorted(RESNET_SPECS)}")
+  if model_config.stem not in STEMS:
+    raise ConfigError("model.stem", model_config.stem, f"one of {list(STEMS)}")
+  if model_config.dtype not in DTYPES:
+    raise ConfigError("model.dtype", model_config.dtype, f"one of {sorted(DTYPES)}")
+  if not model_config.width > 0:
+    raise ConfigError("model.width", model_config.width, "a number > 0")
+
+
+def check_mlp_config(mlp_config, field):
+  """Raises ConfigError if an MLP head config has a width <= 0."""
+  for i, width in enumerate(mlp_config.hidden_dims):
+    if width <= 0:
+      raise ConfigError(f"{field}.hidden_dims[{i}]", width, "an integer > 0")
+  if mlp_config.out_dim <= 0:
+    raise ConfigError(f"{field}.out_dim", mlp_config.out_dim, "an integer > 0")
