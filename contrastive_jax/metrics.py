@@ -1,0 +1,82 @@
+"""Metric writers: TensorBoard + console (clu) and WORKDIR/metrics.jsonl.
+
+Only process 0 writes files; other processes log to the console only.
+"""
+import json
+import logging as std_logging
+import os
+
+import jax
+import numpy as np
+from absl import logging
+from clu import metric_writers
+from clu.metric_writers import interface
+
+
+class JsonlWriter(interface.MetricWriter):
+  """Appends one JSON object per write_scalars call: {"step": s, name: value, ...}.
+
+  The JSONL file holds scalars only; hyperparameters, images, videos, audio,
+  texts and histograms go to TensorBoard and are skipped here (the config is
+  also saved with every checkpoint).
+  """
+
+  def __init__(self, path: str):
+    self._file = open(path, "a", encoding="utf-8")
+
+  def _write(self, record: dict):
+    self._file.write(json.dumps(record) + "\n")
+    self._file.flush()
+
+  def write_scalars(self, step, scalars):
+    self._write({"step": int(step), **{k: float(np.asarray(v)) for k, v in scalars.items()}})
+
+  def write_hparams(self, hparams):
+    pass
+
+  def write_summaries(self, step, values, metadata=None):
+    pass
+
+  def write_images(self, step, images):
+    pass
+
+  def write_videos(self, step, videos):
+    pass
+
+  def write_audios(self, step, audios, *, sample_rate):
+    pass
+
+  def write_texts(self, step, texts):
+    pass
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    pass
+
+  def flush(self):
+    self._file.flush()
+
+  def close(self):
+    self._file.close()
+
+
+def create_writer(workdir: str) -> interface.MetricWriter:
+  """TensorBoard events in WORKDIR, WORKDIR/metrics.jsonl and the console log."""
+  if jax.process_index() > 0:
+    return metric_writers.create_default_writer(just_logging=True)
+  os.makedirs(workdir, exist_ok=True)
+  return metric_writers.MultiWriter([
+      metric_writers.create_default_writer(workdir, asynchronous=False),
+      JsonlWriter(os.path.join(workdir, "metrics.jsonl"))])
+
+
+class _QuietLibraries(std_logging.Filter):
+  """Drops INFO records of Orbax and TFDS, which log every checkpoint file they touch."""
+
+  def filter(self, record):
+    return record.levelno >= std_logging.WARNING or not any(
+        lib in record.pathname for lib in ("orbax", "tensorflow_datasets"))
+
+
+def quiet_library_logs():
+  """Keeps the console to this project's progress lines and the libraries' warnings."""
+  logging.get_absl_handler().addFilter(_QuietLibraries())
