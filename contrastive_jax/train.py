@@ -7,6 +7,7 @@ run continues bit for bit; SIGTERM saves a checkpoint and stops.
 """
 import os
 import time
+from typing import Any, Callable, NamedTuple
 
 import jax
 import ml_collections
@@ -70,6 +71,29 @@ def total_steps(config, steps_per_epoch: int) -> int:
   return config.total_steps if config.total_steps > 0 else config.num_epochs * steps_per_epoch
 
 
+class Run(NamedTuple):
+  """What a config builds: the model, its lr schedule, init and train step."""
+  model: Any
+  schedule: Callable
+  init: Callable          # () -> TrainState at step 0, replicated on the mesh.
+  train_step: Callable    # (state, batch) -> (state, metrics), jitted, state donated.
+
+
+def setup(config, mesh, steps_per_epoch: int, num_steps: int) -> Run:
+  """Builds the method's model, optimizer, state initialiser and train step."""
+  method = get_method(config.method)
+  schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size,
+                                          steps_per_epoch, num_steps)
+  tx = optim.build_optimizer(config.optimizer, schedule)
+  model = method.build_model(config)
+  init_rng, rng = jax.random.split(jax.random.PRNGKey(config.seed))
+  init = jax.jit(lambda: method.init_state(config, model, tx, init_rng, rng),
+                 out_shardings=ts.replicated(mesh))
+  train_step = jax.jit(method.make_train_step(config, model, tx, views(config), mesh, num_steps),
+                       donate_argnums=0)
+  return Run(model, schedule, init, train_step)
+
+
 def train(config: ml_collections.ConfigDict, workdir: str) -> ts.TrainState:
   """Pretrains with config.method; returns the final state.
 
@@ -100,23 +124,15 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> ts.TrainState:
 
   mesh = ts.make_mesh()
   num_steps = total_steps(config, steps_per_epoch)
-  schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size,
-                                          steps_per_epoch, num_steps)
-  tx = optim.build_optimizer(config.optimizer, schedule)
-  model = method.build_model(config)
-
-  init_rng, rng = jax.random.split(jax.random.PRNGKey(config.seed))
-  init = jax.jit(lambda: method.init_state(config, model, tx, init_rng, rng),
-                 out_shardings=ts.replicated(mesh))
+  run = setup(config, mesh, steps_per_epoch, num_steps)
   if ckpt.latest_step() is None:
-    state = init()
+    state = run.init()
   else:
-    state = ckpt.restore(checkpointing.abstract_like(jax.eval_shape(init), ts.replicated(mesh)))
+    state = ckpt.restore(checkpointing.abstract_like(jax.eval_shape(run.init),
+                                                     ts.replicated(mesh)))
     logging.info("Resumed from %s at step %d.", ckpt.directory, ckpt.latest_step())
   start_step = int(state.step)
 
-  train_step = jax.jit(method.make_train_step(config, model, tx, views(config), mesh, num_steps),
-                       donate_argnums=0)
   local_batch = config.batch_size // jax.process_count()
   train_iter = input_pipeline.device_batches(
       input_pipeline.train_dataset(
@@ -125,7 +141,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> ts.TrainState:
           cache=config.cache, shuffle_buffer=config.shuffle_buffer, threads=config.data_threads),
       ts.batch_sharded(mesh))
 
-  embed_fn = knn.make_embed_fn(model.encoder.clone(bn_axis_name=None), mesh)
+  embed_fn = knn.make_embed_fn(run.model.encoder, mesh)
   eval_kwargs = dict(local_batch=config.knn.batch_size // jax.process_count(),
                      image_size=config.image_size, crop_fraction=config.eval_crop_fraction,
                      threads=config.data_threads, cache=config.cache)
@@ -151,13 +167,13 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> ts.TrainState:
   last_log_time, last_log_step, eval_seconds = time.time(), start_step, 0.0
   with checkpointing.Preemption() as preemption:
     for step in range(start_step + 1, num_steps + 1):
-      state, step_metrics = train_step(state, next(train_iter))
+      state, step_metrics = run.train_step(state, next(train_iter))
       progress(step)
       scalars = {}
       if step % config.log_every_steps == 0 or step == num_steps:
         scalars = jax.device_get(step_metrics)
         train_seconds = time.time() - last_log_time - eval_seconds
-        scalars["learning_rate"] = schedule(step - 1)
+        scalars["learning_rate"] = run.schedule(step - 1)
         scalars["images_per_sec"] = (step - last_log_step) * config.batch_size / train_seconds
         last_log_time, last_log_step, eval_seconds = time.time(), step, 0.0
       if step % config.knn.every_steps == 0 or step == num_steps:

@@ -38,9 +38,10 @@ class TrainState:
   extra: Any = flax.struct.field(default_factory=dict)
 
 
-def make_mesh() -> jax.sharding.Mesh:
-  """A 1-D mesh over every device of every process, axis DATA_AXIS."""
-  return jax.make_mesh((jax.device_count(),), (DATA_AXIS,))
+def make_mesh(devices=None) -> jax.sharding.Mesh:
+  """A 1-D mesh, axis DATA_AXIS, over `devices` (default: every device of every process)."""
+  devices = jax.devices() if devices is None else devices
+  return jax.make_mesh((len(devices),), (DATA_AXIS,), devices=devices)
 
 
 def init_variables(model, rng, image_size: int):

@@ -1,0 +1,113 @@
+"""BYOL (Grill et al. 2020, arXiv 2006.07733): online network vs EMA target.
+
+The online network (encoder, projector, predictor) predicts the target
+network's projection of the other view; the target network (encoder,
+projector) is an EMA of the online one with a cosine-ramped rate and is never
+differentiated. Its parameters and BN statistics live in state.extra. BN is
+global (cross-device), as in SimCLR.
+"""
+import jax
+import jax.numpy as jnp
+
+from contrastive_jax import models
+from contrastive_jax import train_state as ts
+from contrastive_jax.errors import ConfigError
+
+_TARGET_PARTS = ("encoder", "projector")
+
+
+def regression_loss(p, z):
+  """Mean over rows of 2 - 2 cos(p, z) (BYOL Eq. 2), float32 scalar, in [0, 4].
+
+  p: [b, D] online predictions; z: [b, D] target projections. Gradients flow
+  into both; the caller stops them on z.
+  """
+  p = p.astype(jnp.float32)
+  z = z.astype(jnp.float32)
+  p = p / jnp.maximum(jnp.linalg.norm(p, axis=1, keepdims=True), 1e-12)
+  z = z / jnp.maximum(jnp.linalg.norm(z, axis=1, keepdims=True), 1e-12)
+  return jnp.mean(2.0 - 2.0 * jnp.sum(p * z, axis=1))
+
+
+def byol_loss(p1, p2, z1, z2, axis_name=None):
+  """Symmetrised BYOL loss L + L~ (BYOL Sec. 3.1), float32 scalar in [0, 8].
+
+  p1, p2: online predictions of view 1 and view 2 [b, D]; z1, z2: target
+  projections of view 1 and view 2 [b, D] (stop-gradient applied here). View
+  1's prediction regresses view 2's target projection and vice versa. Inside
+  shard_map, axis_name averages over the global batch.
+  """
+  z1, z2 = jax.lax.stop_gradient(z1), jax.lax.stop_gradient(z2)
+  loss = regression_loss(p1, z2) + regression_loss(p2, z1)
+  if axis_name is not None:
+    loss = jax.lax.pmean(loss, axis_name)
+  return loss
+
+
+def check_config(config, num_train_examples: int):
+  """Raises ConfigError for BYOL fields that cannot run."""
+  del num_train_examples
+  if not 0.0 <= config.byol.tau_base <= 1.0:
+    raise ConfigError("byol.tau_base", config.byol.tau_base, "in [0, 1]")
+  models.check_mlp_config(config.projector, "projector")
+  models.check_mlp_config(config.predictor, "predictor")
+
+
+def build_model(config) -> models.ContrastiveModel:
+  """Online network: encoder, projector and predictor, all with global BN."""
+  return models.ContrastiveModel(
+      encoder=models.build_encoder(config.model, bn_axis_name=ts.DATA_AXIS),
+      projector=models.build_mlp(config.projector, config.model.dtype, ts.DATA_AXIS),
+      predictor=models.build_mlp(config.predictor, config.model.dtype, ts.DATA_AXIS))
+
+
+def _target_part(tree):
+  return {name: tree[name] for name in _TARGET_PARTS}
+
+
+def init_state(config, model, tx, init_rng, rng) -> ts.TrainState:
+  """Step 0: the target network starts equal to the online encoder and projector."""
+  params, batch_stats = ts.init_variables(model, init_rng, config.image_size)
+  extra = {"target_params": _target_part(params),
+           "target_batch_stats": _target_part(batch_stats)}
+  return ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
+                       opt_state=tx.init(params), rng=rng, extra=extra)
+
+
+def encoder_variables(state: ts.TrainState):
+  """The online encoder's {'params', 'batch_stats'} (what downstream jobs use)."""
+  return {"params": state.params["encoder"], "batch_stats": state.batch_stats["encoder"]}
+
+
+def make_train_step(config, model, tx, views, mesh, num_steps):
+  """Returns train_step(state, batch) -> (state, metrics), to be jitted.
+
+  The target EMA uses tau_k of the step k just taken (ts.ema_momentum,
+  'cosine' over num_steps) and the online parameters after the update.
+  """
+  target_model = model.clone(predictor=None)
+
+  def per_device(state, images):
+    x = jnp.concatenate(ts.augmented_views(images, state.rng, state.step, views))
+    extra = state.extra
+    (_, z_target), target_updates = target_model.apply(
+        {"params": extra["target_params"], "batch_stats": extra["target_batch_stats"]}, x,
+        train=True, mutable=["batch_stats"])
+    z1, z2 = jnp.split(z_target, 2)
+
+    def loss_fn(params):
+      (_, _, p), updates = model.apply({"params": params, "batch_stats": state.batch_stats}, x,
+                                       train=True, mutable=["batch_stats"])
+      p1, p2 = jnp.split(p, 2)
+      return byol_loss(p1, p2, z1, z2, ts.DATA_AXIS), updates["batch_stats"]
+
+    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    new_extra = dict(extra, target_batch_stats=target_updates["batch_stats"])
+    return grads, stats, new_extra, {"loss": loss}
+
+  def update_target(state):
+    tau = ts.ema_momentum(config.byol.tau_base, state.step - 1, num_steps, "cosine")
+    target = ts.ema_update(state.extra["target_params"], _target_part(state.params), tau)
+    return state.replace(extra=dict(state.extra, target_params=target))
+
+  return ts.build_train_step(per_device, tx, mesh, after_update=update_target)

@@ -1,0 +1,188 @@
+"""MoCo v1/v2 (He et al. 2019, arXiv 1911.05722; Chen et al. 2020, arXiv 2003.04297).
+
+A query encoder trained by gradient and a momentum (key) encoder, an EMA of it;
+a queue of K L2-normalised keys of past global batches serves as negatives.
+The key encoder, its BN statistics, the queue and the queue pointer live in
+state.extra and are updated functionally each step (the state is donated, so
+the queue is written in place). Shuffle BN: the key encoder's inputs are
+permuted across the global batch before its forward pass and put back after,
+so a key's BN statistics come from other samples than its query's.
+
+BN is per BN group: each device's batch is split into bn_groups_per_device
+groups with their own statistics, so shuffle BN also works on one device. A
+run on D devices with G groups each has the same D*G groups, and the same
+result, as one device with D*G groups.
+"""
+import jax
+import jax.numpy as jnp
+
+from contrastive_jax import models
+from contrastive_jax import train_state as ts
+from contrastive_jax.errors import ConfigError
+
+MOMENTUM_SCHEDULES = ("constant", "cosine")
+
+
+def info_nce(q, k, queue, temperature: float, axis_name=None):
+  """InfoNCE loss with a queue of negatives (MoCo Eq. 1; Oord et al. 2018).
+
+  logits [b, 1 + K] = [q.k+, q.queue^T] / t, label 0 for every row.
+
+  Args:
+    q: [b, D] queries (this device's rows); k: [b, D] their positive keys;
+      both L2-normalised here, any float dtype.
+    queue: [K, D] L2-normalised negative keys.
+    temperature: t > 0.
+    axis_name: mesh axis to average over, or None (inputs are the whole batch).
+  Returns:
+    (loss, top1): float32 scalars averaged over the global batch, the same on
+    every device; top1 is the fraction of rows whose largest logit is the positive.
+  """
+  q = _normalize(q.astype(jnp.float32))
+  k = _normalize(k.astype(jnp.float32))
+  l_pos = jnp.sum(q * k, axis=1, keepdims=True)
+  l_neg = jnp.matmul(q, queue.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
+  logits = jnp.concatenate([l_pos, l_neg], axis=1) / temperature
+  global_b = q.shape[0] * (1 if axis_name is None else jax.lax.axis_size(axis_name))
+  loss = jnp.sum(jax.nn.logsumexp(logits, axis=1) - logits[:, 0]) / global_b
+  top1 = jnp.sum(jnp.argmax(logits, axis=1) == 0) / global_b
+  if axis_name is not None:
+    loss, top1 = jax.lax.psum((loss, top1), axis_name)
+  return loss, top1
+
+
+def enqueue(queue, ptr, keys):
+  """Ring-buffer write of keys [B, D] at ptr; returns (queue, (ptr + B) mod K).
+
+  Requires K % B == 0 (checked in check_config): dynamic_update_slice clamps
+  an out-of-range start and would silently overwrite the newest keys.
+  """
+  queue = jax.lax.dynamic_update_slice(queue, keys.astype(queue.dtype), (ptr, 0))
+  return queue, (ptr + keys.shape[0]) % queue.shape[0]
+
+
+def _normalize(x):
+  return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def check_config(config, num_train_examples: int):
+  """Raises ConfigError for MoCo fields that cannot run."""
+  moco = config.moco
+  if not config.temperature > 0:
+    raise ConfigError("temperature", config.temperature, "> 0")
+  if not 0.0 <= moco.momentum <= 1.0:
+    raise ConfigError("moco.momentum", moco.momentum, "in [0, 1]")
+  if moco.momentum_schedule not in MOMENTUM_SCHEDULES:
+    raise ConfigError("moco.momentum_schedule", moco.momentum_schedule,
+                      f"one of {list(MOMENTUM_SCHEDULES)}")
+  if moco.queue_size <= 0 or moco.queue_size % config.batch_size:
+    raise ConfigError("moco.queue_size", moco.queue_size,
+                      f"a positive multiple of batch_size ({config.batch_size}): each step "
+                      "writes one global batch of keys into the ring buffer")
+  if moco.queue_size > num_train_examples:
+    raise ConfigError("moco.queue_size", moco.queue_size,
+                      f"at most the train split's size ({num_train_examples}), or images "
+                      "meet their own keys as negatives")
+  local_batch = config.batch_size // jax.device_count()
+  groups = moco.bn_groups_per_device
+  if groups <= 0 or local_batch % groups:
+    raise ConfigError("moco.bn_groups_per_device", groups,
+                      f"a positive divisor of the per-device batch ({local_batch})")
+  models.check_mlp_config(config.projector, "projector")
+
+
+def build_model(config) -> models.ContrastiveModel:
+  """Encoder + head with per-group BN (v1: projector.hidden_dims = (); v2: MLP)."""
+  return models.ContrastiveModel(
+      encoder=models.build_encoder(config.model),
+      projector=models.build_mlp(config.projector, config.model.dtype))
+
+
+def init_state(config, model, tx, init_rng, rng) -> ts.TrainState:
+  """Step 0: key encoder = query encoder; queue of random unit vectors; pointer 0."""
+  params, batch_stats = ts.init_variables(model, init_rng, config.image_size)
+  queue = jax.random.normal(jax.random.fold_in(init_rng, 1),
+                            (config.moco.queue_size, config.projector.out_dim), jnp.float32)
+  extra = {"key_params": params, "key_batch_stats": batch_stats, "queue": _normalize(queue),
+           "queue_ptr": jnp.zeros((), jnp.int32)}
+  return ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
+                       opt_state=tx.init(params), rng=rng, extra=extra)
+
+
+def encoder_variables(state: ts.TrainState):
+  """The query encoder's {'params', 'batch_stats'} (what downstream jobs use)."""
+  return {"params": state.params["encoder"], "batch_stats": state.batch_stats["encoder"]}
+
+
+def grouped_apply(model, params, batch_stats, x, groups: int):
+  """Train-mode forward with separate BN statistics for each of `groups` chunks of x.
+
+  Returns (z [b, D] float32, new batch_stats averaged over groups and devices).
+  """
+  def one_group(xg):
+    (_, z), updates = model.apply({"params": params, "batch_stats": batch_stats}, xg,
+                                  train=True, mutable=["batch_stats"])
+    return z, updates["batch_stats"]
+
+  z, stats = jax.vmap(one_group)(x.reshape(groups, -1, *x.shape[1:]))
+  stats = jax.tree.map(lambda s: jax.lax.pmean(jnp.mean(s, axis=0), ts.DATA_AXIS), stats)
+  return z.reshape(-1, z.shape[-1]), stats
+
+
+def shuffle_rows(x, perm):
+  """Inside shard_map: this device's rows of the global batch permuted by perm.
+
+  x: this device's [b, ...] rows; perm: [B] permutation of the global batch,
+  the same on every device. Device d gets global rows perm[d*b:(d+1)*b].
+  """
+  b = x.shape[0]
+  rows = jax.lax.dynamic_slice_in_dim(perm, jax.lax.axis_index(ts.DATA_AXIS) * b, b)
+  return jax.lax.all_gather(x, ts.DATA_AXIS, tiled=True)[rows]
+
+
+def unshuffle_rows(y, perm):
+  """Inverse of shuffle_rows: gathers every device's [b, ...] rows, returns [B, ...] in batch order.
+
+  The result is typed invariant across devices (the same everywhere), so it
+  can update the replicated queue.
+  """
+  gathered = jax.lax.all_gather(y, ts.DATA_AXIS, tiled=True, to="invarying")
+  return gathered[jnp.argsort(perm)]
+
+
+def make_train_step(config, model, tx, views, mesh, num_steps):
+  """Returns train_step(state, batch) -> (state, metrics), to be jitted.
+
+  Per step: EMA of the key encoder from the current query encoder (MoCo
+  Algorithm 1), keys under stop-gradient with shuffle BN, InfoNCE against the
+  queue, then the global batch of keys is enqueued.
+  """
+  moco, groups = config.moco, config.moco.bn_groups_per_device
+
+  def per_device(state, images):
+    x_q, x_k = ts.augmented_views(images, state.rng, state.step, views)
+    extra = state.extra
+    momentum = ts.ema_momentum(moco.momentum, state.step, num_steps, moco.momentum_schedule)
+    key_params = ts.ema_update(extra["key_params"], state.params, momentum)
+    b = x_k.shape[0]
+    perm = jax.random.permutation(ts.shuffle_key(state.rng, state.step),
+                                  b * jax.lax.axis_size(ts.DATA_AXIS))
+    # Shuffle BN: encode the keys in BN groups of other samples than their queries'.
+    k_shuffled, key_stats = grouped_apply(model, key_params, extra["key_batch_stats"],
+                                          shuffle_rows(x_k, perm), groups)
+    k_all = jax.lax.stop_gradient(unshuffle_rows(_normalize(k_shuffled), perm))
+    k = jax.lax.dynamic_slice_in_dim(k_all, jax.lax.axis_index(ts.DATA_AXIS) * b, b)
+
+    def loss_fn(params):
+      q, stats = grouped_apply(model, params, state.batch_stats, x_q, groups)
+      loss, top1 = info_nce(q, k, extra["queue"], config.temperature, ts.DATA_AXIS)
+      return loss, (stats, top1)
+
+    (loss, (stats, top1)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    queue, ptr = enqueue(extra["queue"], extra["queue_ptr"], k_all)
+    new_extra = {"key_params": key_params, "key_batch_stats": key_stats, "queue": queue,
+                 "queue_ptr": ptr}
+    return grads, stats, new_extra, {"loss": loss, "contrastive_top1": top1,
+                                     "key_momentum": momentum}
+
+  return ts.build_train_step(per_device, tx, mesh)

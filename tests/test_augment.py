@@ -1,0 +1,65 @@
+"""On-device augmentations against independent references; key separation."""
+import colorsys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from contrastive_jax import augment
+from contrastive_jax import train_state as ts
+
+
+def test_hsv_round_trip_matches_colorsys():
+  rgb = np.random.default_rng(0).uniform(size=(200, 3)).astype(np.float32)
+  rgb[:3] = [[0.5, 0.5, 0.5], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]  # Gray, pure red, black.
+  hsv = np.asarray(augment.rgb_to_hsv(jnp.asarray(rgb)))
+  ref = np.array([colorsys.rgb_to_hsv(*p) for p in rgb])
+  np.testing.assert_allclose(hsv, ref, atol=1e-5)
+  np.testing.assert_allclose(augment.hsv_to_rgb(jnp.asarray(hsv)), rgb, atol=1e-5)
+
+
+def test_grayscale_blur_and_solarize_hand_cases():
+  x = jnp.array([[[1.0, 0.0, 0.0]]])
+  np.testing.assert_allclose(augment.to_grayscale(x), [[[0.2989] * 3]], rtol=1e-6)
+  constant = jnp.full((20, 20, 3), 0.3)
+  np.testing.assert_allclose(augment.gaussian_blur(constant, 1.0), constant, atol=1e-6)
+  impulse = jnp.zeros((20, 20, 3)).at[10, 10].set(1.0)
+  blurred = augment.gaussian_blur(impulse, 1.0)
+  w = np.exp(-np.arange(-1, 2) ** 2 / 2.0)
+  w /= w.sum()  # Radius 1 for a 20-pixel side (10% kernel).
+  np.testing.assert_allclose(blurred[9:12, 9:12, 0], np.outer(w, w), atol=1e-6)
+  np.testing.assert_allclose(augment.solarize(jnp.array([0.2, 0.5, 0.9])), [0.2, 0.5, 0.1],
+                             atol=1e-6)
+
+
+def test_color_jitter_stays_in_range_and_changes_images():
+  view = augment.ViewAugment(brightness=0.4, contrast=0.4, saturation=0.4, hue=0.1,
+                             color_jitter_prob=1.0)
+  images = jnp.asarray(np.random.default_rng(1).integers(0, 256, (8, 16, 16, 3)), jnp.uint8)
+  out = augment.augment_batch(images, jax.random.PRNGKey(0), view)
+  assert out.dtype == jnp.float32 and float(out.min()) >= 0 and float(out.max()) <= 1
+  assert not np.allclose(out, images / 255.0, atol=1e-3)
+  identity = augment.augment_batch(images, jax.random.PRNGKey(0), augment.ViewAugment())
+  np.testing.assert_allclose(identity, images / 255.0, atol=1e-7)
+
+
+def test_view_keys_differ_across_steps_devices_and_views():
+  rng = jax.random.PRNGKey(0)
+  keys = {tuple(np.asarray(ts.view_key(rng, s, d, v)))
+          for s in range(3) for d in range(8) for v in range(2)}
+  assert len(keys) == 3 * 8 * 2
+
+
+def test_augmentations_differ_across_devices_and_views_in_shard_map():
+  mesh = ts.make_mesh()
+  view = augment.ViewAugment(brightness=0.8, contrast=0.8, saturation=0.8, hue=0.2,
+                             color_jitter_prob=1.0)
+  image = np.random.default_rng(2).integers(0, 256, (1, 1, 8, 8, 3), np.uint8)
+  images = jax.device_put(np.tile(image, (8, 2, 1, 1, 1)), ts.batch_sharded(mesh))  # Same image everywhere.
+  fn = jax.jit(jax.shard_map(
+      lambda im, rng, step: jnp.stack(ts.augmented_views(im, rng, step, (view, view)), 1),
+      mesh=mesh, in_specs=(jax.P(ts.DATA_AXIS), jax.P(), jax.P()), out_specs=jax.P(ts.DATA_AXIS)))
+  out = np.asarray(fn(images, jax.random.PRNGKey(0), jnp.int32(0))).reshape(16, -1)
+  assert len({row.tobytes() for row in out}) == 16
+  again = np.asarray(fn(images, jax.random.PRNGKey(0), jnp.int32(0))).reshape(16, -1)
+  np.testing.assert_array_equal(out, again)  # A function of (rng, step) alone.

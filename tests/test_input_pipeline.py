@@ -1,0 +1,73 @@
+"""Host pipeline on the real CIFAR-10 in ../shared."""
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from conftest import TFDS_DIR
+
+from contrastive_jax import input_pipeline
+from contrastive_jax.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def builder():
+  return input_pipeline.get_builder("cifar10", TFDS_DIR, {"train_split": "train"})
+
+
+def _train(builder, start_step=0, area=0.08, **kw):
+  args = dict(local_batch=8, image_size=32, crop_area_min=area, seed=3, start_step=start_step,
+              cache=False, shuffle_buffer=64, threads=1)
+  args.update(kw)
+  return input_pipeline.train_dataset(builder, "train[:40]", **args)
+
+
+def test_two_views_of_a_row_come_from_the_same_image(builder):
+  images = {im.tobytes() for im in
+            tfds.as_numpy(builder.as_dataset(split="train[:40]").map(lambda e: e["image"]))}
+  # Full-area crops are the whole image, flipped or not: both views must be
+  # that image (or its mirror), and the image must be in the split.
+  batch = next(iter(tfds.as_numpy(_train(builder, area=1.0))))["image"]
+  assert batch.shape == (8, 2, 32, 32, 3) and batch.dtype == np.uint8
+  for v1, v2 in batch:
+    original = v1 if v1.tobytes() in images else v1[:, ::-1]
+    assert original.tobytes() in images
+    assert np.array_equal(v2, original) or np.array_equal(v2, original[:, ::-1])
+  assert len({row[0].tobytes() for row in batch}) == 8
+
+
+def test_random_crops_differ_between_views(builder):
+  batch = next(iter(tfds.as_numpy(_train(builder))))["image"]
+  assert not any(np.array_equal(v1, v2) for v1, v2 in batch)
+
+
+def test_stream_from_a_later_step_equals_the_uninterrupted_stream(builder):
+  # 40 examples, batch 8: steps 4..7 cross the epoch boundary at step 5.
+  full = [b["image"] for _, b in zip(range(8), tfds.as_numpy(_train(builder)))]
+  resumed = [b["image"] for _, b in zip(range(4), tfds.as_numpy(_train(builder, start_step=4)))]
+  for a, b in zip(full[4:], resumed):
+    np.testing.assert_array_equal(a, b)
+  # Each epoch visits every image once, in a new order.
+  first_views = lambda bs: [im.tobytes() for b in bs for im in b[:, 0]]
+  assert first_views(full[:5]) != first_views(full[5:8]) + first_views(full[:2])
+
+
+def test_eval_dataset_counts_every_image_once(builder):
+  ds = input_pipeline.eval_dataset(builder, "test[:37]", local_batch=8, image_size=32,
+                                   crop_fraction=1.0, threads=1)
+  batches = list(tfds.as_numpy(ds))
+  assert len(batches) == 5
+  mask = np.concatenate([b["mask"] for b in batches])
+  assert mask.sum() == 37 and not mask[37:].any()
+  labels = np.concatenate([b["label"] for b in batches])[mask]
+  ref = [ex["label"] for ex in tfds.as_numpy(builder.as_dataset(split="test[:37]"))]
+  np.testing.assert_array_equal(labels, ref)
+  first = next(iter(tfds.as_numpy(builder.as_dataset(split="test[:1]"))))["image"]
+  np.testing.assert_array_equal(batches[0]["image"][0], first)  # Unaugmented pixels.
+
+
+def test_bad_dataset_split_and_data_dir_are_named(tmp_path):
+  with pytest.raises(ConfigError, match="config.dataset='no_such_dataset'"):
+    input_pipeline.get_builder("no_such_dataset", TFDS_DIR, {})
+  with pytest.raises(ConfigError, match="config.eval_split='validation'.*train"):
+    input_pipeline.get_builder("cifar10", TFDS_DIR, {"eval_split": "validation"})
+  with pytest.raises(ConfigError, match=f"config.data_dir='{tmp_path}'.*looked in {tmp_path}"):
+    input_pipeline.get_builder("cifar10", str(tmp_path), {})

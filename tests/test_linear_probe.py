@@ -1,0 +1,89 @@
+"""Linear probe: restores any method's checkpoint, keeps the encoder frozen."""
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from conftest import TFDS_DIR, load_config
+from test_train import tiny_config
+
+from contrastive_jax import checkpointing
+from contrastive_jax import linear_probe
+from contrastive_jax import train
+from contrastive_jax import train_state as ts
+from contrastive_jax.errors import ConfigError
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+  """A 2-step SimCLR run on 8 devices; returns its workdir."""
+  workdir = str(tmp_path_factory.mktemp("pretrain"))
+  config = tiny_config()
+  config.total_steps = 2
+  train.train(config, workdir)
+  return workdir
+
+
+def probe_config(pretrain_workdir, **overrides):
+  config = load_config("linear_probe", "runlocal")
+  config.pretrain_workdir = pretrain_workdir
+  config.data_dir = TFDS_DIR
+  config.train_split = "train[:64]"
+  config.eval_split = "test[:40]"
+  config.batch_size = 16
+  config.eval_batch_size = 16
+  config.total_steps = 3
+  config.log_every_steps = 1
+  config.shuffle_buffer = 64
+  config.data_threads = 1
+  config.update(overrides)
+  return config
+
+
+def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path):
+  ckpt = checkpointing.Checkpointer(os.path.join(pretrained, "checkpoints"), read_only=True)
+  mesh = ts.make_mesh()
+  _, saved_vars, saved_config, step = linear_probe.restore_encoder(probe_config(pretrained), mesh)
+  assert step == 2 and saved_config.method == "simclr"
+  before = jax.device_get(saved_vars)
+  state, enc_vars, result = linear_probe.probe(probe_config(pretrained), str(tmp_path))
+  assert int(state.step) == 3
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(enc_vars), before)
+  # The probe restored exactly what pretraining saved.
+  restored = ckpt.restore(checkpointing.abstract_like(
+      jax.eval_shape(train.setup(saved_config, mesh, 1, 1).init), ts.replicated(mesh)))
+  jax.tree.map(np.testing.assert_array_equal, before["params"],
+               jax.device_get(restored.params["encoder"]))
+  with open(tmp_path / "metrics.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  assert [r["step"] for r in records] == [1, 2, 3]
+  assert 0 <= records[-1]["top1"] <= records[-1]["top5"] <= 1
+  assert result == {"top1": records[-1]["top1"], "top5": records[-1]["top5"]}
+  # 40 test images: every fraction is a multiple of 1/40.
+  assert round(result["top1"] * 40, 6) == round(result["top1"] * 40)
+
+
+def test_restore_onto_another_device_count(pretrained):
+  config = probe_config(pretrained)
+  _, on8, _, _ = linear_probe.restore_encoder(config, ts.make_mesh())
+  _, on1, _, _ = linear_probe.restore_encoder(config, ts.make_mesh(jax.devices()[:1]))
+  assert len(jax.tree.leaves(on1)[0].sharding.device_set) == 1
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(on8), jax.device_get(on1))
+
+
+def test_random_init_baseline_differs_from_pretrained(pretrained):
+  _, trained, _, _ = linear_probe.restore_encoder(probe_config(pretrained), ts.make_mesh())
+  _, random, _, _ = linear_probe.restore_encoder(probe_config(pretrained, random_init=True),
+                                                 ts.make_mesh())
+  assert not np.array_equal(jax.device_get(trained["params"]["stem_conv"]["kernel"]),
+                            jax.device_get(random["params"]["stem_conv"]["kernel"]))
+
+
+def test_bad_probe_inputs(pretrained, tmp_path):
+  with pytest.raises(ConfigError, match="config.pretrain_workdir=.*looked in"):
+    linear_probe.restore_encoder(probe_config(str(tmp_path)), ts.make_mesh())
+  with pytest.raises(ConfigError, match=r"config.pretrain_step=7: must be one of the saved steps \[1, 2\]"):
+    linear_probe.restore_encoder(probe_config(pretrained, pretrain_step=7), ts.make_mesh())
+  with pytest.raises(ConfigError, match="config.model_name='resnet50': must be 'resnet18'"):
+    linear_probe.restore_encoder(probe_config(pretrained, model_name="resnet50"), ts.make_mesh())

@@ -1,0 +1,71 @@
+"""Global BatchNorm across devices; model shapes for every config."""
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from conftest import load_config
+
+from contrastive_jax import models
+from contrastive_jax import train_state as ts
+from contrastive_jax.methods import get_method
+
+
+def _encoder(axis_name):
+  cfg = ml_collections.ConfigDict(dict(name="resnet18", width=0.0625, stem="cifar",
+                                       dtype="float32"))
+  return models.build_encoder(cfg, bn_axis_name=axis_name)
+
+
+def test_global_bn_equals_bn_on_the_whole_batch():
+  mesh = ts.make_mesh()
+  x = jnp.asarray(np.random.default_rng(0).uniform(size=(16, 8, 8, 3)), jnp.float32)
+  params, stats = ts.init_variables(_encoder(None), jax.random.PRNGKey(0), 8)
+
+  def forward(model):
+    def fn(x):
+      h, upd = model.apply({"params": params, "batch_stats": stats}, x, train=True,
+                           mutable=["batch_stats"])
+      return h, upd["batch_stats"]
+    return fn
+
+  h_ref, stats_ref = jax.jit(forward(_encoder(None)))(x)
+  sharded = jax.jit(jax.shard_map(forward(_encoder(ts.DATA_AXIS)), mesh=mesh,
+                                  in_specs=jax.P(ts.DATA_AXIS),
+                                  out_specs=(jax.P(ts.DATA_AXIS), jax.P())))
+  h, new_stats = sharded(jax.device_put(x, ts.batch_sharded(mesh)))
+  np.testing.assert_allclose(h, h_ref, rtol=1e-4, atol=1e-5)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
+               new_stats, stats_ref)
+  # Per-device BN differs: the test would catch a missing axis_name.
+  local = jax.jit(jax.shard_map(forward(_encoder(None)), mesh=mesh, in_specs=jax.P(ts.DATA_AXIS),
+                                out_specs=(jax.P(ts.DATA_AXIS), jax.P(ts.DATA_AXIS))))
+  h_local, _ = local(jax.device_put(x, ts.batch_sharded(mesh)))
+  assert not np.allclose(h_local, h_ref, atol=1e-3)
+
+
+@pytest.mark.parametrize("name,variant,image_size,h_dim", [
+    ("simclr_cifar10", "", 32, 512),
+    ("simclr_cifar10", "runlocal", 32, 128),
+    ("simclr_imagenet", "", 224, 2048),
+])
+def test_config_builds_model_with_expected_shapes(name, variant, image_size, h_dim):
+  config = load_config(name, variant)
+  assert config.image_size == image_size
+  model = get_method(config.method).build_model(config)
+  x = jnp.zeros((2, image_size, image_size, 3))
+  variables = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), x, train=False))
+  h, z = jax.eval_shape(lambda v: model.apply(v, x, train=False), variables)[:2]
+  assert h.shape == (2, h_dim) and h.dtype == jnp.float32
+  assert z.shape == (2, config.projector.out_dim) and z.dtype == jnp.float32
+  assert models.encoder_width(config.model) == h_dim
+
+
+def test_bfloat16_compute_keeps_float32_params_and_outputs():
+  cfg = ml_collections.ConfigDict(dict(name="resnet18", width=0.0625, stem="cifar",
+                                       dtype="bfloat16"))
+  model = models.build_encoder(cfg)
+  params, stats = ts.init_variables(model, jax.random.PRNGKey(0), 8)
+  assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
+  out = model.apply({"params": params, "batch_stats": stats}, jnp.ones((2, 8, 8, 3)), train=False)
+  assert out.dtype == jnp.float32

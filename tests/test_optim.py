@@ -1,0 +1,74 @@
+"""LARS masks on a real ResNet parameter tree; schedule values."""
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from contrastive_jax import config_lib
+from contrastive_jax import models
+from contrastive_jax import optim
+from contrastive_jax import train_state as ts
+
+
+def _resnet_params():
+  model = models.ContrastiveModel(
+      encoder=models.build_encoder(ml_collections.ConfigDict(
+          dict(name="resnet18", width=0.125, stem="cifar", dtype="float32"))),
+      projector=models.build_mlp(ml_collections.ConfigDict(
+          dict(hidden_dims=(16,), out_dim=8, use_bn=True)), "float32"))
+  params, _ = ts.init_variables(model, jax.random.PRNGKey(0), 8)
+  return params
+
+
+def _opt_config(**kw):
+  return ml_collections.ConfigDict(config_lib.optimizer("lars", base_lr=1.0, weight_decay=0.1,
+                                                        **{"warmup_epochs": 1, **kw}))
+
+
+def test_decay_mask_leaves_out_biases_and_bn_parameters():
+  params = _resnet_params()
+  flat = {jax.tree_util.keystr(p): v for p, v in
+          jax.tree_util.tree_leaves_with_path(optim.decay_mask(params))}
+  kernels = [k for k in flat if k.endswith("['kernel']")]
+  excluded = [k for k in flat if k.endswith("['bias']") or k.endswith("['scale']")]
+  assert len(kernels) + len(excluded) == len(flat)
+  assert all(flat[k] for k in kernels) and not any(flat[k] for k in excluded)
+  assert any("BatchNorm" in k or "bn" in k for k in excluded)
+  # ResNet-18: stem + 16 block convs + 3 shortcut convs; projector: 2 dense.
+  assert len(kernels) == 20 + 2
+
+
+def test_lars_does_not_decay_or_trust_scale_bn_and_biases():
+  params = _resnet_params()
+  tx = optim.build_optimizer(_opt_config(), lambda step: 1.0)
+  grads = jax.tree.map(jnp.ones_like, params)
+  updates, _ = tx.update(grads, tx.init(params), params)
+  for path, u in jax.tree_util.tree_leaves_with_path(updates):
+    name = path[-1].key
+    if name in ("bias", "scale"):
+      # Plain SGD step: -lr * grad, no weight decay, no trust ratio.
+      np.testing.assert_allclose(u, -1.0, rtol=1e-6, err_msg=jax.tree_util.keystr(path))
+  kernel = params["encoder"]["stem_conv"]["kernel"]
+  u = updates["encoder"]["stem_conv"]["kernel"]
+  g = 1.0 + 0.1 * kernel  # Weight decay added before the trust ratio.
+  trust = 0.001 * jnp.linalg.norm(kernel) / jnp.linalg.norm(g)
+  np.testing.assert_allclose(u, -trust * g, rtol=1e-5)
+
+
+def test_schedule_warmup_then_cosine_and_lr_scaling():
+  cfg = _opt_config()
+  assert optim.peak_learning_rate(cfg, 512) == 2.0
+  cfg.lr_scaling = "sqrt"
+  np.testing.assert_allclose(optim.peak_learning_rate(cfg, 4096), 64.0)
+  cfg.lr_scaling = "linear"
+  sched = optim.learning_rate_schedule(cfg, 256, steps_per_epoch=10, total_steps=110)
+  np.testing.assert_allclose([sched(0), sched(5), sched(10), sched(60), sched(110)],
+                             [0.0, 0.5, 1.0, 0.5, 0.0], atol=1e-6)
+
+
+def test_step_schedule_decays_at_the_given_epochs():
+  cfg = _opt_config(schedule="step", decay_epochs=(3, 4), warmup_epochs=1)
+  sched = optim.learning_rate_schedule(cfg, 256, steps_per_epoch=10, total_steps=50)
+  np.testing.assert_allclose([sched(5), sched(10), sched(29), sched(30), sched(39), sched(40)],
+                             [0.5, 1.0, 1.0, 0.1, 0.1, 0.01], rtol=1e-6)
