@@ -5,7 +5,12 @@
 
 Each variant is a ';'-separated list of config overrides (field=value, comma
 separated). The step is timed on a fixed uint8 batch after compilation, so it
-excludes the input pipeline; the pipeline is timed alone on real data.
+excludes the input pipeline; the pipeline is timed alone on real data. For MoCo
+the last column says whether the donated state let XLA write the queue into
+its own buffer (no copy of the K x D queue per step):
+
+  python benchmarks/step_time.py --config=configs/moco_v2_cifar10.py:runlocal \
+      --variants='moco.queue_size=4096;moco.queue_size=65536' --pipeline_batches=0
 """
 import ast
 import time
@@ -17,10 +22,8 @@ from absl import flags
 from ml_collections import config_flags
 
 from contrastive_jax import input_pipeline
-from contrastive_jax import optim
 from contrastive_jax import train
 from contrastive_jax import train_state as ts
-from contrastive_jax.methods import get_method
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base config.")
 _VARIANTS = flags.DEFINE_string("variants", "", "';'-separated override sets.")
@@ -45,27 +48,26 @@ def override(config, assignments: str):
   return config
 
 
-def time_step(config) -> float:
-  method = get_method(config.method)
+def time_step(config):
+  """Seconds per step, and whether MoCo's queue buffer was reused (None for other methods)."""
   mesh = ts.make_mesh()
-  schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, 100, 1000)
-  tx = optim.build_optimizer(config.optimizer, schedule)
-  model = method.build_model(config)
-  rng = jax.random.PRNGKey(0)
-  state = jax.jit(lambda: method.init_state(config, model, tx, rng, rng),
-                  out_shardings=ts.replicated(mesh))()
-  step = jax.jit(method.make_train_step(config, model, tx, train.views(config), mesh, 1000),
-                 donate_argnums=0)
+  run = train.setup(config, mesh, steps_per_epoch=100, num_steps=1000)
+  state = run.init()
   images = np.random.default_rng(0).integers(
       0, 256, (config.batch_size, 2, config.image_size, config.image_size, 3), np.uint8)
   batch = {"image": jax.device_put(images, ts.batch_sharded(mesh))}
-  state, metrics = step(state, batch)
+  state, metrics = run.train_step(state, batch)
   jax.block_until_ready(metrics)
+  queue = state.extra.get("queue")
+  pointer = queue.addressable_data(0).unsafe_buffer_pointer() if queue is not None else None
   t0 = time.perf_counter()
   for _ in range(_STEPS.value):
-    state, metrics = step(state, batch)
+    state, metrics = run.train_step(state, batch)
   jax.block_until_ready(metrics)
-  return (time.perf_counter() - t0) / _STEPS.value
+  seconds = (time.perf_counter() - t0) / _STEPS.value
+  in_place = (None if queue is None else
+              state.extra["queue"].addressable_data(0).unsafe_buffer_pointer() == pointer)
+  return seconds, in_place
 
 
 def time_pipeline(config) -> float:
@@ -84,14 +86,15 @@ def time_pipeline(config) -> float:
 
 def main(_):
   print(f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
-  print(f"| variant | batch | step (s) | images/s | pipeline (s/batch) |")
-  print(f"|---|---|---|---|---|")
+  print("| variant | batch | step (s) | images/s | pipeline (s/batch) | queue in place |")
+  print("|---|---|---|---|---|---|")
   for variant in _VARIANTS.value.split(";"):
     config = override(_CONFIG.value, variant)
-    step_s = time_step(config)
+    step_s, in_place = time_step(config)
     pipe_s = time_pipeline(config) if _PIPELINE_BATCHES.value else float("nan")
     print(f"| {variant or 'base'} | {config.batch_size} | {step_s:.3f} | "
-          f"{config.batch_size / step_s:.0f} | {pipe_s:.3f} |", flush=True)
+          f"{config.batch_size / step_s:.0f} | {pipe_s:.3f} | "
+          f"{'n/a' if in_place is None else in_place} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ def get_config(variant: str = ""):
   config.projector = dict(hidden_dims=(), out_dim=128, use_bn=False)
   config.temperature = 0.07
   config.moco = dict(queue_size=65536, momentum=0.999, momentum_schedule="constant",
-                     bn_groups_per_device=1)
+                     bn_groups=8)
   config.augment = dict(view1=config_lib.moco_v1_view(), view2=config_lib.moco_v1_view())
   config.optimizer = config_lib.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
                                           warmup_epochs=0, schedule="step",

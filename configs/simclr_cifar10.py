@@ -5,7 +5,7 @@ weight decay 1e-6, 10 warm-up epochs then cosine, temperature 0.5, color
 jitter strength 0.5, no blur.
 
 Variants: `configs/simclr_cifar10.py:runlocal` is the same job shrunk for a
-2-core CPU (config_lib.runlocal: narrow ResNet-18, batch 256, ~12 minutes).
+2-core CPU (config_lib.runlocal: narrow ResNet-18, batch 256, ~10 minutes).
 """
 from contrastive_jax import config_lib
 

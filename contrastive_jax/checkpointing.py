@@ -7,6 +7,8 @@ step to a temporary directory and renames it when complete, so a run killed
 while saving keeps its previous checkpoint. Every process calls save and
 restore together (multi-host).
 """
+import json
+import os
 import signal
 from typing import Optional
 
@@ -18,8 +20,13 @@ from absl import logging
 
 from contrastive_jax.errors import ConfigError
 
-# Fields that must match between a checkpoint and the job that restores it.
-IDENTITY_FIELDS = ("method", "model.name", "model.width", "model.stem")
+# Fields that must match between a checkpoint and the job that resumes it: the
+# first ones fix the state's shapes, the others the data order, augmentations
+# and schedules that make a resumed run bit-identical to an uninterrupted one.
+IDENTITY_FIELDS = ("method", "model.name", "model.width", "model.stem", "model.dtype",
+                   "projector", "predictor", "moco", "byol", "temperature", "optimizer",
+                   "augment", "dataset", "train_split", "image_size", "crop_area_min",
+                   "batch_size", "seed", "num_epochs", "total_steps", "shuffle_buffer")
 
 
 def _get(d: dict, dotted: str):
@@ -67,7 +74,7 @@ class Checkpointer:
   def check_compatible(self, config, step: Optional[int] = None, fields=IDENTITY_FIELDS):
     """Raises ConfigError if checkpoint `step` came from another method or model."""
     saved = self.saved_config(step).to_dict()
-    current = config.to_dict()
+    current = json.loads(json.dumps(config.to_dict()))  # As saved: tuples become lists.
     for field in fields:
       if _get(saved, field) != _get(current, field):
         raise ConfigError(field, _get(current, field),
@@ -117,6 +124,11 @@ class Checkpointer:
     return step
 
 
+def resolve_dir(path: str) -> str:
+  """An absolute local path, or a URL (gs://...) unchanged."""
+  return path if "://" in path else os.path.abspath(path)
+
+
 def abstract_like(state, sharding):
   """ShapeDtypeStructs of `state` with every leaf placed on `sharding`."""
   return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding), state)
@@ -125,18 +137,24 @@ def abstract_like(state, sharding):
 class Preemption:
   """Remembers a SIGTERM so the loop can checkpoint and stop at a step boundary.
 
-  A context manager: the previous SIGTERM handler is restored on exit.
+  A context manager: the previous SIGTERM handler is restored on exit. Only a
+  single-process job installs it: on several hosts each one gets the signal
+  at a different step, so they agree through Checkpointer.reached_preemption
+  (JAX's distributed preemption sync) instead, and all stop at the same step.
   """
 
   def __init__(self):
     self.requested = False
+    self._previous = None
 
   def __enter__(self):
-    self._previous = signal.signal(signal.SIGTERM, self._handle)
+    if jax.process_count() == 1:
+      self._previous = signal.signal(signal.SIGTERM, self._handle)
     return self
 
   def __exit__(self, *exc):
-    signal.signal(signal.SIGTERM, self._previous)
+    if self._previous is not None:
+      signal.signal(signal.SIGTERM, self._previous)
 
   def _handle(self, signum, frame):
     logging.warning("SIGTERM: saving a checkpoint after this step, then stopping.")

@@ -110,8 +110,11 @@ def train_dataset(builder, split: str, *, local_batch: int, image_size: int,
   """
   process_split = tfds.split_for_jax_process(split, drop_remainder=True)
   num_local = builder.info.splits[process_split].num_examples
+  # Uncached (large) datasets keep images encoded through the shuffle buffer
+  # and the skip of a resume; they are decoded in views().
   base = builder.as_dataset(split=process_split, shuffle_files=False,
-                            read_config=tfds.ReadConfig(shuffle_seed=seed))
+                            read_config=tfds.ReadConfig(shuffle_seed=seed),
+                            decoders=None if cache else {"image": tfds.decode.SkipDecoding()})
   base = base.map(lambda ex: (ex["image"], tf.cast(ex["label"], tf.int32)))
   if cache:
     base = base.cache()
@@ -125,6 +128,8 @@ def train_dataset(builder, split: str, *, local_batch: int, image_size: int,
 
   def views(example, position):
     image, label = example
+    if not cache:
+      image = tf.io.decode_image(image, channels=3, expand_animations=False)
     seeds = tf.random.experimental.stateless_split(_seed_pair(seed, process, position), num_views)
     return {"image": tf.stack([random_resized_crop(image, seeds[v], image_size,
                                                    (crop_area_min, 1.0))

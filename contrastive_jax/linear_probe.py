@@ -14,7 +14,6 @@ A BN without affine parameters standardises h before the linear layer
 (a fixed per-feature affine map, so the classifier stays linear) and makes one
 learning rate fit every encoder, the random baseline included.
 """
-import os
 import sys
 import time
 
@@ -24,9 +23,11 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
+import tensorflow as tf
 from absl import app
 from absl import flags
 from absl import logging
+from clu import periodic_actions
 from ml_collections import config_flags
 
 from contrastive_jax import checkpointing
@@ -41,6 +42,8 @@ from contrastive_jax.methods import get_method
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/linear_probe.py[:runlocal]",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for the probe's checkpoints and metrics.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False, "Call jax.distributed.initialize() first (multi-host TPU pods).")
 
 
 class LinearHead(nn.Module):
@@ -65,8 +68,8 @@ def restore_encoder(config, mesh):
       not saved (the saved ones are listed), or a model_name that differs from
       the checkpoint's model.
   """
-  directory = os.path.join(os.path.abspath(config.pretrain_workdir or ""), "checkpoints")
-  if not config.pretrain_workdir or not os.path.isdir(directory):
+  directory = f"{checkpointing.resolve_dir(config.pretrain_workdir or '')}/checkpoints"
+  if not config.pretrain_workdir or not tf.io.gfile.isdir(directory):
     raise ConfigError("pretrain_workdir", config.pretrain_workdir,
                       f"a pretraining workdir with Orbax checkpoints in WORKDIR/checkpoints "
                       f"(looked in {directory})")
@@ -96,6 +99,11 @@ def check_config(config, num_devices: int):
                         f"a positive multiple of the number of devices ({num_devices})")
   if config.num_epochs <= 0 and config.total_steps <= 0:
     raise ConfigError("total_steps", config.total_steps, "> 0 when num_epochs <= 0")
+  for field in ("log_every_steps", "checkpoint_every_steps", "shuffle_buffer", "data_threads"):
+    if config[field] <= 0:
+      raise ConfigError(field, config[field], "an integer > 0")
+  if not 0 < config.crop_area_min <= 1:
+    raise ConfigError("crop_area_min", config.crop_area_min, "in (0, 1]")
   optim.check_optimizer_config(config.optimizer)
 
 
@@ -142,16 +150,25 @@ def evaluate(eval_step, state, enc_vars, ds, mesh) -> dict:
 
 def probe(config: ml_collections.ConfigDict, workdir: str):
   """Trains and evaluates the linear probe; returns (final head state, encoder variables, metrics)."""
-  workdir = os.path.abspath(workdir)
+  workdir = checkpointing.resolve_dir(workdir)
   check_config(config, jax.device_count())
   mesh = ts.make_mesh()
-  encoder, enc_vars, saved, pretrain_step = restore_encoder(config, mesh)
+  ckpt = checkpointing.Checkpointer(f"{workdir}/checkpoints",
+                                    every_steps=config.checkpoint_every_steps, keep=2)
+  config = config.copy_and_resolve_references()
+  if ckpt.latest_step() is not None and config.pretrain_step < 0:
+    # Resuming "the latest": keep probing the encoder this probe started with.
+    config.pretrain_step = ckpt.saved_config().pretrain_step
+  encoder, enc_vars, saved, config.pretrain_step = restore_encoder(config, mesh)
   builder = input_pipeline.get_builder(config.dataset, config.data_dir,
                                        {"train_split": config.train_split,
                                         "eval_split": config.eval_split})
   num_classes = builder.info.features["label"].num_classes
   steps_per_epoch = builder.info.splits[config.train_split].num_examples // config.batch_size
-  num_steps = config.total_steps if config.total_steps > 0 else config.num_epochs * steps_per_epoch
+  if steps_per_epoch == 0:
+    raise ConfigError("batch_size", config.batch_size,
+                      f"at most the size of split {config.train_split!r}")
+  num_steps = train.total_steps(config, steps_per_epoch)
   schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, steps_per_epoch,
                                           num_steps)
   tx = optim.build_optimizer(config.optimizer, schedule)
@@ -169,8 +186,6 @@ def probe(config: ml_collections.ConfigDict, workdir: str):
                          rng=jax.random.PRNGKey(config.seed))
 
   init = jax.jit(init, out_shardings=ts.replicated(mesh))
-  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"),
-                                    every_steps=config.checkpoint_every_steps, keep=2)
   if ckpt.latest_step() is not None:
     ckpt.check_compatible(config, fields=("pretrain_workdir", "pretrain_step", "random_init"))
     state = ckpt.restore(checkpointing.abstract_like(jax.eval_shape(init), ts.replicated(mesh)))
@@ -190,15 +205,17 @@ def probe(config: ml_collections.ConfigDict, workdir: str):
       builder, config.eval_split, local_batch=config.eval_batch_size // jax.process_count(),
       image_size=saved.image_size, crop_fraction=saved.eval_crop_fraction,
       threads=config.data_threads)
-  writer = metrics_lib.create_writer(workdir)
+  writer = metrics_lib.create_writer(workdir, start_step)
   logging.info("Probing %s encoder (%s, step %d of %s) for %d steps.",
                "a randomly initialised" if config.random_init else "the pretrained",
-               saved.method, pretrain_step, config.pretrain_workdir, num_steps)
+               saved.method, config.pretrain_step, config.pretrain_workdir, num_steps)
   result = {}
   t0 = time.time()
+  progress = periodic_actions.ReportProgress(num_train_steps=num_steps, every_secs=30)
   with checkpointing.Preemption() as preemption:
     for step in range(start_step + 1, num_steps + 1):
       state, step_metrics = train_step(state, enc_vars, next(train_iter))
+      progress(step)
       scalars = {}
       if step % config.log_every_steps == 0 or step == num_steps:
         scalars = dict(jax.device_get(step_metrics), learning_rate=schedule(step - 1),
@@ -223,6 +240,8 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   metrics_lib.quiet_library_logs()
+  if _DISTRIBUTED.value:
+    jax.distributed.initialize()
   try:
     probe(_CONFIG.value, _WORKDIR.value)
   except ConfigError as e:

@@ -4,10 +4,10 @@ Only process 0 writes files; other processes log to the console only.
 """
 import json
 import logging as std_logging
-import os
 
 import jax
 import numpy as np
+import tensorflow as tf
 from absl import logging
 from clu import metric_writers
 from clu.metric_writers import interface
@@ -22,7 +22,7 @@ class JsonlWriter(interface.MetricWriter):
   """
 
   def __init__(self, path: str):
-    self._file = open(path, "a", encoding="utf-8")
+    self._file = tf.io.gfile.GFile(path, "a")
 
   def _write(self, record: dict):
     self._file.write(json.dumps(record) + "\n")
@@ -59,14 +59,23 @@ class JsonlWriter(interface.MetricWriter):
     self._file.close()
 
 
-def create_writer(workdir: str) -> interface.MetricWriter:
-  """TensorBoard events in WORKDIR, WORKDIR/metrics.jsonl and the console log."""
+def create_writer(workdir: str, start_step: int = 0) -> interface.MetricWriter:
+  """TensorBoard events in WORKDIR, WORKDIR/metrics.jsonl and the console log.
+
+  A run resumed at start_step first drops the JSONL records of later steps,
+  which a run killed between two checkpoints had written and will write again.
+  """
   if jax.process_index() > 0:
     return metric_writers.create_default_writer(just_logging=True)
-  os.makedirs(workdir, exist_ok=True)
+  tf.io.gfile.makedirs(workdir)
+  path = f"{workdir}/metrics.jsonl"
+  if tf.io.gfile.exists(path):
+    with tf.io.gfile.GFile(path) as f:
+      kept = [line for line in f if json.loads(line)["step"] <= start_step]
+    with tf.io.gfile.GFile(path, "w") as f:
+      f.writelines(kept)
   return metric_writers.MultiWriter([
-      metric_writers.create_default_writer(workdir, asynchronous=False),
-      JsonlWriter(os.path.join(workdir, "metrics.jsonl"))])
+      metric_writers.create_default_writer(workdir, asynchronous=False), JsonlWriter(path)])
 
 
 class _QuietLibraries(std_logging.Filter):

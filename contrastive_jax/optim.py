@@ -29,6 +29,10 @@ def check_optimizer_config(cfg):
     raise ConfigError("optimizer.decay_factor", cfg.decay_factor, "in (0, 1]")
   if cfg.warmup_epochs < 0:
     raise ConfigError("optimizer.warmup_epochs", cfg.warmup_epochs, ">= 0")
+  epochs = list(cfg.decay_epochs)
+  if epochs != sorted(set(epochs)) or (epochs and epochs[0] <= cfg.warmup_epochs):
+    raise ConfigError("optimizer.decay_epochs", tuple(epochs),
+                      f"strictly increasing epochs after warmup_epochs ({cfg.warmup_epochs})")
 
 
 def peak_learning_rate(cfg, global_batch: int) -> float:

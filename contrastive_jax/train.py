@@ -5,7 +5,6 @@ restore the latest checkpoint if the workdir has one, then step, log, evaluate
 and checkpoint. Every random draw is a function of (seed, step), so a resumed
 run continues bit for bit; SIGTERM saves a checkpoint and stops.
 """
-import os
 import time
 from typing import Any, Callable, NamedTuple
 
@@ -40,11 +39,14 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int):
     raise ConfigError("image_size", config.image_size, "> 0")
   if not 0 < config.crop_area_min <= 1:
     raise ConfigError("crop_area_min", config.crop_area_min, "in (0, 1]")
+  if not 0 < config.eval_crop_fraction <= 1:
+    raise ConfigError("eval_crop_fraction", config.eval_crop_fraction, "in (0, 1]")
   if config.num_epochs <= 0 and config.total_steps <= 0:
     raise ConfigError("total_steps", config.total_steps, "> 0 when num_epochs <= 0")
   positive = {"log_every_steps": config.log_every_steps,
               "checkpoint_every_steps": config.checkpoint_every_steps,
               "keep_checkpoints": config.keep_checkpoints, "data_threads": config.data_threads,
+              "shuffle_buffer": config.shuffle_buffer,
               "knn.every_steps": config.knn.every_steps, "knn.k": config.knn.k,
               "knn.batch_size": config.knn.batch_size}
   for field, value in positive.items():
@@ -103,7 +105,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> ts.TrainState:
     ConfigError: before any compute, for a config, dataset or workdir that
       cannot run.
   """
-  workdir = os.path.abspath(workdir)
+  workdir = checkpointing.resolve_dir(workdir)
   check_config(config, jax.device_count())
   method = get_method(config.method)
   builder = input_pipeline.get_builder(
@@ -116,7 +118,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> ts.TrainState:
     raise ConfigError("batch_size", config.batch_size,
                       f"at most the size of split {config.train_split!r} ({num_train})")
   method.check_config(config, num_train)
-  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"),
+  ckpt = checkpointing.Checkpointer(f"{workdir}/checkpoints",
                                     every_steps=config.checkpoint_every_steps,
                                     keep=config.keep_checkpoints)
   if ckpt.latest_step() is not None:
@@ -156,7 +158,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> ts.TrainState:
     logging.info("Step %d: kNN top-1 %.4f.", int(state.step), result["knn_top1"])
     return result
 
-  writer = metrics_lib.create_writer(workdir)
+  writer = metrics_lib.create_writer(workdir, start_step)
   if start_step == 0:
     writer.write_hparams(config.to_dict())
     writer.write_scalars(0, run_knn(state))

@@ -3,7 +3,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_config
+from helpers import load_config
 
 from contrastive_jax import augment
 from contrastive_jax import train

@@ -5,8 +5,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from conftest import TFDS_DIR, load_config
-from test_train import tiny_config
+from helpers import TFDS_DIR, load_config, tiny_config
 
 from contrastive_jax import checkpointing
 from contrastive_jax import linear_probe

@@ -5,7 +5,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import load_config
+from helpers import load_config
 
 from contrastive_jax import train
 from contrastive_jax import train_state as ts
@@ -92,7 +92,6 @@ def tiny_moco_config():
   config.batch_size = 16
   config.model.width = 0.0625
   config.moco.queue_size = 64
-  config.moco.bn_groups_per_device = 1
   for view in ("view1", "view2"):  # Identity: augmentation keys depend on the device.
     config.augment[view] = dict(color_jitter_prob=0.0, grayscale_prob=0.0)
   return config
@@ -111,9 +110,7 @@ def run_steps(config, mesh, images, steps=3):
 def test_eight_devices_equal_one_device_with_the_same_bn_groups():
   images = np.random.default_rng(0).integers(0, 256, (3, 16, 2, 32, 32, 3), np.uint8)
   config = tiny_moco_config()
-  config.moco.bn_groups_per_device = 1
   state8, losses8 = run_steps(config, ts.make_mesh(), images)
-  config.moco.bn_groups_per_device = 8
   state1, losses1 = run_steps(config, ts.make_mesh(jax.devices()[:1]), images)
   np.testing.assert_allclose(losses8, losses1, rtol=1e-4)
   for a, b in zip(jax.tree.leaves(jax.device_get(state8.params)),
@@ -133,12 +130,53 @@ def test_eight_devices_equal_one_device_with_the_same_bn_groups():
     assert np.linalg.norm(k - q) <= np.linalg.norm(k0 - q) + 1e-6
 
 
+def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
+  config = tiny_moco_config()
+  mesh = ts.make_mesh()
+  run = train.setup(config, mesh, steps_per_epoch=10, num_steps=100)
+  state0 = jax.device_get(run.init())
+  images = np.random.default_rng(5).integers(0, 256, (2, 16, 2, 32, 32, 3), np.uint8)
+  state1, _ = run.train_step(run.init(), {"image": jax.device_put(images[0], ts.batch_sharded(mesh))})
+  state1_host = jax.device_get(state1)
+  state2, _ = run.train_step(state1, {"image": jax.device_put(images[1], ts.batch_sharded(mesh))})
+
+  # Reference keys of step 0, written out: the key encoder (an EMA of two
+  # equal encoders, so the initial one) encodes 8 BN groups of 2 rows each,
+  # group g holding rows order[2g:2g+2], in train mode.
+  model = moco.build_model(config)
+  x = images[0][:, 1] / np.float32(255)
+
+  def keys(order):
+    out = np.zeros((16, config.projector.out_dim), np.float32)
+    for g in range(8):
+      rows = order[2 * g:2 * g + 2]
+      (_, z), _ = model.apply({"params": state0.params, "batch_stats": state0.batch_stats},
+                              x[rows], train=True, mutable=["batch_stats"])
+      out[rows] = z / np.linalg.norm(z, axis=1, keepdims=True)
+    return out
+
+  perm = np.asarray(jax.random.permutation(ts.shuffle_key(state0.rng, 0), 16))
+  np.testing.assert_allclose(state1_host.extra["queue"][:16], keys(perm), atol=2e-5)
+  assert not np.allclose(keys(np.arange(16)), keys(perm), atol=1e-3)  # The shuffle matters.
+  np.testing.assert_array_equal(state1_host.extra["queue"][16:], state0.extra["queue"][16:])
+
+  # Step 1's key encoder: m * (step 0's key encoder) + (1 - m) * (query encoder after step 0).
+  m = config.moco.momentum
+  expected = jax.tree.map(lambda k, q: m * k + (1 - m) * q, state1_host.extra["key_params"],
+                          state1_host.params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+               jax.device_get(state2.extra["key_params"]), expected)
+  assert not np.allclose(jax.tree.leaves(state1_host.params)[0],
+                         jax.tree.leaves(state0.params)[0])
+
+
 @pytest.mark.parametrize("field,value,message", [
     ("moco.queue_size", 100, "multiple of batch_size (16)"),
     ("moco.queue_size", 60_000, "at most the train split's size (50000)"),
     ("moco.momentum", 1.5, "config.moco.momentum=1.5: must be in [0, 1]"),
     ("temperature", -0.1, "config.temperature=-0.1: must be > 0"),
-    ("moco.bn_groups_per_device", 3, "divisor of the per-device batch (2)"),
+    ("moco.bn_groups", 4, "a multiple of the device count (8)"),
+    ("moco.bn_groups", 32, "that divides batch_size (16)"),
 ])
 def test_bad_moco_config(field, value, message):
   config = tiny_moco_config()

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from conftest import load_config
+from helpers import load_config
 
 from contrastive_jax import models
 from contrastive_jax import train_state as ts

@@ -51,6 +51,10 @@ def check_config(config, num_train_examples: int):
     raise ConfigError("byol.tau_base", config.byol.tau_base, "in [0, 1]")
   models.check_mlp_config(config.projector, "projector")
   models.check_mlp_config(config.predictor, "predictor")
+  if config.predictor.out_dim != config.projector.out_dim:
+    raise ConfigError("predictor.out_dim", config.predictor.out_dim,
+                      f"projector.out_dim ({config.projector.out_dim}): the prediction "
+                      "regresses the target projection")
 
 
 def build_model(config) -> models.ContrastiveModel:

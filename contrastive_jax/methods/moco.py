@@ -8,10 +8,11 @@ the queue is written in place). Shuffle BN: the key encoder's inputs are
 permuted across the global batch before its forward pass and put back after,
 so a key's BN statistics come from other samples than its query's.
 
-BN is per BN group: each device's batch is split into bn_groups_per_device
-groups with their own statistics, so shuffle BN also works on one device. A
-run on D devices with G groups each has the same D*G groups, and the same
-result, as one device with D*G groups.
+BN is per BN group: the global batch is split into moco.bn_groups groups of
+consecutive examples, each with its own statistics (bn_groups / D per device
+on D devices), as the reference's per-GPU BN with bn_groups GPUs. The groups
+do not depend on the device count, so shuffle BN also works on one device, and
+one device gives the same result as eight.
 """
 import jax
 import jax.numpy as jnp
@@ -83,11 +84,11 @@ def check_config(config, num_train_examples: int):
     raise ConfigError("moco.queue_size", moco.queue_size,
                       f"at most the train split's size ({num_train_examples}), or images "
                       "meet their own keys as negatives")
-  local_batch = config.batch_size // jax.device_count()
-  groups = moco.bn_groups_per_device
-  if groups <= 0 or local_batch % groups:
-    raise ConfigError("moco.bn_groups_per_device", groups,
-                      f"a positive divisor of the per-device batch ({local_batch})")
+  groups, devices = moco.bn_groups, jax.device_count()
+  if groups < 2 or groups % devices or config.batch_size % groups:
+    raise ConfigError("moco.bn_groups", groups,
+                      f"a multiple of the device count ({devices}) that divides batch_size "
+                      f"({config.batch_size}) and is >= 2 (with one group shuffle BN does nothing)")
   models.check_mlp_config(config.projector, "projector")
 
 
@@ -157,7 +158,8 @@ def make_train_step(config, model, tx, views, mesh, num_steps):
   Algorithm 1), keys under stop-gradient with shuffle BN, InfoNCE against the
   queue, then the global batch of keys is enqueued.
   """
-  moco, groups = config.moco, config.moco.bn_groups_per_device
+  moco = config.moco
+  groups = moco.bn_groups // mesh.size  # BN groups on each device.
 
   def per_device(state, images):
     x_q, x_k = ts.augmented_views(images, state.rng, state.step, views)

@@ -1,0 +1,36 @@
+"""Test helpers that touch no JAX device (the multi-host worker imports them too)."""
+import importlib.util
+import os
+
+SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
+TFDS_DIR = os.path.abspath(os.environ.get("TFDS_DATA_DIR", os.path.join(SHARED, "tensorflow_datasets")))
+CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
+
+
+def load_config(name: str, variant: str = ""):
+  """configs/NAME.py's get_config(variant), as --config=configs/NAME.py:variant loads it."""
+  spec = importlib.util.spec_from_file_location(name, os.path.join(CONFIG_DIR, name + ".py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(variant)
+
+
+def tiny_config(method: str = "simclr"):
+  """configs/METHOD_cifar10.py:runlocal shrunk to seconds: 8 devices x 2 images, 4 steps."""
+  config = load_config(f"{method}_cifar10", "runlocal")
+  if method == "moco_v2":
+    config.moco.queue_size = 64
+  config.data_dir = TFDS_DIR
+  config.train_split = "train[:256]"
+  config.eval_split = "test[:64]"
+  config.knn.bank_split = "train[:128]"
+  config.knn.batch_size = 64
+  config.knn.every_steps = 1000
+  config.batch_size = 16
+  config.total_steps = 4
+  config.model.width = 0.0625
+  config.log_every_steps = 1
+  config.checkpoint_every_steps = 2
+  config.shuffle_buffer = 256
+  config.data_threads = 1
+  return config
