@@ -73,7 +73,7 @@ def create_writer(workdir: str, start_step: int = 0) -> interface.MetricWriter:
     with tf.io.gfile.GFile(path) as f:
       kept = [line for line in f if json.loads(line)["step"] <= start_step]
     with tf.io.gfile.GFile(path, "w") as f:
-      f.writelines(kept)
+      f.write("".join(kept))
   return metric_writers.MultiWriter([
       metric_writers.create_default_writer(workdir, asynchronous=False), JsonlWriter(path)])
 

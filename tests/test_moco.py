@@ -132,6 +132,7 @@ def test_eight_devices_equal_one_device_with_the_same_bn_groups():
 
 def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
   config = tiny_moco_config()
+  config.optimizer.warmup_epochs = 0  # So that step 0 moves the query encoder.
   mesh = ts.make_mesh()
   run = train.setup(config, mesh, steps_per_epoch=10, num_steps=100)
   state0 = jax.device_get(run.init())
@@ -156,8 +157,10 @@ def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
     return out
 
   perm = np.asarray(jax.random.permutation(ts.shuffle_key(state0.rng, 0), 16))
-  np.testing.assert_allclose(state1_host.extra["queue"][:16], keys(perm), atol=2e-5)
-  assert not np.allclose(keys(np.arange(16)), keys(perm), atol=1e-3)  # The shuffle matters.
+  # BN over 2 rows amplifies float rounding: agreement to 2e-4, while the
+  # unshuffled groups give keys that differ by orders of magnitude more.
+  np.testing.assert_allclose(state1_host.extra["queue"][:16], keys(perm), atol=2e-4)
+  assert np.abs(keys(np.arange(16)) - keys(perm)).max() > 0.05  # The shuffle matters.
   np.testing.assert_array_equal(state1_host.extra["queue"][16:], state0.extra["queue"][16:])
 
   # Step 1's key encoder: m * (step 0's key encoder) + (1 - m) * (query encoder after step 0).
@@ -166,8 +169,9 @@ def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
                           state1_host.params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                jax.device_get(state2.extra["key_params"]), expected)
-  assert not np.allclose(jax.tree.leaves(state1_host.params)[0],
-                         jax.tree.leaves(state0.params)[0])
+  # ... and the query encoder did move (warm-up off), so the check is not 0 = 0.
+  assert not np.allclose(state1_host.params["encoder"]["stem_conv"]["kernel"],
+                         state0.params["encoder"]["stem_conv"]["kernel"])
 
 
 @pytest.mark.parametrize("field,value,message", [
