@@ -75,6 +75,10 @@ class Checkpointer:
     """Raises ConfigError if checkpoint `step` came from another method or model."""
     saved = self.saved_config(step).to_dict()
     current = json.loads(json.dumps(config.to_dict()))  # As saved: tuples become lists.
+    if _get(saved, fields[0]) is None:
+      raise ConfigError(fields[0], _get(current, fields[0]),
+                        f"a field of the checkpoints in {self.directory}, which another kind "
+                        "of job wrote (pretraining vs linear probe): use a new workdir")
     for field in fields:
       if _get(saved, field) != _get(current, field):
         raise ConfigError(field, _get(current, field),

@@ -45,10 +45,13 @@ def get_builder(name: str, data_dir: Optional[str], splits) -> tfds.core.Dataset
         "on a machine with internet, or point data_dir / TFDS_DATA_DIR at a copy")
   for field, split in splits.items():
     try:
-      builder.info.splits[split]  # Also accepts TFDS slices such as 'train[:10%]'.
+      num_examples = builder.info.splits[split].num_examples  # Slices such as 'train[:10%]' too.
     except (KeyError, ValueError, AssertionError):
-      raise ConfigError(field, split, f"a split of {name} (one of {sorted(builder.info.splits)}, "
-                        "or a TFDS slice of one such as 'train[:1000]')") from None
+      num_examples = 0
+    if num_examples == 0:
+      raise ConfigError(field, split, f"a non-empty split of {name} (one of "
+                        f"{sorted(builder.info.splits)}, or a TFDS slice of one such as "
+                        "'train[:1000]')")
   return builder
 
 

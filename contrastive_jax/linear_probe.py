@@ -39,6 +39,11 @@ from contrastive_jax import train_state as ts
 from contrastive_jax.errors import ConfigError
 from contrastive_jax.methods import get_method
 
+# Fields a resumed probe must share with its checkpoint (see checkpointing.IDENTITY_FIELDS).
+PROBE_IDENTITY_FIELDS = ("pretrain_workdir", "pretrain_step", "random_init", "dataset",
+                         "train_split", "crop_area_min", "batch_size", "seed", "num_epochs",
+                         "total_steps", "optimizer", "shuffle_buffer")
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "configs/linear_probe.py[:runlocal]",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for the probe's checkpoints and metrics.")
@@ -156,9 +161,11 @@ def probe(config: ml_collections.ConfigDict, workdir: str):
   ckpt = checkpointing.Checkpointer(f"{workdir}/checkpoints",
                                     every_steps=config.checkpoint_every_steps, keep=2)
   config = config.copy_and_resolve_references()
-  if ckpt.latest_step() is not None and config.pretrain_step < 0:
-    # Resuming "the latest": keep probing the encoder this probe started with.
-    config.pretrain_step = ckpt.saved_config().pretrain_step
+  if ckpt.latest_step() is not None:
+    ckpt.check_compatible(config, fields=("pretrain_workdir", "random_init"))
+    if config.pretrain_step < 0:
+      # Resuming "the latest": keep probing the encoder this probe started with.
+      config.pretrain_step = ckpt.saved_config().pretrain_step
   encoder, enc_vars, saved, config.pretrain_step = restore_encoder(config, mesh)
   builder = input_pipeline.get_builder(config.dataset, config.data_dir,
                                        {"train_split": config.train_split,
@@ -187,7 +194,7 @@ def probe(config: ml_collections.ConfigDict, workdir: str):
 
   init = jax.jit(init, out_shardings=ts.replicated(mesh))
   if ckpt.latest_step() is not None:
-    ckpt.check_compatible(config, fields=("pretrain_workdir", "pretrain_step", "random_init"))
+    ckpt.check_compatible(config, fields=PROBE_IDENTITY_FIELDS)
     state = ckpt.restore(checkpointing.abstract_like(jax.eval_shape(init), ts.replicated(mesh)))
   else:
     state = init()
@@ -205,7 +212,7 @@ def probe(config: ml_collections.ConfigDict, workdir: str):
       builder, config.eval_split, local_batch=config.eval_batch_size // jax.process_count(),
       image_size=saved.image_size, crop_fraction=saved.eval_crop_fraction,
       threads=config.data_threads)
-  writer = metrics_lib.create_writer(workdir, start_step)
+  writer = metrics_lib.create_writer(workdir, resumed_step=ckpt.latest_step())
   logging.info("Probing %s encoder (%s, step %d of %s) for %d steps.",
                "a randomly initialised" if config.random_init else "the pretrained",
                saved.method, config.pretrain_step, config.pretrain_workdir, num_steps)

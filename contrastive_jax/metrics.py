@@ -4,6 +4,7 @@ Only process 0 writes files; other processes log to the console only.
 """
 import json
 import logging as std_logging
+from typing import Optional
 
 import jax
 import numpy as np
@@ -59,11 +60,13 @@ class JsonlWriter(interface.MetricWriter):
     self._file.close()
 
 
-def create_writer(workdir: str, start_step: int = 0) -> interface.MetricWriter:
+def create_writer(workdir: str, resumed_step: Optional[int]) -> interface.MetricWriter:
   """TensorBoard events in WORKDIR, WORKDIR/metrics.jsonl and the console log.
 
-  A run resumed at start_step first drops the JSONL records of later steps,
-  which a run killed between two checkpoints had written and will write again.
+  metrics.jsonl keeps only the records up to resumed_step, the step of the
+  checkpoint the job resumed from (None for a fresh start: none are kept); a
+  job killed between two checkpoints wrote the later ones and will write them
+  again.
   """
   if jax.process_index() > 0:
     return metric_writers.create_default_writer(just_logging=True)
@@ -71,7 +74,8 @@ def create_writer(workdir: str, start_step: int = 0) -> interface.MetricWriter:
   path = f"{workdir}/metrics.jsonl"
   if tf.io.gfile.exists(path):
     with tf.io.gfile.GFile(path) as f:
-      kept = [line for line in f if json.loads(line)["step"] <= start_step]
+      kept = [line for line in f
+              if resumed_step is not None and json.loads(line)["step"] <= resumed_step]
     with tf.io.gfile.GFile(path, "w") as f:
       f.write("".join(kept))
   return metric_writers.MultiWriter([

@@ -10,6 +10,7 @@ from typing import Any, Callable, NamedTuple
 
 import jax
 import ml_collections
+import numpy as np
 from absl import logging
 from clu import periodic_actions
 
@@ -158,22 +159,27 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> ts.TrainState:
     logging.info("Step %d: kNN top-1 %.4f.", int(state.step), result["knn_top1"])
     return result
 
-  writer = metrics_lib.create_writer(workdir, start_step)
-  if start_step == 0:
-    writer.write_hparams(config.to_dict())
-    writer.write_scalars(0, run_knn(state))
-  progress = periodic_actions.ReportProgress(num_train_steps=num_steps, every_secs=30)
-  logging.info("Training %s from step %d to %d (%d steps per epoch, global batch %d, %d devices).",
-               config.method, start_step, num_steps, steps_per_epoch, config.batch_size,
-               jax.device_count())
-  last_log_time, last_log_step, eval_seconds = time.time(), start_step, 0.0
+  writer = metrics_lib.create_writer(workdir, resumed_step=ckpt.latest_step())
   with checkpointing.Preemption() as preemption:
+    if start_step == 0:
+      writer.write_hparams(config.to_dict())
+      writer.write_scalars(0, run_knn(state))
+    progress = periodic_actions.ReportProgress(num_train_steps=num_steps, every_secs=30)
+    logging.info("Training %s from step %d to %d (%d steps per epoch, global batch %d, "
+                 "%d devices).", config.method, start_step, num_steps, steps_per_epoch,
+                 config.batch_size, jax.device_count())
+    last_log_time, last_log_step, eval_seconds = time.time(), start_step, 0.0
     for step in range(start_step + 1, num_steps + 1):
       state, step_metrics = run.train_step(state, next(train_iter))
       progress(step)
       scalars = {}
       if step % config.log_every_steps == 0 or step == num_steps:
         scalars = jax.device_get(step_metrics)
+        if not np.isfinite(scalars["loss"]):
+          raise FloatingPointError(
+              f"loss is {scalars['loss']} at step {step} (the newest checkpoint in "
+              f"{ckpt.directory} is step {ckpt.latest_step()}); lower optimizer.base_lr "
+              "or check the config")
         train_seconds = time.time() - last_log_time - eval_seconds
         scalars["learning_rate"] = run.schedule(step - 1)
         scalars["images_per_sec"] = (step - last_log_step) * config.batch_size / train_seconds

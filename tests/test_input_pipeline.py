@@ -72,5 +72,7 @@ def test_bad_dataset_split_and_data_dir_are_named(tmp_path):
     input_pipeline.get_builder("no_such_dataset", TFDS_DIR, {})
   with pytest.raises(ConfigError, match="config.eval_split='validation'.*train"):
     input_pipeline.get_builder("cifar10", TFDS_DIR, {"eval_split": "validation"})
+  with pytest.raises(ConfigError, match=r"config.eval_split='test\[:0\]': must be a non-empty"):
+    input_pipeline.get_builder("cifar10", TFDS_DIR, {"eval_split": "test[:0]"})
   with pytest.raises(ConfigError, match=f"config.data_dir='{tmp_path}'.*looked in {tmp_path}"):
     input_pipeline.get_builder("cifar10", str(tmp_path), {})

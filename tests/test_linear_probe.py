@@ -61,6 +61,14 @@ def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path)
   assert result == {"top1": records[-1]["top1"], "top5": records[-1]["top5"]}
   # 40 test images: every fraction is a multiple of 1/40.
   assert round(result["top1"] * 40, 6) == round(result["top1"] * 40)
+  # Resuming the finished probe with another recipe is refused, not silently mixed.
+  with pytest.raises(ConfigError, match="config.batch_size=32: must be 16"):
+    linear_probe.probe(probe_config(pretrained, batch_size=32), str(tmp_path))
+  # So is a probe into a pretraining workdir, and pretraining into a probe's.
+  with pytest.raises(ConfigError, match="another kind of job"):
+    linear_probe.probe(probe_config(pretrained), pretrained)
+  with pytest.raises(ConfigError, match="another kind of job"):
+    train.train(tiny_config(), str(tmp_path))
 
 
 def test_restore_onto_another_device_count(pretrained):

@@ -181,6 +181,7 @@ def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
     ("temperature", -0.1, "config.temperature=-0.1: must be > 0"),
     ("moco.bn_groups", 4, "a multiple of the device count (8)"),
     ("moco.bn_groups", 32, "that divides batch_size (16)"),
+    ("moco.bn_groups", 16, "into groups of >= 2 images"),
 ])
 def test_bad_moco_config(field, value, message):
   config = tiny_moco_config()

@@ -85,10 +85,12 @@ def check_config(config, num_train_examples: int):
                       f"at most the train split's size ({num_train_examples}), or images "
                       "meet their own keys as negatives")
   groups, devices = moco.bn_groups, jax.device_count()
-  if groups < 2 or groups % devices or config.batch_size % groups:
+  if (groups < 2 or groups % devices or config.batch_size % groups
+      or config.batch_size // groups < 2):
     raise ConfigError("moco.bn_groups", groups,
                       f"a multiple of the device count ({devices}) that divides batch_size "
-                      f"({config.batch_size}) and is >= 2 (with one group shuffle BN does nothing)")
+                      f"({config.batch_size}) into groups of >= 2 images, and >= 2 groups "
+                      "(with one group shuffle BN does nothing)")
   models.check_mlp_config(config.projector, "projector")
 
 
