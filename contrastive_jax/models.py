@@ -27,6 +27,17 @@ STEMS = ("cifar", "imagenet")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 
 
+def _residual_out(x, y, strides: int, conv, norm):
+  """relu(y + x), x projected by a strided 1x1 conv + BN where the shapes differ.
+
+  Called from a block's compact __call__, so the projection's layers belong to
+  that block.
+  """
+  if x.shape != y.shape:
+    x = norm()(conv(y.shape[-1], (1, 1), (strides, strides))(x))
+  return nn.relu(y + x)
+
+
 class BasicBlock(nn.Module):
   """Two 3x3 convolutions with a residual connection (ResNet-18/34)."""
   features: int
@@ -36,17 +47,13 @@ class BasicBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    residual = x
     y = self.conv(self.features, (3, 3), (self.strides, self.strides))(x)
     y = nn.relu(self.norm()(y))
     y = self.conv(self.features, (3, 3))(y)
     # Zero-init the last BN scale so that each block starts as the identity
     # (Goyal et al. 2017), which stabilises large-batch training.
     y = self.norm(scale_init=nn.initializers.zeros)(y)
-    if residual.shape != y.shape:
-      residual = self.conv(self.features, (1, 1), (self.strides, self.strides))(x)
-      residual = self.norm()(residual)
-    return nn.relu(y + residual)
+    return _residual_out(x, y, self.strides, self.conv, self.norm)
 
 
 class BottleneckBlock(nn.Module):
@@ -58,16 +65,12 @@ class BottleneckBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    residual = x
     y = nn.relu(self.norm()(self.conv(self.features, (1, 1))(x)))
     y = self.conv(self.features, (3, 3), (self.strides, self.strides))(y)
     y = nn.relu(self.norm()(y))
     y = self.conv(self.features * 4, (1, 1))(y)
     y = self.norm(scale_init=nn.initializers.zeros)(y)
-    if residual.shape != y.shape:
-      residual = self.conv(self.features * 4, (1, 1), (self.strides, self.strides))(x)
-      residual = self.norm()(residual)
-    return nn.relu(y + residual)
+    return _residual_out(x, y, self.strides, self.conv, self.norm)
 
 
 class ResNet(nn.Module):

@@ -3,7 +3,6 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from contrastive_jax import config_lib
 from contrastive_jax import models
