@@ -21,8 +21,9 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from contrastive_jax import data
 from contrastive_jax import input_pipeline
-from contrastive_jax import train
+from contrastive_jax import pretrain
 from contrastive_jax import train_state as ts
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base config.")
@@ -51,7 +52,7 @@ def override(config, assignments: str):
 def time_step(config):
   """Seconds per step, and whether MoCo's queue buffer was reused (None for other methods)."""
   mesh = ts.make_mesh()
-  run = train.setup(config, mesh, steps_per_epoch=100, num_steps=1000)
+  run = pretrain.setup(config, mesh, steps_per_epoch=100, num_steps=1000)
   state = run.init()
   images = np.random.default_rng(0).integers(
       0, 256, (config.batch_size, 2, config.image_size, config.image_size, 3), np.uint8)
@@ -71,9 +72,9 @@ def time_step(config):
 
 
 def time_pipeline(config) -> float:
-  builder = input_pipeline.get_builder(config.dataset, config.data_dir, {"s": config.train_split})
+  source = data.get_source(config, {"train_split": config.train_split})
   ds = input_pipeline.train_dataset(
-      builder, config.train_split, local_batch=config.batch_size, image_size=config.image_size,
+      source, config.train_split, local_batch=config.batch_size, image_size=config.image_size,
       crop_area_min=config.crop_area_min, seed=0, start_step=0, cache=False,
       shuffle_buffer=1000, threads=config.data_threads)
   it = iter(ds)

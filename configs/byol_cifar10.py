@@ -16,14 +16,13 @@ def get_config(variant: str = ""):
   config = config_lib.base_config()
   config.method = "byol"
   config.batch_size = 512
-  config.num_epochs = 1000
+  config.duration = "1000 epochs"
   config.model = dict(name="resnet18", width=1.0, stem="cifar", dtype="float32")
   config.projector = dict(hidden_dims=(4096,), out_dim=256, use_bn=True)
   config.predictor = dict(hidden_dims=(4096,), out_dim=256, use_bn=True)
   config.byol = dict(tau_base=0.996)
   config.augment = config_lib.byol_views()
   config.optimizer = config_lib.optimizer("lars", base_lr=0.2, weight_decay=1.5e-6)
-  config.knn.every_steps = 10 * (50_000 // 512)
   if variant == "runlocal":
     config_lib.runlocal(config)
     config.projector.hidden_dims = (512,)

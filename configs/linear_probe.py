@@ -1,9 +1,13 @@
-"""Linear probe of a pretrained encoder on CIFAR-10 (python -m contrastive_jax.linear_probe).
+"""Linear probe of a pretrained encoder on CIFAR-10 (config.job='linear_probe').
+
+  python -m contrastive_jax.main --config=configs/linear_probe.py \
+      --config.pretrain_workdir=DIR --workdir=PROBE_DIR
 
 Set --config.pretrain_workdir=DIR (the pretraining job's --workdir). The
 encoder's architecture and image size come from the checkpoint's own config.
 Recipe: 100 epochs, batch 256, SGD momentum 0.9, lr 0.1 x B/256 with cosine
-decay, no weight decay, crop (0.2, 1) and flip.
+decay, no weight decay, crop (0.2, 1) and flip; top-1 and top-5 on the whole
+test split at the end (and every 10 epochs).
 
 Variant `runlocal`: 1000 steps (~5 epochs), sized for a 2-core CPU.
 """
@@ -14,31 +18,25 @@ from contrastive_jax import config_lib
 
 
 def get_config(variant: str = ""):
-  config = ml_collections.ConfigDict()
+  config = config_lib.data_fields(ml_collections.ConfigDict())
+  config.job = "linear_probe"
   config.pretrain_workdir = config_dict.placeholder(str)
   config.pretrain_step = -1  # -1: the latest checkpoint.
   config.random_init = False  # True: probe the pretraining run's encoder at initialisation (baseline).
   config.model_name = config_dict.placeholder(str)  # If set, the checkpoint's model must match.
-  config.seed = 0
-  config.dataset = "cifar10"
-  config.data_dir = config_dict.placeholder(str)
-  config.train_split = "train"
-  config.eval_split = "test"
   config.crop_area_min = 0.2
-  config.cache = True
-  config.shuffle_buffer = 50_000
-  config.data_threads = 2
   config.batch_size = 256
-  config.eval_batch_size = 1000
-  config.num_epochs = 100
-  config.total_steps = -1  # > 0 overrides num_epochs.
+  config.duration = "100 epochs"
   config.optimizer = config_lib.optimizer("sgd", base_lr=0.1, weight_decay=0.0, warmup_epochs=0)
-  config.log_every_steps = 100
-  config.checkpoint_every_steps = 1000
+  config.log_every = "100 steps"
+  config.checkpoint_every = "1000 steps"
+  config.keep_checkpoints = 2
+  config.evaluators = dict(linear_probe=dict(kind="classifier", every="10 epochs", split="test",
+                                             batch_size=1000))
   if variant == "runlocal":
-    config.total_steps = 1000
-    config.log_every_steps = 50
-    config.checkpoint_every_steps = 250
+    config.duration = "1000 steps"
+    config.log_every = "50 steps"
+    config.checkpoint_every = "250 steps"
   elif variant:
     raise ValueError(f"Unknown variant {variant!r} of linear_probe; known: 'runlocal'.")
   return config

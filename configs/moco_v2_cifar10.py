@@ -16,7 +16,7 @@ def get_config(variant: str = ""):
   config = config_lib.base_config()
   config.method = "moco"
   config.batch_size = 512
-  config.num_epochs = 200
+  config.duration = "200 epochs"
   config.crop_area_min = 0.2
   config.model = dict(name="resnet18", width=1.0, stem="cifar", dtype="float32")
   config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=False)
@@ -26,7 +26,6 @@ def get_config(variant: str = ""):
   config.augment = dict(view1=config_lib.moco_v2_view(0.0), view2=config_lib.moco_v2_view(0.0))
   config.optimizer = config_lib.optimizer("sgd", base_lr=0.03, weight_decay=5e-4,
                                           warmup_epochs=0)
-  config.knn.every_steps = 10 * (50_000 // 512)
   if variant == "runlocal":
     config_lib.runlocal(config)
     config.projector.hidden_dims = (128,)

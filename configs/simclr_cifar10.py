@@ -14,14 +14,13 @@ def get_config(variant: str = ""):
   config = config_lib.base_config()
   config.method = "simclr"
   config.batch_size = 512
-  config.num_epochs = 1000
+  config.duration = "1000 epochs"
   config.model = dict(name="resnet18", width=1.0, stem="cifar", dtype="float32")
   config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=True)
   config.temperature = 0.5
   config.augment = dict(view1=config_lib.simclr_view(0.5, 0.0),
                         view2=config_lib.simclr_view(0.5, 0.0))
   config.optimizer = config_lib.optimizer("lars", base_lr=1.0, weight_decay=1e-6)
-  config.knn.every_steps = 10 * (50_000 // 512)  # Every 10 epochs.
   if variant == "runlocal":
     config_lib.runlocal(config)
     config.projector.hidden_dims = (128,)

@@ -13,11 +13,13 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from contrastive_jax.errors import ConfigError
 
-# ITU-R BT.601 luma weights, as in tf.image.rgb_to_grayscale.
-_LUMA = jnp.array([0.2989, 0.5870, 0.1140], jnp.float32)
+# ITU-R BT.601 luma weights, as in tf.image.rgb_to_grayscale (numpy: importing a
+# module must not touch a device, or jax.distributed.initialize fails after it).
+_LUMA = np.array([0.2989, 0.5870, 0.1140], np.float32)
 
 
 @dataclasses.dataclass(frozen=True)

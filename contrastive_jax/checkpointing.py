@@ -15,18 +15,11 @@ from typing import Optional
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
-
+import tensorflow as tf
 from absl import logging
 
 from contrastive_jax.errors import ConfigError
-
-# Fields that must match between a checkpoint and the job that resumes it: the
-# first ones fix the state's shapes, the others the data order, augmentations
-# and schedules that make a resumed run bit-identical to an uninterrupted one.
-IDENTITY_FIELDS = ("method", "model.name", "model.width", "model.stem", "model.dtype",
-                   "projector", "predictor", "moco", "byol", "temperature", "optimizer",
-                   "augment", "dataset", "train_split", "image_size", "crop_area_min",
-                   "batch_size", "seed", "num_epochs", "total_steps", "shuffle_buffer")
+from contrastive_jax.errors import JobError
 
 
 def _get(d: dict, dotted: str):
@@ -40,16 +33,17 @@ class Checkpointer:
 
   Args:
     directory: absolute path (WORKDIR/checkpoints).
-    every_steps: save when step % every_steps == 0 (and always when forced).
     keep: number of most recent checkpoints kept.
+    read_only: for downstream jobs that only restore.
+
+  The caller decides when to save (runner.py); every save call writes.
   """
 
-  def __init__(self, directory: str, *, every_steps: int = 1, keep: int = 3,
-               read_only: bool = False):
+  def __init__(self, directory: str, *, keep: int = 3, read_only: bool = False):
     self._manager = ocp.CheckpointManager(
         directory, item_names=("state", "config"),
-        options=ocp.CheckpointManagerOptions(save_interval_steps=every_steps, max_to_keep=keep,
-                                             create=not read_only, read_only=read_only))
+        options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
+                                             read_only=read_only))
 
   @property
   def directory(self) -> str:
@@ -71,8 +65,12 @@ class Checkpointer:
     saved = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
     return ml_collections.ConfigDict(saved.config)
 
-  def check_compatible(self, config, step: Optional[int] = None, fields=IDENTITY_FIELDS):
-    """Raises ConfigError if checkpoint `step` came from another method or model."""
+  def check_compatible(self, config, fields, step: Optional[int] = None):
+    """Raises ConfigError if a field of `fields` differs from checkpoint `step`'s.
+
+    fields[0] must be a field that only this kind of job has (its absence
+    means another kind of job wrote the checkpoint).
+    """
     saved = self.saved_config(step).to_dict()
     current = json.loads(json.dumps(config.to_dict()))  # As saved: tuples become lists.
     if _get(saved, fields[0]) is None:
@@ -96,11 +94,28 @@ class Checkpointer:
         step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
     return restored.state
 
-  def save(self, step: int, state, config, force: bool = False) -> bool:
-    """Saves asynchronously if the interval says so (or force); returns whether it saved."""
-    return self._manager.save(step, args=ocp.args.Composite(
+  def restore_partial(self, abstract_tree, step: Optional[int] = None):
+    """Restores only the leaves of abstract_tree (a sub-tree of the saved state).
+
+    abstract_tree: nested dicts of jax.ShapeDtypeStruct with .sharding, keyed
+    like the saved TrainState's fields, e.g. {'params': {'encoder': ...}}.
+    Nothing else of the checkpoint (optimizer state, MoCo's queue, ...) is read.
+    """
+    step = self.resolve_step(step)
+    restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
+        item=abstract_tree, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_tree),
+        partial_restore=True)))
+    return restored.state
+
+  def save(self, step: int, state, config):
+    """Starts an asynchronous save of `state` and `config` at `step`."""
+    self._manager.save(step, args=ocp.args.Composite(
         state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict())),
-        force=force)
+        force=True)
+
+  def wait(self):
+    """Blocks until pending saves are complete on disk."""
+    self._manager.wait_until_finished()
 
   def reached_preemption(self, step: int) -> bool:
     """True when the cluster announced preemption (multi-host runs only)."""
@@ -131,6 +146,20 @@ class Checkpointer:
 def resolve_dir(path: str) -> str:
   """An absolute local path, or a URL (gs://...) unchanged."""
   return path if "://" in path else os.path.abspath(path)
+
+
+def prepare_workdir(path: Optional[str]) -> str:
+  """resolve_dir(path) for a job's --workdir, checked before anything is written.
+
+  Raises:
+    JobError: no path, or a path that exists and is not a directory.
+  """
+  if not path:
+    raise JobError("--workdir is empty: give the directory for checkpoints and metrics")
+  path = resolve_dir(path)
+  if tf.io.gfile.exists(path) and not tf.io.gfile.isdir(path):
+    raise JobError(f"--workdir={path}: must be a directory (or not exist yet); it is a file")
+  return path
 
 
 def abstract_like(state, sharding):

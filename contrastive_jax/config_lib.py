@@ -1,6 +1,40 @@
-"""Building blocks of the configs in configs/: shared defaults and augmentation presets."""
+"""Building blocks of the configs in configs/: shared defaults, presets, durations."""
+import re
+
 import ml_collections
 from ml_collections import config_dict
+
+from contrastive_jax.errors import ConfigError
+
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(steps?|epochs?)\s*$")
+
+
+def to_steps(value: str, field: str, steps_per_epoch: int) -> int:
+  """Resolves a duration such as '500 steps' or '10 epochs' to optimizer steps.
+
+  Durations stay in the unit they were written in until the job knows its
+  dataset size and global batch: '10 epochs' is 10 * steps_per_epoch steps
+  (rounded to the nearest step) whatever --config.batch_size says.
+
+  Raises:
+    ConfigError: not of the form 'N steps' / 'N epochs' (N > 0; steps whole),
+      or a duration that rounds to 0 steps.
+  """
+  match = _DURATION.match(str(value))
+  allowed = "a duration 'N steps' or 'N epochs' with N > 0 (steps a whole number)"
+  if not match:
+    raise ConfigError(field, value, allowed)
+  number, unit = float(match.group(1)), match.group(2)
+  if unit.startswith("step"):
+    if number != int(number):
+      raise ConfigError(field, value, allowed)
+    steps = int(number)
+  else:
+    steps = int(round(number * steps_per_epoch))
+  if steps <= 0:
+    raise ConfigError(field, value, f"{allowed}; it is 0 steps at {steps_per_epoch} steps "
+                      "per epoch")
+  return steps
 
 
 def simclr_view(strength: float, blur_prob: float) -> dict:
@@ -10,29 +44,41 @@ def simclr_view(strength: float, blur_prob: float) -> dict:
               blur_prob=blur_prob)
 
 
-def base_config() -> ml_collections.ConfigDict:
-  """Defaults for data, logging, checkpoints and the kNN monitor."""
-  config = ml_collections.ConfigDict()
+def data_fields(config):
+  """Sets the fields every job reads its data with (CIFAR-10 from TFDS by default)."""
   config.seed = 0
+  config.data_source = "tfds"
   config.dataset = "cifar10"
   config.data_dir = config_dict.placeholder(str)  # None: TFDS_DATA_DIR or ~/tensorflow_datasets.
   config.train_split = "train"
-  config.eval_split = "test"
-  config.image_size = 32
-  config.crop_area_min = 0.08
-  config.eval_crop_fraction = 1.0
   config.cache = True  # Keep decoded images in host memory (small datasets only).
   config.shuffle_buffer = 50_000
   config.data_threads = 2
-  config.num_epochs = 100
-  config.total_steps = -1  # > 0 overrides num_epochs.
-  config.log_every_steps = 100
-  config.checkpoint_every_steps = 1000
+  return config
+
+
+def base_config() -> ml_collections.ConfigDict:
+  """Pretraining defaults: data, durations, checkpoints and the evaluators.
+
+  Durations ('duration', 'log_every', 'checkpoint_every', each evaluator's
+  'every') are strings 'N steps' or 'N epochs', resolved when the job knows
+  its dataset size and global batch (to_steps).
+  """
+  config = data_fields(ml_collections.ConfigDict())
+  config.job = "pretrain"
+  config.image_size = 32
+  config.crop_area_min = 0.08
+  config.eval_crop_fraction = 1.0
+  config.duration = "100 epochs"
+  config.log_every = "100 steps"
+  config.checkpoint_every = "1000 steps"
   config.keep_checkpoints = 3
-  # The kNN monitor's bank is bank_split (default: the whole train split),
-  # its queries the whole eval_split.
-  config.knn = dict(every_steps=5000, k=200, temperature=0.1, batch_size=1000,
-                    bank_split="train")
+  # Each evaluator also runs at the last step; the kNN monitor at step 0 too.
+  config.evaluators = dict(
+      knn=dict(kind="knn", every="10 epochs", split="test", bank_split="train", k=200,
+               temperature=0.1, batch_size=1000),
+      online_probe=dict(kind="classifier", every="10 epochs", split="test", batch_size=1000))
+  config.online_probe = dict(learning_rate=1e-3)
   return config
 
 
@@ -57,22 +103,23 @@ def byol_views() -> dict:
               view2=dict(jitter, blur_prob=0.1, solarize_prob=0.2))
 
 
-def runlocal(config, *, knn_every_steps: int = 500):
+def runlocal(config):
   """Shrinks a CIFAR-10 config to 8-12 minutes on a 2-core CPU, same code path.
 
   Narrow ResNet-18 (width 0.25: 16 to 128 channels) with the ImageNet stem,
   whose stride 4 makes the step ~8x cheaper on 32x32 images than the CIFAR
   stem (the difference between ~3 and ~8 epochs in the time); batch 256,
-  1500 steps (~7.7 epochs), kNN every 500 steps.
+  1500 steps (~7.7 epochs), evaluators every 500 steps.
   """
   config.batch_size = 256
-  config.total_steps = 1500
+  config.duration = "1500 steps"
   config.model.width = 0.25
   config.model.stem = "imagenet"
   config.optimizer.warmup_epochs = 1
-  config.log_every_steps = 20
-  config.checkpoint_every_steps = 200
-  config.knn.every_steps = knn_every_steps
+  config.log_every = "20 steps"
+  config.checkpoint_every = "200 steps"
+  for evaluator in config.evaluators.values():
+    evaluator.every = "500 steps"
   return config
 
 
@@ -91,20 +138,20 @@ def optimizer(name: str, base_lr: float, weight_decay: float, **overrides) -> di
 def imagenet(config, *, batch_size: int, num_epochs: int):
   """Sets ImageNet (TFDS imagenet2012, 224 px) data fields and a ResNet-50 in bfloat16.
 
-  The kNN bank is 10% of train (128k x 2048 floats, 1 GB on the host),
-  evaluated every 10 epochs.
+  The kNN bank is 10% of train (128k x 2048 floats, 1 GB over the devices);
+  the evaluators run every 10 epochs on the validation split.
   """
   config.dataset = "imagenet2012"
-  config.eval_split = "validation"
   config.image_size = 224
   config.eval_crop_fraction = 0.875
   config.cache = False
   config.data_threads = 32
   config.batch_size = batch_size
-  config.num_epochs = num_epochs
+  config.duration = f"{num_epochs} epochs"
   config.model = dict(name="resnet50", width=1.0, stem="imagenet", dtype="bfloat16")
-  config.checkpoint_every_steps = 2000
-  config.knn.bank_split = "train[:10%]"
-  config.knn.every_steps = 10 * (1_281_167 // batch_size)
-  config.knn.batch_size = 1024
+  config.checkpoint_every = "2000 steps"
+  for evaluator in config.evaluators.values():
+    evaluator.split = "validation"
+    evaluator.batch_size = 1024
+  config.evaluators.knn.bank_split = "train[:10%]"
   return config

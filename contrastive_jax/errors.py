@@ -1,7 +1,11 @@
-"""The one error type for input that cannot run."""
+"""Expected failures: each ends a job with one line and a non-zero exit (main.py)."""
 
 
-class ConfigError(ValueError):
+class JobError(Exception):
+  """A failure the user can act on; its message is the whole report (no traceback)."""
+
+
+class ConfigError(JobError, ValueError):
   """A config field (or the data/workdir it points to) that cannot run.
 
   Raised before any compute. The message names the field, the value and what
@@ -11,3 +15,7 @@ class ConfigError(ValueError):
   def __init__(self, field: str, value, allowed: str):
     self.field, self.value, self.allowed = field, value, allowed
     super().__init__(f"config.{field}={value!r}: must be {allowed}")
+
+
+class NonFiniteError(JobError):
+  """The loss or the parameters became NaN or infinite; nothing of that step was saved."""

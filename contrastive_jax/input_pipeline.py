@@ -1,4 +1,4 @@
-"""Host input pipeline: TFDS + tf.data, one part of each split per process.
+"""Host input pipeline: tf.data over a data source (data.py), one part per process.
 
 Training examples are two random-resized-crop-and-flip views of one image,
 as uint8 so that host-to-device transfers stay small; the photometric
@@ -11,48 +11,12 @@ stateless seed made from (seed, process, p), so a pipeline started at step s
 yields exactly what an uninterrupted one yields from step s on.
 """
 import collections
-import os
-from typing import Iterator, Optional
+from typing import Iterator
 
 import jax
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
-
-from contrastive_jax.errors import ConfigError
-
-
-def get_builder(name: str, data_dir: Optional[str], splits) -> tfds.core.DatasetBuilder:
-  """Returns the prepared TFDS builder, checking name, data_dir and splits.
-
-  data_dir None means TFDS's default (the TFDS_DATA_DIR environment variable or
-  ~/tensorflow_datasets). Nothing is downloaded.
-
-  Raises:
-    ConfigError: unknown dataset name, a data_dir that does not hold the
-      prepared dataset (the message says where it looked), or an unknown split.
-  """
-  try:
-    builder = tfds.builder(name, data_dir=data_dir)
-  except tfds.core.registered.DatasetNotFoundError:
-    raise ConfigError("dataset", name, "a TFDS dataset name such as 'cifar10' or 'imagenet2012'") from None
-  if not builder.is_prepared():
-    looked = data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
-    raise ConfigError(
-        "data_dir", data_dir,
-        f"a directory holding the prepared dataset '{name}'; looked in {builder.data_dir} "
-        f"(data_dir={looked}). Prepare it with tfds.builder('{name}').download_and_prepare() "
-        "on a machine with internet, or point data_dir / TFDS_DATA_DIR at a copy")
-  for field, split in splits.items():
-    try:
-      num_examples = builder.info.splits[split].num_examples  # Slices such as 'train[:10%]' too.
-    except (KeyError, ValueError, AssertionError):
-      num_examples = 0
-    if num_examples == 0:
-      raise ConfigError(field, split, f"a non-empty split of {name} (one of "
-                        f"{sorted(builder.info.splits)}, or a TFDS slice of one such as "
-                        "'train[:1000]')")
-  return builder
 
 
 def _seed_pair(seed: int, a, b):
@@ -100,7 +64,7 @@ def _options(threads: int) -> tf.data.Options:
   return options
 
 
-def train_dataset(builder, split: str, *, local_batch: int, image_size: int,
+def train_dataset(source, split: str, *, local_batch: int, image_size: int,
                   crop_area_min: float, seed: int, start_step: int, cache: bool,
                   shuffle_buffer: int, threads: int, num_views: int = 2) -> tf.data.Dataset:
   """Infinite dataset of this process's batches from step `start_step` on.
@@ -111,14 +75,10 @@ def train_dataset(builder, split: str, *, local_batch: int, image_size: int,
   epoch boundaries as after repeat() and batch(drop_remainder=True).
   Steps per epoch for schedules: split size // global batch.
   """
-  process_split = tfds.split_for_jax_process(split, drop_remainder=True)
-  num_local = builder.info.splits[process_split].num_examples
+  num_local = source.num_examples(split, "train_split") // jax.process_count()
   # Uncached (large) datasets keep images encoded through the shuffle buffer
   # and the skip of a resume; they are decoded in views().
-  base = builder.as_dataset(split=process_split, shuffle_files=False,
-                            read_config=tfds.ReadConfig(shuffle_seed=seed),
-                            decoders=None if cache else {"image": tfds.decode.SkipDecoding()})
-  base = base.map(lambda ex: (ex["image"], tf.cast(ex["label"], tf.int32)))
+  base = source.read(split, drop_remainder=True, decode=cache, shuffle_seed=seed)
   if cache:
     base = base.cache()
   first = start_step * local_batch
@@ -144,7 +104,7 @@ def train_dataset(builder, split: str, *, local_batch: int, image_size: int,
   return ds.with_options(_options(threads))
 
 
-def eval_dataset(builder, split: str, *, local_batch: int, image_size: int,
+def eval_dataset(source, split: str, *, local_batch: int, image_size: int,
                  crop_fraction: float, threads: int, cache: bool = False) -> tf.data.Dataset:
   """This process's part of `split`, every example once, in fixed order.
 
@@ -152,14 +112,11 @@ def eval_dataset(builder, split: str, *, local_batch: int, image_size: int,
   'mask': bool [b]}. The last batches are padded with mask False so that every
   process yields the same number of batches (multi-host collectives need it).
   """
-  process_split = tfds.split_for_jax_process(split, drop_remainder=False)
-  counts = [builder.info.splits[s].num_examples
-            for s in tfds.even_splits(split, n=jax.process_count(), drop_remainder=False)]
-  num_batches = -(-max(counts) // local_batch)
-  ds = builder.as_dataset(split=process_split, shuffle_files=False)
-  ds = ds.map(lambda ex: {"image": center_crop(ex["image"], image_size, crop_fraction),
-                          "label": tf.cast(ex["label"], tf.int32), "mask": True},
-              num_parallel_calls=threads)
+  num_batches = -(-max(source.process_counts(split)) // local_batch)
+  ds = source.read(split, drop_remainder=False).map(
+      lambda image, label: {"image": center_crop(image, image_size, crop_fraction),
+                            "label": label, "mask": True},
+      num_parallel_calls=threads)
   if cache:
     ds = ds.cache()
   pad = tf.data.Dataset.from_tensors({

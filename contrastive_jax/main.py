@@ -1,20 +1,29 @@
-"""Pretraining job: python -m contrastive_jax.main --config=configs/X.py --workdir=DIR.
+"""The one entry point: python -m contrastive_jax.main --config=configs/X.py --workdir=DIR.
 
+Runs the job the config names (config.job: 'pretrain' or 'linear_probe').
 Every config field can be overridden on the command line, e.g.
---config.batch_size=512 or --config=configs/simclr_cifar10.py:runlocal.
-A workdir that holds a checkpoint resumes from it.
+--config.batch_size=512 or --config=configs/simclr_cifar10.py:runlocal. A
+workdir that holds a checkpoint resumes from it. Expected failures (a config
+that cannot run, a diverged run, a bad workdir) end with one line on stderr
+and exit status 1. Job modules define no flags; this one defines them all.
 """
 import sys
 
-import jax
 from absl import app
 from absl import flags
 from absl import logging
 from ml_collections import config_flags
 
+import jax
+
+from contrastive_jax import linear_probe
 from contrastive_jax import metrics
-from contrastive_jax import train
+from contrastive_jax import pretrain
+from contrastive_jax import runner
 from contrastive_jax.errors import ConfigError
+from contrastive_jax.errors import JobError
+
+JOBS = {"pretrain": pretrain, "linear_probe": linear_probe}
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).",
                                           lock_config=True)
@@ -22,6 +31,17 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and m
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Call jax.distributed.initialize() first (multi-host TPU pods).")
 flags.mark_flags_as_required(["config", "workdir"])
+
+
+def get_job(name: str):
+  """The job module for config.job.
+
+  Raises:
+    ConfigError: unknown job name.
+  """
+  if name not in JOBS:
+    raise ConfigError("job", name, f"one of {sorted(JOBS)}")
+  return JOBS[name]
 
 
 def main(argv):
@@ -33,8 +53,8 @@ def main(argv):
   logging.info("JAX process %d of %d, %d local devices of %d.", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count())
   try:
-    train.train(_CONFIG.value, _WORKDIR.value)
-  except ConfigError as e:
+    runner.run(get_job(_CONFIG.value.get("job")), _CONFIG.value, _WORKDIR.value)
+  except JobError as e:
     sys.exit(f"error: {e}")
 
 

@@ -4,7 +4,7 @@ Methods keep their loss and state update together in contrastive_jax/methods/;
 this module holds what is the same for all of them: the state's common
 fields, the device mesh, the two augmented views, and the optimizer update.
 """
-from typing import Any
+from typing import Any, NamedTuple
 
 import flax
 import jax
@@ -29,6 +29,7 @@ class TrainState:
       fold_in(rng, s), so every random draw is a function of seed and step.
     extra: method-specific state (MoCo's key encoder and queue, BYOL's target
       network), a dict; empty for SimCLR.
+    probe: the online probe's {'params', 'opt_state'}, or {} without one.
   """
   step: jax.Array
   params: Any
@@ -36,6 +37,7 @@ class TrainState:
   opt_state: Any
   rng: jax.Array
   extra: Any = flax.struct.field(default_factory=dict)
+  probe: Any = flax.struct.field(default_factory=dict)
 
 
 def make_mesh(devices=None) -> jax.sharding.Mesh:
@@ -88,33 +90,113 @@ def shuffle_key(rng, step):
 
 
 def apply_gradients(state: TrainState, grads, tx: optax.GradientTransformation, **changes):
-  """One optimizer update; `changes` replace other state fields (batch_stats, extra)."""
+  """One optimizer update; `changes` replace other state fields (batch_stats, extra).
+
+  Returns (new state, health) where health holds the float32 global L2 norms
+  'grad_norm', 'update_norm' and 'param_norm' (of the new parameters; it is
+  non-finite as soon as any parameter is, which the runner checks before
+  every save).
+  """
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
-  return state.replace(step=state.step + 1, params=optax.apply_updates(state.params, updates),
-                       opt_state=opt_state, **changes)
+  params = optax.apply_updates(state.params, updates)
+  health = {"grad_norm": optax.tree.norm(grads), "update_norm": optax.tree.norm(updates),
+            "param_norm": optax.tree.norm(params)}
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
+                       **changes), health
 
 
-def build_train_step(per_device, tx, mesh, after_update=None):
+def projection_std(z, axis_name):
+  """Mean over dimensions of the per-dimension std of L2-normalised z over the global batch.
+
+  The collapse signal of SimSiam (Chen and He 2021, Sec. 4.1): about
+  1/sqrt(d) for a healthy d-dim projection, near 0 once the outputs collapse
+  to one vector. z: this device's float [b, d] rows inside shard_map.
+  Returns a float32 scalar, the same on every device.
+  """
+  z = jax.lax.stop_gradient(z.astype(jnp.float32))
+  z = z / jnp.maximum(jnp.linalg.norm(z, axis=1, keepdims=True), 1e-12)
+  mean = jax.lax.pmean(jnp.mean(z, axis=0), axis_name)
+  var = jax.lax.pmean(jnp.mean(jnp.square(z - mean), axis=0), axis_name)
+  return jnp.mean(jnp.sqrt(var))
+
+
+class OnlineProbe(NamedTuple):
+  """A linear classifier on stop_gradient(h) of view 1, trained inside the train step.
+
+  As SimCLR's and BYOL's online evaluation: its own optimizer `tx` and the
+  train batch's labels; it never changes the encoder's training. head: a Flax
+  module [b, D] -> [b, num_classes] logits.
+  """
+  head: Any
+  tx: optax.GradientTransformation
+
+  def init(self, rng, feature_dim: int) -> dict:
+    params = self.head.init(rng, jnp.zeros((1, feature_dim), jnp.float32))["params"]
+    return {"params": params, "opt_state": self.tx.init(params)}
+
+  def grads(self, params, h, labels, axis_name):
+    """Cross-entropy gradients over the global batch, and its loss and top-1 (inside shard_map)."""
+    h = jax.lax.stop_gradient(h.astype(jnp.float32))
+
+    def loss_fn(p):
+      logits = self.head.apply({"params": p}, h)
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+      top1 = jnp.mean(jnp.argmax(logits, -1) == labels)
+      return jax.lax.pmean(loss, axis_name), jax.lax.pmean(top1, axis_name)
+
+    (loss, top1), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return grads, {"online_probe_loss": loss, "online_probe_train_top1": top1}
+
+  def update(self, probe_state, grads) -> dict:
+    updates, opt_state = self.tx.update(grads, probe_state["opt_state"], probe_state["params"])
+    return {"params": optax.apply_updates(probe_state["params"], updates),
+            "opt_state": opt_state}
+
+
+def build_train_step(per_device, tx, mesh, after_update=None, probe: OnlineProbe = None):
   """A method's train_step(state, batch) -> (state, metrics), to be jitted.
 
   Args:
-    per_device: (state, images) -> (grads, batch_stats, extra, metrics), run
-      inside shard_map on every device with the state replicated and
-      images = this device's rows of batch['image'] (uint8 [b, 2, H, W, 3]).
-      Its outputs must be the same on every device (psum/pmean inside).
+    per_device: (state, images) -> (grads, batch_stats, extra, metrics,
+      outputs), run inside shard_map on every device with the state
+      replicated and images = this device's rows of batch['image'] (uint8
+      [b, 2, H, W, 3]). Its grads, batch_stats, extra and metrics must be the
+      same on every device (psum/pmean inside); outputs holds this device's
+      train-mode 'h' [b, D] and projection 'z' [b, d] of view 1.
     tx: the optimizer applied to the gradients, outside shard_map.
     after_update: optional state -> state run after the optimizer update
       (BYOL's target EMA, which uses the updated online parameters).
+    probe: an OnlineProbe trained on outputs['h'] and batch['label'], or None.
+  Returns:
+    train_step whose metrics add 'projection_std' (see projection_std), the
+    norms of apply_gradients and, with a probe, 'online_probe_loss' and
+    'online_probe_train_top1' to the method's.
   """
-  sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(), jax.P(DATA_AXIS)),
+  def sharded_part(state, images, labels=None):
+    grads, batch_stats, extra, metrics, outputs = per_device(state, images)
+    metrics = dict(metrics, projection_std=projection_std(outputs["z"], DATA_AXIS))
+    probe_grads = None
+    if probe is not None:
+      probe_grads, probe_metrics = probe.grads(state.probe["params"], outputs["h"], labels,
+                                               DATA_AXIS)
+      metrics.update(probe_metrics)
+    return grads, batch_stats, extra, metrics, probe_grads
+
+  # Labels are an input only with a probe: the methods themselves never see them.
+  inputs = ("image",) if probe is None else ("image", "label")
+  sharded = jax.shard_map(sharded_part, mesh=mesh,
+                          in_specs=(jax.P(),) + (jax.P(DATA_AXIS),) * len(inputs),
                           out_specs=jax.P())
 
   def train_step(state, batch):
-    grads, batch_stats, extra, metrics = sharded(state, batch["image"])
-    state = apply_gradients(state, grads, tx, batch_stats=batch_stats, extra=extra)
+    grads, batch_stats, extra, metrics, probe_grads = sharded(
+        state, *(batch[name] for name in inputs))
+    state, health = apply_gradients(state, grads, tx, batch_stats=batch_stats, extra=extra)
     if after_update is not None:
       state = after_update(state)
-    return state, metrics
+    if probe is not None:
+      state = state.replace(probe=probe.update(state.probe, probe_grads))
+    return state, {**metrics, **health}
 
   return train_step
 

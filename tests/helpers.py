@@ -22,15 +22,16 @@ def tiny_config(method: str = "simclr"):
     config.moco.queue_size = 64
   config.data_dir = TFDS_DIR
   config.train_split = "train[:256]"
-  config.eval_split = "test[:64]"
-  config.knn.bank_split = "train[:128]"
-  config.knn.batch_size = 64
-  config.knn.every_steps = 1000
+  for evaluator in config.evaluators.values():
+    evaluator.split = "test[:64]"
+    evaluator.batch_size = 64
+    evaluator.every = "1000 steps"
+  config.evaluators.knn.bank_split = "train[:128]"
   config.batch_size = 16
-  config.total_steps = 4
+  config.duration = "4 steps"
   config.model.width = 0.0625
-  config.log_every_steps = 1
-  config.checkpoint_every_steps = 2
+  config.log_every = "1 steps"
+  config.checkpoint_every = "2 steps"
   config.shuffle_buffer = 256
   config.data_threads = 1
   return config

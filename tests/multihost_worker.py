@@ -1,29 +1,50 @@
-"""One process of a simulated 2-host run (tests/test_multihost.py starts two).
+"""One process of a simulated 2-host job (tests/test_multihost.py starts two).
 
-usage: python multihost_worker.py PROCESS_ID PORT WORKDIR TFDS_DIR
+usage: python multihost_worker.py PROCESS_ID PORT WORKDIR TFDS_DIR JOB [PRETRAIN_WORKDIR]
+
+JOB 'pretrain' runs 3 steps of the tiny SimCLR config; 'linear_probe' probes
+PRETRAIN_WORKDIR for up to 400 steps (the test stops it with SIGTERM).
+Imports every module first and initialises jax.distributed after, as a pod
+worker does.
 """
 import sys
 
 import jax
 
+from contrastive_jax import linear_probe
+from contrastive_jax import pretrain
+from contrastive_jax import runner
+
 jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
-def main(process_id: int, port: int, workdir: str, tfds_dir: str):
+def main(process_id: int, port: int, workdir: str, tfds_dir: str, job: str,
+         pretrain_workdir: str = ""):
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-  from helpers import tiny_config
-  from contrastive_jax import train
+  from helpers import load_config, tiny_config
 
-  config = tiny_config()
+  if job == "pretrain":
+    config = tiny_config()
+    config.duration = "3 steps"
+    config.checkpoint_every = "3 steps"
+  else:
+    config = load_config("linear_probe", "runlocal")
+    config.pretrain_workdir = pretrain_workdir
+    config.train_split = "train[:256]"
+    config.batch_size = 16
+    config.duration = "400 steps"
+    config.log_every = "1 steps"
+    config.shuffle_buffer = 256
+    config.data_threads = 1
+    config.evaluators.linear_probe.split = "test[:32]"
+    config.evaluators.linear_probe.batch_size = 16
   config.data_dir = tfds_dir
-  config.total_steps = 3
-  config.checkpoint_every_steps = 3
-  state = train.train(config, workdir)
+  state, _ = runner.run({"pretrain": pretrain, "linear_probe": linear_probe}[job], config, workdir)
   leaf = jax.tree.leaves(state.params)[0]
   print(f"RESULT process={jax.process_index()} step={int(state.step)} "
         f"checksum={float(leaf.addressable_data(0).sum()):.8f}", flush=True)
 
 
 if __name__ == "__main__":
-  main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3], sys.argv[4])
+  main(int(sys.argv[1]), int(sys.argv[2]), *sys.argv[3:])

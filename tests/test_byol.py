@@ -6,7 +6,7 @@ import pytest
 from helpers import load_config
 
 from contrastive_jax import augment
-from contrastive_jax import train
+from contrastive_jax import pretrain
 from contrastive_jax import train_state as ts
 from contrastive_jax.methods import byol
 from test_simclr import numeric_grad
@@ -42,7 +42,7 @@ def test_loss_value_and_gradient_match_numpy_and_spare_the_target():
 
 def test_views_get_their_own_settings():
   config = load_config("byol_cifar10")
-  v1, v2 = train.views(config)
+  v1, v2 = pretrain.views(config)
   assert (v1.blur_prob, v1.solarize_prob, v2.blur_prob, v2.solarize_prob) == (1.0, 0.0, 0.1, 0.2)
   # Applied per view: solarize always on view 1, never on view 2.
   mesh = ts.make_mesh()
@@ -73,7 +73,7 @@ def test_eight_devices_equal_one_device_and_target_follows_the_ema():
   config = tiny_byol_config()
   states = []
   for mesh in (ts.make_mesh(), ts.make_mesh(jax.devices()[:1])):
-    run = train.setup(config, mesh, steps_per_epoch=10, num_steps=4)
+    run = pretrain.setup(config, mesh, steps_per_epoch=10, num_steps=4)
     state = run.init()
     target0 = jax.device_get(state.extra["target_params"])
     state, m1 = run.train_step(state, {"image": jax.device_put(images[0], ts.batch_sharded(mesh))})

@@ -1,4 +1,4 @@
-"""Linear probe: restores any method's checkpoint, keeps the encoder frozen."""
+"""Linear probe: restores only the encoder of any method's checkpoint, keeps it frozen."""
 import json
 import os
 
@@ -9,9 +9,11 @@ from helpers import TFDS_DIR, load_config, tiny_config
 
 from contrastive_jax import checkpointing
 from contrastive_jax import linear_probe
-from contrastive_jax import train
+from contrastive_jax import pretrain
+from contrastive_jax import runner
 from contrastive_jax import train_state as ts
 from contrastive_jax.errors import ConfigError
+from contrastive_jax.errors import NonFiniteError
 
 
 @pytest.fixture(scope="module")
@@ -19,8 +21,9 @@ def pretrained(tmp_path_factory):
   """A 2-step SimCLR run on 8 devices; returns its workdir."""
   workdir = str(tmp_path_factory.mktemp("pretrain"))
   config = tiny_config()
-  config.total_steps = 2
-  train.train(config, workdir)
+  config.duration = "2 steps"
+  config.checkpoint_every = "1 steps"
+  runner.run(pretrain, config, workdir)
   return workdir
 
 
@@ -29,11 +32,11 @@ def probe_config(pretrain_workdir, **overrides):
   config.pretrain_workdir = pretrain_workdir
   config.data_dir = TFDS_DIR
   config.train_split = "train[:64]"
-  config.eval_split = "test[:40]"
+  config.evaluators.linear_probe.split = "test[:40]"
+  config.evaluators.linear_probe.batch_size = 16
   config.batch_size = 16
-  config.eval_batch_size = 16
-  config.total_steps = 3
-  config.log_every_steps = 1
+  config.duration = "3 steps"
+  config.log_every = "1 steps"
   config.shuffle_buffer = 64
   config.data_threads = 1
   config.update(overrides)
@@ -41,34 +44,49 @@ def probe_config(pretrain_workdir, **overrides):
 
 
 def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path):
-  ckpt = checkpointing.Checkpointer(os.path.join(pretrained, "checkpoints"), read_only=True)
   mesh = ts.make_mesh()
   _, saved_vars, saved_config, step = linear_probe.restore_encoder(probe_config(pretrained), mesh)
   assert step == 2 and saved_config.method == "simclr"
   before = jax.device_get(saved_vars)
-  state, enc_vars, result = linear_probe.probe(probe_config(pretrained), str(tmp_path))
-  assert int(state.step) == 3
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(enc_vars), before)
-  # The probe restored exactly what pretraining saved.
-  restored = ckpt.restore(checkpointing.abstract_like(
-      jax.eval_shape(train.setup(saved_config, mesh, 1, 1).init), ts.replicated(mesh)))
+  # The partial restore read exactly what pretraining saved.
+  ckpt = checkpointing.Checkpointer(os.path.join(pretrained, "checkpoints"), read_only=True)
+  full = ckpt.restore(checkpointing.abstract_like(
+      jax.eval_shape(pretrain.setup(saved_config, mesh, 1, 1, num_classes=10).init),
+      ts.replicated(mesh)))
   jax.tree.map(np.testing.assert_array_equal, before["params"],
-               jax.device_get(restored.params["encoder"]))
+               jax.device_get(full.params["encoder"]))
+  jax.tree.map(np.testing.assert_array_equal, before["batch_stats"],
+               jax.device_get(full.batch_stats["encoder"]))
+
+  task = linear_probe.build(probe_config(pretrained), mesh, None)
+  state, result = runner.run(linear_probe, probe_config(pretrained), str(tmp_path))
+  assert int(state.step) == 3
+  enc_vars = task.eval_model.variables(state)[0]
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(enc_vars), before)
   with open(tmp_path / "metrics.jsonl") as f:
     records = [json.loads(line) for line in f]
   assert [r["step"] for r in records] == [1, 2, 3]
-  assert 0 <= records[-1]["top1"] <= records[-1]["top5"] <= 1
-  assert result == {"top1": records[-1]["top1"], "top5": records[-1]["top5"]}
+  assert 0 <= records[-1]["linear_probe_top1"] <= records[-1]["linear_probe_top5"] <= 1
+  assert result == {k: records[-1][k] for k in ("linear_probe_top1", "linear_probe_top5")}
   # 40 test images: every fraction is a multiple of 1/40.
-  assert round(result["top1"] * 40, 6) == round(result["top1"] * 40)
-  # Resuming the finished probe with another recipe is refused, not silently mixed.
+  assert round(result["linear_probe_top1"] * 40, 6) == round(result["linear_probe_top1"] * 40)
+  # Resuming the finished probe reports the same numbers.
+  assert runner.run(linear_probe, probe_config(pretrained), str(tmp_path))[1] == result
+  # Resuming with another recipe is refused, not silently mixed.
   with pytest.raises(ConfigError, match="config.batch_size=32: must be 16"):
-    linear_probe.probe(probe_config(pretrained, batch_size=32), str(tmp_path))
+    runner.run(linear_probe, probe_config(pretrained, batch_size=32), str(tmp_path))
   # So is a probe into a pretraining workdir, and pretraining into a probe's.
   with pytest.raises(ConfigError, match="another kind of job"):
-    linear_probe.probe(probe_config(pretrained), pretrained)
+    runner.run(linear_probe, probe_config(pretrained), pretrained)
   with pytest.raises(ConfigError, match="another kind of job"):
-    train.train(tiny_config(), str(tmp_path))
+    runner.run(pretrain, tiny_config(), str(tmp_path))
+
+
+def test_probe_stops_on_a_non_finite_loss(pretrained, tmp_path):
+  config = probe_config(pretrained, duration="6 steps", checkpoint_every="1 steps")
+  config.optimizer.base_lr = 1e38
+  with pytest.raises(NonFiniteError, match="non-finite training at step"):
+    runner.run(linear_probe, config, str(tmp_path))
 
 
 def test_restore_onto_another_device_count(pretrained):
@@ -79,10 +97,13 @@ def test_restore_onto_another_device_count(pretrained):
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(on8), jax.device_get(on1))
 
 
-def test_random_init_baseline_differs_from_pretrained(pretrained):
-  _, trained, _, _ = linear_probe.restore_encoder(probe_config(pretrained), ts.make_mesh())
+def test_random_init_baseline_is_the_pretraining_runs_initialisation(pretrained):
+  _, trained, saved, _ = linear_probe.restore_encoder(probe_config(pretrained), ts.make_mesh())
   _, random, _, _ = linear_probe.restore_encoder(probe_config(pretrained, random_init=True),
                                                  ts.make_mesh())
+  init = jax.device_get(pretrain.setup(saved, ts.make_mesh(), 1, 1).init())
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(random["params"]),
+               init.params["encoder"])
   assert not np.array_equal(jax.device_get(trained["params"]["stem_conv"]["kernel"]),
                             jax.device_get(random["params"]["stem_conv"]["kernel"]))
 
@@ -94,3 +115,7 @@ def test_bad_probe_inputs(pretrained, tmp_path):
     linear_probe.restore_encoder(probe_config(pretrained, pretrain_step=7), ts.make_mesh())
   with pytest.raises(ConfigError, match="config.model_name='resnet50': must be 'resnet18'"):
     linear_probe.restore_encoder(probe_config(pretrained, model_name="resnet50"), ts.make_mesh())
+  config = probe_config(pretrained)
+  config.evaluators.linear_probe.every = "0 steps"
+  with pytest.raises(ConfigError, match="config.evaluators.linear_probe.every='0 steps'"):
+    runner.run(linear_probe, config, str(tmp_path))

@@ -1,10 +1,36 @@
-"""Contrastive methods, one module each: loss, model and state update together."""
+"""Contrastive methods, one module each: loss, model and state update together.
+
+The method contract: a module registered in METHODS provides
+
+  check_config(config, num_train_examples) -> None
+      Raises ConfigError, naming the field, for the method's own fields
+      (temperature, moco.*, byol.*, heads); runs before any compute.
+  build_model(config) -> models.ContrastiveModel
+      The trained network, whose submodule 'encoder' is the representation
+      h that downstream jobs use.
+  init_state(config, model, tx, init_rng, rng) -> train_state.TrainState
+      The state at step 0: params and batch_stats from model.init, the
+      optimizer state, rng as the run's base key, and the method's own
+      state in `extra` (MoCo's key encoder and queue, BYOL's target network).
+  make_train_step(config, model, tx, views, mesh, num_steps, probe=None)
+      -> train_step(state, batch) -> (state, metrics), built with
+      train_state.build_train_step (so every method gets the health
+      scalars, the online probe, the augmentation keys and the sharding of
+      the others); batch holds 'image' uint8 [B, 2, S, S, 3] and 'label'
+      int32 [B]; metrics are float32 scalars including 'loss'.
+
+and keeps the encoder that downstream jobs use at state.params['encoder'] and
+state.batch_stats['encoder'] (encoder_variables), which is what their partial
+checkpoint restore reads. tests/test_methods.py checks every registered method
+against this contract.
+"""
 from contrastive_jax.errors import ConfigError
 from contrastive_jax.methods import byol
 from contrastive_jax.methods import moco
 from contrastive_jax.methods import simclr
 
 METHODS = {"byol": byol, "moco": moco, "simclr": simclr}
+ENCODER = "encoder"
 
 
 def get_method(name: str):
@@ -16,3 +42,9 @@ def get_method(name: str):
   if name not in METHODS:
     raise ConfigError("method", name, f"one of {sorted(METHODS)}")
   return METHODS[name]
+
+
+def encoder_variables(tree):
+  """The encoder's {'params', 'batch_stats'} of a TrainState (or a dict with those keys)."""
+  get = tree.get if isinstance(tree, dict) else lambda k: getattr(tree, k)
+  return {"params": get("params")[ENCODER], "batch_stats": get("batch_stats")[ENCODER]}

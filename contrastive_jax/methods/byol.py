@@ -78,12 +78,7 @@ def init_state(config, model, tx, init_rng, rng) -> ts.TrainState:
                        opt_state=tx.init(params), rng=rng, extra=extra)
 
 
-def encoder_variables(state: ts.TrainState):
-  """The online encoder's {'params', 'batch_stats'} (what downstream jobs use)."""
-  return {"params": state.params["encoder"], "batch_stats": state.batch_stats["encoder"]}
-
-
-def make_train_step(config, model, tx, views, mesh, num_steps):
+def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
   The target EMA uses tau_k of the step k just taken (ts.ema_momentum,
@@ -100,18 +95,20 @@ def make_train_step(config, model, tx, views, mesh, num_steps):
     z1, z2 = jnp.split(z_target, 2)
 
     def loss_fn(params):
-      (_, _, p), updates = model.apply({"params": params, "batch_stats": state.batch_stats}, x,
+      (h, z, p), updates = model.apply({"params": params, "batch_stats": state.batch_stats}, x,
                                        train=True, mutable=["batch_stats"])
       p1, p2 = jnp.split(p, 2)
-      return byol_loss(p1, p2, z1, z2, ts.DATA_AXIS), updates["batch_stats"]
+      b = len(p1)
+      return byol_loss(p1, p2, z1, z2, ts.DATA_AXIS), (updates["batch_stats"],
+                                                       {"h": h[:b], "z": z[:b]})
 
-    (loss, stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    (loss, (stats, outputs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     new_extra = dict(extra, target_batch_stats=target_updates["batch_stats"])
-    return grads, stats, new_extra, {"loss": loss}
+    return grads, stats, new_extra, {"loss": loss}, outputs
 
   def update_target(state):
     tau = ts.ema_momentum(config.byol.tau_base, state.step - 1, num_steps, "cosine")
     target = ts.ema_update(state.extra["target_params"], _target_part(state.params), tau)
     return state.replace(extra=dict(state.extra, target_params=target))
 
-  return ts.build_train_step(per_device, tx, mesh, after_update=update_target)
+  return ts.build_train_step(per_device, tx, mesh, after_update=update_target, probe=probe)

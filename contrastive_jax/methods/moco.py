@@ -112,24 +112,20 @@ def init_state(config, model, tx, init_rng, rng) -> ts.TrainState:
                        opt_state=tx.init(params), rng=rng, extra=extra)
 
 
-def encoder_variables(state: ts.TrainState):
-  """The query encoder's {'params', 'batch_stats'} (what downstream jobs use)."""
-  return {"params": state.params["encoder"], "batch_stats": state.batch_stats["encoder"]}
-
-
 def grouped_apply(model, params, batch_stats, x, groups: int):
   """Train-mode forward with separate BN statistics for each of `groups` chunks of x.
 
-  Returns (z [b, D] float32, new batch_stats averaged over groups and devices).
+  Returns (h [b, C], z [b, D], new batch_stats averaged over groups and
+  devices); h and z float32.
   """
   def one_group(xg):
-    (_, z), updates = model.apply({"params": params, "batch_stats": batch_stats}, xg,
+    (h, z), updates = model.apply({"params": params, "batch_stats": batch_stats}, xg,
                                   train=True, mutable=["batch_stats"])
-    return z, updates["batch_stats"]
+    return h, z, updates["batch_stats"]
 
-  z, stats = jax.vmap(one_group)(x.reshape(groups, -1, *x.shape[1:]))
+  h, z, stats = jax.vmap(one_group)(x.reshape(groups, -1, *x.shape[1:]))
   stats = jax.tree.map(lambda s: jax.lax.pmean(jnp.mean(s, axis=0), ts.DATA_AXIS), stats)
-  return z.reshape(-1, z.shape[-1]), stats
+  return h.reshape(-1, h.shape[-1]), z.reshape(-1, z.shape[-1]), stats
 
 
 def shuffle_rows(x, perm):
@@ -153,7 +149,7 @@ def unshuffle_rows(y, perm):
   return gathered[jnp.argsort(perm)]
 
 
-def make_train_step(config, model, tx, views, mesh, num_steps):
+def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
   Per step: EMA of the key encoder from the current query encoder (MoCo
@@ -172,21 +168,22 @@ def make_train_step(config, model, tx, views, mesh, num_steps):
     perm = jax.random.permutation(ts.shuffle_key(state.rng, state.step),
                                   b * jax.lax.axis_size(ts.DATA_AXIS))
     # Shuffle BN: encode the keys in BN groups of other samples than their queries'.
-    k_shuffled, key_stats = grouped_apply(model, key_params, extra["key_batch_stats"],
+    _, k_shuffled, key_stats = grouped_apply(model, key_params, extra["key_batch_stats"],
                                           shuffle_rows(x_k, perm), groups)
     k_all = jax.lax.stop_gradient(unshuffle_rows(_normalize(k_shuffled), perm))
     k = jax.lax.dynamic_slice_in_dim(k_all, jax.lax.axis_index(ts.DATA_AXIS) * b, b)
 
     def loss_fn(params):
-      q, stats = grouped_apply(model, params, state.batch_stats, x_q, groups)
+      h, q, stats = grouped_apply(model, params, state.batch_stats, x_q, groups)
       loss, top1 = info_nce(q, k, extra["queue"], config.temperature, ts.DATA_AXIS)
-      return loss, (stats, top1)
+      return loss, (stats, top1, {"h": h, "z": q})
 
-    (loss, (stats, top1)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    (loss, (stats, top1, outputs)), grads = jax.value_and_grad(
+        loss_fn, has_aux=True)(state.params)
     queue, ptr = enqueue(extra["queue"], extra["queue_ptr"], k_all)
     new_extra = {"key_params": key_params, "key_batch_stats": key_stats, "queue": queue,
                  "queue_ptr": ptr}
     return grads, stats, new_extra, {"loss": loss, "contrastive_top1": top1,
-                                     "key_momentum": momentum}
+                                     "key_momentum": momentum}, outputs
 
-  return ts.build_train_step(per_device, tx, mesh)
+  return ts.build_train_step(per_device, tx, mesh, probe=probe)

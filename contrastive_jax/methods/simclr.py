@@ -86,17 +86,12 @@ def init_state(config, model, tx, init_rng, rng) -> ts.TrainState:
                        opt_state=tx.init(params), rng=rng)
 
 
-def encoder_variables(state: ts.TrainState):
-  """The encoder's {'params', 'batch_stats'} for the kNN monitor and linear probe."""
-  return {"params": state.params["encoder"], "batch_stats": state.batch_stats["encoder"]}
-
-
-def make_train_step(config, model, tx, views, mesh, num_steps):
+def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
   batch['image'] is uint8 [B, 2, H, W, 3] sharded over the data axis; metrics
-  holds float32 scalars 'loss' and 'contrastive_top1'. num_steps is unused
-  (SimCLR has no schedule of its own besides the learning rate).
+  add float32 scalars 'loss' and 'contrastive_top1' to ts.build_train_step's.
+  num_steps is unused (SimCLR has no schedule of its own besides the lr).
   """
   del num_steps
 
@@ -104,14 +99,15 @@ def make_train_step(config, model, tx, views, mesh, num_steps):
     x1, x2 = ts.augmented_views(images, state.rng, state.step, views)
 
     def loss_fn(params):
-      (_, z), updates = model.apply({"params": params, "batch_stats": state.batch_stats},
+      (h, z), updates = model.apply({"params": params, "batch_stats": state.batch_stats},
                                     jnp.concatenate([x1, x2]), train=True,
                                     mutable=["batch_stats"])
       z1, z2 = jnp.split(z, 2)
       loss, top1 = nt_xent(z1, z2, config.temperature, ts.DATA_AXIS)
-      return loss, (updates["batch_stats"], top1)
+      return loss, (updates["batch_stats"], top1, {"h": h[:len(x1)], "z": z1})
 
-    (loss, (new_stats, top1)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    return grads, new_stats, state.extra, {"loss": loss, "contrastive_top1": top1}
+    (loss, (new_stats, top1, outputs)), grads = jax.value_and_grad(
+        loss_fn, has_aux=True)(state.params)
+    return grads, new_stats, state.extra, {"loss": loss, "contrastive_top1": top1}, outputs
 
-  return ts.build_train_step(per_device, tx, mesh)
+  return ts.build_train_step(per_device, tx, mesh, probe=probe)

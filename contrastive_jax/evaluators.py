@@ -1,0 +1,199 @@
+"""Evaluators: the kNN monitor and classifier accuracy, run by the job runner.
+
+A job's config declares its evaluators in config.evaluators, a dict
+{name: {kind, every, split, batch_size, ...}}; `every` is a duration ('10
+epochs', '500 steps') and every evaluator also runs at a job's last step.
+Metrics are named '<name>_top1' (and '<name>_top5' with 5 classes or more), as
+fractions of the split's images, each counted once. Adding a kind is one
+class here and one entry in KINDS; the runner never changes.
+
+Evaluation is sharded over the mesh: batches are split over the devices, and
+the kNN bank stays sharded where it was computed (each device scores the
+queries against its own part of the bank and the devices merge their top-k).
+"""
+from typing import Callable, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from absl import logging
+
+from contrastive_jax import config_lib
+from contrastive_jax import input_pipeline
+from contrastive_jax import train_state as ts
+from contrastive_jax.errors import ConfigError
+
+
+class EvalModel(NamedTuple):
+  """What evaluators call: pure functions of (variables, uint8 images [B, S, S, 3]).
+
+  variables: state -> the pytree passed to features and logits.
+  features: -> float32 [B, D] representation h (eval-mode encoder).
+  logits: -> float32 [B, C] class logits of the job's classifier, or None.
+  dataset: (split, local_batch) -> this process's eval tf.data of
+    {'image', 'label', 'mask'} (input_pipeline.eval_dataset).
+  """
+  variables: Callable
+  features: Callable
+  logits: Optional[Callable]
+  dataset: Callable
+
+
+def _l2_normalize(x):
+  return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def knn_vote(top_sims, top_labels, *, num_classes: int, temperature: float):
+  """Weighted kNN prediction (Wu et al. 2018, Sec. 3.4).
+
+  Args:
+    top_sims: float32 [Q, k] cosine similarities of each query's k nearest
+      bank entries (-inf for padding entries, which vote with weight 0).
+    top_labels: int [Q, k] their labels.
+    temperature: vote weight exp(sim / temperature), > 0.
+  Returns:
+    int32 [Q]: the class with the largest summed weight; ties go to the
+    smaller class index.
+  """
+  votes = jax.nn.one_hot(top_labels, num_classes) * jnp.exp(top_sims / temperature)[..., None]
+  return jnp.argmax(jnp.sum(votes, axis=1), axis=1).astype(jnp.int32)
+
+
+def top_k_neighbours(sims, labels, k: int):
+  """(top_sims [Q, k'], their labels [Q, k']) of sims [Q, N], labels [N]; k' = min(k, N)."""
+  top_sims, top_idx = jax.lax.top_k(sims, min(k, sims.shape[1]))
+  return top_sims, labels[top_idx]
+
+
+class Knn:
+  """Weighted kNN monitor: cosine similarity of L2-normalised h, k nearest vote.
+
+  Config fields: split (queries), bank_split, k, temperature, batch_size.
+  The bank is the whole bank_split, every query image counts once; encoder
+  in eval mode.
+  """
+  at_start = True  # The initial encoder is the baseline the run improves on.
+
+  def __init__(self, name, cfg, model: EvalModel, mesh, num_classes: int):
+    self.name, self._model, self._mesh = name, model, mesh
+    self._split, self._bank_split = cfg.split, cfg.bank_split
+    self._local_batch = cfg.batch_size // jax.process_count()
+    batch = ts.batch_sharded(mesh)
+    self._embed = jax.jit(lambda v, x: _l2_normalize(model.features(v, x)),
+                          out_shardings=batch)
+    self._stack = jax.jit(lambda *xs: jnp.stack(xs),
+                          out_shardings=jax.sharding.NamedSharding(mesh, jax.P(None, ts.DATA_AXIS)))
+    axis = ts.DATA_AXIS
+
+    def score(q, q_labels, q_mask, bank, bank_labels, bank_mask):
+      # Every device scores all queries against its own part of the bank,
+      # then the devices' top-k are merged into the global top-k.
+      b = q.shape[0]
+      queries = jax.lax.all_gather(q, axis, tiled=True)
+      bank, bank_labels = bank.reshape(-1, bank.shape[-1]), bank_labels.reshape(-1)
+      sims = jnp.matmul(queries, bank.T, precision=jax.lax.Precision.HIGHEST)
+      sims = jnp.where(bank_mask.reshape(-1)[None, :], sims, -jnp.inf)
+      local_sims, local_labels = top_k_neighbours(sims, bank_labels, cfg.k)
+      merged_sims = jax.lax.all_gather(local_sims, axis, axis=1, tiled=True)
+      merged_labels = jax.lax.all_gather(local_labels, axis, axis=1, tiled=True)
+      top_sims, idx = jax.lax.top_k(merged_sims, min(cfg.k, merged_sims.shape[1]))
+      pred = knn_vote(top_sims, jnp.take_along_axis(merged_labels, idx, axis=1),
+                      num_classes=num_classes, temperature=cfg.temperature)
+      mine = jax.lax.dynamic_slice_in_dim(pred, jax.lax.axis_index(axis) * b, b)
+      return jax.lax.psum((jnp.sum((mine == q_labels) & q_mask), jnp.sum(q_mask)), axis)
+
+    data, bank_spec = jax.P(axis), jax.P(None, axis)
+    self._score = jax.jit(jax.shard_map(
+        score, mesh=mesh, in_specs=(data, data, data, bank_spec, bank_spec, bank_spec),
+        out_specs=jax.P()))
+
+  def _features(self, variables, split):
+    """Yields (h sharded [B, D], labels, mask) for every batch of `split`."""
+    ds = self._model.dataset(split, self._local_batch)
+    for batch in input_pipeline.device_batches(ds, ts.batch_sharded(self._mesh)):
+      yield self._embed(variables, batch["image"]), batch["label"], batch["mask"]
+
+  def __call__(self, state) -> dict:
+    variables = self._model.variables(state)
+    bank = [self._stack(*parts) for parts in zip(*self._features(variables, self._bank_split))]
+    correct = total = 0
+    for q, labels, mask in self._features(variables, self._split):
+      c, t = self._score(q, labels, mask, *bank)
+      correct, total = correct + c, total + t
+    return {f"{self.name}_top1": float(correct) / float(total)}
+
+
+class Classifier:
+  """Top-1 (and top-5 with >= 5 classes) accuracy of the job's classifier head.
+
+  The pretraining job's classifier is its online probe; the linear-probe
+  job's is its linear head. Config fields: split, batch_size.
+  """
+  at_start = False  # An untrained head says nothing.
+
+  def __init__(self, name, cfg, model: EvalModel, mesh, num_classes: int):
+    self.name, self._model, self._mesh = name, model, mesh
+    self._split, self._local_batch = cfg.split, cfg.batch_size // jax.process_count()
+    self._ks = tuple(k for k in (1, 5) if k <= num_classes)
+
+    def counts(variables, batch):
+      top = jax.lax.top_k(model.logits(variables, batch["image"]), max(self._ks))[1]
+      hits = [jnp.any(top[:, :k] == batch["label"][:, None], axis=1) & batch["mask"]
+              for k in self._ks]
+      return jnp.stack([jnp.sum(h) for h in hits] + [jnp.sum(batch["mask"])])
+
+    self._counts = jax.jit(counts)
+
+  def __call__(self, state) -> dict:
+    variables = self._model.variables(state)
+    totals = 0
+    ds = self._model.dataset(self._split, self._local_batch)
+    for batch in input_pipeline.device_batches(ds, ts.batch_sharded(self._mesh)):
+      totals = totals + self._counts(variables, batch)  # Stays on the device until the end.
+    totals = np.asarray(jax.device_get(totals), np.float64)
+    return {f"{self.name}_top{k}": totals[i] / totals[-1] for i, k in enumerate(self._ks)}
+
+
+KINDS = {"knn": Knn, "classifier": Classifier}
+
+
+def check_config(evaluators, source, num_devices: int):
+  """Raises ConfigError for an evaluator that cannot run (before any compute).
+
+  Args:
+    evaluators: config.evaluators, {name: {kind, every, split, batch_size, ...}}.
+    source: the job's data source (splits and classes are checked against it).
+  """
+  for name, cfg in evaluators.items():
+    field = f"evaluators.{name}"
+    if cfg.get("kind") not in KINDS:
+      raise ConfigError(f"{field}.kind", cfg.get("kind"), f"one of {sorted(KINDS)}")
+    if source.num_classes is None:
+      raise ConfigError(f"{field}.kind", cfg.kind,
+                        f"an evaluator that needs no labels: dataset {source.name!r} has none "
+                        "(remove this evaluator)")
+    if cfg.batch_size <= 0 or cfg.batch_size % num_devices:
+      raise ConfigError(f"{field}.batch_size", cfg.batch_size,
+                        f"a positive multiple of the number of devices ({num_devices})")
+    source.num_examples(cfg.split, f"{field}.split")
+    if cfg.kind == "knn":
+      source.num_examples(cfg.bank_split, f"{field}.bank_split")
+      if cfg.k <= 0:
+        raise ConfigError(f"{field}.k", cfg.k, "an integer > 0")
+      if not cfg.temperature > 0:
+        raise ConfigError(f"{field}.temperature", cfg.temperature, "> 0")
+
+
+def build(evaluators, model: EvalModel, mesh, num_classes: int, steps_per_epoch: int):
+  """[(every in steps, evaluator)] for config.evaluators (checked by check_config).
+
+  Raises:
+    ConfigError: an `every` that is not a duration or is 0 steps.
+  """
+  return [(config_lib.to_steps(cfg.every, f"evaluators.{name}.every", steps_per_epoch),
+           KINDS[cfg.kind](name, cfg, model, mesh, num_classes))
+          for name, cfg in evaluators.items()]
+
+
+def log(step: int, results: dict):
+  logging.info("Step %d: %s.", step, ", ".join(f"{k} {v:.4f}" for k, v in sorted(results.items())))

@@ -1,0 +1,180 @@
+"""The pretraining job (config.job='pretrain'): SimCLR, MoCo or BYOL.
+
+Builds what runner.run() steps: the method's model, optimizer, state and
+train step, the host input pipeline and the evaluators' view of the model
+(the kNN monitor on h, the online probe's classifier). Every random draw is a
+function of (seed, step), so a resumed run continues bit for bit.
+"""
+import functools
+from typing import Any, Callable, NamedTuple
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import optax
+
+from contrastive_jax import augment
+from contrastive_jax import config_lib
+from contrastive_jax import data
+from contrastive_jax import evaluators
+from contrastive_jax import input_pipeline
+from contrastive_jax import models
+from contrastive_jax import optim
+from contrastive_jax import runner
+from contrastive_jax import train_state as ts
+from contrastive_jax.errors import ConfigError
+from contrastive_jax.methods import encoder_variables
+from contrastive_jax.methods import get_method
+
+# Fields that must match between a checkpoint and the job that resumes it: the
+# first ones fix the state's shapes, the others the data order, augmentations
+# and schedules that make a resumed run bit-identical to an uninterrupted one.
+# The first field exists only in pretraining configs.
+IDENTITY_FIELDS = ("method", "model.name", "model.width", "model.stem", "model.dtype",
+                   "projector", "predictor", "moco", "byol", "temperature", "optimizer",
+                   "augment", "data_source", "dataset", "train_split", "image_size",
+                   "crop_area_min", "batch_size", "seed", "duration", "shuffle_buffer",
+                   "online_probe")
+
+
+def check_config(config: ml_collections.ConfigDict, num_devices: int):
+  """Raises ConfigError, naming the field, for a config that cannot run.
+
+  Runs before any compute; dataset, evaluator and method checks follow in
+  build(), once the dataset is known.
+  """
+  get_method(config.method)
+  if config.batch_size <= 0 or config.batch_size % num_devices:
+    raise ConfigError("batch_size", config.batch_size,
+                      f"a positive multiple of the number of devices ({num_devices})")
+  if config.image_size <= 0:
+    raise ConfigError("image_size", config.image_size, "> 0")
+  if not 0 < config.crop_area_min <= 1:
+    raise ConfigError("crop_area_min", config.crop_area_min, "in (0, 1]")
+  if not 0 < config.eval_crop_fraction <= 1:
+    raise ConfigError("eval_crop_fraction", config.eval_crop_fraction, "in (0, 1]")
+  for field in ("keep_checkpoints", "data_threads", "shuffle_buffer"):
+    if config[field] <= 0:
+      raise ConfigError(field, config[field], "an integer > 0")
+  if not config.online_probe.learning_rate > 0:
+    raise ConfigError("online_probe.learning_rate", config.online_probe.learning_rate, "> 0")
+  models.check_model_config(config.model)
+  optim.check_optimizer_config(config.optimizer)
+  views(config)
+
+
+def views(config):
+  """The (view 1, view 2) on-device augmentation settings of the config."""
+  return (augment.ViewAugment.from_config(config.augment.view1, "augment.view1"),
+          augment.ViewAugment.from_config(config.augment.view2, "augment.view2"))
+
+
+def online_probe(config, num_classes: int):
+  """The online probe a config asks for (a 'classifier' evaluator), else None.
+
+  A linear layer (zero-initialised) trained with Adam at
+  config.online_probe.learning_rate: Adam's per-parameter step fits the scale
+  of h as it changes during pretraining without retuning.
+  """
+  if not any(cfg.kind == "classifier" for cfg in config.evaluators.values()):
+    return None
+  head = nn.Dense(num_classes, kernel_init=nn.initializers.zeros)
+  return ts.OnlineProbe(head, optax.adam(config.online_probe.learning_rate))
+
+
+class Run(NamedTuple):
+  """What a config builds: the model, its lr schedule, init and train step."""
+  model: Any
+  schedule: Callable
+  init: Callable          # () -> TrainState at step 0, replicated on the mesh.
+  train_step: Callable    # (state, batch) -> (state, metrics), jitted, state donated.
+  probe: Any              # ts.OnlineProbe or None.
+
+
+def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int = 0) -> Run:
+  """Builds the method's model, optimizer, state initialiser and train step.
+
+  num_classes > 0 adds the online probe if the config has a classifier
+  evaluator; with 0 there is none.
+  """
+  method = get_method(config.method)
+  schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size,
+                                          steps_per_epoch, num_steps)
+  tx = optim.build_optimizer(config.optimizer, schedule)
+  model = method.build_model(config)
+  probe = online_probe(config, num_classes) if num_classes else None
+  init_rng, rng = jax.random.split(jax.random.PRNGKey(config.seed))
+
+  def init():
+    state = method.init_state(config, model, tx, init_rng, rng)
+    if probe is not None:
+      state = state.replace(probe=probe.init(init_rng, models.encoder_width(config.model)))
+    return state
+
+  train_step = jax.jit(method.make_train_step(config, model, tx, views(config), mesh, num_steps,
+                                              probe),
+                       donate_argnums=0)
+  return Run(model, schedule, jax.jit(init, out_shardings=ts.replicated(mesh)), train_step,
+             probe)
+
+
+def build(config, mesh, saved_config) -> runner.Task:
+  """The pretraining Task for runner.run (see its docstring).
+
+  Raises:
+    ConfigError: unknown data source or dataset, missing data, empty split,
+      a batch larger than the train split, an evaluator or method field that
+      cannot run.
+  """
+  del saved_config  # Resuming needs nothing beyond the identity check.
+  method = get_method(config.method)
+  source = data.get_source(config, {"train_split": config.train_split})
+  evaluators.check_config(config.evaluators, source, jax.device_count())
+  num_train = source.num_examples(config.train_split, "train_split")
+  steps_per_epoch = num_train // config.batch_size
+  if steps_per_epoch == 0:
+    raise ConfigError("batch_size", config.batch_size,
+                      f"at most the size of split {config.train_split!r} ({num_train})")
+  method.check_config(config, num_train)
+  num_steps = config_lib.to_steps(config.duration, "duration", steps_per_epoch)
+  num_classes = source.num_classes or 0
+  run = setup(config, mesh, steps_per_epoch, num_steps, num_classes)
+
+  def train_batches(start_step):
+    return input_pipeline.device_batches(
+        input_pipeline.train_dataset(
+            source, config.train_split, local_batch=config.batch_size // jax.process_count(),
+            image_size=config.image_size, crop_area_min=config.crop_area_min, seed=config.seed,
+            start_step=start_step, cache=config.cache, shuffle_buffer=config.shuffle_buffer,
+            threads=config.data_threads),
+        ts.batch_sharded(mesh))
+
+  encoder = run.model.encoder
+
+  def features(variables, images):
+    return encoder.apply(variables["encoder"], images.astype(jnp.float32) / 255.0, train=False)
+
+  def logits(variables, images):
+    return run.probe.head.apply({"params": variables["probe"]}, features(variables, images))
+
+  eval_model = evaluators.EvalModel(
+      variables=lambda state: {"encoder": encoder_variables(state),
+                               "probe": state.probe.get("params")},
+      features=features, logits=logits if run.probe else None,
+      dataset=eval_datasets(source, config.image_size, config.eval_crop_fraction, config))
+  return runner.Task(config=config, init=run.init, train_step=run.train_step,
+                     train_batches=train_batches, num_steps=num_steps,
+                     steps_per_epoch=steps_per_epoch, global_batch=config.batch_size,
+                     schedule=run.schedule, eval_model=eval_model,
+                     num_classes=source.num_classes)
+
+
+def eval_datasets(source, image_size: int, crop_fraction: float, config):
+  """(split, local_batch) -> eval tf.data, built once per pair so a cache persists."""
+  @functools.lru_cache(maxsize=None)
+  def dataset(split, local_batch):
+    return input_pipeline.eval_dataset(source, split, local_batch=local_batch,
+                                       image_size=image_size, crop_fraction=crop_fraction,
+                                       threads=config.data_threads, cache=config.cache)
+  return dataset

@@ -1,0 +1,184 @@
+"""The loop every job shares: pretraining, the linear probe, and those to come.
+
+A job module (pretrain.py, linear_probe.py) provides IDENTITY_FIELDS,
+check_config(config, num_devices) and build(config, mesh, saved_config) ->
+Task; run() does the rest, written once: resume from the workdir's latest
+checkpoint, step, log, stop on a non-finite loss, run the config's
+evaluators at their intervals and at the end, checkpoint, and stop cleanly on
+preemption (one process: SIGTERM; several: JAX's distributed preemption sync,
+so every host stops at the same step). Every exit path, errors included,
+waits for pending checkpoint writes; nothing non-finite is ever saved.
+"""
+import time
+from typing import Any, Callable, Iterator, NamedTuple, Optional
+
+import jax
+import ml_collections
+import numpy as np
+from absl import logging
+from clu import periodic_actions
+
+from contrastive_jax import checkpointing
+from contrastive_jax import config_lib
+from contrastive_jax import evaluators as evaluators_lib
+from contrastive_jax import metrics as metrics_lib
+from contrastive_jax import train_state as ts
+from contrastive_jax.errors import NonFiniteError
+
+
+class Task(NamedTuple):
+  """What a job's build() gives the runner.
+
+  config: the config saved with every checkpoint (the job's, with anything
+    resolved at build time filled in).
+  init: () -> state at step 0, replicated on the mesh (jitted).
+  train_step: (state, batch) -> (state, metrics), jitted, state donated;
+    metrics are float32 scalars with at least 'loss' and 'param_norm'.
+  train_batches: start_step -> iterator of global batches from that step on.
+  num_steps, steps_per_epoch, global_batch: the run's length and batch.
+  schedule: step -> learning rate, for the logs.
+  eval_model: what the evaluators call (evaluators.EvalModel).
+  num_classes: of the dataset, or None (unlabeled).
+  """
+  config: ml_collections.ConfigDict
+  init: Callable[[], Any]
+  train_step: Callable
+  train_batches: Callable[[int], Iterator]
+  num_steps: int
+  steps_per_epoch: int
+  global_batch: int
+  schedule: Callable
+  eval_model: evaluators_lib.EvalModel
+  num_classes: Optional[int]
+
+
+def run(job, config: ml_collections.ConfigDict, workdir: str):
+  """Runs `job` with `config` in `workdir`; returns (final state, last evaluation results).
+
+  Raises:
+    ConfigError: before any compute, for a config, dataset or checkpoint
+      that cannot run.
+    NonFiniteError: the loss or the parameters became non-finite.
+    JobError: a workdir that is a file.
+  """
+  workdir = checkpointing.prepare_workdir(workdir)
+  job.check_config(config, jax.device_count())
+  ckpt = checkpointing.Checkpointer(f"{workdir}/checkpoints", keep=config.keep_checkpoints)
+  try:
+    saved = None
+    if ckpt.latest_step() is not None:
+      saved = ckpt.saved_config()
+      ckpt.check_compatible(config, job.IDENTITY_FIELDS[:1])  # The same kind of job.
+    mesh = ts.make_mesh()
+    task = job.build(config, mesh, saved)
+    if saved is not None:  # Compared with what build() resolved (e.g. the probe's step).
+      ckpt.check_compatible(task.config, job.IDENTITY_FIELDS)
+    return _loop(task, workdir, ckpt, mesh)
+  finally:
+    ckpt.close()  # Waits for pending writes on every exit path.
+
+
+def _loop(task: Task, workdir: str, ckpt, mesh):
+  config, spe = task.config, task.steps_per_epoch
+  log_every = config_lib.to_steps(config.log_every, "log_every", spe)
+  checkpoint_every = config_lib.to_steps(config.checkpoint_every, "checkpoint_every", spe)
+  evals = evaluators_lib.build(config.evaluators, task.eval_model, mesh, task.num_classes, spe)
+
+  resumed_step = ckpt.latest_step()
+  if resumed_step is None:
+    state = task.init()
+  else:
+    state = ckpt.restore(checkpointing.abstract_like(jax.eval_shape(task.init),
+                                                     ts.replicated(mesh)))
+    logging.info("Resumed from %s at step %d.", ckpt.directory, resumed_step)
+  start_step = int(state.step)
+
+  def evaluate(state, step, which):
+    results = {}
+    for evaluator in which:
+      results.update(evaluator(state))
+    if results:
+      evaluators_lib.log(step, results)
+    return results
+
+  if start_step >= task.num_steps:  # A finished run: report its final evaluation again.
+    return state, evaluate(state, start_step, [e for _, e in evals])
+
+  batches = task.train_batches(start_step)
+  writer = metrics_lib.create_writer(workdir, resumed_step=resumed_step)
+  results = {}
+  with checkpointing.Preemption() as preemption:
+    if start_step == 0:
+      writer.write_hparams(config.to_dict())
+      results = evaluate(state, 0, [e for _, e in evals if e.at_start])
+      if results:
+        writer.write_scalars(0, results)
+    progress = periodic_actions.ReportProgress(num_train_steps=task.num_steps, every_secs=30)
+    logging.info("Training from step %d to %d (%d steps per epoch, global batch %d, "
+                 "%d devices).", start_step, task.num_steps, spe, task.global_batch,
+                 jax.device_count())
+    window = _Window()
+    for step in range(start_step + 1, task.num_steps + 1):
+      state, step_metrics = task.train_step(state, next(batches))
+      if step == start_step + 1:
+        window.restart(step, step_metrics)  # The first step's time is compilation.
+      progress(step)
+      last = step == task.num_steps
+      stop = preemption.requested or ckpt.reached_preemption(step)
+      due = [e for every, e in evals if step % every == 0 or last]
+      save = step % checkpoint_every == 0 or last or stop
+      scalars = {}
+      if step % log_every == 0 or last or save or due:
+        host = jax.device_get(step_metrics)
+        _check_finite(host, step, ckpt)
+        if step % log_every == 0 or last:
+          scalars = dict(host, learning_rate=task.schedule(step - 1),
+                         **window.rates(step, task.global_batch))
+      if due:
+        t0 = time.time()
+        results = evaluate(state, step, due)
+        scalars.update(results)
+        window.exclude(time.time() - t0)
+      if scalars:
+        writer.write_scalars(step, scalars)
+      if save:
+        ckpt.save(step, state, config)
+      if stop:
+        logging.warning("Stopped at step %d after a preemption request.", step)
+        break
+  writer.flush()
+  return state, results
+
+
+class _Window:
+  """Steps/s and images/s since the last log, compilation and evaluation excluded."""
+
+  def restart(self, step: int, step_metrics):
+    """Starts timing once `step` (whose time is compilation) has finished."""
+    jax.block_until_ready(step_metrics)
+    self._time, self._step, self._excluded = time.time(), step, 0.0
+
+  def exclude(self, seconds: float):
+    self._excluded += seconds
+
+  def rates(self, step: int, global_batch: int) -> dict:
+    """Rates over the steps since the last call; {} when no step was timed."""
+    now = time.time()
+    steps, seconds = step - self._step, now - self._time - self._excluded
+    self._time, self._step, self._excluded = now, step, 0.0
+    if steps == 0:
+      return {}
+    return {"steps_per_sec": steps / seconds, "images_per_sec": steps * global_batch / seconds}
+
+
+def _check_finite(host_metrics: dict, step: int, ckpt):
+  """Raises NonFiniteError if the step's loss or parameter norm is NaN or infinite."""
+  values = {k: host_metrics[k] for k in ("loss", "param_norm")}
+  if all(np.isfinite(v) for v in values.values()):
+    return
+  ckpt.wait()
+  raise NonFiniteError(
+      f"non-finite training at step {step} ({', '.join(f'{k} {v}' for k, v in values.items())});"
+      f" nothing of it was saved. The newest checkpoint, step {ckpt.latest_step()} in "
+      f"{ckpt.directory}, is intact: lower optimizer.base_lr or check the config, then rerun "
+      "(it resumes from there)")

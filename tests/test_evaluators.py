@@ -1,0 +1,97 @@
+"""Evaluators: the sharded kNN monitor and classifier accuracy against numpy references."""
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+import tensorflow as tf
+
+from contrastive_jax import evaluators
+from contrastive_jax import train_state as ts
+
+
+def test_weighted_vote_hand_worked():
+  # Query at angle 0. Bank: two class-1 points at +-60 degrees (sim 0.5 each),
+  # one class-0 point at 0 degrees (sim 1.0). With t = 0.1:
+  # class 0 vote e^10 = 22026; class 1 votes 2 e^5 = 297 -> class 0.
+  # With t = 1: class 0 e^1 = 2.72; class 1 2 e^0.5 = 3.30 -> class 1.
+  sims, labels = jnp.array([[0.5, 0.5, 1.0]]), jnp.array([1, 1, 0])
+
+  def predict(k, t):
+    top_sims, top_labels = evaluators.top_k_neighbours(sims, labels, k)
+    return int(evaluators.knn_vote(top_sims, top_labels, num_classes=2, temperature=t)[0])
+
+  assert predict(3, 0.1) == 0 and predict(3, 1.0) == 1
+  assert predict(1, 1.0) == 0  # Only the nearest neighbour votes.
+  assert predict(200, 1.0) == 1  # k larger than the bank: the whole bank.
+
+
+def knn_numpy(bank, bank_labels, queries, k, t, num_classes):
+  """Wu et al. 2018's weighted kNN written out: cosine sims, k nearest vote exp(s / t)."""
+  bank = bank / np.linalg.norm(bank, axis=1, keepdims=True)
+  queries = queries / np.linalg.norm(queries, axis=1, keepdims=True)
+  preds = []
+  for q in queries:
+    sims = bank @ q
+    nearest = np.argsort(-sims)[:k]
+    votes = np.zeros(num_classes)
+    for i in nearest:
+      votes[bank_labels[i]] += np.exp(sims[i] / t)
+    preds.append(np.argmax(votes))
+  return np.array(preds)
+
+
+def _eval_model(images_by_split, labels_by_split, logits=None):
+  """An EvalModel whose h is the flattened image, over in-memory splits."""
+  def dataset(split, local_batch):
+    images, labels = images_by_split[split], labels_by_split[split]
+    n = len(images)
+    padded = -(-n // local_batch) * local_batch
+    pad = padded - n
+    return tf.data.Dataset.from_tensor_slices({
+        "image": np.concatenate([images, np.zeros((pad,) + images.shape[1:], np.uint8)]),
+        "label": np.concatenate([labels, np.zeros(pad, np.int32)]),
+        "mask": np.arange(padded) < n}).batch(local_batch)
+
+  features = lambda v, x: x.reshape(x.shape[0], -1).astype(jnp.float32) * v
+  return evaluators.EvalModel(variables=lambda state: state, features=features, logits=logits,
+                              dataset=dataset)
+
+
+@pytest.mark.parametrize("k", [1, 5, 200])
+def test_sharded_knn_equals_numpy_reference(k):
+  rng = np.random.default_rng(0)
+  images = {"bank": rng.integers(1, 256, (203, 2, 2, 3), np.uint8),  # Padded to 208.
+            "test": rng.integers(1, 256, (45, 2, 2, 3), np.uint8)}
+  labels = {"bank": rng.integers(0, 4, 203).astype(np.int32),
+            "test": rng.integers(0, 4, 45).astype(np.int32)}
+  cfg = ml_collections.ConfigDict(dict(kind="knn", every="1 steps", split="test",
+                                       bank_split="bank", k=k, temperature=0.1, batch_size=16))
+  mesh = ts.make_mesh()
+  knn = evaluators.Knn("knn", cfg, _eval_model(images, labels), mesh, num_classes=4)
+  result = knn(jnp.float32(1.0))
+  flat = {s: images[s].reshape(len(images[s]), -1).astype(np.float64) for s in images}
+  expected = knn_numpy(flat["bank"], labels["bank"], flat["test"], k, 0.1, 4)
+  assert result == {"knn_top1": np.mean(expected == labels["test"])}
+  # One device gives the same answer as eight.
+  one = evaluators.Knn("knn", cfg, _eval_model(images, labels),
+                       ts.make_mesh(jax.devices()[:1]), num_classes=4)
+  assert one(jnp.float32(1.0)) == result
+
+
+@pytest.mark.parametrize("num_classes,names", [(10, {"c_top1", "c_top5"}), (2, {"c_top1"})])
+def test_classifier_counts_every_image_once_and_top5_only_with_5_classes(num_classes, names):
+  rng = np.random.default_rng(1)
+  images = {"test": rng.integers(0, 256, (37, 1, 1, 3), np.uint8)}
+  labels = {"test": rng.integers(0, num_classes, 37).astype(np.int32)}
+  w = rng.normal(size=(3, num_classes)).astype(np.float32)
+  model = _eval_model(images, labels, logits=lambda v, x: x.reshape(-1, 3).astype(jnp.float32) @ v)
+  cfg = ml_collections.ConfigDict(dict(kind="classifier", every="1 steps", split="test",
+                                       batch_size=8))
+  result = evaluators.Classifier("c", cfg, model, ts.make_mesh(), num_classes)(jnp.asarray(w))
+  assert set(result) == names
+  logits = images["test"].reshape(-1, 3).astype(np.float32) @ w
+  ranks = np.argsort(-logits, axis=1)
+  for k in (1, 5)[:len(names)]:
+    hits = [labels["test"][i] in ranks[i, :k] for i in range(37)]
+    assert result[f"c_top{k}"] == pytest.approx(np.mean(hits), abs=1e-12)

@@ -1,0 +1,105 @@
+"""Every registered method against the method contract (methods/__init__.py); the
+online probe and the training-health scalars; importing every module."""
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from helpers import tiny_config
+
+from contrastive_jax import models
+from contrastive_jax import pretrain
+from contrastive_jax import train_state as ts
+from contrastive_jax import methods
+
+CONFIGS = {"simclr": "simclr", "moco": "moco_v2", "byol": "byol"}  # Method -> tiny config.
+
+
+def _batches(config, n, seed=0):
+  rng = np.random.default_rng(seed)
+  size = config.image_size
+  return [{"image": rng.integers(0, 256, (config.batch_size, 2, size, size, 3), np.uint8),
+           "label": rng.integers(0, 10, config.batch_size).astype(np.int32)} for _ in range(n)]
+
+
+def _run(config, mesh, batches, num_classes):
+  run = pretrain.setup(config, mesh, steps_per_epoch=16, num_steps=100, num_classes=num_classes)
+  state = run.init()
+  for batch in batches:
+    state, metrics = run.train_step(state, jax.device_put(batch, ts.batch_sharded(mesh)))
+  return jax.device_get(state), jax.device_get(metrics)
+
+
+def test_every_method_has_a_config_here():
+  assert set(CONFIGS) == set(methods.METHODS)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_method_meets_the_contract_and_its_online_probe_leaves_the_encoder_unchanged(name):
+  method = methods.get_method(name)
+  for fn in ("check_config", "build_model", "init_state", "make_train_step"):
+    assert callable(getattr(method, fn)), fn
+  config = tiny_config(CONFIGS[name])
+  method.check_config(config, 50_000)
+  model = method.build_model(config)
+  assert isinstance(model, models.ContrastiveModel)
+  batches = _batches(config, 2)
+  state, metrics = _run(config, ts.make_mesh(), batches, num_classes=10)
+  assert isinstance(state, ts.TrainState) and int(state.step) == 2
+  # The encoder downstream jobs read is where the contract says.
+  encoder = methods.encoder_variables(state)
+  x = jnp.zeros((2, config.image_size, config.image_size, 3))
+  h = model.encoder.apply(encoder, x, train=False)
+  assert h.shape == (2, models.encoder_width(config.model)) and h.dtype == jnp.float32
+  for key in ("loss", "grad_norm", "update_norm", "param_norm", "projection_std",
+              "online_probe_loss", "online_probe_train_top1"):
+    assert metrics[key].shape == () and metrics[key].dtype == np.float32, key
+    assert np.isfinite(metrics[key]), key
+  # The norms are the ones of the trees they name.
+  param_norm = np.sqrt(sum(np.sum(np.square(p.astype(np.float64)))
+                           for p in jax.tree.leaves(state.params)))
+  np.testing.assert_allclose(metrics["param_norm"], param_norm, rtol=1e-5)
+
+  # The same steps without the online probe: the encoder's training is bitwise the same.
+  without, metrics0 = _run(config, ts.make_mesh(), batches, num_classes=0)
+  assert state.probe and not without.probe
+  jax.tree.map(np.testing.assert_array_equal, state.params, without.params)
+  jax.tree.map(np.testing.assert_array_equal, state.batch_stats, without.batch_stats)
+  jax.tree.map(np.testing.assert_array_equal, state.extra, without.extra)
+  assert metrics["loss"] == metrics0["loss"]
+  # ... while the probe learned (its zero-initialised kernel moved).
+  assert np.any(state.probe["params"]["kernel"] != 0)
+
+
+def test_projection_std_on_8_devices_matches_numpy():
+  rng = np.random.default_rng(0)
+  z = rng.normal(size=(32, 6)).astype(np.float32)
+  mesh = ts.make_mesh()
+  fn = jax.jit(jax.shard_map(lambda z: ts.projection_std(z, ts.DATA_AXIS), mesh=mesh,
+                             in_specs=jax.P(ts.DATA_AXIS), out_specs=jax.P()))
+  unit = z / np.linalg.norm(z, axis=1, keepdims=True)
+  np.testing.assert_allclose(fn(jax.device_put(z, ts.batch_sharded(mesh))),
+                             np.mean(np.std(unit, axis=0)), rtol=1e-5)
+  collapsed = np.tile(z[:1], (32, 1))
+  assert float(fn(jax.device_put(collapsed, ts.batch_sharded(mesh)))) < 1e-3
+
+
+def test_every_module_imports_without_touching_a_device_then_distributed_initialises():
+  package = os.path.join(os.path.dirname(__file__), "..", "contrastive_jax")
+  names = sorted("contrastive_jax." + os.path.relpath(os.path.join(d, f), package)[:-3]
+                 .replace(os.sep, ".") for d, _, files in os.walk(package)
+                 for f in files if f.endswith(".py") and f != "__init__.py")
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  code = "\n".join([*(f"import {n}" for n in names),
+                    "import jax",
+                    f"jax.distributed.initialize('127.0.0.1:{port}', num_processes=1, process_id=0)",
+                    "print('OK', jax.process_count())"])
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0 and "OK 1" in out.stdout, out.stderr[-3000:]
+  assert "contrastive_jax.main" in names and "contrastive_jax.linear_probe" in names

@@ -1,0 +1,188 @@
+"""The job runner end to end on the real CIFAR-10: resume bit for bit, intervals in
+epochs, the non-finite stop, bad configs and workdirs."""
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+from helpers import CONFIG_DIR, TFDS_DIR, tiny_config
+
+from contrastive_jax import checkpointing
+from contrastive_jax import input_pipeline
+from contrastive_jax import metrics as metrics_lib
+from contrastive_jax import pretrain
+from contrastive_jax import runner
+from contrastive_jax.errors import ConfigError
+from contrastive_jax.errors import JobError
+from contrastive_jax.errors import NonFiniteError
+
+
+def read_metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def sigterm_after_first_train_batch(monkeypatch):
+  """Sends SIGTERM while the loop runs step 2, so the job stops after it."""
+  original = input_pipeline.device_batches
+
+  def device_batches(ds, sharding, prefetch=2):
+    is_train = "mask" not in ds.element_spec
+    for i, batch in enumerate(original(ds, sharding, prefetch)):
+      yield batch
+      # The loop resumes this generator when it fetches the next batch.
+      if is_train and i == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+  monkeypatch.setattr(input_pipeline, "device_batches", device_batches)
+
+
+@pytest.mark.parametrize("method", ["simclr", "moco_v2", "byol"])
+def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, method):
+  config = tiny_config(method)
+  straight, _ = runner.run(pretrain, config, str(tmp_path / "straight"))
+
+  with monkeypatch.context() as m:
+    sigterm_after_first_train_batch(m)
+    stopped, _ = runner.run(pretrain, config, str(tmp_path / "resumed"))
+  assert int(stopped.step) == 2
+  assert checkpointing.Checkpointer(str(tmp_path / "resumed" / "checkpoints")).latest_step() == 2
+
+  resumed, results = runner.run(pretrain, config, str(tmp_path / "resumed"))
+  assert int(resumed.step) == 4
+  # Params, BN statistics, optimizer state, online probe, MoCo's queue / BYOL's target.
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(straight))
+
+  records = read_metrics(tmp_path / "resumed")
+  assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
+  for key in ("loss", "learning_rate", "grad_norm", "update_norm", "param_norm",
+              "projection_std", "online_probe_loss"):
+    assert all(key in r for r in records[1:])
+  # Rates are timed from the end of each run's first step (compilation excluded).
+  assert "images_per_sec" not in records[1] and "images_per_sec" not in records[3]
+  assert records[2]["images_per_sec"] > 0 and records[4]["images_per_sec"] > 0
+  assert 0 <= records[0]["knn_top1"] <= 1 and "online_probe_top1" not in records[0]
+  assert set(results) == {"knn_top1", "online_probe_top1", "online_probe_top5"}
+  assert all(records[-1][k] == v for k, v in results.items())
+  straight_records = read_metrics(tmp_path / "straight")
+  np.testing.assert_array_equal([r["loss"] for r in records[1:]],
+                                [r["loss"] for r in straight_records[1:]])
+
+
+def test_batch_size_override_keeps_evaluation_intervals_in_epochs(tmp_path):
+  steps_with_knn = {}
+  for batch_size in (16, 32):
+    config = tiny_config()
+    del config.evaluators["online_probe"]  # One evaluator shows it; compiling two is slow.
+    config.train_split = "train[:64]"
+    config.shuffle_buffer = 64
+    config.batch_size = batch_size
+    config.duration = "2 epochs"
+    config.evaluators.knn.every = "1 epochs"
+    config.evaluators.online_probe.every = "1 epochs"
+    config.checkpoint_every = "1 epochs"
+    workdir = tmp_path / str(batch_size)
+    runner.run(pretrain, config, str(workdir))
+    steps_with_knn[batch_size] = [r["step"] for r in read_metrics(workdir) if "knn_top1" in r]
+    assert checkpointing.Checkpointer(str(workdir / "checkpoints")).all_steps() == [
+        64 // batch_size, 128 // batch_size]
+  assert steps_with_knn == {16: [0, 4, 8], 32: [0, 2, 4]}
+
+
+def _checkpoints_are_finite(directory):
+  for step in checkpointing.Checkpointer(directory).all_steps():
+    state = ocp.StandardCheckpointer().restore(os.path.join(directory, str(step), "state"))
+    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state)
+               if np.issubdtype(np.asarray(x).dtype, np.floating)), step
+
+
+def test_diverging_run_stops_with_its_last_healthy_checkpoint_intact(tmp_path):
+  # Checkpoints more frequent than logs, keep 2: the NaN steps must never be
+  # saved over the healthy ones.
+  config = tiny_config()
+  config.duration = "12 steps"
+  config.checkpoint_every = "1 steps"
+  config.log_every = "5 steps"
+  config.keep_checkpoints = 2
+  config.optimizer.base_lr = 1e30
+  del config.evaluators["online_probe"]
+  with pytest.raises(NonFiniteError) as error:
+    runner.run(pretrain, config, str(tmp_path))
+  directory = str(tmp_path / "checkpoints")
+  latest = checkpointing.Checkpointer(directory).latest_step()
+  assert f"step {latest} in {directory}, is intact" in str(error.value)
+  assert sorted(os.listdir(directory)) == sorted(
+      str(s) for s in checkpointing.Checkpointer(directory).all_steps())  # No half-written step.
+  _checkpoints_are_finite(directory)
+
+
+@pytest.mark.parametrize("field,value,message", [
+    ("temperature", 0.0, "config.temperature=0.0: must be > 0"),
+    ("batch_size", 12, "config.batch_size=12: must be a positive multiple of the number of devices (8)"),
+    ("model.name", "resnet7", "config.model.name='resnet7'"),
+    ("method", "swav", "config.method='swav'"),
+    ("data_source", "folder", "config.data_source='folder': must be one of ['tfds']"),
+    ("dataset", "no_such_dataset", "config.dataset='no_such_dataset'"),
+    ("train_split", "nope", "config.train_split='nope'"),
+    ("duration", "10", "config.duration='10': must be a duration 'N steps' or 'N epochs'"),
+    ("log_every", "0 steps", "config.log_every='0 steps'"),
+    ("evaluators.knn.kind", "svm", "config.evaluators.knn.kind='svm': must be one of ['classifier', 'knn']"),
+    ("evaluators.knn.every", "0 epochs", "config.evaluators.knn.every='0 epochs'"),
+    ("evaluators.knn.split", "test[:0]", "config.evaluators.knn.split='test[:0]'"),
+    ("augment.view1.grayscale_prob", 1.5, "config.augment.view1.grayscale_prob=1.5: must be in [0, 1]"),
+])
+def test_bad_config_fails_before_compute_naming_the_field(tmp_path, field, value, message):
+  config = tiny_config()
+  *path, last = field.split(".")
+  node = config
+  for part in path:
+    node = node[part]
+  node[last] = value
+  with pytest.raises(ConfigError) as error:
+    runner.run(pretrain, config, str(tmp_path))
+  assert message in str(error.value)
+  assert not os.path.exists(tmp_path / "metrics.jsonl")
+
+
+def test_workdir_from_another_model_is_refused(tmp_path):
+  config = tiny_config()
+  del config.evaluators["online_probe"]
+  config.duration = "1 steps"
+  runner.run(pretrain, config, str(tmp_path))
+  config.model.width = 0.125
+  with pytest.raises(ConfigError, match=r"config.model.width=0.125: must be 0.0625"):
+    runner.run(pretrain, config, str(tmp_path))
+
+
+def test_workdir_that_is_a_file_ends_in_one_line(tmp_path):
+  workdir = tmp_path / "file"
+  workdir.write_text("")
+  with pytest.raises(JobError, match="it is a file"):
+    runner.run(pretrain, tiny_config(), str(workdir))
+  # The entry layer prints expected failures as one line and exits 1.
+  out = subprocess.run(
+      [sys.executable, "-m", "contrastive_jax.main",
+       f"--config={CONFIG_DIR}/simclr_cifar10.py:runlocal", f"--workdir={workdir}",
+       f"--config.data_dir={TFDS_DIR}"], capture_output=True, text=True, timeout=300)
+  assert out.returncode == 1
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: --workdir={workdir}: must be a directory (or not exist yet); it is a file")
+  assert "Traceback" not in out.stderr
+
+
+def test_resumed_run_drops_metrics_of_steps_it_will_redo(tmp_path):
+  with open(tmp_path / "metrics.jsonl", "w") as f:
+    for step in range(6):
+      f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
+  writer = metrics_lib.create_writer(str(tmp_path), resumed_step=3)
+  writer.write_scalars(4, {"loss": 2.0})
+  writer.close()
+  assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [
+      (0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
+  metrics_lib.create_writer(str(tmp_path), resumed_step=None).close()  # A fresh start.
+  assert read_metrics(tmp_path) == []
