@@ -95,3 +95,22 @@ def test_classifier_counts_every_image_once_and_top5_only_with_5_classes(num_cla
   for k in (1, 5)[:len(names)]:
     hits = [labels["test"][i] in ranks[i, :k] for i in range(37)]
     assert result[f"c_top{k}"] == pytest.approx(np.mean(hits), abs=1e-12)
+
+
+class _Unlabeled:
+  """A data source without labels (the image-folder sources of a later issue have them)."""
+  name, num_classes = "photos", None
+
+  def num_examples(self, split, field):
+    return 100
+
+
+@pytest.mark.parametrize("name,kind", [("knn", "knn"), ("online_probe", "classifier")])
+def test_evaluators_that_need_labels_refuse_an_unlabeled_dataset(name, kind):
+  evaluators_config = ml_collections.ConfigDict({name: dict(
+      kind=kind, every="1 epochs", split="test", bank_split="train", k=5, temperature=0.1,
+      batch_size=8)})
+  with pytest.raises(evaluators.ConfigError,
+                     match=f"config.evaluators.{name}.kind='{kind}': must be an evaluator "
+                           "that needs no labels: dataset 'photos' has none"):
+    evaluators.check_config(evaluators_config, _Unlabeled(), num_devices=8)
