@@ -52,11 +52,15 @@ def override(config, assignments: str):
 def time_step(config):
   """Seconds per step, and whether MoCo's queue buffer was reused (None for other methods)."""
   mesh = ts.make_mesh()
-  run = pretrain.setup(config, mesh, steps_per_epoch=100, num_steps=1000)
+  # The step the jobs run: with the online probe of a labelled dataset.
+  num_classes = data.get_source(config, {}).num_classes or 0
+  run = pretrain.setup(config, mesh, steps_per_epoch=100, num_steps=1000,
+                       num_classes=num_classes)
   state = run.init()
   images = np.random.default_rng(0).integers(
       0, 256, (config.batch_size, 2, config.image_size, config.image_size, 3), np.uint8)
-  batch = {"image": jax.device_put(images, ts.batch_sharded(mesh))}
+  labels = np.zeros(config.batch_size, np.int32)
+  batch = jax.device_put({"image": images, "label": labels}, ts.batch_sharded(mesh))
   state, metrics = run.train_step(state, batch)
   jax.block_until_ready(metrics)
   queue = state.extra.get("queue")

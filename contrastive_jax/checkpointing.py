@@ -100,6 +100,9 @@ class Checkpointer:
     abstract_tree: nested dicts of jax.ShapeDtypeStruct with .sharding, keyed
     like the saved TrainState's fields, e.g. {'params': {'encoder': ...}}.
     Nothing else of the checkpoint (optimizer state, MoCo's queue, ...) is read.
+
+    Raises:
+      ConfigError: no checkpoint, or none at `step`.
     """
     step = self.resolve_step(step)
     restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(

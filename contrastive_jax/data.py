@@ -72,8 +72,7 @@ class TfdsSource:
     return [self._builder.info.splits[s].num_examples
             for s in tfds.even_splits(split, n=jax.process_count(), drop_remainder=False)]
 
-  def read(self, split: str, *, drop_remainder: bool, decode: bool = True,
-           shuffle_seed: int = 0) -> tf.data.Dataset:
+  def read(self, split: str, *, drop_remainder: bool, decode: bool = True) -> tf.data.Dataset:
     """This process's part of `split` as (image, label) pairs, in a fixed order.
 
     image: uint8 [H, W, 3] (or the encoded bytes when decode=False, for
@@ -84,7 +83,6 @@ class TfdsSource:
     process_split = tfds.split_for_jax_process(split, drop_remainder=drop_remainder)
     ds = self._builder.as_dataset(
         split=process_split, shuffle_files=False,
-        read_config=tfds.ReadConfig(shuffle_seed=shuffle_seed),
         decoders=None if decode else {"image": tfds.decode.SkipDecoding()})
     has_label = self._num_classes is not None
     return ds.map(lambda ex: (ex["image"],

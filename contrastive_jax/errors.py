@@ -6,10 +6,11 @@ class JobError(Exception):
 
 
 class ConfigError(JobError, ValueError):
-  """A config field (or the data/workdir it points to) that cannot run.
+  """A config field (or the data/checkpoint it points to) that cannot run.
 
-  Raised before any compute. The message names the field, the value and what
-  is allowed, e.g. "config.temperature=-1.0: must be > 0".
+  Raised before any training step (a downstream job may have read its
+  checkpoint by then). The message names the field, the value and what is
+  allowed, e.g. "config.temperature=-1.0: must be > 0".
   """
 
   def __init__(self, field: str, value, allowed: str):

@@ -163,6 +163,12 @@ def check_config(evaluators, source, num_devices: int):
   Args:
     evaluators: config.evaluators, {name: {kind, every, split, batch_size, ...}}.
     source: the job's data source (splits and classes are checked against it).
+  Raises:
+    ConfigError: an unknown kind; any kind on a dataset without labels (both
+      kinds vote or classify with labels); a batch_size that is not a positive
+      multiple of num_devices; an unknown or empty split; a kNN k <= 0 or
+      temperature <= 0. (The interval's form is checked with the job's other
+      durations; that it is at least one step, in build.)
   """
   for name, cfg in evaluators.items():
     field = f"evaluators.{name}"
@@ -196,4 +202,5 @@ def build(evaluators, model: EvalModel, mesh, num_classes: int, steps_per_epoch:
 
 
 def log(step: int, results: dict):
+  """One console line with the evaluation results of a step."""
   logging.info("Step %d: %s.", step, ", ".join(f"{k} {v:.4f}" for k, v in sorted(results.items())))

@@ -78,7 +78,7 @@ def train_dataset(source, split: str, *, local_batch: int, image_size: int,
   num_local = source.num_examples(split, "train_split") // jax.process_count()
   # Uncached (large) datasets keep images encoded through the shuffle buffer
   # and the skip of a resume; they are decoded in views().
-  base = source.read(split, drop_remainder=True, decode=cache, shuffle_seed=seed)
+  base = source.read(split, drop_remainder=True, decode=cache)
   if cache:
     base = base.cache()
   first = start_step * local_batch

@@ -103,22 +103,21 @@ def restore_encoder(config, mesh):
 
 def check_config(config, num_devices: int):
   """Raises ConfigError for probe fields that cannot run (before any compute)."""
-  if config.batch_size <= 0 or config.batch_size % num_devices:
-    raise ConfigError("batch_size", config.batch_size,
-                      f"a positive multiple of the number of devices ({num_devices})")
-  for field in ("shuffle_buffer", "data_threads", "keep_checkpoints"):
-    if config[field] <= 0:
-      raise ConfigError(field, config[field], "an integer > 0")
+  runner.check_config(config, num_devices)
   if not 0 < config.crop_area_min <= 1:
     raise ConfigError("crop_area_min", config.crop_area_min, "in (0, 1]")
   optim.check_optimizer_config(config.optimizer)
 
 
 def make_train_step(encoder, head, tx):
-  """Jitted (state, encoder variables, batch) -> (state, metrics); the encoder is never updated."""
+  """Jitted (state, encoder variables, batch) -> (state, metrics); the encoder is never updated.
+
+  batch: {'image': uint8 [B, 1, S, S, 3] (one crop per image), 'label': int32 [B]}.
+  metrics: float32 'loss' (cross-entropy), 'train_top1' and apply_gradients' norms.
+  """
 
   def train_step(state, enc_vars, batch):
-    h = features(encoder, enc_vars, batch["image"][:, 0])
+    h = jax.lax.stop_gradient(models.encode(encoder, enc_vars, batch["image"][:, 0]))
 
     def loss_fn(params):
       logits, updates = head.apply({"params": params, "batch_stats": state.batch_stats}, h,
@@ -134,12 +133,6 @@ def make_train_step(encoder, head, tx):
   return jax.jit(train_step, donate_argnums=0)
 
 
-def features(encoder, enc_vars, images):
-  """Frozen eval-mode h [B, D] float32 of uint8 images [B, S, S, 3]."""
-  h = encoder.apply(enc_vars, images.astype(jnp.float32) / 255.0, train=False)
-  return jax.lax.stop_gradient(h)
-
-
 def build(config, mesh, saved_config) -> runner.Task:
   """The probe Task for runner.run.
 
@@ -151,26 +144,24 @@ def build(config, mesh, saved_config) -> runner.Task:
       than the train split; an evaluator that cannot run.
   """
   config = config.copy_and_resolve_references()
-  if saved_config is not None and config.pretrain_step < 0:
-    config.pretrain_step = saved_config.pretrain_step
-  encoder, enc_vars, pretrained, config.pretrain_step = restore_encoder(config, mesh)
   source = data.get_source(config, {"train_split": config.train_split})
   if source.num_classes is None:
     raise ConfigError("dataset", config.dataset,
                       "a labelled dataset: the linear probe trains on labels")
   evaluators.check_config(config.evaluators, source, jax.device_count())
-  num_train = source.num_examples(config.train_split, "train_split")
-  steps_per_epoch = num_train // config.batch_size
-  if steps_per_epoch == 0:
-    raise ConfigError("batch_size", config.batch_size,
-                      f"at most the size of split {config.train_split!r} ({num_train})")
+  steps_per_epoch = runner.steps_per_epoch(source, config)
   num_steps = config_lib.to_steps(config.duration, "duration", steps_per_epoch)
+  if saved_config is not None and config.pretrain_step < 0:
+    config.pretrain_step = saved_config.pretrain_step
+  encoder, enc_vars, pretrained, config.pretrain_step = restore_encoder(config, mesh)
   schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, steps_per_epoch,
                                           num_steps)
   tx = optim.build_optimizer(config.optimizer, schedule)
   head = LinearHead(source.num_classes)
-  feature_dim = jax.eval_shape(functools.partial(features, encoder, enc_vars), jax.ShapeDtypeStruct(
-      (1, pretrained.image_size, pretrained.image_size, 3), jnp.uint8)).shape[-1]
+  feature_dim = jax.eval_shape(functools.partial(models.encode, encoder, enc_vars),
+                               jax.ShapeDtypeStruct((1, pretrained.image_size,
+                                                     pretrained.image_size, 3),
+                                                    jnp.uint8)).shape[-1]
 
   def init():
     variables = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, feature_dim)),
@@ -193,7 +184,7 @@ def build(config, mesh, saved_config) -> runner.Task:
 
   def logits(variables, images):
     enc, head_vars = variables
-    return head.apply(head_vars, features(encoder, enc, images), train=False)
+    return head.apply(head_vars, models.encode(encoder, enc, images), train=False)
 
   logging.info("Probing %s encoder (%s, step %d of %s).",
                "a randomly initialised" if config.random_init else "the pretrained",
@@ -201,10 +192,11 @@ def build(config, mesh, saved_config) -> runner.Task:
   eval_model = evaluators.EvalModel(
       variables=lambda state: (enc_vars, {"params": state.params,
                                           "batch_stats": state.batch_stats}),
-      features=lambda variables, images: features(encoder, variables[0], images),
+      features=lambda variables, images: models.encode(encoder, variables[0], images),
       logits=logits,
-      dataset=pretrain.eval_datasets(source, pretrained.image_size,
-                                     pretrained.eval_crop_fraction, config))
+      dataset=pretrain.eval_datasets(source, image_size=pretrained.image_size,
+                                     crop_fraction=pretrained.eval_crop_fraction,
+                                     threads=config.data_threads, cache=config.cache))
   return runner.Task(config=config, init=jax.jit(init, out_shardings=ts.replicated(mesh)),
                      train_step=lambda state, batch: step_fn(state, enc_vars, batch),
                      train_batches=train_batches, num_steps=num_steps,

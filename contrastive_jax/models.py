@@ -163,6 +163,14 @@ class ContrastiveModel(nn.Module):
     return h, z, self.predictor(z, train=train)
 
 
+def encode(encoder, variables, images):
+  """Eval-mode representation h, float32 [B, D], of uint8 images [B, S, S, 3].
+
+  Pixels are scaled to [0, 1] as in training; BN uses its running statistics.
+  """
+  return encoder.apply(variables, images.astype(jnp.float32) / 255.0, train=False)
+
+
 def build_encoder(model_config, bn_axis_name=None) -> ResNet:
   """Builds the ResNet named by `model_config` (fields name, width, stem, dtype).
 

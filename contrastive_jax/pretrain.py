@@ -10,7 +10,6 @@ from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -44,19 +43,14 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int):
   Runs before any compute; dataset, evaluator and method checks follow in
   build(), once the dataset is known.
   """
+  runner.check_config(config, num_devices)
   get_method(config.method)
-  if config.batch_size <= 0 or config.batch_size % num_devices:
-    raise ConfigError("batch_size", config.batch_size,
-                      f"a positive multiple of the number of devices ({num_devices})")
   if config.image_size <= 0:
     raise ConfigError("image_size", config.image_size, "> 0")
   if not 0 < config.crop_area_min <= 1:
     raise ConfigError("crop_area_min", config.crop_area_min, "in (0, 1]")
   if not 0 < config.eval_crop_fraction <= 1:
     raise ConfigError("eval_crop_fraction", config.eval_crop_fraction, "in (0, 1]")
-  for field in ("keep_checkpoints", "data_threads", "shuffle_buffer"):
-    if config[field] <= 0:
-      raise ConfigError(field, config[field], "an integer > 0")
   if not config.online_probe.learning_rate > 0:
     raise ConfigError("online_probe.learning_rate", config.online_probe.learning_rate, "> 0")
   models.check_model_config(config.model)
@@ -70,15 +64,17 @@ def views(config):
           augment.ViewAugment.from_config(config.augment.view2, "augment.view2"))
 
 
-def online_probe(config, num_classes: int):
-  """The online probe a config asks for (a 'classifier' evaluator), else None.
+def online_probe(config, num_classes: int) -> ts.OnlineProbe:
+  """The online probe of a dataset with num_classes classes.
 
-  A linear layer (zero-initialised) trained with Adam at
-  config.online_probe.learning_rate: Adam's per-parameter step fits the scale
-  of h as it changes during pretraining without retuning.
+  A zero-initialised linear layer on h trained with Adam at
+  config.online_probe.learning_rate (Adam's per-parameter step fits the scale
+  of h as it changes during pretraining without retuning); SimCLR (Chen et al.
+  2020, Appendix B.6) and BYOL (Grill et al. 2020, Appendix C.1) train such a
+  classifier on stop_gradient(h) alongside pretraining. Every pretraining run
+  on a labelled dataset trains it, so that the state's structure does not
+  depend on which evaluators a resumed run declares.
   """
-  if not any(cfg.kind == "classifier" for cfg in config.evaluators.values()):
-    return None
   head = nn.Dense(num_classes, kernel_init=nn.initializers.zeros)
   return ts.OnlineProbe(head, optax.adam(config.online_probe.learning_rate))
 
@@ -95,15 +91,14 @@ class Run(NamedTuple):
 def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int = 0) -> Run:
   """Builds the method's model, optimizer, state initialiser and train step.
 
-  num_classes > 0 adds the online probe if the config has a classifier
-  evaluator; with 0 there is none.
+  num_classes > 0 (a labelled dataset) adds the online probe; 0, none.
   """
   method = get_method(config.method)
   schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size,
                                           steps_per_epoch, num_steps)
   tx = optim.build_optimizer(config.optimizer, schedule)
   model = method.build_model(config)
-  probe = online_probe(config, num_classes) if num_classes else None
+  probe = online_probe(config, num_classes) if num_classes > 0 else None
   init_rng, rng = jax.random.split(jax.random.PRNGKey(config.seed))
 
   def init():
@@ -131,15 +126,10 @@ def build(config, mesh, saved_config) -> runner.Task:
   method = get_method(config.method)
   source = data.get_source(config, {"train_split": config.train_split})
   evaluators.check_config(config.evaluators, source, jax.device_count())
-  num_train = source.num_examples(config.train_split, "train_split")
-  steps_per_epoch = num_train // config.batch_size
-  if steps_per_epoch == 0:
-    raise ConfigError("batch_size", config.batch_size,
-                      f"at most the size of split {config.train_split!r} ({num_train})")
-  method.check_config(config, num_train)
+  steps_per_epoch = runner.steps_per_epoch(source, config)
+  method.check_config(config, source.num_examples(config.train_split, "train_split"))
   num_steps = config_lib.to_steps(config.duration, "duration", steps_per_epoch)
-  num_classes = source.num_classes or 0
-  run = setup(config, mesh, steps_per_epoch, num_steps, num_classes)
+  run = setup(config, mesh, steps_per_epoch, num_steps, source.num_classes or 0)
 
   def train_batches(start_step):
     return input_pipeline.device_batches(
@@ -152,17 +142,18 @@ def build(config, mesh, saved_config) -> runner.Task:
 
   encoder = run.model.encoder
 
-  def features(variables, images):
-    return encoder.apply(variables["encoder"], images.astype(jnp.float32) / 255.0, train=False)
-
   def logits(variables, images):
-    return run.probe.head.apply({"params": variables["probe"]}, features(variables, images))
+    h = models.encode(encoder, variables["encoder"], images)
+    return run.probe.head.apply({"params": variables["probe"]}, h)
 
   eval_model = evaluators.EvalModel(
       variables=lambda state: {"encoder": encoder_variables(state),
                                "probe": state.probe.get("params")},
-      features=features, logits=logits if run.probe else None,
-      dataset=eval_datasets(source, config.image_size, config.eval_crop_fraction, config))
+      features=lambda variables, images: models.encode(encoder, variables["encoder"], images),
+      logits=logits if run.probe else None,
+      dataset=eval_datasets(source, image_size=config.image_size,
+                            crop_fraction=config.eval_crop_fraction,
+                            threads=config.data_threads, cache=config.cache))
   return runner.Task(config=config, init=run.init, train_step=run.train_step,
                      train_batches=train_batches, num_steps=num_steps,
                      steps_per_epoch=steps_per_epoch, global_batch=config.batch_size,
@@ -170,11 +161,12 @@ def build(config, mesh, saved_config) -> runner.Task:
                      num_classes=source.num_classes)
 
 
-def eval_datasets(source, image_size: int, crop_fraction: float, config):
-  """(split, local_batch) -> eval tf.data, built once per pair so a cache persists."""
+def eval_datasets(source, *, image_size: int, crop_fraction: float, threads: int, cache: bool):
+  """(split, local_batch) -> eval tf.data (input_pipeline.eval_dataset), built once per
+  pair so that an in-memory cache persists across evaluations."""
   @functools.lru_cache(maxsize=None)
   def dataset(split, local_batch):
     return input_pipeline.eval_dataset(source, split, local_batch=local_batch,
                                        image_size=image_size, crop_fraction=crop_fraction,
-                                       threads=config.data_threads, cache=config.cache)
+                                       threads=threads, cache=cache)
   return dataset

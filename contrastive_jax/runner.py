@@ -1,8 +1,9 @@
 """The loop every job shares: pretraining, the linear probe, and those to come.
 
-A job module (pretrain.py, linear_probe.py) provides IDENTITY_FIELDS,
-check_config(config, num_devices) and build(config, mesh, saved_config) ->
-Task; run() does the rest, written once: resume from the workdir's latest
+A job module (pretrain.py, linear_probe.py) provides IDENTITY_FIELDS (config
+fields a resumed run must share with its checkpoint; the first one exists only
+in that job's configs), check_config(config, num_devices) and
+build(config, mesh, saved_config) -> Task; run() does the rest, written once: resume from the workdir's latest
 checkpoint, step, log, stop on a non-finite loss, run the config's
 evaluators at their intervals and at the end, checkpoint, and stop cleanly on
 preemption (one process: SIGTERM; several: JAX's distributed preemption sync,
@@ -13,6 +14,7 @@ import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 from absl import logging
@@ -23,6 +25,7 @@ from contrastive_jax import config_lib
 from contrastive_jax import evaluators as evaluators_lib
 from contrastive_jax import metrics as metrics_lib
 from contrastive_jax import train_state as ts
+from contrastive_jax.errors import ConfigError
 from contrastive_jax.errors import NonFiniteError
 
 
@@ -52,13 +55,44 @@ class Task(NamedTuple):
   num_classes: Optional[int]
 
 
+def check_config(config: ml_collections.ConfigDict, num_devices: int):
+  """Raises ConfigError for the fields every job has (call from a job's check_config).
+
+  Checks the global batch, durations, checkpoint count, host pipeline sizes
+  and each evaluator's interval form, before any compute.
+  """
+  if config.batch_size <= 0 or config.batch_size % num_devices:
+    raise ConfigError("batch_size", config.batch_size,
+                      f"a positive multiple of the number of devices ({num_devices})")
+  for field in ("keep_checkpoints", "data_threads", "shuffle_buffer"):
+    if config[field] <= 0:
+      raise ConfigError(field, config[field], "an integer > 0")
+  for field in ("duration", "log_every", "checkpoint_every"):
+    config_lib.check_duration(config[field], field)
+  for name, evaluator in config.evaluators.items():
+    config_lib.check_duration(evaluator.get("every"), f"evaluators.{name}.every")
+
+
+def steps_per_epoch(source, config) -> int:
+  """Optimizer steps in one pass over config.train_split at the global batch.
+
+  Raises:
+    ConfigError: a global batch larger than the split.
+  """
+  num_train = source.num_examples(config.train_split, "train_split")
+  if num_train < config.batch_size:
+    raise ConfigError("batch_size", config.batch_size,
+                      f"at most the size of split {config.train_split!r} ({num_train})")
+  return num_train // config.batch_size
+
+
 def run(job, config: ml_collections.ConfigDict, workdir: str):
   """Runs `job` with `config` in `workdir`; returns (final state, last evaluation results).
 
   Raises:
     ConfigError: before any compute, for a config, dataset or checkpoint
       that cannot run.
-    NonFiniteError: the loss or the parameters became non-finite.
+    NonFiniteError: the loss or the state became NaN or infinite.
     JobError: a workdir that is a file.
   """
   workdir = checkpointing.prepare_workdir(workdir)
@@ -79,6 +113,7 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
 
 
 def _loop(task: Task, workdir: str, ckpt, mesh):
+  """Restores or initialises the state, then steps to task.num_steps (see run)."""
   config, spe = task.config, task.steps_per_epoch
   log_every = config_lib.to_steps(config.log_every, "log_every", spe)
   checkpoint_every = config_lib.to_steps(config.checkpoint_every, "checkpoint_every", spe)
@@ -107,46 +142,51 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
   batches = task.train_batches(start_step)
   writer = metrics_lib.create_writer(workdir, resumed_step=resumed_step)
   results = {}
-  with checkpointing.Preemption() as preemption:
-    if start_step == 0:
-      writer.write_hparams(config.to_dict())
-      results = evaluate(state, 0, [e for _, e in evals if e.at_start])
-      if results:
-        writer.write_scalars(0, results)
-    progress = periodic_actions.ReportProgress(num_train_steps=task.num_steps, every_secs=30)
-    logging.info("Training from step %d to %d (%d steps per epoch, global batch %d, "
-                 "%d devices).", start_step, task.num_steps, spe, task.global_batch,
-                 jax.device_count())
-    window = _Window()
-    for step in range(start_step + 1, task.num_steps + 1):
-      state, step_metrics = task.train_step(state, next(batches))
-      if step == start_step + 1:
-        window.restart(step, step_metrics)  # The first step's time is compilation.
-      progress(step)
-      last = step == task.num_steps
-      stop = preemption.requested or ckpt.reached_preemption(step)
-      due = [e for every, e in evals if step % every == 0 or last]
-      save = step % checkpoint_every == 0 or last or stop
-      scalars = {}
-      if step % log_every == 0 or last or save or due:
-        host = jax.device_get(step_metrics)
-        _check_finite(host, step, ckpt)
-        if step % log_every == 0 or last:
-          scalars = dict(host, learning_rate=task.schedule(step - 1),
-                         **window.rates(step, task.global_batch))
-      if due:
-        t0 = time.time()
-        results = evaluate(state, step, due)
-        scalars.update(results)
-        window.exclude(time.time() - t0)
-      if scalars:
-        writer.write_scalars(step, scalars)
-      if save:
-        ckpt.save(step, state, config)
-      if stop:
-        logging.warning("Stopped at step %d after a preemption request.", step)
-        break
-  writer.flush()
+  try:
+    with checkpointing.Preemption() as preemption:
+      if start_step == 0:
+        writer.write_hparams(config.to_dict())
+        results = evaluate(state, 0, [e for _, e in evals if e.at_start])
+        if results:
+          writer.write_scalars(0, results)
+      progress = periodic_actions.ReportProgress(num_train_steps=task.num_steps,
+                                                 every_secs=30)
+      logging.info("Training from step %d to %d (%d steps per epoch, global batch %d, "
+                   "%d devices).", start_step, task.num_steps, spe, task.global_batch,
+                   jax.device_count())
+      window = _Window()
+      for step in range(start_step + 1, task.num_steps + 1):
+        state, step_metrics = task.train_step(state, next(batches))
+        if step == start_step + 1:
+          window.restart(step, step_metrics)  # The first step's time is compilation.
+        progress(step)
+        last = step == task.num_steps
+        stop = preemption.requested or ckpt.reached_preemption(step)
+        log = step % log_every == 0 or last
+        save = step % checkpoint_every == 0 or last or stop
+        # A preempted job saves and leaves at once: evaluation could outlast its grace.
+        due = [] if stop else [e for every, e in evals if step % every == 0 or last]
+        scalars = {}
+        if log or save or due:
+          host = jax.device_get(step_metrics)
+          _check_finite(step, ckpt, loss=host["loss"], state_finite=save and _all_finite(state))
+          if log:
+            scalars = dict(host, learning_rate=task.schedule(step - 1),
+                           **window.rates(step, task.global_batch))
+        if save:
+          ckpt.save(step, state, config)  # Asynchronous: evaluation overlaps the write.
+        if due:
+          t0 = time.time()
+          results = evaluate(state, step, due)
+          scalars.update(results)
+          window.exclude(time.time() - t0)
+        if scalars:
+          writer.write_scalars(step, scalars)
+        if stop:
+          logging.warning("Stopped at step %d after a preemption request.", step)
+          break
+  finally:
+    writer.close()
   return state, results
 
 
@@ -171,14 +211,32 @@ class _Window:
     return {"steps_per_sec": steps / seconds, "images_per_sec": steps * global_batch / seconds}
 
 
-def _check_finite(host_metrics: dict, step: int, ckpt):
-  """Raises NonFiniteError if the step's loss or parameter norm is NaN or infinite."""
-  values = {k: host_metrics[k] for k in ("loss", "param_norm")}
-  if all(np.isfinite(v) for v in values.values()):
+@jax.jit
+def _all_finite_jit(state):
+  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(state)
+            if jnp.issubdtype(x.dtype, jnp.inexact)]
+  return jnp.all(jnp.stack(leaves))
+
+
+def _all_finite(state) -> bool:
+  """Whether every float leaf of the state (params, statistics, optimizer, extra, probe) is finite."""
+  return bool(_all_finite_jit(state))
+
+
+def _check_finite(step: int, ckpt, *, loss, state_finite: bool = True):
+  """Raises NonFiniteError if the step's loss, or (when checked) its state, is NaN or infinite.
+
+  Waits for pending checkpoint writes first, so that the checkpoint the
+  message names is complete on disk.
+  """
+  if np.isfinite(loss) and state_finite:
     return
   ckpt.wait()
+  latest = ckpt.latest_step()
+  where = ("no checkpoint was saved before it" if latest is None else
+           f"the newest checkpoint, step {latest} in {ckpt.directory}, is intact")
   raise NonFiniteError(
-      f"non-finite training at step {step} ({', '.join(f'{k} {v}' for k, v in values.items())});"
-      f" nothing of it was saved. The newest checkpoint, step {ckpt.latest_step()} in "
-      f"{ckpt.directory}, is intact: lower optimizer.base_lr or check the config, then rerun "
-      "(it resumes from there)")
+      f"non-finite training at step {step} (loss {loss}"
+      f"{'' if state_finite else ', and the state holds NaN or inf'}); nothing of that step "
+      f"was saved and {where}. Rerunning the same config resumes from there and will diverge "
+      "again; a changed recipe (e.g. a lower optimizer.base_lr) needs a new workdir")

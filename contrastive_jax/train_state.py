@@ -123,19 +123,27 @@ def projection_std(z, axis_name):
 class OnlineProbe(NamedTuple):
   """A linear classifier on stop_gradient(h) of view 1, trained inside the train step.
 
-  As SimCLR's and BYOL's online evaluation: its own optimizer `tx` and the
-  train batch's labels; it never changes the encoder's training. head: a Flax
-  module [b, D] -> [b, num_classes] logits.
+  The online evaluation of SimCLR (Chen et al. 2020, Appendix B.6) and BYOL
+  (Grill et al. 2020, Appendix C.1), with its own optimizer `tx` and the
+  train batch's labels; no gradient reaches the encoder, so the encoder's
+  training is the same with and without it. head: a Flax module mapping
+  float32 [b, D] to [b, num_classes] logits.
   """
   head: Any
   tx: optax.GradientTransformation
 
   def init(self, rng, feature_dim: int) -> dict:
+    """{'params', 'opt_state'} of a head on D = feature_dim features."""
     params = self.head.init(rng, jnp.zeros((1, feature_dim), jnp.float32))["params"]
     return {"params": params, "opt_state": self.tx.init(params)}
 
   def grads(self, params, h, labels, axis_name):
-    """Cross-entropy gradients over the global batch, and its loss and top-1 (inside shard_map)."""
+    """Gradients of the mean cross-entropy over the global batch, inside shard_map.
+
+    h: this device's float [b, D] representations (stop_gradient applied
+    here); labels: int32 [b]. Returns (grads like params, {'online_probe_loss',
+    'online_probe_train_top1'} float32 scalars), the same on every device.
+    """
     h = jax.lax.stop_gradient(h.astype(jnp.float32))
 
     def loss_fn(p):
@@ -148,6 +156,7 @@ class OnlineProbe(NamedTuple):
     return grads, {"online_probe_loss": loss, "online_probe_train_top1": top1}
 
   def update(self, probe_state, grads) -> dict:
+    """One step of tx on {'params', 'opt_state'}; returns the new pair."""
     updates, opt_state = self.tx.update(grads, probe_state["opt_state"], probe_state["params"])
     return {"params": optax.apply_updates(probe_state["params"], updates),
             "opt_state": opt_state}

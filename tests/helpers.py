@@ -2,6 +2,8 @@
 import importlib.util
 import os
 
+import numpy as np
+
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
 TFDS_DIR = os.path.abspath(os.environ.get("TFDS_DATA_DIR", os.path.join(SHARED, "tensorflow_datasets")))
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
@@ -35,3 +37,27 @@ def tiny_config(method: str = "simclr"):
   config.shuffle_buffer = 256
   config.data_threads = 1
   return config
+
+
+def checkpoints_are_finite(directory):
+  """Asserts every float leaf of every checkpoint in `directory` is finite; returns the steps."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  steps = sorted(int(name) for name in os.listdir(directory) if name.isdigit())
+  assert sorted(os.listdir(directory)) == sorted(map(str, steps))  # No half-written step.
+  for step in steps:
+    state = ocp.StandardCheckpointer().restore(os.path.join(directory, str(step), "state"))
+    for leaf in _leaves(state):
+      if np.issubdtype(np.asarray(leaf).dtype, np.floating):
+        assert np.all(np.isfinite(leaf)), step
+  return steps
+
+
+def _leaves(tree):
+  if isinstance(tree, dict):
+    for value in tree.values():
+      yield from _leaves(value)
+  elif isinstance(tree, (list, tuple)):
+    for value in tree:
+      yield from _leaves(value)
+  elif tree is not None:
+    yield tree

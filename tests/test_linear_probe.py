@@ -5,7 +5,7 @@ import os
 import jax
 import numpy as np
 import pytest
-from helpers import TFDS_DIR, load_config, tiny_config
+from helpers import TFDS_DIR, checkpoints_are_finite, load_config, tiny_config
 
 from contrastive_jax import checkpointing
 from contrastive_jax import linear_probe
@@ -84,9 +84,11 @@ def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path)
 
 def test_probe_stops_on_a_non_finite_loss(pretrained, tmp_path):
   config = probe_config(pretrained, duration="6 steps", checkpoint_every="1 steps")
-  config.optimizer.base_lr = 1e38
-  with pytest.raises(NonFiniteError, match="non-finite training at step"):
+  config.optimizer.base_lr = 1e30
+  with pytest.raises(NonFiniteError, match="non-finite training at step") as error:
     runner.run(linear_probe, config, str(tmp_path))
+  steps = checkpoints_are_finite(str(tmp_path / "checkpoints"))
+  assert steps and f"step {steps[-1]} in " in str(error.value)
 
 
 def test_restore_onto_another_device_count(pretrained):

@@ -8,9 +8,8 @@ import sys
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
-from helpers import CONFIG_DIR, TFDS_DIR, tiny_config
+from helpers import CONFIG_DIR, TFDS_DIR, checkpoints_are_finite, tiny_config
 
 from contrastive_jax import checkpointing
 from contrastive_jax import input_pipeline
@@ -45,6 +44,7 @@ def sigterm_after_first_train_batch(monkeypatch):
 @pytest.mark.parametrize("method", ["simclr", "moco_v2", "byol"])
 def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, method):
   config = tiny_config(method)
+  config.checkpoint_every = "3 steps"  # So the checkpoint of step 2 is the preemption's own.
   straight, _ = runner.run(pretrain, config, str(tmp_path / "straight"))
 
   with monkeypatch.context() as m:
@@ -84,7 +84,6 @@ def test_batch_size_override_keeps_evaluation_intervals_in_epochs(tmp_path):
     config.batch_size = batch_size
     config.duration = "2 epochs"
     config.evaluators.knn.every = "1 epochs"
-    config.evaluators.online_probe.every = "1 epochs"
     config.checkpoint_every = "1 epochs"
     workdir = tmp_path / str(batch_size)
     runner.run(pretrain, config, str(workdir))
@@ -92,13 +91,6 @@ def test_batch_size_override_keeps_evaluation_intervals_in_epochs(tmp_path):
     assert checkpointing.Checkpointer(str(workdir / "checkpoints")).all_steps() == [
         64 // batch_size, 128 // batch_size]
   assert steps_with_knn == {16: [0, 4, 8], 32: [0, 2, 4]}
-
-
-def _checkpoints_are_finite(directory):
-  for step in checkpointing.Checkpointer(directory).all_steps():
-    state = ocp.StandardCheckpointer().restore(os.path.join(directory, str(step), "state"))
-    assert all(np.all(np.isfinite(x)) for x in jax.tree.leaves(state)
-               if np.issubdtype(np.asarray(x).dtype, np.floating)), step
 
 
 def test_diverging_run_stops_with_its_last_healthy_checkpoint_intact(tmp_path):
@@ -116,9 +108,10 @@ def test_diverging_run_stops_with_its_last_healthy_checkpoint_intact(tmp_path):
   directory = str(tmp_path / "checkpoints")
   latest = checkpointing.Checkpointer(directory).latest_step()
   assert f"step {latest} in {directory}, is intact" in str(error.value)
+  assert latest is not None
   assert sorted(os.listdir(directory)) == sorted(
       str(s) for s in checkpointing.Checkpointer(directory).all_steps())  # No half-written step.
-  _checkpoints_are_finite(directory)
+  checkpoints_are_finite(directory)
 
 
 @pytest.mark.parametrize("field,value,message", [
