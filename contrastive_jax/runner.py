@@ -169,7 +169,8 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
         scalars = {}
         if log or save or due:
           host = jax.device_get(step_metrics)
-          _check_finite(step, ckpt, loss=host["loss"], state_finite=save and _all_finite(state))
+          _check_finite(step, ckpt, loss=host["loss"],
+                        state_finite=not save or _all_finite(state))
           if log:
             scalars = dict(host, learning_rate=task.schedule(step - 1),
                            **window.rates(step, task.global_batch))

@@ -83,8 +83,10 @@ def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path)
 
 
 def test_probe_stops_on_a_non_finite_loss(pretrained, tmp_path):
-  config = probe_config(pretrained, duration="6 steps", checkpoint_every="1 steps")
-  config.optimizer.base_lr = 1e30
+  config = probe_config(pretrained, duration="20 steps", checkpoint_every="1 steps")
+  # A weight-decay typo: each step multiplies the weights by about 1 - lr * wd = -6000,
+  # so they overflow float32 after about 10 healthy, saved steps.
+  config.optimizer.weight_decay = 1e6
   with pytest.raises(NonFiniteError, match="non-finite training at step") as error:
     runner.run(linear_probe, config, str(tmp_path))
   steps = checkpoints_are_finite(str(tmp_path / "checkpoints"))
