@@ -81,7 +81,7 @@ check_tpu() {
     local why
     why=$(grep -m1 ERROR "$err" || head -n1 "$err")
     rm -f "$err"
-    die "no TPU VM named '$tpu' in zone '$zone' (gcloud ${TPU_VM[*]} describe failed: ${why:-no message}); check the name and zone (gcloud ${TPU_VM[*]} list --zone=$zone)"
+    die "cannot use TPU VM '$tpu' in zone '$zone': gcloud ${TPU_VM[*]} describe says ${why:-nothing}; check the name and zone (gcloud ${TPU_VM[*]} list --zone=$zone) and your gcloud login and project"
   fi
   rm -f "$err"
   [[ "$state" == READY ]] || die "TPU VM '$tpu' in zone '$zone' is ${state:-in an unknown state}, not READY"
@@ -176,13 +176,17 @@ fi
 EOF
 }
 
+# A stopped or crashed job's last log line says which it was.
 remote_status() {
   remote_lib
   cat <<'EOF'
-if pid=$(job_pid); then state="running (pid $pid)"
-elif [[ -f $log ]]; then state='not running'
-else state='no job started'; fi
-echo "cj-status $state, last logged step $(last_step)"
+if pid=$(job_pid); then
+  echo "cj-status running (pid $pid), last logged step $(last_step)"
+elif [[ -f $log ]]; then
+  echo "cj-status not running, last logged step $(last_step); the log ends: $(tail -n 1 "$log" | cut -c 1-160)"
+else
+  echo "cj-status no job started"
+fi
 EOF
 }
 
@@ -193,9 +197,10 @@ remote_stop() {
   cat <<'EOF'
 if ! pid=$(job_pid); then echo "cj-none last logged step $(last_step)"; exit 0; fi
 kill -TERM "$pid"
-for ((i = 0; i < timeout; i++)); do
+end=$((SECONDS + timeout))
+while ((SECONDS < end)); do
   if ! job_pid >/dev/null; then echo "cj-stopped last logged step $(last_step)"; exit 0; fi
-  sleep 1
+  sleep 0.5
 done
 echo "cj-timeout pid $pid still running after $timeout s"
 EOF
@@ -329,8 +334,11 @@ cmd_logs() {
   [[ "$worker" =~ ^[0-9]+$ ]] || die "--worker=$worker: a worker index (0, 1, ...)"
   [[ "$lines" =~ ^[0-9]+$ ]] || die "--lines=$lines: a number of lines"
   check_tpu "$tpu" "$zone"
+  local -a ssh_args=()
+  # With a terminal on the worker, Ctrl-C ends the remote tail too, not only gcloud.
+  if [[ -n "$follow" ]]; then ssh_args=(-- -t); fi
   gc "${TPU_VM[@]}" ssh "$tpu" --zone="$zone" --worker="$worker" \
-    --command="$(remote_logs "$lines" "$follow" "$worker")"
+    --command="$(remote_logs "$lines" "$follow" "$worker")" "${ssh_args[@]}"
 }
 
 cmd_status() {

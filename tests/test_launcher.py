@@ -190,7 +190,7 @@ def test_dry_run_prints_gcloud_commands_that_keep_every_argument(pod):
 
 def test_bad_input_gives_one_clear_message(pod):
   out = pod.launch("status", tpu="no-such-tpu", expect=1)
-  assert out.startswith("launch/tpu.sh: error: no TPU VM named 'no-such-tpu' in zone") and \
+  assert out.startswith("launch/tpu.sh: error: cannot use TPU VM 'no-such-tpu' in zone") and \
       out.count("\n") == 1, out
   out = pod.launch("status", env={"GCLOUD": "/nonexistent/gcloud"}, expect=1)
   assert "'/nonexistent/gcloud' not found: install the Google Cloud CLI" in out, out
