@@ -30,6 +30,21 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
 _DISTRIBUTED = flags.DEFINE_bool(
     "distributed", False, "Call jax.distributed.initialize() first (multi-host TPU pods).")
+# On a Cloud TPU pod jax.distributed.initialize() finds the coordinator, the process
+# count and this process's id by itself. Elsewhere (the simulated pod of
+# tests/test_launcher.py, a cluster JAX does not detect) these say what it cannot find:
+# JAX reads JAX_COORDINATOR_ADDRESS from the environment, but no environment variable
+# gives the process count or id. Each is passed to initialize() only when given.
+_COORDINATOR_ADDRESS = flags.DEFINE_string(
+    "coordinator_address", None,
+    "With --distributed: host:port of process 0's coordinator (default: "
+    "JAX_COORDINATOR_ADDRESS, or found by JAX on Cloud TPU).")
+_NUM_PROCESSES = flags.DEFINE_integer(
+    "num_processes", None, "With --distributed: the number of processes (default: found by JAX).",
+    lower_bound=1)
+_PROCESS_ID = flags.DEFINE_integer(
+    "process_id", None, "With --distributed: this process's index (default: found by JAX).",
+    lower_bound=0)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -44,12 +59,22 @@ def get_job(name: str):
   return JOBS[name]
 
 
+def _distributed_args() -> dict:
+  """The jax.distributed.initialize() arguments given on the command line."""
+  given = {"coordinator_address": _COORDINATOR_ADDRESS.value,
+           "num_processes": _NUM_PROCESSES.value, "process_id": _PROCESS_ID.value}
+  return {k: v for k, v in given.items() if v is not None}
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   metrics.quiet_library_logs()
   if _DISTRIBUTED.value:
-    jax.distributed.initialize()
+    jax.distributed.initialize(**_distributed_args())
+  elif _distributed_args():
+    raise app.UsageError("--coordinator_address, --num_processes and --process_id need "
+                         "--distributed")
   logging.info("JAX process %d of %d, %d local devices of %d.", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count())
   try:
