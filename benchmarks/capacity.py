@@ -41,6 +41,7 @@ MFU is a stated assumption, not a measurement; the FLOPs include the on-device
 augmentations and the optimizer, not only the model.
 """
 import dataclasses
+import json
 import math
 import sys
 import time
@@ -320,6 +321,15 @@ def sources() -> str:
   return "\n".join(lines)
 
 
+def to_json(p: Plan, accelerators: dict, mfu: float) -> dict:
+  """The plan, its HBM need and its estimate at each accelerator, as plain values."""
+  return dict(dataclasses.asdict(p), per_device_batch=p.per_device_batch, epochs=p.epochs,
+              hbm_needed=p.hbm_needed, mfu=mfu,
+              estimates={name: dict(dataclasses.asdict(estimate(p, acc, mfu)),
+                                    bound=estimate(p, acc, mfu).bound)
+                         for name, acc in accelerators.items()})
+
+
 def select_accelerators(spec: str) -> dict:
   if spec == "all":
     return dict(ACCELERATORS)
@@ -341,6 +351,7 @@ def define_flags():
                        "Train split size (0: from KNOWN_DATASETS by config.dataset).")
   flags.DEFINE_integer("num_classes", -1,
                        "Classes for the online probe (-1: from KNOWN_DATASETS; 0: no probe).")
+  flags.DEFINE_string("json", "", "Also write the plan and its estimates to this JSON file.")
   flags.mark_flag_as_required("config")
 
 
@@ -363,6 +374,9 @@ def main(argv):
   print(report(p, accelerators, args.mfu))
   print()
   print(sources())
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(to_json(p, accelerators, args.mfu), f, indent=1)
 
 
 if __name__ == "__main__":
