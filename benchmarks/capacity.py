@@ -139,6 +139,7 @@ class Plan:
   steps_per_epoch: int
   num_steps: int
   state_bytes: dict          # STATE_PARTS key -> bytes per device, plus 'other' and 'total'.
+  extra_bytes: dict          # the method state's parts (state.extra's keys) -> bytes per device.
   batch_bytes: int           # this device's shard of the batch.
   memory: dict               # the executable's memory_analysis(), bytes.
   flops: float               # per step per device
@@ -209,6 +210,7 @@ def plan(config, num_devices: int, *, num_train: int = 0, num_classes: int = -1)
   state_bytes = {key: per_device_bytes(getattr(state, key)) for key, _ in STATE_PARTS}
   state_bytes["total"] = per_device_bytes(state)
   state_bytes["other"] = state_bytes["total"] - sum(state_bytes[k] for k, _ in STATE_PARTS)
+  extra_parts = {key: per_device_bytes(value) for key, value in state.extra.items()}
   stats = compiled.memory_analysis()
   memory = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
             "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes,
@@ -219,7 +221,7 @@ def plan(config, num_devices: int, *, num_train: int = 0, num_classes: int = -1)
   return Plan(config_name=getattr(config, "name", ""), method=config.method,
               num_devices=num_devices, global_batch=config.batch_size, image_size=size,
               num_train=num_train, steps_per_epoch=steps_per_epoch, num_steps=num_steps,
-              state_bytes=state_bytes, batch_bytes=per_device_bytes(batch), memory=memory,
+              state_bytes=state_bytes, extra_bytes=extra_parts, batch_bytes=per_device_bytes(batch), memory=memory,
               flops=float(cost.get("flops", 0.0)),
               bytes_accessed=float(cost.get("bytes accessed", 0.0)),
               transcendentals=float(cost.get("transcendentals", 0.0)),
@@ -276,6 +278,9 @@ def report(p: Plan, accelerators: dict, mfu: float) -> str:
            "| per device | bytes | GiB |", "|---|---|---|"]
   for key, label in STATE_PARTS + (("other", "step and PRNG key"), ("total", "state total")):
     lines.append(f"| state: {label} | {p.state_bytes[key]} | {_gib(p.state_bytes[key])} |")
+    if key == "extra":
+      for part, n in p.extra_bytes.items():
+        lines.append(f"| state: method state, {part} | {n} | {_gib(n)} |")
   lines.append(f"| batch shard (uint8 images, labels) | {p.batch_bytes} | {_gib(p.batch_bytes)} |")
   m = p.memory
   for key, label in (("argument", "compiled: arguments"), ("output", "compiled: outputs"),
