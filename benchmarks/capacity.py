@@ -43,10 +43,14 @@ augmentations and the optimizer, not only the model.
 import dataclasses
 import json
 import math
+import os
 import sys
 import time
 
-import jax
+# Plan the package this script sits in, not another installed copy of it.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=g-import-not-at-top
 import jax.numpy as jnp
 from absl import app
 from absl import flags
