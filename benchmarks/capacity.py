@@ -194,6 +194,7 @@ def plan(config, num_devices: int, *, num_train: int = 0, num_classes: int = -1)
                      "jax_num_cpu_devices before JAX starts (benchmarks/capacity.py --devices)")
   num_train, num_classes = dataset_sizes(config, num_train, num_classes)
   pretrain.check_config(config, num_devices)
+  # MoCo's check reads jax.device_count(), which the script sets to num_devices.
   get_method(config.method).check_config(config, num_train)
   mesh = ts.make_mesh(devices[:num_devices])
   steps_per_epoch = num_train // config.batch_size
@@ -222,10 +223,11 @@ def plan(config, num_devices: int, *, num_train: int = 0, num_classes: int = -1)
   cost = compiled.cost_analysis()
   if isinstance(cost, (list, tuple)):  # Older JAX: one dict per program.
     cost = cost[0]
-  return Plan(config_name=getattr(config, "name", ""), method=config.method,
+  return Plan(config_name="", method=config.method,
               num_devices=num_devices, global_batch=config.batch_size, image_size=size,
               num_train=num_train, steps_per_epoch=steps_per_epoch, num_steps=num_steps,
-              state_bytes=state_bytes, extra_bytes=extra_parts, batch_bytes=per_device_bytes(batch), memory=memory,
+              state_bytes=state_bytes, extra_bytes=extra_parts,
+              batch_bytes=per_device_bytes(batch), memory=memory,
               flops=float(cost.get("flops", 0.0)),
               bytes_accessed=float(cost.get("bytes accessed", 0.0)),
               transcendentals=float(cost.get("transcendentals", 0.0)),
@@ -285,7 +287,8 @@ def report(p: Plan, accelerators: dict, mfu: float) -> str:
     if key == "extra":
       for part, n in p.extra_bytes.items():
         lines.append(f"| state: method state, {part} | {n} | {_gib(n)} |")
-  lines.append(f"| batch shard (uint8 images, labels) | {p.batch_bytes} | {_gib(p.batch_bytes)} |")
+  lines.append(f"| batch shard (uint8 images; int32 labels, an argument only with the probe) "
+               f"| {p.batch_bytes} | {_gib(p.batch_bytes)} |")
   m = p.memory
   for key, label in (("argument", "compiled: arguments"), ("output", "compiled: outputs"),
                      ("alias", "compiled: outputs in donated buffers"),
