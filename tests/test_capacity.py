@@ -1,0 +1,79 @@
+"""benchmarks/capacity.py's plan against independent references, on a tiny SimCLR config
+(ResNet-18 at width 0.0625, 32x32 images) compiled for 2 of the 8 test devices."""
+import importlib.util
+import math
+import os
+
+import jax
+import jax.numpy as jnp
+import pytest
+from helpers import load_config
+
+from contrastive_jax.methods import get_method
+
+
+def _load_capacity():
+  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "capacity.py")
+  spec = importlib.util.spec_from_file_location("capacity", path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+capacity = _load_capacity()
+DEVICES = 2
+
+
+def _config(batch_size):
+  config = load_config("simclr_cifar10", "runlocal")
+  config.model.width = 0.0625
+  config.batch_size = batch_size
+  return config
+
+
+@pytest.fixture(scope="module")
+def plan16():
+  return capacity.plan(_config(16), DEVICES)
+
+
+def test_parameter_bytes_are_the_param_tree_in_float32(plan16):
+  config = _config(16)
+  model = get_method(config.method).build_model(config)
+  variables = jax.eval_shape(lambda: model.init(
+      jax.random.PRNGKey(0), jnp.zeros((2, 32, 32, 3), jnp.float32), train=False))
+  leaves = jax.tree.leaves(variables["params"])
+  assert all(leaf.dtype == jnp.float32 for leaf in leaves)
+  assert plan16.state_bytes["params"] == 4 * sum(math.prod(leaf.shape) for leaf in leaves)
+  assert plan16.state_bytes["extra"] == 0  # SimCLR keeps no method state.
+
+
+def test_compiled_arguments_are_the_replicated_state_and_a_batch_shard(plan16):
+  per_device = 16 // DEVICES
+  batch_shard = per_device * 2 * 32 * 32 * 3 + per_device * 4  # uint8 images, int32 labels.
+  assert plan16.batch_bytes == batch_shard
+  assert plan16.memory["argument"] == plan16.state_bytes["total"] + batch_shard
+  # The state is donated: the new state is written into its buffers.
+  assert plan16.memory["alias"] == plan16.state_bytes["total"]
+  assert plan16.hbm_needed > plan16.memory["argument"]
+
+
+def test_flops_positive_and_about_linear_in_the_batch(plan16):
+  plan32 = capacity.plan(_config(32), DEVICES)
+  assert plan16.flops > 0 and plan16.bytes_accessed > 0
+  # Per-example work dominates; the optimizer update and the NT-Xent logits do not scale by 2.
+  assert 1.7 < plan32.flops / plan16.flops < 2.3
+  assert plan32.per_device_batch == 2 * plan16.per_device_batch
+
+
+def test_estimate_is_the_slower_bound_and_fit_flips_at_the_needed_bytes(plan16):
+  acc = capacity.ACCELERATORS["tpu_v5e"]
+  e = capacity.estimate(plan16, acc, mfu=0.5)
+  assert e.compute_seconds == pytest.approx(plan16.flops / (acc.peak_bf16_flops * 0.5))
+  assert e.memory_seconds == pytest.approx(plan16.bytes_accessed / acc.hbm_bandwidth)
+  assert e.step_seconds == max(e.compute_seconds, e.memory_seconds)
+  assert e.images_per_second == pytest.approx(16 / e.step_seconds)
+  assert e.hours == pytest.approx(plan16.num_steps * e.step_seconds / 3600)
+  assert e.fits
+  assert capacity.estimate(plan16, acc, 0.5, hbm_bytes=plan16.hbm_needed).fits
+  assert not capacity.estimate(plan16, acc, 0.5, hbm_bytes=plan16.hbm_needed - 1).fits
+  assert "| tpu_v5e |" in capacity.report(plan16, {"tpu_v5e": acc}, 0.5)
