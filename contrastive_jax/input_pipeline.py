@@ -127,6 +127,24 @@ def eval_dataset(source, split: str, *, local_batch: int, image_size: int,
   return ds.with_options(_options(threads))
 
 
+def train_batches(source, config, sharding, *, image_size: int, num_views: int = 2):
+  """A job's start_step -> iterator of global training batches (train_dataset, device_batches).
+
+  Reads config.train_split, batch_size (global), crop_area_min, seed, cache,
+  shuffle_buffer and data_threads; each process reads its own part.
+  """
+  def batches(start_step: int) -> Iterator[dict]:
+    return device_batches(
+        train_dataset(source, config.train_split,
+                      local_batch=config.batch_size // jax.process_count(),
+                      image_size=image_size, crop_area_min=config.crop_area_min,
+                      seed=config.seed, start_step=start_step, cache=config.cache,
+                      shuffle_buffer=config.shuffle_buffer, threads=config.data_threads,
+                      num_views=num_views),
+        sharding)
+  return batches
+
+
 def device_batches(ds: tf.data.Dataset, sharding, prefetch: int = 2) -> Iterator[dict]:
   """Yields global jax.Arrays assembled from each process's local batches.
 

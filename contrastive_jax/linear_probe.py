@@ -173,15 +173,6 @@ def build(config, mesh, saved_config) -> runner.Task:
 
   step_fn = make_train_step(encoder, head, tx)
 
-  def train_batches(start_step):
-    return input_pipeline.device_batches(
-        input_pipeline.train_dataset(
-            source, config.train_split, local_batch=config.batch_size // jax.process_count(),
-            image_size=pretrained.image_size, crop_area_min=config.crop_area_min,
-            seed=config.seed, start_step=start_step, cache=config.cache,
-            shuffle_buffer=config.shuffle_buffer, threads=config.data_threads, num_views=1),
-        ts.batch_sharded(mesh))
-
   def logits(variables, images):
     enc, head_vars = variables
     return head.apply(head_vars, models.encode(encoder, enc, images), train=False)
@@ -199,6 +190,9 @@ def build(config, mesh, saved_config) -> runner.Task:
                                      threads=config.data_threads, cache=config.cache))
   return runner.Task(config=config, init=jax.jit(init, out_shardings=ts.replicated(mesh)),
                      train_step=lambda state, batch: step_fn(state, enc_vars, batch),
-                     train_batches=train_batches, num_steps=num_steps,
+                     train_batches=input_pipeline.train_batches(
+                         source, config, ts.batch_sharded(mesh),
+                         image_size=pretrained.image_size, num_views=1),
+                     num_steps=num_steps,
                      steps_per_epoch=steps_per_epoch, global_batch=config.batch_size,
                      schedule=schedule, eval_model=eval_model, num_classes=source.num_classes)

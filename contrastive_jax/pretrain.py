@@ -131,15 +131,6 @@ def build(config, mesh, saved_config) -> runner.Task:
   num_steps = config_lib.to_steps(config.duration, "duration", steps_per_epoch)
   run = setup(config, mesh, steps_per_epoch, num_steps, source.num_classes or 0)
 
-  def train_batches(start_step):
-    return input_pipeline.device_batches(
-        input_pipeline.train_dataset(
-            source, config.train_split, local_batch=config.batch_size // jax.process_count(),
-            image_size=config.image_size, crop_area_min=config.crop_area_min, seed=config.seed,
-            start_step=start_step, cache=config.cache, shuffle_buffer=config.shuffle_buffer,
-            threads=config.data_threads),
-        ts.batch_sharded(mesh))
-
   encoder = run.model.encoder
 
   def logits(variables, images):
@@ -155,7 +146,9 @@ def build(config, mesh, saved_config) -> runner.Task:
                             crop_fraction=config.eval_crop_fraction,
                             threads=config.data_threads, cache=config.cache))
   return runner.Task(config=config, init=run.init, train_step=run.train_step,
-                     train_batches=train_batches, num_steps=num_steps,
+                     train_batches=input_pipeline.train_batches(
+                         source, config, ts.batch_sharded(mesh), image_size=config.image_size),
+                     num_steps=num_steps,
                      steps_per_epoch=steps_per_epoch, global_batch=config.batch_size,
                      schedule=run.schedule, eval_model=eval_model,
                      num_classes=source.num_classes)

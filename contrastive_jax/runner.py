@@ -170,7 +170,7 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
         if log or save or due:
           host = jax.device_get(step_metrics)
           _check_finite(step, ckpt, loss=host["loss"],
-                        state_finite=not save or _all_finite(state))
+                        state_finite=not save or bool(_all_finite(state)))
           if log:
             scalars = dict(host, learning_rate=task.schedule(step - 1),
                            **window.rates(step, task.global_batch))
@@ -213,15 +213,10 @@ class _Window:
 
 
 @jax.jit
-def _all_finite_jit(state):
-  leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(state)
-            if jnp.issubdtype(x.dtype, jnp.inexact)]
-  return jnp.all(jnp.stack(leaves))
-
-
-def _all_finite(state) -> bool:
+def _all_finite(state):
   """Whether every float leaf of the state (params, statistics, optimizer, extra, probe) is finite."""
-  return bool(_all_finite_jit(state))
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(state)
+                            if jnp.issubdtype(x.dtype, jnp.inexact)]))
 
 
 def _check_finite(step: int, ckpt, *, loss, state_finite: bool = True):
