@@ -79,7 +79,8 @@ def time_pipeline(config) -> float:
   source = data.get_source(config, {"train_split": config.train_split})
   ds = input_pipeline.train_dataset(
       source, config.train_split, local_batch=config.batch_size, image_size=config.image_size,
-      crop_area_min=config.crop_area_min, seed=0, start_step=0, cache=False,
+      crop_sampler=config.crop_sampler, crop_area_min=config.crop_area_min,
+      crop_resize=config.crop_resize, seed=0, start_step=0, cache=False,
       shuffle_buffer=1000, threads=config.data_threads)
   it = iter(ds)
   next(it)

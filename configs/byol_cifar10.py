@@ -1,13 +1,21 @@
-"""BYOL on CIFAR-10 with the paper's recipe (Grill et al. 2020, Sec. 3.3, App. B-C).
+"""BYOL on CIFAR-10: solo-learn's recipe (vturrisi/solo-learn,
+scripts/pretrain/cifar/byol.yaml with augmentations/asymmetric.yaml).
 
-Projector and predictor: Linear 4096, BN, ReLU, Linear 256. LARS lr 0.2 x B/256,
-weight decay 1.5e-6 (biases and BN left out), 10 warm-up epochs then cosine,
-target EMA tau_base 0.996 ramped to 1 (cosine), asymmetric augmentations.
-ResNet-18 with the CIFAR stem, batch 512, 1000 epochs.
+The BYOL paper and code publish no CIFAR-10 recipe; solo-learn's reaches 92.58%
+top-1 of its online linear classifier after 1000 epochs (its README's CIFAR-10
+table). The recipe: ResNet-18 with a 3x3 stride-1 stem and no max-pool,
+torchvision's initialisation (He-normal convs, last BN scale 1, nn.Linear's
+default for the heads), projector and predictor Linear 4096, BN, ReLU, Linear
+256, global (synchronised) BN, each view its own forward pass, target EMA
+tau 0.99 ramped to 1 (cosine), batch 256, LARS with LARC's clipping (solo-
+learn's LARS, eta 0.02, clip_lars_lr, biases and BN excluded), lr 1.0 x B/256,
+weight decay 1e-5, 10 warm-up epochs then cosine, 1000 epochs; views:
+RandomResizedCrop(32) (scale 0.08-1, bicubic), torchvision's ColorJitter(0.4,
+0.4, 0.2, 0.1) p 0.8, grayscale p 0.2, no blur, solarize view 2 with p 0.2,
+flip; inputs standardised with solo-learn's CIFAR-10 mean and std.
 
 Variant `runlocal`: the same job shrunk for a 2-core CPU (config_lib.runlocal),
-with narrower heads, tau_base 0.99 (the paper's value for short runs) and a
-larger lr for the short schedule.
+with narrower heads (512 hidden, 128 out).
 """
 from contrastive_jax import config_lib
 
@@ -15,22 +23,24 @@ from contrastive_jax import config_lib
 def get_config(variant: str = ""):
   config = config_lib.base_config()
   config.method = "byol"
-  config.batch_size = 512
+  config.batch_size = 256
   config.duration = "1000 epochs"
-  config.model = dict(name="resnet18", width=1.0, stem="cifar", dtype="float32")
-  config.projector = dict(hidden_dims=(4096,), out_dim=256, use_bn=True)
-  config.predictor = dict(hidden_dims=(4096,), out_dim=256, use_bn=True)
-  config.byol = dict(tau_base=0.996)
-  config.augment = config_lib.byol_views()
-  config.optimizer = config_lib.optimizer("lars", base_lr=0.2, weight_decay=1.5e-6)
+  config.model = config_lib.model("resnet18", "cifar", "float32", "torchvision")
+  config.model.input_mean = (0.4914, 0.4822, 0.4465)
+  config.model.input_std = (0.247, 0.243, 0.261)
+  config.projector = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="torch")
+  config.predictor = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="torch")
+  config.byol = dict(tau_base=0.99)
+  config_lib.crop(config, "torchvision", 0.08, "pil_bicubic")
+  config.augment = config_lib.byol_views("torchvision", "multiply", blur=False)
+  config.optimizer = config_lib.optimizer("larc", base_lr=1.0, weight_decay=1e-5,
+                                          trust_coefficient=0.02)
   if variant == "runlocal":
     config_lib.runlocal(config)
     config.projector.hidden_dims = (512,)
     config.projector.out_dim = 128
     config.predictor.hidden_dims = (512,)
     config.predictor.out_dim = 128
-    config.byol.tau_base = 0.99
-    config.optimizer.base_lr = 1.0
   elif variant:
     raise ValueError(f"Unknown variant {variant!r} of byol_cifar10; known: 'runlocal'.")
   return config

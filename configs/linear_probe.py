@@ -4,12 +4,25 @@
       --config.pretrain_workdir=DIR --workdir=PROBE_DIR
 
 Set --config.pretrain_workdir=DIR (the pretraining job's --workdir). The
-encoder's architecture and image size come from the checkpoint's own config.
-Recipe: 100 epochs, batch 256, SGD momentum 0.9, lr 0.1 x B/256 with cosine
-decay, no weight decay, crop (0.2, 1) and flip; top-1 and top-5 on the whole
-test split at the end (and every 10 epochs).
+encoder's architecture and image size come from the checkpoint's own config;
+it stays frozen in eval mode. config.preset chooses the recipe
+(config_lib.LINEAR_PROBE_PRESETS): 'auto' (the default) runs the linear
+evaluation of the reference of the checkpoint's method ('simclr': SimCLR
+README's, Nesterov SGD lr 0.1 x B/256, batch 512, 100 epochs, cosine; 'moco':
+main_lincls.py's, SGD lr 30, batch 256, 100 epochs, x0.1 at 60 and 80;
+'byol': BYOL's, Nesterov SGD lr 0.2 x B/256, batch 1024, 80 epochs, cosine;
+each with its reference's crop and head initialisation, no weight decay);
+'standardised' runs this project's own probe (h standardised by an affine-free
+BN, SGD lr 0.1 x B/256, batch 256, 100 epochs, crop 0.2-1), whichever the
+method. The preset fills the fields left None here (batch_size, duration,
+crop_*, head.*, optimizer.*); a value given with --config wins. The probe
+logs the preset it ran and saves it, resolved, as config.preset with its
+checkpoints. Top-1 and top-5 on the whole test split at the end (and every
+10 epochs).
 
-Variant `runlocal`: 1000 steps (~5 epochs), sized for a 2-core CPU.
+Variant `runlocal`: 1000 steps at batch 256 (about 5 epochs) of the preset's
+recipe, sized for a 2-core CPU; step schedules beyond the run's end (MoCo's
+decays at 60 and 80 epochs) are not reached.
 """
 import ml_collections
 from ml_collections import config_dict
@@ -24,16 +37,24 @@ def get_config(variant: str = ""):
   config.pretrain_step = -1  # -1: the latest checkpoint.
   config.random_init = False  # True: probe the pretraining run's encoder at initialisation (baseline).
   config.model_name = config_dict.placeholder(str)  # If set, the checkpoint's model must match.
-  config.crop_area_min = 0.2
-  config.batch_size = 256
-  config.duration = "100 epochs"
-  config.optimizer = config_lib.optimizer("sgd", base_lr=0.1, weight_decay=0.0, warmup_epochs=0)
+  config.preset = "auto"
+  # None: the preset's value.
+  config.batch_size = config_dict.placeholder(int)
+  config.duration = config_dict.placeholder(str)
+  config.crop_sampler = config_dict.placeholder(str)
+  config.crop_area_min = config_dict.placeholder(float)
+  config.crop_resize = config_dict.placeholder(str)
+  config.head = dict(standardize=config_dict.placeholder(bool),
+                     init=config_dict.placeholder(str))
+  config.optimizer = {key: config_dict.placeholder(type(value))
+                      for key, value in config_lib.optimizer("sgd", 0.1, 0.0).items()}
   config.log_every = "100 steps"
   config.checkpoint_every = "1000 steps"
   config.keep_checkpoints = 2
   config.evaluators = dict(linear_probe=dict(kind="classifier", every="10 epochs", split="test",
                                              batch_size=1000))
   if variant == "runlocal":
+    config.batch_size = 256
     config.duration = "1000 steps"
     config.log_every = "50 steps"
     config.checkpoint_every = "250 steps"

@@ -1,10 +1,24 @@
 """On-device image augmentations, run inside the jitted train step.
 
-The host pipeline (input_pipeline.py) does the random resized crop and flip; the
-photometric ops here (color jitter, grayscale, Gaussian blur, solarize) run on the
-accelerator, one PRNG key per example, so they cost no host CPU. Recipes:
-SimCLR (Chen et al. 2020, Appendix A), MoCo v2 (Chen et al. 2020b), BYOL
-(Grill et al. 2020, Table 6).
+The host pipeline (crops.py) does the random resized crop and flip; the
+photometric ops here (color jitter, grayscale, Gaussian blur, solarize) run on
+the accelerator, one PRNG key per example, so they cost no host CPU.
+
+The references implement the same-named ops differently, and each view's
+settings say whose ops to use:
+  color_ops 'tensorflow': tf.image.adjust_contrast (each channel around its
+    own mean) and adjust_saturation (HSV saturation scaled and clipped to
+    [0, 1]), as SimCLR (google-research/simclr data_util.color_jitter) and
+    BYOL (deepmind-research byol/utils/augmentations.py) use them;
+  color_ops 'torchvision': torchvision's ColorJitter (contrast: blend with the
+    mean of the grayscale image; saturation: blend with the grayscale image),
+    as MoCo (facebookresearch/moco main_moco.py) and solo-learn use it;
+  brightness_op 'add' adds U[-b, b] (tf.image.random_brightness: SimCLR v1,
+    BYOL), 'multiply' multiplies by U[max(0, 1 - b), 1 + b] (SimCLR v2's tf2
+    code, torchvision);
+  grayscale_first: grayscale before jitter (MoCo v1's order) instead of after;
+  blur_padding 'zeros' (TensorFlow/JAX 'SAME' convolutions: SimCLR, BYOL) or
+    'edge' (PIL's blur repeats the border pixels: MoCo v2).
 
 Images are float32 [H, W, 3] with values in [0, 1]; every op clips back to
 [0, 1].
@@ -17,19 +31,25 @@ import numpy as np
 
 from contrastive_jax.errors import ConfigError
 
-# ITU-R BT.601 luma weights, as in tf.image.rgb_to_grayscale (numpy: importing a
-# module must not touch a device, or jax.distributed.initialize fails after it).
+# ITU-R BT.601 luma weights, as in tf.image.rgb_to_grayscale and torchvision
+# (numpy: importing a module must not touch a device, or
+# jax.distributed.initialize fails after it).
 _LUMA = np.array([0.2989, 0.5870, 0.1140], np.float32)
+COLOR_OPS = ("tensorflow", "torchvision")
+BRIGHTNESS_OPS = ("add", "multiply")
+BLUR_PADDINGS = ("zeros", "edge")
 
 
 @dataclasses.dataclass(frozen=True)
 class ViewAugment:
   """Photometric augmentation settings of one view (all probabilities in [0, 1]).
 
-  brightness, contrast, saturation: jitter factors are drawn from
-  U[max(0, 1 - s), 1 + s]; hue: a hue shift drawn from U[-hue, hue] (in turns,
-  hue <= 0.5). The four are applied in random order, together with probability
-  color_jitter_prob.
+  brightness: the jitter range b (see brightness_op); contrast, saturation:
+  factors drawn from U[max(0, 1 - s), 1 + s]; hue: a hue shift drawn from
+  U[-hue, hue] (in turns, hue <= 0.5). The four are applied in random order,
+  together with probability color_jitter_prob, each followed by a clip to
+  [0, 1]. color_ops, brightness_op, grayscale_first and blur_padding choose the
+  reference's version of the ops (module docstring).
   """
   brightness: float = 0.0
   contrast: float = 0.0
@@ -41,6 +61,10 @@ class ViewAugment:
   blur_sigma_min: float = 0.1
   blur_sigma_max: float = 2.0
   solarize_prob: float = 0.0
+  color_ops: str = "torchvision"
+  brightness_op: str = "multiply"
+  grayscale_first: bool = False
+  blur_padding: str = "zeros"
 
   @classmethod
   def from_config(cls, cfg, field: str) -> "ViewAugment":
@@ -48,13 +72,21 @@ class ViewAugment:
 
     Raises:
       ConfigError: unknown key, a probability outside [0, 1], a negative
-        jitter strength, hue > 0.5 or a blur sigma range that is not 0 < min <= max.
+        jitter strength, hue > 0.5, a blur sigma range that is not
+        0 < min <= max, or an unknown color_ops, brightness_op or blur_padding.
     """
-    known = {f.name for f in dataclasses.fields(cls)}
+    types = {f.name: f.type for f in dataclasses.fields(cls)}
     for key in cfg:
-      if key not in known:
-        raise ConfigError(f"{field}.{key}", cfg[key], f"one of the known keys {sorted(known)}")
-    view = cls(**{k: float(v) for k, v in cfg.items()})
+      if key not in types:
+        raise ConfigError(f"{field}.{key}", cfg[key], f"one of the known keys {sorted(types)}")
+    choices = {"color_ops": COLOR_OPS, "brightness_op": BRIGHTNESS_OPS,
+               "blur_padding": BLUR_PADDINGS}
+    for name, allowed in choices.items():
+      if name in cfg and cfg[name] not in allowed:
+        raise ConfigError(f"{field}.{name}", cfg[name], f"one of {list(allowed)}")
+    if not isinstance(cfg.get("grayscale_first", False), bool):
+      raise ConfigError(f"{field}.grayscale_first", cfg["grayscale_first"], "True or False")
+    view = cls(**{k: v if types[k] in (str, bool) else float(v) for k, v in cfg.items()})
     for name in ("color_jitter_prob", "grayscale_prob", "blur_prob", "solarize_prob"):
       if not 0.0 <= getattr(view, name) <= 1.0:
         raise ConfigError(f"{field}.{name}", getattr(view, name), "in [0, 1]")
@@ -97,43 +129,98 @@ def hsv_to_rgb(x):
   return jnp.stack([channel(5.0), channel(3.0), channel(1.0)], -1)
 
 
-def _jitter_factor(key, strength):
+def adjust_brightness(x, value, op: str):
+  """x + value ('add': tf.image.adjust_brightness) or x * value ('multiply':
+  SimCLR v2's random_brightness, torchvision's adjust_brightness before its clamp)."""
+  return x + value if op == "add" else x * value
+
+
+def adjust_contrast(x, factor, color_ops: str):
+  """Contrast of x [H, W, 3] scaled by factor about a mean.
+
+  'tensorflow': each channel about its own mean over the image
+  (tf.image.adjust_contrast); 'torchvision': every channel about the mean of
+  the grayscale image (torchvision.transforms.functional.adjust_contrast,
+  before its clamp).
+  """
+  if color_ops == "tensorflow":
+    mean = jnp.mean(x, axis=(0, 1), keepdims=True)
+  else:
+    mean = jnp.mean(jnp.dot(x, _LUMA))
+  return (x - mean) * factor + mean
+
+
+def adjust_saturation(x, factor, color_ops: str):
+  """Saturation of x [..., 3] in [0, 1] scaled by factor.
+
+  'tensorflow': the HSV saturation times factor, clipped to [0, 1]
+  (tf.image.adjust_saturation); 'torchvision': a blend with the grayscale
+  image, gray + factor (x - gray) (torchvision's adjust_saturation before its
+  clamp).
+  """
+  if color_ops == "tensorflow":
+    hsv = rgb_to_hsv(x)
+    return hsv_to_rgb(hsv.at[..., 1].set(jnp.clip(hsv[..., 1] * factor, 0.0, 1.0)))
+  gray = to_grayscale(x)
+  return gray + (x - gray) * factor
+
+
+def adjust_hue(x, delta):
+  """Hue of x [..., 3] in [0, 1] shifted by delta turns, wrapped (tf.image.adjust_hue;
+  torchvision's adjust_hue, without its uint8 rounding of the hue)."""
+  hsv = rgb_to_hsv(x)
+  return hsv_to_rgb(hsv.at[..., 0].set((hsv[..., 0] + delta) % 1.0))
+
+
+def _factor(key, strength):
   return jax.random.uniform(key, (), minval=max(0.0, 1.0 - strength), maxval=1.0 + strength)
 
 
 def color_jitter(x, key, view: ViewAugment):
-  """Brightness, contrast, saturation and hue jitter in a random order."""
+  """Brightness, contrast, saturation and hue jitter in a random order, each clipped.
+
+  Every reference applies the four in a random order and clips to [0, 1]
+  after each (SimCLR's color_jitter_rand, BYOL's _color_transform_single_image,
+  torchvision's ColorJitter, whose blends clamp), and skips those of strength
+  0; which version of each op is view.color_ops' and view.brightness_op's.
+  """
   perm_key, b_key, c_key, s_key, h_key = jax.random.split(key, 5)
-
-  def brightness(y):
-    return y * _jitter_factor(b_key, view.brightness)
-
-  def contrast(y):
-    mean = jnp.mean(jnp.dot(y, _LUMA))
-    return (y - mean) * _jitter_factor(c_key, view.contrast) + mean
-
-  def saturation(y):
-    gray = to_grayscale(y)
-    return gray + (y - gray) * _jitter_factor(s_key, view.saturation)
-
-  def hue(y):
-    delta = jax.random.uniform(h_key, (), minval=-view.hue, maxval=view.hue)
-    hsv = rgb_to_hsv(y)
-    return hsv_to_rgb(hsv.at[..., 0].set((hsv[..., 0] + delta) % 1.0))
-
-  ops = [lambda y, f=f: jnp.clip(f(y), 0.0, 1.0)
-         for f in (brightness, contrast, saturation, hue)]
-  order = jax.random.permutation(perm_key, len(ops))
-  return jax.lax.fori_loop(0, len(ops), lambda i, y: jax.lax.switch(order[i], ops, y), x)
+  if view.brightness_op == "add":
+    brightness = jax.random.uniform(b_key, (), minval=-view.brightness, maxval=view.brightness)
+  else:
+    brightness = _factor(b_key, view.brightness)
+  ops = [
+      (view.brightness, lambda y: adjust_brightness(y, brightness, view.brightness_op)),
+      (view.contrast, lambda y: adjust_contrast(y, _factor(c_key, view.contrast), view.color_ops)),
+      (view.saturation,
+       lambda y: adjust_saturation(y, _factor(s_key, view.saturation), view.color_ops)),
+      (view.hue, lambda y: adjust_hue(y, jax.random.uniform(h_key, (), minval=-view.hue,
+                                                            maxval=view.hue))),
+  ]
+  clipped = [lambda y, f=f: jnp.clip(f(y), 0.0, 1.0) for strength, f in ops if strength > 0]
+  if not clipped:
+    return x
+  order = jax.random.permutation(perm_key, len(clipped))
+  return jax.lax.fori_loop(0, len(clipped), lambda i, y: jax.lax.switch(order[i], clipped, y), x)
 
 
-def gaussian_blur(x, sigma):
-  """Separable Gaussian blur with a kernel of 10% of the image side (SimCLR)."""
-  radius = max(1, x.shape[0] // 20)
+def gaussian_blur(x, sigma, padding: str = "zeros"):
+  """Separable Gaussian blur of x [H, W, C] with a kernel of about 10% of the side.
+
+  The kernel has radius H // 20 (SimCLR's int((H // 10) / 2), BYOL's
+  int(H / 10 / 2)): 1 at 32 px, 11 at 224 px, none below 20 px. padding
+  'zeros' is the references' 'SAME' convolution; 'edge' repeats the border
+  pixels as PIL's blur does (MoCo v2, whose blur is PIL's three-box
+  approximation of this Gaussian).
+  """
+  radius = x.shape[0] // 20
+  if radius == 0:
+    return x
   offsets = jnp.arange(-radius, radius + 1, dtype=jnp.float32)
   weights = jnp.exp(-offsets**2 / (2.0 * sigma**2))
   weights = weights / jnp.sum(weights)
-  padded = jnp.pad(x, ((radius, radius), (radius, radius), (0, 0)), mode="reflect")
+  padded = jnp.pad(x, ((radius, radius), (radius, radius), (0, 0)),
+                   mode="constant" if padding == "zeros" else "edge")
   size = 2 * radius + 1
   rows = sum(weights[i] * padded[i:i + x.shape[0], :, :] for i in range(size))
   return sum(weights[i] * rows[:, i:i + x.shape[1], :] for i in range(size))
@@ -145,19 +232,32 @@ def solarize(x, threshold=0.5):
 
 
 def augment_image(image, key, view: ViewAugment):
-  """Augments one image: uint8 or float [H, W, 3] -> float32 [H, W, 3] in [0, 1]."""
+  """Augments one image: uint8 or float [H, W, 3] -> float32 [H, W, 3] in [0, 1].
+
+  Order: color jitter then grayscale (or grayscale first, MoCo v1), blur,
+  solarize; the flip, done on the host, commutes with all of them.
+  """
   x = image.astype(jnp.float32)
   if image.dtype == jnp.uint8:
     x = x / 255.0
   keys = jax.random.split(key, 6)
-  if view.color_jitter_prob > 0:
+
+  def jitter(x):
+    if view.color_jitter_prob == 0:
+      return x
     apply = jax.random.bernoulli(keys[0], view.color_jitter_prob)
-    x = jnp.where(apply, color_jitter(x, keys[1], view), x)
-  if view.grayscale_prob > 0:
-    x = jnp.where(jax.random.bernoulli(keys[2], view.grayscale_prob), to_grayscale(x), x)
+    return jnp.where(apply, color_jitter(x, keys[1], view), x)
+
+  def grayscale(x):
+    if view.grayscale_prob == 0:
+      return x
+    return jnp.where(jax.random.bernoulli(keys[2], view.grayscale_prob), to_grayscale(x), x)
+
+  x = jitter(grayscale(x)) if view.grayscale_first else grayscale(jitter(x))
   if view.blur_prob > 0:
     sigma = jax.random.uniform(keys[3], (), minval=view.blur_sigma_min, maxval=view.blur_sigma_max)
-    x = jnp.where(jax.random.bernoulli(keys[4], view.blur_prob), gaussian_blur(x, sigma), x)
+    x = jnp.where(jax.random.bernoulli(keys[4], view.blur_prob),
+                  gaussian_blur(x, sigma, view.blur_padding), x)
   if view.solarize_prob > 0:
     x = jnp.where(jax.random.bernoulli(keys[5], view.solarize_prob), solarize(x), x)
   return x

@@ -1,4 +1,8 @@
-"""Building blocks of the configs in configs/: shared defaults, presets, durations."""
+"""Building blocks of the configs in configs/: shared defaults, presets, durations.
+
+The view, crop, model and optimizer blocks below each reproduce one
+reference's recipe; the docstrings name the reference and the code there.
+"""
 import re
 
 import ml_collections
@@ -44,11 +48,19 @@ def to_steps(value, field: str, steps_per_epoch: int) -> int:
   return steps
 
 
-def simclr_view(strength: float, blur_prob: float) -> dict:
-  """SimCLR's on-device view settings (Appendix A): jitter strength s, grayscale 0.2."""
+def simclr_view(strength: float, blur_prob: float, brightness_op: str = "add") -> dict:
+  """SimCLR's on-device view (Appendix A; data_util.preprocess_for_train, batch_random_blur).
+
+  Color jitter of strength s (brightness, contrast, saturation 0.8 s, hue
+  0.2 s) in random order with p 0.8, tf.image ops; grayscale p 0.2 after it;
+  blur with p blur_prob, zero-padded. brightness_op 'add' is v1's
+  tf.image.random_brightness (the code behind the v1 paper and README numbers),
+  'multiply' the tf2 code's (SimCLR v2).
+  """
   return dict(brightness=0.8 * strength, contrast=0.8 * strength, saturation=0.8 * strength,
               hue=0.2 * strength, color_jitter_prob=0.8, grayscale_prob=0.2,
-              blur_prob=blur_prob)
+              blur_prob=blur_prob, color_ops="tensorflow", brightness_op=brightness_op,
+              blur_padding="zeros")
 
 
 def data_fields(config):
@@ -74,7 +86,6 @@ def base_config() -> ml_collections.ConfigDict:
   config = data_fields(ml_collections.ConfigDict())
   config.job = "pretrain"
   config.image_size = 32
-  config.crop_area_min = 0.08
   config.eval_crop_fraction = 1.0
   config.duration = "100 epochs"
   config.log_every = "100 steps"
@@ -90,24 +101,67 @@ def base_config() -> ml_collections.ConfigDict:
 
 
 def moco_v1_view() -> dict:
-  """MoCo v1's views (He et al. 2019, Sec. 4.1): jitter 0.4 on all four, always; grayscale 0.2."""
+  """MoCo v1's views (main_moco.py without --aug-plus): grayscale p 0.2, then
+  torchvision's ColorJitter(0.4, 0.4, 0.4, 0.4) always."""
   return dict(brightness=0.4, contrast=0.4, saturation=0.4, hue=0.4, color_jitter_prob=1.0,
-              grayscale_prob=0.2)
+              grayscale_prob=0.2, grayscale_first=True, color_ops="torchvision",
+              brightness_op="multiply")
 
 
 def moco_v2_view(blur_prob: float) -> dict:
-  """MoCo v2's views (Chen et al. 2020b): jitter (0.4, 0.4, 0.4, 0.1) p 0.8, grayscale 0.2, blur."""
+  """MoCo v2's views (main_moco.py --aug-plus): torchvision's ColorJitter(0.4, 0.4, 0.4,
+  0.1) p 0.8, grayscale p 0.2, PIL Gaussian blur (edges repeated) with p blur_prob."""
   return dict(brightness=0.4, contrast=0.4, saturation=0.4, hue=0.1, color_jitter_prob=0.8,
-              grayscale_prob=0.2, blur_prob=blur_prob)
+              grayscale_prob=0.2, blur_prob=blur_prob, color_ops="torchvision",
+              brightness_op="multiply", blur_padding="edge")
 
 
-def byol_views() -> dict:
-  """BYOL's asymmetric views (Grill et al. 2020, Table 6): view 1 always blurred, never
-  solarized; view 2 blurred with p 0.1 and solarized with p 0.2."""
+def byol_views(color_ops: str = "tensorflow", brightness_op: str = "add",
+               blur: bool = True) -> dict:
+  """BYOL's asymmetric views (Grill et al. 2020, Table 6; byol/utils/augmentations.py).
+
+  Jitter (0.4, 0.4, 0.2, 0.1) p 0.8 and grayscale p 0.2 on both; view 1
+  blurred with p 1.0, never solarized; view 2 blurred with p 0.1 and
+  solarized with p 0.2. BYOL's own ops are tf.image's with additive
+  brightness and zero-padded blur; solo-learn's CIFAR-10 recipe
+  (augmentations/asymmetric.yaml) uses torchvision's ColorJitter and no blur
+  (blur=False).
+  """
   jitter = dict(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1, color_jitter_prob=0.8,
-                grayscale_prob=0.2)
-  return dict(view1=dict(jitter, blur_prob=1.0, solarize_prob=0.0),
-              view2=dict(jitter, blur_prob=0.1, solarize_prob=0.2))
+                grayscale_prob=0.2, color_ops=color_ops, brightness_op=brightness_op,
+                blur_padding="zeros")
+  return dict(view1=dict(jitter, blur_prob=1.0 if blur else 0.0, solarize_prob=0.0),
+              view2=dict(jitter, blur_prob=0.1 if blur else 0.0, solarize_prob=0.2))
+
+
+def crop(config, sampler: str, area_min: float, resize: str):
+  """Sets the host crop: crops.SAMPLERS sampler, smallest area fraction, crops.RESIZES resize."""
+  config.crop_sampler = sampler
+  config.crop_area_min = area_min
+  config.crop_resize = resize
+  return config
+
+
+# ImageNet channel statistics (torchvision's Normalize in MoCo; BYOL's normalize_images).
+IMAGENET_MEAN = (0.485, 0.456, 0.406)
+IMAGENET_STD = (0.229, 0.224, 0.225)
+
+
+def model(name: str, stem: str, dtype: str, reference: str) -> dict:
+  """A model config with the reference's initialisation and input scaling.
+
+  reference 'simclr': variance-scaling (TF) convs, zero-initialised last BN
+  scale of each block, inputs in [0, 1]; 'byol': the same (Haiku's defaults,
+  BYOL's zero-init) with ImageNet standardisation; 'torchvision': He-normal
+  fan-out convs, last BN scale 1, ImageNet standardisation (MoCo). CIFAR-10
+  recipes replace input_mean/input_std with their own statistics.
+  """
+  imagenet = dict(input_mean=IMAGENET_MEAN, input_std=IMAGENET_STD)
+  fields = {"simclr": dict(zero_init_residual=True, conv_init="variance_scaling",
+                           input_mean=(0.0, 0.0, 0.0), input_std=(1.0, 1.0, 1.0)),
+            "byol": dict(zero_init_residual=True, conv_init="variance_scaling", **imagenet),
+            "torchvision": dict(zero_init_residual=False, conv_init="he_normal", **imagenet)}
+  return dict(name=name, width=1.0, stem=stem, dtype=dtype, **fields[reference])
 
 
 def runlocal(config):
@@ -131,19 +185,23 @@ def runlocal(config):
 
 
 def optimizer(name: str, base_lr: float, weight_decay: float, **overrides) -> dict:
-  """An optimizer config: warm-up then cosine by default, linear lr scaling.
+  """An optimizer config (optim.py): warm-up then cosine by default, linear lr scaling.
 
-  schedule 'step' multiplies the lr by decay_factor at each of decay_epochs.
+  schedule 'step' multiplies the lr by decay_factor at each of decay_epochs;
+  weight_decay_mask, lr_before_momentum and nesterov choose the reference's
+  variant (optim.py's docstring).
   """
   config = dict(name=name, base_lr=base_lr, lr_scaling="linear", weight_decay=weight_decay,
-                momentum=0.9, trust_coefficient=0.001, warmup_epochs=10, schedule="cosine",
-                decay_epochs=(), decay_factor=0.1)
+                weight_decay_mask="kernels", momentum=0.9, nesterov=False,
+                lr_before_momentum=False, trust_coefficient=0.001, warmup_epochs=10,
+                schedule="cosine", decay_epochs=(), decay_factor=0.1)
   config.update(overrides)
   return config
 
 
-def imagenet(config, *, batch_size: int, num_epochs: int):
-  """Sets ImageNet (TFDS imagenet2012, 224 px) data fields and a ResNet-50 in bfloat16.
+def imagenet(config, *, batch_size: int, num_epochs: int, reference: str):
+  """Sets ImageNet (TFDS imagenet2012, 224 px) data fields and a ResNet-50 in bfloat16
+  initialised as `reference`'s (see model()).
 
   The kNN bank is 10% of train (128k x 2048 floats, 1 GB over the devices);
   the evaluators run every 10 epochs on the validation split.
@@ -155,10 +213,82 @@ def imagenet(config, *, batch_size: int, num_epochs: int):
   config.data_threads = 32
   config.batch_size = batch_size
   config.duration = f"{num_epochs} epochs"
-  config.model = dict(name="resnet50", width=1.0, stem="imagenet", dtype="bfloat16")
+  config.model = model("resnet50", "imagenet", "bfloat16", reference)
   config.checkpoint_every = "2000 steps"
   for evaluator in config.evaluators.values():
     evaluator.split = "validation"
     evaluator.batch_size = 1024
   config.evaluators.knn.bank_split = "train[:10%]"
+  return config
+
+
+# Linear-probe presets (configs/linear_probe.py): each reference's own linear
+# evaluation, with the figures it gives for CIFAR-10 where it has them. Every
+# preset keeps the encoder frozen in eval mode, as all three references do
+# (SimCLR's model_fn: "Finetune just supervised (linear) head will not update
+# BN stats"), and trains on random crops and flips without color changes.
+LINEAR_PROBE_PRESETS = {
+    # SimCLR README, CIFAR-10 fine-tuning of the linear head (run.py
+    # --train_mode=finetune --fine_tune_after_block=4): momentum optimizer
+    # (tf.train.MomentumOptimizer, Nesterov), lr 0.1 x B/256, no weight decay
+    # (1e-6 on ImageNet), batch 512, 100 epochs (90 on ImageNet), cosine, no
+    # warm-up, logits layer zero-initialised.
+    "simclr": dict(
+        batch_size=512, duration="100 epochs",
+        crop=dict(sampler="tensorflow", area_min=0.08, resize="tf_bicubic"),
+        head=dict(standardize=False, init="zeros"),
+        optimizer=optimizer("sgd", 0.1, 0.0, nesterov=True, warmup_epochs=0,
+                            weight_decay_mask="all")),
+    # MoCo main_lincls.py (and its CIFAR-10 demo's advice: lr 30, wd 0, 100
+    # epochs): SGD momentum 0.9, lr 30 at batch 256, no weight decay, lr x0.1
+    # at epochs 60 and 80, RandomResizedCrop(scale 0.08-1) and flip, fc weights
+    # normal(0, 0.01), bias 0.
+    "moco": dict(
+        batch_size=256, duration="100 epochs",
+        crop=dict(sampler="torchvision", area_min=0.08, resize="pil_bilinear"),
+        head=dict(standardize=False, init="normal_0.01"),
+        optimizer=optimizer("sgd", 30.0, 0.0, warmup_epochs=0, schedule="step",
+                            decay_epochs=(60, 80), weight_decay_mask="all")),
+    # BYOL configs/eval.py and eval_experiment.py: SGD with Nesterov momentum
+    # 0.9, base lr 0.2 x B/256, cosine, no warm-up, no weight decay, 80
+    # epochs, batch 1024 (the paper's), BYOL's own crop and a flip, hk.Linear's
+    # default initialisation.
+    "byol": dict(
+        batch_size=1024, duration="80 epochs",
+        crop=dict(sampler="byol", area_min=0.08, resize="tf_bicubic"),
+        head=dict(standardize=False, init="lecun_normal"),
+        optimizer=optimizer("sgd", 0.2, 0.0, nesterov=True, warmup_epochs=0,
+                            weight_decay_mask="all")),
+    # This project's own probe, no reference's: h standardised by an
+    # affine-free BN (a fixed per-feature affine map, so the classifier stays
+    # linear), so that one learning rate fits every encoder, a random one too;
+    # SGD momentum 0.9, lr 0.1 x B/256, cosine, no weight decay, crop 0.2-1.
+    "standardised": dict(
+        batch_size=256, duration="100 epochs",
+        crop=dict(sampler="torchvision", area_min=0.2, resize="pil_bilinear"),
+        head=dict(standardize=True, init="zeros"),
+        optimizer=optimizer("sgd", 0.1, 0.0, warmup_epochs=0)),
+}
+
+
+def fill_probe_preset(config, name: str) -> ml_collections.ConfigDict:
+  """A copy of a probe config whose unset (None) preset fields take preset `name`'s values.
+
+  The preset fields are batch_size, duration, crop_sampler, crop_area_min,
+  crop_resize, head.* and optimizer.*; a value set in the config (e.g. by a
+  --config flag or a variant) wins over the preset's.
+  """
+  config = config.copy_and_resolve_references()
+  preset = LINEAR_PROBE_PRESETS[name]
+  flat = {"batch_size": preset["batch_size"], "duration": preset["duration"],
+          **{f"crop_{k}": v for k, v in preset["crop"].items()},
+          **{f"head.{k}": v for k, v in preset["head"].items()},
+          **{f"optimizer.{k}": v for k, v in preset["optimizer"].items()}}
+  for path, value in flat.items():
+    *parents, leaf = path.split(".")
+    node = config
+    for parent in parents:
+      node = node[parent]
+    if node[leaf] is None:
+      node[leaf] = value
   return config

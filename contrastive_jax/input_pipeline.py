@@ -1,8 +1,9 @@
 """Host input pipeline: tf.data over a data source (data.py), one part per process.
 
-Training examples are two random-resized-crop-and-flip views of one image,
-as uint8 so that host-to-device transfers stay small; the photometric
-augmentations run on the device (augment.py).
+Training examples are two random-resized-crop-and-flip views of one image
+(crops.py: each reference's crop sampler), as uint8 so that host-to-device
+transfers stay small; the photometric augmentations run on the device
+(augment.py).
 
 Exact resume: the order of the stream and every random crop are functions of
 (seed, process, position in the stream). Epoch e is shuffled with a seed made
@@ -18,29 +19,13 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from contrastive_jax import crops
+
 
 def _seed_pair(seed: int, a, b):
   """A stateless-op seed [2] int64 from (seed, a, b) (a, b scalar tensors)."""
   return tf.stack([tf.cast(seed, tf.int64) * 1_000_003 + tf.cast(a, tf.int64),
                    tf.cast(b, tf.int64)])
-
-
-def random_resized_crop(image, seed, size: int, area_range=(0.08, 1.0)):
-  """Random resized crop + horizontal flip of one uint8 image [H, W, 3].
-
-  Crop area in area_range of the image and aspect ratio in [3/4, 4/3] (Szegedy
-  et al. 2015; SimCLR Appendix A), up to 10 attempts, else the whole image;
-  bilinear resize to [size, size]; flip with probability 1/2. Returns uint8.
-  """
-  crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
-  begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
-      tf.shape(image), bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
-      seed=crop_seed, min_object_covered=area_range[0], aspect_ratio_range=(3 / 4, 4 / 3),
-      area_range=area_range, max_attempts=10, use_image_if_no_bounding_boxes=True)
-  crop = tf.slice(image, begin, crop_size)
-  crop = tf.image.resize(crop, [size, size], method="bilinear")
-  crop = tf.where(tf.random.stateless_uniform([], flip_seed) < 0.5, crop, crop[:, ::-1])
-  return tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)
 
 
 def center_crop(image, size: int, crop_fraction: float):
@@ -65,13 +50,15 @@ def _options(threads: int) -> tf.data.Options:
 
 
 def train_dataset(source, split: str, *, local_batch: int, image_size: int,
-                  crop_area_min: float, seed: int, start_step: int, cache: bool,
-                  shuffle_buffer: int, threads: int, num_views: int = 2) -> tf.data.Dataset:
+                  crop_sampler: str, crop_area_min: float, crop_resize: str, seed: int,
+                  start_step: int, cache: bool, shuffle_buffer: int, threads: int,
+                  num_views: int = 2) -> tf.data.Dataset:
   """Infinite dataset of this process's batches from step `start_step` on.
 
   Each element is {'image': uint8 [local_batch, num_views, S, S, 3], 'label':
   int32 [local_batch]}: num_views independent random-resized-crop-and-flip views
-  of the same image in axis 1. The stream is never padded: batches run across
+  of the same image in axis 1 (crops.random_resized_crop with crop_sampler,
+  crop_area_min and crop_resize). The stream is never padded: batches run across
   epoch boundaries as after repeat() and batch(drop_remainder=True).
   Steps per epoch for schedules: split size // global batch.
   """
@@ -94,8 +81,8 @@ def train_dataset(source, split: str, *, local_batch: int, image_size: int,
     if not cache:
       image = tf.io.decode_image(image, channels=3, expand_animations=False)
     seeds = tf.random.experimental.stateless_split(_seed_pair(seed, process, position), num_views)
-    return {"image": tf.stack([random_resized_crop(image, seeds[v], image_size,
-                                                   (crop_area_min, 1.0))
+    return {"image": tf.stack([crops.random_resized_crop(image, seeds[v], image_size,
+                                                         crop_sampler, crop_area_min, crop_resize)
                                for v in range(num_views)]),
             "label": label}
 
@@ -130,14 +117,16 @@ def eval_dataset(source, split: str, *, local_batch: int, image_size: int,
 def train_batches(source, config, sharding, *, image_size: int, num_views: int = 2):
   """A job's start_step -> iterator of global training batches (train_dataset, device_batches).
 
-  Reads config.train_split, batch_size (global), crop_area_min, seed, cache,
-  shuffle_buffer and data_threads; each process reads its own part.
+  Reads config.train_split, batch_size (global), crop_sampler, crop_area_min,
+  crop_resize, seed, cache, shuffle_buffer and data_threads; each process reads
+  its own part.
   """
   def batches(start_step: int) -> Iterator[dict]:
     return device_batches(
         train_dataset(source, config.train_split,
                       local_batch=config.batch_size // jax.process_count(),
-                      image_size=image_size, crop_area_min=config.crop_area_min,
+                      image_size=image_size, crop_sampler=config.crop_sampler,
+                      crop_area_min=config.crop_area_min, crop_resize=config.crop_resize,
                       seed=config.seed, start_step=start_step, cache=config.cache,
                       shuffle_buffer=config.shuffle_buffer, threads=config.data_threads,
                       num_views=num_views),

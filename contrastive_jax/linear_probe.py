@@ -7,13 +7,14 @@ Restores only the encoder (params and BN statistics; MoCo's query encoder,
 BYOL's online encoder) from the pretraining workdir's Orbax checkpoint, with
 a partial restore onto however many devices this job has, and rebuilds it
 from the config saved with the checkpoint. The encoder stays frozen: eval-mode
-BN, no gradient, variables never written. Protocol (SimCLR Sec. 4 / MoCo Sec.
-4.1): features h before the projection head, random crop-and-flip on train
-images, SGD with momentum and cosine decay, no weight decay; accuracy on
-every test image once (the config's 'classifier' evaluator). A BN without
-affine parameters standardises h before the linear layer (a fixed
-per-feature affine map, so the classifier stays linear) and makes one
-learning rate fit every encoder, the random baseline included.
+BN, no gradient, variables never written. Protocol: features h before the
+projection head, random crop-and-flip on train images, a linear classifier
+trained with the recipe of config.preset (config_lib.LINEAR_PROBE_PRESETS:
+'auto' picks the linear evaluation of the checkpoint's method's reference,
+'standardised' this project's probe, which standardises h with an affine-free
+BN so that one learning rate fits every encoder, the random baseline
+included); accuracy on every test image once (the config's 'classifier'
+evaluator).
 """
 import functools
 
@@ -26,6 +27,7 @@ from absl import logging
 
 from contrastive_jax import checkpointing
 from contrastive_jax import config_lib
+from contrastive_jax import crops
 from contrastive_jax import data
 from contrastive_jax import evaluators
 from contrastive_jax import input_pipeline
@@ -40,20 +42,31 @@ from contrastive_jax.methods import encoder_variables
 
 # Fields a resumed probe must share with its checkpoint; the first exists only
 # in probe configs.
-IDENTITY_FIELDS = ("pretrain_workdir", "pretrain_step", "random_init", "data_source", "dataset",
-                   "train_split", "crop_area_min", "batch_size", "seed", "duration",
-                   "optimizer", "shuffle_buffer")
+IDENTITY_FIELDS = ("pretrain_workdir", "pretrain_step", "random_init", "preset", "data_source",
+                   "dataset", "train_split", "crop_sampler", "crop_area_min", "crop_resize",
+                   "batch_size", "seed", "duration", "optimizer", "head", "shuffle_buffer")
+PRESETS = ("auto",) + tuple(config_lib.LINEAR_PROBE_PRESETS)
+METHOD_PRESETS = ("simclr", "moco", "byol")  # 'auto' runs the checkpoint's method's.
+# name -> (kernel init, bias init) of the linear layer.
+HEAD_INITS = {"zeros": (nn.initializers.zeros, nn.initializers.zeros),
+              "normal_0.01": (nn.initializers.normal(0.01), nn.initializers.zeros),
+              "lecun_normal": (nn.initializers.lecun_normal(), nn.initializers.zeros)}
 
 
 class LinearHead(nn.Module):
-  """Affine-free BN then Dense: [N, D] float32 features -> [N, num_classes] logits."""
+  """[N, D] float32 features -> [N, num_classes] logits: a Dense, after an affine-free BN
+  with standardize (the 'standardised' preset); init a HEAD_INITS name."""
   num_classes: int
+  standardize: bool = True
+  init: str = "zeros"
 
   @nn.compact
   def __call__(self, h, train: bool):
-    h = nn.BatchNorm(use_running_average=not train, use_scale=False, use_bias=False,
-                     momentum=0.9, epsilon=1e-6)(h)
-    return nn.Dense(self.num_classes, kernel_init=nn.initializers.zeros)(h)
+    if self.standardize:
+      h = nn.BatchNorm(use_running_average=not train, use_scale=False, use_bias=False,
+                       momentum=0.9, epsilon=1e-6)(h)
+    kernel_init, bias_init = HEAD_INITS[self.init]
+    return nn.Dense(self.num_classes, kernel_init=kernel_init, bias_init=bias_init)(h)
 
 
 def restore_encoder(config, mesh):
@@ -102,11 +115,20 @@ def restore_encoder(config, mesh):
 
 
 def check_config(config, num_devices: int):
-  """Raises ConfigError for probe fields that cannot run (before any compute)."""
-  runner.check_config(config, num_devices)
-  if not 0 < config.crop_area_min <= 1:
-    raise ConfigError("crop_area_min", config.crop_area_min, "in (0, 1]")
-  optim.check_optimizer_config(config.optimizer)
+  """Raises ConfigError for probe fields that cannot run (before any compute).
+
+  With preset 'auto' the method is not known before the checkpoint is read,
+  so the config is checked as each method's preset would fill it.
+  """
+  if config.preset not in PRESETS:
+    raise ConfigError("preset", config.preset, f"one of {list(PRESETS)}")
+  for name in METHOD_PRESETS if config.preset == "auto" else (config.preset,):
+    filled = config_lib.fill_probe_preset(config, name)
+    runner.check_config(filled, num_devices)
+    crops.check_config(filled)
+    optim.check_optimizer_config(filled.optimizer)
+    if filled.head.init not in HEAD_INITS:
+      raise ConfigError("head.init", filled.head.init, f"one of {sorted(HEAD_INITS)}")
 
 
 def make_train_step(encoder, head, tx):
@@ -123,7 +145,7 @@ def make_train_step(encoder, head, tx):
       logits, updates = head.apply({"params": params, "batch_stats": state.batch_stats}, h,
                                    train=True, mutable=["batch_stats"])
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-      return loss, (updates["batch_stats"], logits)
+      return loss, (updates.get("batch_stats", {}), logits)
 
     (loss, (stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     top1 = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
@@ -139,6 +161,9 @@ def build(config, mesh, saved_config) -> runner.Task:
   Resuming a probe started on "the latest" checkpoint keeps probing the
   encoder it started with (saved_config.pretrain_step).
 
+  The returned Task's config is resolved: config.preset names the preset
+  that ran and its fields hold the preset's values.
+
   Raises:
     ConfigError: see restore_encoder; an unlabeled dataset; a batch larger
       than the train split; an evaluator that cannot run.
@@ -149,15 +174,18 @@ def build(config, mesh, saved_config) -> runner.Task:
     raise ConfigError("dataset", config.dataset,
                       "a labelled dataset: the linear probe trains on labels")
   evaluators.check_config(config.evaluators, source, jax.device_count())
-  steps_per_epoch = runner.steps_per_epoch(source, config)
-  num_steps = config_lib.to_steps(config.duration, "duration", steps_per_epoch)
   if saved_config is not None and config.pretrain_step < 0:
     config.pretrain_step = saved_config.pretrain_step
   encoder, enc_vars, pretrained, config.pretrain_step = restore_encoder(config, mesh)
+  preset = pretrained.method if config.preset == "auto" else config.preset
+  config = config_lib.fill_probe_preset(config, preset)
+  config.preset = preset
+  steps_per_epoch = runner.steps_per_epoch(source, config)
+  num_steps = config_lib.to_steps(config.duration, "duration", steps_per_epoch)
   schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, steps_per_epoch,
                                           num_steps)
   tx = optim.build_optimizer(config.optimizer, schedule)
-  head = LinearHead(source.num_classes)
+  head = LinearHead(source.num_classes, config.head.standardize, config.head.init)
   feature_dim = jax.eval_shape(functools.partial(models.encode, encoder, enc_vars),
                                jax.ShapeDtypeStruct((1, pretrained.image_size,
                                                      pretrained.image_size, 3),
@@ -167,7 +195,7 @@ def build(config, mesh, saved_config) -> runner.Task:
     variables = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, feature_dim)),
                           train=False)
     return ts.TrainState(step=jnp.zeros((), jnp.int32), params=variables["params"],
-                         batch_stats=variables["batch_stats"],
+                         batch_stats=variables.get("batch_stats", {}),
                          opt_state=tx.init(variables["params"]),
                          rng=jax.random.PRNGKey(config.seed))
 
@@ -177,9 +205,10 @@ def build(config, mesh, saved_config) -> runner.Task:
     enc, head_vars = variables
     return head.apply(head_vars, models.encode(encoder, enc, images), train=False)
 
-  logging.info("Probing %s encoder (%s, step %d of %s).",
+  logging.info("Probing %s encoder (%s, step %d of %s) with the linear-probe preset %r%s.",
                "a randomly initialised" if config.random_init else "the pretrained",
-               pretrained.method, config.pretrain_step, config.pretrain_workdir)
+               pretrained.method, config.pretrain_step, config.pretrain_workdir, preset,
+               " (the method's)" if preset == pretrained.method else "")
   eval_model = evaluators.EvalModel(
       variables=lambda state: (enc_vars, {"params": state.params,
                                           "batch_stats": state.batch_stats}),

@@ -8,11 +8,19 @@ Parameters are always float32; `dtype` sets the compute dtype of convolutions an
 dense layers (bfloat16 on accelerators). BatchNorm statistics are reduced in
 float32 by Flax. Outputs h and z are returned in float32 so that similarity
 logits and losses are computed in float32.
+
+Initialisations follow the references (model and head configs choose them):
+convolutions He-normal fan-out (torchvision: MoCo) or variance scaling 1 fan-in
+truncated normal (TF's variance_scaling_initializer: SimCLR; Haiku's default:
+BYOL); dense layers Flax's/Haiku's default (BYOL), normal(0, 0.01) (SimCLR's
+linear_layer) or PyTorch's nn.Linear default (MoCo); the last BN scale of each
+residual block zero (SimCLR, BYOL's code) or one (torchvision: MoCo).
 """
 import functools
 from typing import Any, Callable, Optional, Sequence
 
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from contrastive_jax.errors import ConfigError
@@ -25,6 +33,11 @@ RESNET_SPECS = {
 }
 STEMS = ("cifar", "imagenet")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+CONV_INITS = {
+    "he_normal": nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
+    "variance_scaling": nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
+}
+DENSE_INITS = ("lecun_normal", "normal_0.01", "torch")
 
 
 def _residual_out(x, y, strides: int, conv, norm):
@@ -39,20 +52,22 @@ def _residual_out(x, y, strides: int, conv, norm):
 
 
 class BasicBlock(nn.Module):
-  """Two 3x3 convolutions with a residual connection (ResNet-18/34)."""
+  """Two 3x3 convolutions with a residual connection (ResNet-18/34).
+
+  last_norm builds the block's last BN (zero-initialised scale or not).
+  """
   features: int
   strides: int
   conv: Callable
   norm: Callable
+  last_norm: Callable
 
   @nn.compact
   def __call__(self, x):
     y = self.conv(self.features, (3, 3), (self.strides, self.strides))(x)
     y = nn.relu(self.norm()(y))
     y = self.conv(self.features, (3, 3))(y)
-    # Zero-init the last BN scale so that each block starts as the identity
-    # (Goyal et al. 2017), which stabilises large-batch training.
-    y = self.norm(scale_init=nn.initializers.zeros)(y)
+    y = self.last_norm()(y)
     return _residual_out(x, y, self.strides, self.conv, self.norm)
 
 
@@ -62,6 +77,7 @@ class BottleneckBlock(nn.Module):
   strides: int
   conv: Callable
   norm: Callable
+  last_norm: Callable
 
   @nn.compact
   def __call__(self, x):
@@ -69,7 +85,7 @@ class BottleneckBlock(nn.Module):
     y = self.conv(self.features, (3, 3), (self.strides, self.strides))(y)
     y = nn.relu(self.norm()(y))
     y = self.conv(self.features * 4, (1, 1))(y)
-    y = self.norm(scale_init=nn.initializers.zeros)(y)
+    y = self.last_norm()(y)
     return _residual_out(x, y, self.strides, self.conv, self.norm)
 
 
@@ -84,12 +100,23 @@ class ResNet(nn.Module):
     dtype: compute dtype.
     bn_axis_name: mesh axis over which BatchNorm statistics are averaged
       (global BN); None for per-device statistics.
+    zero_init_residual: the last BN scale of each block starts at 0, so that
+      each block starts as the identity (Goyal et al. 2017; SimCLR's and
+      BYOL's code), or at 1 (torchvision's default: MoCo).
+    conv_init: a key of CONV_INITS.
+    input_mean, input_std: per-channel (R, G, B) statistics subtracted from
+      and divided into the [0, 1] input (MoCo and BYOL standardise with the
+      ImageNet statistics; (0, 0, 0) and (1, 1, 1) leave it as SimCLR does).
   """
   depth_spec: tuple
   width: float = 1.0
   stem: str = "imagenet"
   dtype: Any = jnp.float32
   bn_axis_name: Optional[str] = None
+  zero_init_residual: bool = True
+  conv_init: str = "he_normal"
+  input_mean: Sequence[float] = (0.0, 0.0, 0.0)
+  input_std: Sequence[float] = (1.0, 1.0, 1.0)
 
   @nn.compact
   def __call__(self, x, train: bool):
@@ -97,12 +124,14 @@ class ResNet(nn.Module):
     block_type, stage_sizes = self.depth_spec
     block_cls = BasicBlock if block_type == "basic" else BottleneckBlock
     conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype,
-                             kernel_init=nn.initializers.variance_scaling(
-                                 2.0, "fan_out", "normal"))
+                             kernel_init=CONV_INITS[self.conv_init])
     norm = functools.partial(nn.BatchNorm, use_running_average=not train,
                              momentum=0.9, epsilon=1e-5, dtype=self.dtype,
                              axis_name=self.bn_axis_name if train else None)
+    last_norm = functools.partial(norm, scale_init=nn.initializers.zeros
+                                  if self.zero_init_residual else nn.initializers.ones)
     base = max(1, round(64 * self.width))
+    x = (x - jnp.asarray(self.input_mean, jnp.float32)) / jnp.asarray(self.input_std, jnp.float32)
     x = x.astype(self.dtype)
     if self.stem == "cifar":
       x = conv(base, (3, 3), name="stem_conv")(x)
@@ -114,33 +143,65 @@ class ResNet(nn.Module):
     for i, num_blocks in enumerate(stage_sizes):
       for j in range(num_blocks):
         strides = 2 if i > 0 and j == 0 else 1
-        x = block_cls(base * 2**i, strides, conv, norm)(x)
+        x = block_cls(base * 2**i, strides, conv, norm, last_norm)(x)
     return jnp.mean(x, axis=(1, 2)).astype(jnp.float32)
 
 
-class MLP(nn.Module):
-  """Projection head or predictor: [Dense -> BN -> ReLU] * len(hidden) -> Dense.
+def _dense_inits(name: str, fan_in: int):
+  """(kernel_init, bias_init) of a dense layer with fan_in inputs, by DENSE_INITS name.
 
-  SimCLR's projection head (Chen et al. 2020, Eq. 2 and Appendix B.1), MoCo v2's
-  MLP head and BYOL's projector/predictor (Grill et al. 2020, Sec. 3.3) all have
-  this shape. Maps [N, D_in] to [N, out_dim] float32.
+  'lecun_normal': truncated normal of variance 1/fan_in and zero bias (Flax's
+  default, Haiku's hk.Linear: BYOL); 'normal_0.01': normal(0, 0.01) and zero
+  bias (SimCLR's linear_layer); 'torch': U(+-1/sqrt(fan_in)) for both (PyTorch's
+  nn.Linear: MoCo).
+  """
+  if name == "lecun_normal":
+    return nn.initializers.lecun_normal(), nn.initializers.zeros
+  if name == "normal_0.01":
+    return nn.initializers.normal(0.01), nn.initializers.zeros
+  bound = 1.0 / fan_in**0.5
+  uniform = lambda key, shape, dtype=jnp.float32: jax.random.uniform(
+      key, shape, dtype, -bound, bound)
+  return uniform, uniform
+
+
+class MLP(nn.Module):
+  """Projection head or predictor: [Dense -> BN -> ReLU] * len(hidden) -> Dense [-> BN].
+
+  SimCLR's projection head (Chen et al. 2020, Eq. 2 and Appendix B.1;
+  model_util.projection_head: the last Dense has no bias and is followed by a
+  BN with a scale but no offset, final_bn=True), MoCo v2's MLP head (no BN)
+  and BYOL's projector/predictor (Grill et al. 2020, Sec. 3.3) all have this
+  shape. Dense layers followed by a BN have no bias (the BN's mean subtraction
+  cancels it). dense_init: a DENSE_INITS name. Maps [N, D_in] to [N, out_dim]
+  float32.
   """
   hidden_dims: Sequence[int]
   out_dim: int
   use_bn: bool = True
+  final_bn: bool = False
+  dense_init: str = "lecun_normal"
   dtype: Any = jnp.float32
   bn_axis_name: Optional[str] = None
 
   @nn.compact
   def __call__(self, x, train: bool):
+    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
+                             epsilon=1e-5, dtype=self.dtype,
+                             axis_name=self.bn_axis_name if train else None)
     for width in self.hidden_dims:
-      x = nn.Dense(width, use_bias=not self.use_bn, dtype=self.dtype)(x)
+      kernel_init, bias_init = _dense_inits(self.dense_init, x.shape[-1])
+      x = nn.Dense(width, use_bias=not self.use_bn, dtype=self.dtype, kernel_init=kernel_init,
+                   bias_init=bias_init)(x)
       if self.use_bn:
-        x = nn.BatchNorm(use_running_average=not train, momentum=0.9,
-                         epsilon=1e-5, dtype=self.dtype,
-                         axis_name=self.bn_axis_name if train else None)(x)
+        x = norm()(x)
       x = nn.relu(x)
-    return nn.Dense(self.out_dim, dtype=self.dtype)(x).astype(jnp.float32)
+    kernel_init, bias_init = _dense_inits(self.dense_init, x.shape[-1])
+    x = nn.Dense(self.out_dim, use_bias=not self.final_bn, dtype=self.dtype,
+                 kernel_init=kernel_init, bias_init=bias_init)(x)
+    if self.final_bn:
+      x = norm(use_bias=False)(x)
+    return x.astype(jnp.float32)
 
 
 class ContrastiveModel(nn.Module):
@@ -171,23 +232,35 @@ def encode(encoder, variables, images):
   return encoder.apply(variables, images.astype(jnp.float32) / 255.0, train=False)
 
 
+# Fields added to model and head configs after checkpoints were first written:
+# a saved config without them gets the values the code had then.
+_MODEL_DEFAULTS = dict(zero_init_residual=True, conv_init="he_normal",
+                       input_mean=(0.0, 0.0, 0.0), input_std=(1.0, 1.0, 1.0))
+_MLP_DEFAULTS = dict(final_bn=False, init="lecun_normal")
+
+
 def build_encoder(model_config, bn_axis_name=None) -> ResNet:
-  """Builds the ResNet named by `model_config` (fields name, width, stem, dtype).
+  """Builds the ResNet named by `model_config` (fields name, width, stem, dtype,
+  zero_init_residual, conv_init, input_mean, input_std).
 
   Raises:
-    ConfigError: unknown name, stem or dtype, or width <= 0.
+    ConfigError: see check_model_config.
   """
   check_model_config(model_config)
+  get = lambda field: model_config.get(field, _MODEL_DEFAULTS[field])
   return ResNet(RESNET_SPECS[model_config.name], width=model_config.width,
                 stem=model_config.stem, dtype=DTYPES[model_config.dtype],
-                bn_axis_name=bn_axis_name)
+                bn_axis_name=bn_axis_name, zero_init_residual=get("zero_init_residual"),
+                conv_init=get("conv_init"), input_mean=tuple(get("input_mean")),
+                input_std=tuple(get("input_std")))
 
 
 def build_mlp(mlp_config, dtype_name, bn_axis_name=None) -> MLP:
-  """Builds an MLP head from a config with hidden_dims, out_dim, use_bn."""
+  """Builds an MLP head from a config with hidden_dims, out_dim, use_bn, final_bn, init."""
+  get = lambda field: mlp_config.get(field, _MLP_DEFAULTS[field])
   return MLP(tuple(mlp_config.hidden_dims), mlp_config.out_dim,
-             use_bn=mlp_config.use_bn, dtype=DTYPES[dtype_name],
-             bn_axis_name=bn_axis_name)
+             use_bn=mlp_config.use_bn, final_bn=get("final_bn"), dense_init=get("init"),
+             dtype=DTYPES[dtype_name], bn_axis_name=bn_axis_name)
 
 
 def encoder_width(model_config) -> int:
@@ -207,12 +280,23 @@ def check_model_config(model_config):
     raise ConfigError("model.dtype", model_config.dtype, f"one of {sorted(DTYPES)}")
   if not model_config.width > 0:
     raise ConfigError("model.width", model_config.width, "a number > 0")
+  conv_init = model_config.get("conv_init", _MODEL_DEFAULTS["conv_init"])
+  if conv_init not in CONV_INITS:
+    raise ConfigError("model.conv_init", conv_init, f"one of {sorted(CONV_INITS)}")
+  for field in ("input_mean", "input_std"):
+    value = model_config.get(field, _MODEL_DEFAULTS[field])
+    if len(value) != 3 or (field == "input_std" and min(value) <= 0):
+      raise ConfigError(f"model.{field}", tuple(value),
+                        "3 numbers (R, G, B)" + (", each > 0" if field == "input_std" else ""))
 
 
 def check_mlp_config(mlp_config, field):
-  """Raises ConfigError if an MLP head config has a width <= 0."""
+  """Raises ConfigError if an MLP head config has a width <= 0 or an unknown init."""
   for i, width in enumerate(mlp_config.hidden_dims):
     if width <= 0:
       raise ConfigError(f"{field}.hidden_dims[{i}]", width, "an integer > 0")
   if mlp_config.out_dim <= 0:
     raise ConfigError(f"{field}.out_dim", mlp_config.out_dim, "an integer > 0")
+  init = mlp_config.get("init", _MLP_DEFAULTS["init"])
+  if init not in DENSE_INITS:
+    raise ConfigError(f"{field}.init", init, f"one of {list(DENSE_INITS)}")

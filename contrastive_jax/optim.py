@@ -1,20 +1,34 @@
-"""Optimizers (LARS, SGD with momentum) and the warm-up + cosine schedule."""
+"""Optimizers (LARS, LARC, SGD with momentum) and the warm-up + cosine schedule.
+
+Where the references differ, config fields say whose variant to run:
+weight_decay_mask 'kernels' leaves biases and BN parameters out of weight
+decay and of LARS's trust ratio (SimCLR, BYOL, solo-learn), 'all' decays every
+parameter (torch.optim.SGD's weight_decay: MoCo); lr_before_momentum scales
+each step by the learning rate before it enters the momentum (SimCLR's LARS
+and optax.lars) instead of scaling the momentum (BYOL's LARS, PyTorch's and
+TensorFlow's momentum SGD); nesterov as in those optimizers.
+"""
 import math
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from contrastive_jax.errors import ConfigError
 
 LR_SCALINGS = ("linear", "sqrt")
 SCHEDULES = ("cosine", "step")
-OPTIMIZERS = ("lars", "sgd")
+OPTIMIZERS = ("lars", "larc", "sgd")
+DECAY_MASKS = ("kernels", "all")
 
 
 def check_optimizer_config(cfg):
   """Raises ConfigError naming the field for an optimizer config that cannot run."""
   if cfg.name not in OPTIMIZERS:
     raise ConfigError("optimizer.name", cfg.name, f"one of {list(OPTIMIZERS)}")
+  if cfg.weight_decay_mask not in DECAY_MASKS:
+    raise ConfigError("optimizer.weight_decay_mask", cfg.weight_decay_mask,
+                      f"one of {list(DECAY_MASKS)}")
   if cfg.lr_scaling not in LR_SCALINGS:
     raise ConfigError("optimizer.lr_scaling", cfg.lr_scaling, f"one of {list(LR_SCALINGS)}")
   if not cfg.base_lr > 0:
@@ -61,27 +75,70 @@ def learning_rate_schedule(cfg, global_batch: int, steps_per_epoch: int, total_s
       decay_steps=max(total_steps, warmup + 1), end_value=0.0)
 
 
-def decay_mask(params):
-  """True for weights that get weight decay and LARS trust-ratio scaling.
+def decay_mask(params, which: str):
+  """True for the leaves that get weight decay (and, under LARS, the trust ratio).
 
-  Biases and BatchNorm parameters (leaves named 'bias' or 'scale') are left out,
-  as in SimCLR (Appendix B.1) and BYOL (Sec. 3.3): only conv and dense kernels
-  are True. optax.lars applies both to every leaf unless given this mask.
+  'kernels': biases and BatchNorm parameters (leaves named 'bias' or 'scale')
+  are left out, as in SimCLR (Appendix B.1; its LARS excludes
+  'batch_normalization' and 'bias') and BYOL (Sec. 3.3; exclude_bias_and_norm),
+  so only conv and dense kernels are True. 'all': every leaf, as
+  torch.optim.SGD's weight_decay in MoCo's main_moco.py.
   """
   def keep(path, _):
-    return path[-1].key not in ("bias", "scale")
+    return which == "all" or path[-1].key not in ("bias", "scale")
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def build_optimizer(cfg, schedule) -> optax.GradientTransformation:
-  """LARS (You et al. 2017) or SGD with momentum, decay masked by decay_mask.
+def scale_by_clipped_trust_ratio(schedule, trust_coefficient: float, weight_decay: float,
+                                 mask, eps: float = 1e-8) -> optax.GradientTransformation:
+  """LARC's clipped trust ratio with weight decay, as solo-learn's LARS (clip_lars_lr=True).
 
-  LARS: trust coefficient cfg.trust_coefficient (SimCLR: 0.001), momentum 0.9.
-  SGD: L2 weight decay added to the gradient (torch.optim.SGD style, as in MoCo).
+  For a leaf w with gradient g where mask is True and both norms are > 0:
+    r = min(eta ||w|| / (||g|| + wd ||w|| + eps) / lr_k, 1),  update (g + wd w) r,
+  lr_k = schedule(k) the step's learning rate; other leaves pass g unchanged
+  (no decay, no ratio). Momentum and the learning rate follow (build_optimizer).
   """
-  if cfg.name == "lars":
-    return optax.lars(schedule, weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask,
-                      trust_coefficient=cfg.trust_coefficient, trust_ratio_mask=decay_mask,
-                      momentum=cfg.momentum)
-  return optax.chain(optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
-                     optax.sgd(schedule, momentum=cfg.momentum))
+  def init(params):
+    del params
+    return optax.ScaleByScheduleState(count=jnp.zeros((), jnp.int32))
+
+  def update(grads, state, params):
+    lr = schedule(state.count)
+
+    def one(g, w, masked):
+      if not masked:
+        return g
+      w_norm, g_norm = jnp.linalg.norm(w), jnp.linalg.norm(g)
+      ratio = trust_coefficient * w_norm / (g_norm + weight_decay * w_norm + eps)
+      ratio = jnp.minimum(ratio / lr, 1.0)
+      scaled = (g + weight_decay * w) * ratio
+      return jnp.where((w_norm > 0) & (g_norm > 0), scaled, g)
+
+    updates = jax.tree.map(one, grads, params, mask(params))
+    return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformation(init, update)
+
+
+def build_optimizer(cfg, schedule) -> optax.GradientTransformation:
+  """LARS (You et al. 2017), LARC or SGD with momentum (see the module docstring).
+
+  lars: weight decay, then the trust ratio trust_coefficient ||w|| / ||update||
+  (SimCLR and BYOL: 0.001), both on the leaves of decay_mask; sgd: weight decay
+  added to the gradient (torch.optim.SGD, tf's L2 loss); larc:
+  scale_by_clipped_trust_ratio. Then momentum (Nesterov or not) and the
+  learning rate, in the order lr_before_momentum says.
+  """
+  mask = lambda params: decay_mask(params, cfg.weight_decay_mask)
+  if cfg.name == "larc":
+    steps = [scale_by_clipped_trust_ratio(schedule, cfg.trust_coefficient, cfg.weight_decay,
+                                          mask)]
+  else:
+    steps = [optax.add_decayed_weights(cfg.weight_decay, mask=mask)]
+    if cfg.name == "lars":
+      steps.append(optax.masked(optax.scale_by_trust_ratio(
+          trust_coefficient=cfg.trust_coefficient), mask))
+  momentum = optax.trace(decay=cfg.momentum, nesterov=cfg.nesterov)
+  lr = optax.scale_by_learning_rate(schedule)
+  steps += [lr, momentum] if cfg.lr_before_momentum else [momentum, lr]
+  return optax.chain(*steps)

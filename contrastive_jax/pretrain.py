@@ -17,6 +17,7 @@ import optax
 
 from contrastive_jax import augment
 from contrastive_jax import config_lib
+from contrastive_jax import crops
 from contrastive_jax import data
 from contrastive_jax import evaluators
 from contrastive_jax import input_pipeline
@@ -34,10 +35,11 @@ from contrastive_jax.methods import get_method
 # and schedules that make a resumed run bit-identical to an uninterrupted one.
 # The first field exists only in pretraining configs.
 IDENTITY_FIELDS = ("method", "model.name", "model.width", "model.stem", "model.dtype",
-                   "projector", "predictor", "moco", "byol", "temperature", "optimizer",
-                   "augment", "data_source", "dataset", "train_split", "image_size",
-                   "crop_area_min", "batch_size", "seed", "duration", "shuffle_buffer",
-                   "online_probe")
+                   "model.zero_init_residual", "model.conv_init", "model.input_mean",
+                   "model.input_std", "projector", "predictor", "moco", "byol", "temperature",
+                   "optimizer", "augment", "data_source", "dataset", "train_split", "image_size",
+                   "crop_sampler", "crop_area_min", "crop_resize", "batch_size", "seed",
+                   "duration", "shuffle_buffer", "online_probe")
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int):
@@ -50,8 +52,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int):
   get_method(config.method)
   if config.image_size <= 0:
     raise ConfigError("image_size", config.image_size, "> 0")
-  if not 0 < config.crop_area_min <= 1:
-    raise ConfigError("crop_area_min", config.crop_area_min, "in (0, 1]")
+  crops.check_config(config)
   if not 0 < config.eval_crop_fraction <= 1:
     raise ConfigError("eval_crop_fraction", config.eval_crop_fraction, "in (0, 1]")
   if not config.online_probe.learning_rate > 0:

@@ -22,6 +22,7 @@ def tiny_config(method: str = "simclr"):
   config = load_config(f"{method}_cifar10", "runlocal")
   if method == "moco_v2":
     config.moco.queue_size = 64
+    config.moco.bn_group_size = 8  # One image of each group per device on 8 devices.
   config.data_dir = TFDS_DIR
   config.train_split = "train[:256]"
   for evaluator in config.evaluators.values():

@@ -22,7 +22,11 @@ def test_grayscale_blur_and_solarize_hand_cases():
   x = jnp.array([[[1.0, 0.0, 0.0]]])
   np.testing.assert_allclose(augment.to_grayscale(x), [[[0.2989] * 3]], rtol=1e-6)
   constant = jnp.full((20, 20, 3), 0.3)
-  np.testing.assert_allclose(augment.gaussian_blur(constant, 1.0), constant, atol=1e-6)
+  np.testing.assert_allclose(augment.gaussian_blur(constant, 1.0, "edge"), constant, atol=1e-6)
+  # Zero padding (the references' 'SAME' convolution) darkens the border only.
+  zeros = augment.gaussian_blur(constant, 1.0, "zeros")
+  np.testing.assert_allclose(zeros[1:-1, 1:-1], constant[1:-1, 1:-1], atol=1e-6)
+  assert float(zeros[0, 5, 0]) < 0.3
   impulse = jnp.zeros((20, 20, 3)).at[10, 10].set(1.0)
   blurred = augment.gaussian_blur(impulse, 1.0)
   w = np.exp(-np.arange(-1, 2) ** 2 / 2.0)

@@ -41,7 +41,7 @@ def test_loss_value_and_gradient_match_numpy_and_spare_the_target():
 
 
 def test_views_get_their_own_settings():
-  config = load_config("byol_cifar10")
+  config = load_config("byol_imagenet")
   v1, v2 = pretrain.views(config)
   assert (v1.blur_prob, v1.solarize_prob, v2.blur_prob, v2.solarize_prob) == (1.0, 0.0, 0.1, 0.2)
   # Applied per view: solarize always on view 1, never on view 2.
@@ -68,6 +68,26 @@ def tiny_byol_config():
   return config
 
 
+def stem_stats_per_view(model_config, params, batch_stats, images):
+  """The stem BN's running (mean, var) after BYOL's reference step, written out in numpy:
+  each view its own forward pass (deepmind-research byol_experiment.py apply_once_fn per
+  view), so the BN normalises each view with that view's batch statistics and its
+  running averages (decay 0.9) take view 1's, then view 2's. images: uint8 [B, 2, S, S, 3]."""
+  kernel = np.asarray(params["encoder"]["stem_conv"]["kernel"], np.float64)  # [3, 3, 3, C]
+  mean = np.asarray(batch_stats["encoder"]["stem_bn"]["mean"], np.float64)
+  var = np.asarray(batch_stats["encoder"]["stem_bn"]["var"], np.float64)
+  for v in range(2):  # Identity augmentation: the views are the host crops.
+    x = (images[:, v] / 255.0 - np.asarray(model_config.input_mean)) / np.asarray(
+        model_config.input_std)
+    x = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))  # The stride-1 3x3 stem, 'SAME'.
+    size = images.shape[2]
+    y = sum(np.einsum("bhwc,cd->bhwd", x[:, i:i + size, j:j + size], kernel[i, j])
+            for i in range(3) for j in range(3))
+    mean = 0.9 * mean + 0.1 * y.mean(axis=(0, 1, 2))
+    var = 0.9 * var + 0.1 * y.var(axis=(0, 1, 2))
+  return mean, var
+
+
 def test_eight_devices_equal_one_device_and_target_follows_the_ema():
   images = np.random.default_rng(0).integers(0, 256, (2, 16, 2, 32, 32, 3), np.uint8)
   config = tiny_byol_config()
@@ -75,8 +95,22 @@ def test_eight_devices_equal_one_device_and_target_follows_the_ema():
   for mesh in (ts.make_mesh(), ts.make_mesh(jax.devices()[:1])):
     run = pretrain.setup(config, mesh, steps_per_epoch=10, num_steps=4)
     state = run.init()
-    target0 = jax.device_get(state.extra["target_params"])
+    state0 = jax.device_get(state)
+    target0 = state0.extra["target_params"]
+    # The target network has its own initialisation, not a copy of the online one.
+    assert not np.allclose(target0["encoder"]["stem_conv"]["kernel"],
+                           state0.params["encoder"]["stem_conv"]["kernel"])
     state, m1 = run.train_step(state, {"image": jax.device_put(images[0], ts.batch_sharded(mesh))})
+    # BN statistics per view in both networks, as the reference's separate forward passes
+    # (one pass over both views would give 0.1 of the joint batch's mean instead).
+    for params, before, after in (
+        (state0.params, state0.batch_stats, state.batch_stats),
+        (state0.extra["target_params"], state0.extra["target_batch_stats"],
+         state.extra["target_batch_stats"])):
+      mean, var = stem_stats_per_view(config.model, params, before, images[0])
+      after = jax.device_get(after)["encoder"]["stem_bn"]
+      np.testing.assert_allclose(after["mean"], mean, rtol=1e-4, atol=1e-6)
+      np.testing.assert_allclose(after["var"], var, rtol=1e-4, atol=1e-6)
     # After step k = 0: target = tau_0 target + (1 - tau_0) online, tau_0 = tau_base.
     tau = config.byol.tau_base
     online = jax.device_get(state.params)

@@ -22,7 +22,8 @@ def cifar():
 
 
 def _train(cifar, start_step=0, area=0.08, **kw):
-  args = dict(local_batch=8, image_size=32, crop_area_min=area, seed=3, start_step=start_step,
+  args = dict(local_batch=8, image_size=32, crop_sampler="tensorflow", crop_area_min=area,
+              crop_resize="tf_bicubic", seed=3, start_step=start_step,
               cache=False, shuffle_buffer=64, threads=1)
   args.update(kw)
   return input_pipeline.train_dataset(cifar[0], "train[:40]", **args)

@@ -59,7 +59,10 @@ def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path)
                jax.device_get(full.batch_stats["encoder"]))
 
   task = linear_probe.build(probe_config(pretrained), mesh, None)
+  # 'auto' ran the SimCLR checkpoint's reference's probe: a plain linear layer.
+  assert task.config.preset == "simclr" and not task.config.head.standardize
   state, result = runner.run(linear_probe, probe_config(pretrained), str(tmp_path))
+  assert not state.batch_stats
   assert int(state.step) == 3
   enc_vars = task.eval_model.variables(state)[0]
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(enc_vars), before)
@@ -123,3 +126,41 @@ def test_bad_probe_inputs(pretrained, tmp_path):
   config.evaluators.linear_probe.every = "0 steps"
   with pytest.raises(ConfigError, match="config.evaluators.linear_probe.every='0 steps'"):
     runner.run(linear_probe, config, str(tmp_path))
+
+
+# Each reference's linear evaluation, from its own code (config_lib.LINEAR_PROBE_PRESETS
+# cites them): batch, duration, base lr (x B/256), Nesterov, weight decay, schedule,
+# decay epochs, crop sampler, smallest crop area, head init, standardised features.
+PROBE_REFERENCES = {
+    "simclr": (512, "100 epochs", 0.1, True, 0.0, "cosine", (), "tensorflow", 0.08, "zeros",
+               False),
+    "moco": (256, "100 epochs", 30.0, False, 0.0, "step", (60, 80), "torchvision", 0.08,
+             "normal_0.01", False),
+    "byol": (1024, "80 epochs", 0.2, True, 0.0, "cosine", (), "byol", 0.08, "lecun_normal",
+             False),
+    "standardised": (256, "100 epochs", 0.1, False, 0.0, "cosine", (), "torchvision", 0.2,
+                     "zeros", True),
+}
+
+
+def test_probe_presets_resolve_to_their_references_recipes(pretrained):
+  def resolved(**overrides):
+    config = load_config("linear_probe")
+    config.update(dict(pretrain_workdir=pretrained, data_dir=TFDS_DIR, **overrides))
+    linear_probe.check_config(config, jax.device_count())
+    return linear_probe.build(config, ts.make_mesh(), None).config
+
+  for preset, expected in PROBE_REFERENCES.items():
+    c = resolved(preset=preset)
+    o = c.optimizer
+    assert (c.batch_size, c.duration, o.base_lr, o.nesterov, o.weight_decay, o.schedule,
+            tuple(o.decay_epochs), c.crop_sampler, c.crop_area_min, c.head.init,
+            c.head.standardize) == expected, preset
+    assert (c.preset, o.name, o.momentum, o.warmup_epochs) == (preset, "sgd", 0.9, 0)
+  # 'auto' runs the checkpoint's method's (SimCLR here); a value given wins over the preset's.
+  c = resolved(batch_size=64)
+  assert (c.preset, c.batch_size, c.duration) == ("simclr", 64, "100 epochs")
+  bad = load_config("linear_probe")
+  bad.preset = "simclr_v3"
+  with pytest.raises(ConfigError, match="config.preset='simclr_v3': must be one of"):
+    linear_probe.check_config(bad, 8)

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from helpers import load_config
 
+from contrastive_jax import models
 from contrastive_jax import pretrain
 from contrastive_jax import train_state as ts
 from contrastive_jax.methods import moco
@@ -92,6 +93,7 @@ def tiny_moco_config():
   config.batch_size = 16
   config.model.width = 0.0625
   config.moco.queue_size = 64
+  config.moco.bn_group_size = 8  # 2 groups; on 8 devices, one image of each per device.
   for view in ("view1", "view2"):  # Identity: augmentation keys depend on the device.
     config.augment[view] = dict(color_jitter_prob=0.0, grayscale_prob=0.0)
   return config
@@ -108,6 +110,8 @@ def run_steps(config, mesh, images, steps=3):
 
 
 def test_eight_devices_equal_one_device_with_the_same_bn_groups():
+  # Group g holds global rows g, g + 2, ...: on 8 devices each device holds one
+  # image of each group, on 1 device all of them; the groups are the same.
   images = np.random.default_rng(0).integers(0, 256, (3, 16, 2, 32, 32, 3), np.uint8)
   config = tiny_moco_config()
   state8, losses8 = run_steps(config, ts.make_mesh(), images)
@@ -116,7 +120,7 @@ def test_eight_devices_equal_one_device_with_the_same_bn_groups():
   for a, b in zip(jax.tree.leaves(jax.device_get(state8.params)),
                   jax.tree.leaves(jax.device_get(state1.params))):
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)  # Float summation order.
-  # Keys pass through BN over 2-image groups, which amplifies float rounding.
+  # Keys pass through BN over 8-image groups, which amplifies float rounding.
   np.testing.assert_allclose(state8.extra["queue"], state1.extra["queue"], atol=3e-4)
   assert int(state8.extra["queue_ptr"]) == int(state1.extra["queue_ptr"]) == 48
   # Every device holds the identical queue.
@@ -143,22 +147,24 @@ def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
   state2, _ = run.train_step(state1, {"image": jax.device_put(images[1], ts.batch_sharded(mesh))})
 
   # Reference keys of step 0, written out: the key encoder (an EMA of two
-  # equal encoders, so the initial one) encodes 8 BN groups of 2 rows each,
-  # group g holding rows order[2g:2g+2], in train mode.
-  model = moco.build_model(config)
+  # equal encoders, so the initial one) encodes 2 BN groups of 8 rows each,
+  # group g holding the images at shuffled positions g, g + 2, ...
+  # (order[g::2]), in train mode, with each group's own BN statistics.
+  model = models.ContrastiveModel(encoder=models.build_encoder(config.model),
+                                  projector=models.build_mlp(config.projector, "float32"))
   x = images[0][:, 1] / np.float32(255)
 
   def keys(order):
     out = np.zeros((16, config.projector.out_dim), np.float32)
-    for g in range(8):
-      rows = order[2 * g:2 * g + 2]
+    for g in range(2):
+      rows = order[g::2]
       (_, z), _ = model.apply({"params": state0.params, "batch_stats": state0.batch_stats},
                               x[rows], train=True, mutable=["batch_stats"])
       out[rows] = z / np.linalg.norm(z, axis=1, keepdims=True)
     return out
 
   perm = np.asarray(jax.random.permutation(ts.shuffle_key(state0.rng, 0), 16))
-  # BN over 2 rows amplifies float rounding: agreement to 2e-4, while the
+  # BN over 8 rows amplifies float rounding: agreement to 2e-4, while the
   # unshuffled groups give keys that differ by orders of magnitude more.
   np.testing.assert_allclose(state1_host.extra["queue"][:16], keys(perm), atol=2e-4)
   assert np.abs(keys(np.arange(16)) - keys(perm)).max() > 0.05  # The shuffle matters.
@@ -180,9 +186,9 @@ def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
     ("moco.queue_size", 60_000, "at most the train split's size (50000)"),
     ("moco.momentum", 1.5, "config.moco.momentum=1.5: must be in [0, 1]"),
     ("temperature", -0.1, "config.temperature=-0.1: must be > 0"),
-    ("moco.bn_groups", 4, "a multiple of the device count (8)"),
-    ("moco.bn_groups", 32, "that divides batch_size (16)"),
-    ("moco.bn_groups", 16, "into groups of >= 2 images"),
+    ("moco.bn_group_size", 4, "a multiple of the device count (8)"),
+    ("moco.bn_group_size", 24, "that divides batch_size (16)"),
+    ("moco.bn_group_size", 16, "into >= 2 groups"),
 ])
 def test_bad_moco_config(field, value, message):
   config = tiny_moco_config()

@@ -21,8 +21,9 @@ def _resnet_params():
 
 
 def _opt_config(**kw):
-  return ml_collections.ConfigDict(config_lib.optimizer("lars", base_lr=1.0, weight_decay=0.1,
-                                                        **{"warmup_epochs": 1, **kw}))
+  return ml_collections.ConfigDict(config_lib.optimizer(
+      "lars", base_lr=1.0, weight_decay=0.1, **{"warmup_epochs": 1, "lr_before_momentum": True,
+                                               **kw}))
 
 
 def test_decay_mask_leaves_out_biases_and_bn_parameters():

@@ -1,4 +1,5 @@
-"""NT-Xent against a numpy reference; sharded loss and gradients vs one device."""
+"""NT-Xent against a numpy transcription of the reference's loss; sharded loss and
+gradients vs one device."""
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -9,7 +10,9 @@ from contrastive_jax.methods import simclr
 
 
 def nt_xent_numpy(u1, u2, t):
-  """SimCLR Eq. 1 written out literally, in float64, anchor by anchor."""
+  """SimCLR Eq. 1 written out literally, in float64, anchor by anchor, reduced as the
+  reference's objective.add_contrastive_loss: loss_a (the mean over view-1 anchors)
+  + loss_b (the mean over view-2 anchors). Returns (loss, top-1 over all anchors)."""
   z = np.concatenate([u1, u2]).astype(np.float64)
   z = z / np.linalg.norm(z, axis=1, keepdims=True)
   n = u1.shape[0]
@@ -20,7 +23,7 @@ def nt_xent_numpy(u1, u2, t):
     denom = sum(np.exp(s) for s in sims.values())
     losses.append(-np.log(np.exp(sims[j]) / denom))
     hits.append(max(sims, key=sims.get) == j)
-  return np.mean(losses), np.mean(hits)
+  return np.mean(losses[:n]) + np.mean(losses[n:]), np.mean(hits)
 
 
 def numeric_grad(f, x, eps=1e-6):
@@ -48,10 +51,11 @@ def test_nt_xent_value_and_gradient_match_numpy(t):
 
 def test_nt_xent_hand_worked_case():
   # Two images, orthogonal, each view identical to its pair: sim(i, j) = 1,
-  # the other two candidates have sim 0. l = -log(e^(1/t) / (e^(1/t) + 2)).
+  # the other two candidates have sim 0. l = -log(e^(1/t) / (e^(1/t) + 2)) for
+  # every anchor, so loss_a = loss_b = l and the loss is 2 l.
   z1 = jnp.array([[1.0, 0.0], [0.0, 1.0]])
   loss, top1 = simclr.nt_xent(z1, z1, 0.5)
-  np.testing.assert_allclose(loss, -np.log(np.exp(2) / (np.exp(2) + 2)), rtol=1e-6)
+  np.testing.assert_allclose(loss, -2 * np.log(np.exp(2) / (np.exp(2) + 2)), rtol=1e-6)
   assert top1 == 1.0
 
 

@@ -3,8 +3,12 @@
 The online network (encoder, projector, predictor) predicts the target
 network's projection of the other view; the target network (encoder,
 projector) is an EMA of the online one with a cosine-ramped rate and is never
-differentiated. Its parameters and BN statistics live in state.extra. BN is
-global (cross-device), as in SimCLR.
+differentiated. Its parameters and BN statistics live in state.extra. As in
+the reference (deepmind-research byol_experiment.py), each view goes through
+its own forward pass, so BN statistics are per view, global (cross-device)
+over that view's batch, and the running statistics are updated twice per
+step, view 1 first; the target network is initialised with its own key, not
+as a copy of the online one.
 """
 import jax
 import jax.numpy as jnp
@@ -69,11 +73,21 @@ def _target_part(tree):
   return {name: tree[name] for name in _TARGET_PARTS}
 
 
+def target_key(init_rng):
+  """The key the target network is initialised with (init_rng is the online network's)."""
+  return jax.random.fold_in(init_rng, 1)
+
+
 def init_state(config, model, tx, init_rng, rng) -> ts.TrainState:
-  """Step 0: the target network starts equal to the online encoder and projector."""
+  """Step 0: the online network from init_rng, the target network from its own key.
+
+  The reference initialises them independently (rng_online, rng_target in
+  _make_initial_state), noting that a copy made no difference it could see.
+  """
   params, batch_stats = ts.init_variables(model, init_rng, config.image_size)
-  extra = {"target_params": _target_part(params),
-           "target_batch_stats": _target_part(batch_stats)}
+  target_params, target_stats = ts.init_variables(model, target_key(init_rng), config.image_size)
+  extra = {"target_params": _target_part(target_params),
+           "target_batch_stats": _target_part(target_stats)}
   return ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
                        opt_state=tx.init(params), rng=rng, extra=extra)
 
@@ -86,24 +100,27 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
   """
   target_model = model.clone(predictor=None)
 
+  def per_view(network, params, batch_stats, x1, x2):
+    """Outputs of view 1 and view 2, each its own forward pass (BN statistics per view),
+    and the batch_stats after both updates, view 1's first."""
+    out1, updates = network.apply({"params": params, "batch_stats": batch_stats}, x1,
+                                  train=True, mutable=["batch_stats"])
+    out2, updates = network.apply({"params": params, "batch_stats": updates["batch_stats"]}, x2,
+                                  train=True, mutable=["batch_stats"])
+    return out1, out2, updates["batch_stats"]
+
   def per_device(state, images):
-    x = jnp.concatenate(ts.augmented_views(images, state.rng, state.step, views))
+    x1, x2 = ts.augmented_views(images, state.rng, state.step, views)
     extra = state.extra
-    (_, z_target), target_updates = target_model.apply(
-        {"params": extra["target_params"], "batch_stats": extra["target_batch_stats"]}, x,
-        train=True, mutable=["batch_stats"])
-    z1, z2 = jnp.split(z_target, 2)
+    (_, z1), (_, z2), target_stats = per_view(target_model, extra["target_params"],
+                                              extra["target_batch_stats"], x1, x2)
 
     def loss_fn(params):
-      (h, z, p), updates = model.apply({"params": params, "batch_stats": state.batch_stats}, x,
-                                       train=True, mutable=["batch_stats"])
-      p1, p2 = jnp.split(p, 2)
-      b = len(p1)
-      return byol_loss(p1, p2, z1, z2, ts.DATA_AXIS), (updates["batch_stats"],
-                                                       {"h": h[:b], "z": z[:b]})
+      (h1, online_z1, p1), (_, _, p2), stats = per_view(model, params, state.batch_stats, x1, x2)
+      return byol_loss(p1, p2, z1, z2, ts.DATA_AXIS), (stats, {"h": h1, "z": online_z1})
 
     (loss, (stats, outputs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    new_extra = dict(extra, target_batch_stats=target_updates["batch_stats"])
+    new_extra = dict(extra, target_batch_stats=target_stats)
     return grads, stats, new_extra, {"loss": loss}, outputs
 
   def update_target(state):

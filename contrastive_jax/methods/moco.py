@@ -8,11 +8,19 @@ the queue is written in place). Shuffle BN: the key encoder's inputs are
 permuted across the global batch before its forward pass and put back after,
 so a key's BN statistics come from other samples than its query's.
 
-BN is per BN group: the global batch is split into moco.bn_groups groups of
-consecutive examples, each with its own statistics (bn_groups / D per device
-on D devices), as the reference's per-GPU BN with bn_groups GPUs. The groups
-do not depend on the device count, so shuffle BN also works on one device, and
-one device gives the same result as eight.
+BN is per BN group of moco.bn_group_size images, as the reference's per-GPU
+BN (facebookresearch/moco: 8 GPUs x 32 images, so 32; its CIFAR-10 demo's
+SplitBatchNorm: 8 splits of 64). How groups map to devices: row i of the
+global batch (in device order) belongs to group i mod G, G = batch /
+bn_group_size, so each of the D devices holds bn_group_size / D rows of every
+group, and a group's statistics are averaged over the devices (BN with
+axis_name inside a vmap over the G groups). The groups are thus the same
+function of the global row whatever D divides bn_group_size (1 device gives
+the same result as 8), and a group may span devices, which per-GPU BN cannot.
+Queries are grouped in batch order (a fixed partition, as the reference's
+per-GPU batches), keys in shuffled order (a random one). The running
+statistics are the mean over groups (the reference keeps GPU 0's, copied to
+the others by DistributedDataParallel).
 """
 import jax
 import jax.numpy as jnp
@@ -84,21 +92,22 @@ def check_config(config, num_train_examples: int):
     raise ConfigError("moco.queue_size", moco.queue_size,
                       f"at most the train split's size ({num_train_examples}), or images "
                       "meet their own keys as negatives")
-  groups, devices = moco.bn_groups, jax.device_count()
-  if (groups < 2 or groups % devices or config.batch_size % groups
-      or config.batch_size // groups < 2):
-    raise ConfigError("moco.bn_groups", groups,
-                      f"a multiple of the device count ({devices}) that divides batch_size "
-                      f"({config.batch_size}) into groups of >= 2 images, and >= 2 groups "
-                      "(with one group shuffle BN does nothing)")
+  size, devices = moco.bn_group_size, jax.device_count()
+  if (size < 2 or size % devices or config.batch_size % size
+      or config.batch_size // size < 2):
+    raise ConfigError("moco.bn_group_size", size,
+                      f">= 2 images, a multiple of the device count ({devices}) that divides "
+                      f"batch_size ({config.batch_size}) into >= 2 groups (with one group "
+                      "shuffle BN does nothing)")
   models.check_mlp_config(config.projector, "projector")
 
 
 def build_model(config) -> models.ContrastiveModel:
-  """Encoder + head with per-group BN (v1: projector.hidden_dims = (); v2: MLP)."""
+  """Encoder + head (v1: projector.hidden_dims = (); v2: MLP); BN statistics are averaged
+  over the data axis, within each BN group of grouped_apply's vmap."""
   return models.ContrastiveModel(
-      encoder=models.build_encoder(config.model),
-      projector=models.build_mlp(config.projector, config.model.dtype))
+      encoder=models.build_encoder(config.model, bn_axis_name=ts.DATA_AXIS),
+      projector=models.build_mlp(config.projector, config.model.dtype, ts.DATA_AXIS))
 
 
 def init_state(config, model, tx, init_rng, rng) -> ts.TrainState:
@@ -113,18 +122,22 @@ def init_state(config, model, tx, init_rng, rng) -> ts.TrainState:
 
 
 def grouped_apply(model, params, batch_stats, x, groups: int):
-  """Train-mode forward with separate BN statistics for each of `groups` chunks of x.
+  """Inside shard_map: train-mode forward with separate BN statistics per BN group.
 
-  Returns (h [b, C], z [b, D], new batch_stats averaged over groups and
-  devices); h and z float32.
+  x: this device's [b, ...] rows; row r belongs to group r mod groups (with
+  b a multiple of groups, that is global row i to group i mod groups). The
+  model's BN averages over the data axis, so each group's statistics cover
+  its rows on every device. Returns (h [b, C], z [b, D], new batch_stats, the
+  mean over groups, the same on every device); h and z float32.
   """
   def one_group(xg):
     (h, z), updates = model.apply({"params": params, "batch_stats": batch_stats}, xg,
                                   train=True, mutable=["batch_stats"])
     return h, z, updates["batch_stats"]
 
-  h, z, stats = jax.vmap(one_group)(x.reshape(groups, -1, *x.shape[1:]))
-  stats = jax.tree.map(lambda s: jax.lax.pmean(jnp.mean(s, axis=0), ts.DATA_AXIS), stats)
+  h, z, stats = jax.vmap(one_group, in_axes=1, out_axes=(1, 1, 0))(
+      x.reshape(-1, groups, *x.shape[1:]))
+  stats = jax.tree.map(lambda s: jnp.mean(s, axis=0), stats)
   return h.reshape(-1, h.shape[-1]), z.reshape(-1, z.shape[-1]), stats
 
 
@@ -157,7 +170,7 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
   queue, then the global batch of keys is enqueued.
   """
   moco = config.moco
-  groups = moco.bn_groups // mesh.size  # BN groups on each device.
+  groups = config.batch_size // moco.bn_group_size
 
   def per_device(state, images):
     x_q, x_k = ts.augmented_views(images, state.rng, state.step, views)

@@ -1,8 +1,11 @@
 """SimCLR (Chen et al. 2020, arXiv 2002.05709): NT-Xent over the global batch.
 
-Both views go through one encoder and projection head with global (cross-device)
-BatchNorm; each device's anchors are compared with the all-gathered embeddings
-of every device, so the negatives are the whole global batch.
+Both views go through one forward pass of the encoder and projection head with
+global (cross-device) BatchNorm, as the reference concatenates them; each
+device's anchors are compared with the all-gathered embeddings of every device,
+so the negatives are the whole global batch. The projection head's last layer
+is a Dense without bias followed by a BN without offset (projector.final_bn,
+the reference's model_util.projection_head).
 """
 import jax
 import jax.numpy as jnp
@@ -17,8 +20,12 @@ def nt_xent(z1, z2, temperature: float, axis_name=None):
 
   For anchor i with positive j among the 2B views of the global batch,
     l(i, j) = -log( exp(sim(z_i, z_j)/t) / sum_{k != i} exp(sim(z_i, z_k)/t) ),
-  sim the cosine similarity; the loss averages l over all 2B anchors (both
-  views as anchors). The k = i term is masked out of the denominator.
+  sim the cosine similarity; the k = i term is masked out of the denominator.
+  The loss is the mean of l over the B view-1 anchors plus the mean over the
+  B view-2 anchors, as the reference's objective.add_contrastive_loss returns
+  loss_a + loss_b: twice the mean over all 2B anchors. The scale matters under
+  LARS, whose trust ratio leaves out biases and BN parameters: their steps are
+  proportional to it.
 
   Call it inside shard_map with axis_name set: this device's rows are compared
   with the all-gathered rows of every device, the positive's column offset by
@@ -30,9 +37,8 @@ def nt_xent(z1, z2, temperature: float, axis_name=None):
     temperature: t > 0.
     axis_name: mesh axis to gather over, or None.
   Returns:
-    (loss, top1): float32 scalars, averaged over the 2B anchors of the global
-    batch, the same on every device. top1 is the fraction of anchors whose most
-    similar other view is their positive.
+    (loss, top1): float32 scalars, the same on every device. top1 is the
+    fraction of the 2B anchors whose most similar other view is their positive.
   """
   z1 = z1.astype(jnp.float32)
   z2 = z2.astype(jnp.float32)
@@ -57,7 +63,7 @@ def nt_xent(z1, z2, temperature: float, axis_name=None):
   cols = jnp.arange(2 * global_b)
   logits = jnp.where(cols[None, :] == self_col[:, None], -jnp.inf, logits)
   pos_logit = jnp.take_along_axis(logits, pos_col[:, None], axis=1)[:, 0]
-  loss = jnp.sum(jax.nn.logsumexp(logits, axis=1) - pos_logit) / (2 * global_b)
+  loss = jnp.sum(jax.nn.logsumexp(logits, axis=1) - pos_logit) / global_b
   top1 = jnp.sum(jnp.argmax(logits, axis=1) == pos_col) / (2 * global_b)
   if axis_name is not None:
     loss, top1 = jax.lax.psum((loss, top1), axis_name)

@@ -1,0 +1,153 @@
+"""Random resized crops of the three references, drawn on the host with stateless tf ops.
+
+Each reference draws its crop window its own way, and the distributions of
+crop area and aspect ratio differ (tests/test_recipes.py simulates each
+reference algorithm in numpy and compares):
+
+  'tensorflow'  SimCLR (google-research/simclr data_util.crop_and_resize):
+                tf.image.sample_distorted_bounding_box with the whole image as
+                the object, min_object_covered 0.1, area in [area_min, 1],
+                aspect ratio (width / height) uniform in [3/4, 4/3], 100
+                attempts; the kernel draws the crop height uniformly among the
+                integers that fit the area range, so the area is not uniform;
+                if every attempt fails, the whole image. Crops smaller than
+                10% of the image never cover 10% of the object, so the
+                effective smallest area is max(area_min, 0.1).
+  'torchvision' MoCo (torchvision.transforms.RandomResizedCrop.get_params):
+                area uniform in [area_min, 1] of the image, log aspect ratio
+                uniform in [log 3/4, log 4/3], width and height rounded, up to
+                10 attempts until the crop fits; else a centre crop of the
+                whole image clamped to the aspect range.
+  'byol'        BYOL (deepmind-research byol/utils/dataset.py
+                _decode_and_random_crop): one draw, area and log aspect ratio
+                as torchvision's, width and height each clamped to the image.
+
+Every draw is a stateless function of the seed it is given (the input pipeline
+derives it from (seed, process, stream position)), so a resumed run crops
+exactly as an uninterrupted one.
+
+The crop is then resized to a square: 'tf_bicubic' is tf.image.resize's
+bicubic without antialiasing (SimCLR, BYOL), 'pil_bilinear' and 'pil_bicubic'
+antialias when shrinking as PIL's resize does (torchvision on PIL images: MoCo
+bilinear, solo-learn bicubic). Views stay uint8 (rounded and clipped), which
+keeps host-to-device transfers small; the references keep float32 here, a
+difference of at most half a grey level.
+"""
+import math
+
+import tensorflow as tf
+
+from contrastive_jax.errors import ConfigError
+
+SAMPLERS = ("tensorflow", "torchvision", "byol")
+# name -> (tf.image.resize method, antialias).
+RESIZES = {"tf_bicubic": ("bicubic", False), "pil_bilinear": ("bilinear", True),
+           "pil_bicubic": ("bicubic", True)}
+# SimCLR's constants for tf.image.sample_distorted_bounding_box.
+SIMCLR_MIN_OBJECT_COVERED = 0.1
+SIMCLR_MAX_ATTEMPTS = 100
+TORCHVISION_ATTEMPTS = 10
+ASPECT_RANGE = (3 / 4, 4 / 3)
+
+
+def check_config(config):
+  """Raises ConfigError for crop_sampler, crop_area_min or crop_resize values that cannot run."""
+  if config.crop_sampler not in SAMPLERS:
+    raise ConfigError("crop_sampler", config.crop_sampler, f"one of {list(SAMPLERS)}")
+  if config.crop_resize not in RESIZES:
+    raise ConfigError("crop_resize", config.crop_resize, f"one of {sorted(RESIZES)}")
+  if not 0 < config.crop_area_min <= 1:
+    raise ConfigError("crop_area_min", config.crop_area_min, "in (0, 1]")
+
+
+def _rounded(x):
+  # tf.round rounds half to even, as Python's round() in torchvision and BYOL.
+  return tf.cast(tf.round(x), tf.int32)
+
+
+def _tensorflow_window(height, width, seed, area_min):
+  begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
+      tf.stack([height, width, 3]), bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
+      seed=seed, min_object_covered=SIMCLR_MIN_OBJECT_COVERED, aspect_ratio_range=ASPECT_RANGE,
+      area_range=(area_min, 1.0), max_attempts=SIMCLR_MAX_ATTEMPTS,
+      use_image_if_no_bounding_boxes=True)
+  return begin[0], begin[1], size[0], size[1]
+
+
+def _area_and_ratio(shape, seed, area_min, area):
+  """Area fraction U[area_min, 1) times `area`, aspect ratio exp(U[log 3/4, log 4/3))."""
+  u = tf.random.stateless_uniform(shape + [2], seed)
+  target = area * (area_min + (1.0 - area_min) * u[..., 0])
+  log_lo, log_hi = math.log(ASPECT_RANGE[0]), math.log(ASPECT_RANGE[1])
+  return target, tf.exp(log_lo + (log_hi - log_lo) * u[..., 1])
+
+
+def _offsets(seed, height, width, h, w):
+  """Top and left uniform over the integers that keep the crop inside the image."""
+  top_seed, left_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+  top = tf.random.stateless_uniform([], top_seed, 0, height - h + 1, dtype=tf.int32)
+  left = tf.random.stateless_uniform([], left_seed, 0, width - w + 1, dtype=tf.int32)
+  return top, left
+
+
+def _torchvision_window(height, width, seed, area_min):
+  draw_seed, offset_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+  h_f, w_f = tf.cast(height, tf.float32), tf.cast(width, tf.float32)
+  # All attempts drawn at once; the first one that fits wins, as in the loop.
+  target, ratio = _area_and_ratio([TORCHVISION_ATTEMPTS], draw_seed, area_min, h_f * w_f)
+  ws, hs = _rounded(tf.sqrt(target * ratio)), _rounded(tf.sqrt(target / ratio))
+  fits = (ws > 0) & (ws <= width) & (hs > 0) & (hs <= height)
+  first = tf.argmax(tf.cast(fits, tf.int32))
+  # The fallback: a centre crop of the whole image, clamped to the aspect range.
+  in_ratio = w_f / h_f
+  fallback_h = tf.where(in_ratio < ASPECT_RANGE[0], _rounded(w_f / ASPECT_RANGE[0]),
+                        height)
+  fallback_w = tf.where(in_ratio > ASPECT_RANGE[1], _rounded(h_f * ASPECT_RANGE[1]),
+                        width)
+  found = tf.reduce_any(fits)
+  h = tf.where(found, hs[first], fallback_h)
+  w = tf.where(found, ws[first], fallback_w)
+  top, left = _offsets(offset_seed, height, width, h, w)
+  top = tf.where(found, top, (height - h) // 2)
+  left = tf.where(found, left, (width - w) // 2)
+  return top, left, h, w
+
+
+def _byol_window(height, width, seed, area_min):
+  draw_seed, offset_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+  area = tf.cast(height * width, tf.float32)
+  target, ratio = _area_and_ratio([], draw_seed, area_min, area)
+  w = tf.minimum(_rounded(tf.sqrt(target * ratio)), width)
+  h = tf.minimum(_rounded(tf.sqrt(target / ratio)), height)
+  top, left = _offsets(offset_seed, height, width, h, w)
+  return top, left, h, w
+
+
+_WINDOWS = {"tensorflow": _tensorflow_window, "torchvision": _torchvision_window,
+            "byol": _byol_window}
+
+
+def crop_window(height, width, seed, sampler: str, area_min: float):
+  """(top, left, crop height, crop width), int32 scalars, of `sampler`'s crop of an image.
+
+  height, width: int32 scalar tensors, the image's size; seed: int32/int64
+  [2], a stateless-op seed; area_min: the smallest area fraction drawn (the
+  references' scale[0] / area_range[0]).
+  """
+  return _WINDOWS[sampler](tf.cast(height, tf.int32), tf.cast(width, tf.int32), seed, area_min)
+
+
+def random_resized_crop(image, seed, size: int, sampler: str, area_min: float, resize: str):
+  """A random crop of uint8 image [H, W, 3], resized to [size, size] and flipped with p 1/2.
+
+  The crop window is crop_window's; the resize is RESIZES[resize]. Returns
+  uint8 [size, size, 3].
+  """
+  crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+  shape = tf.shape(image)
+  top, left, h, w = crop_window(shape[0], shape[1], crop_seed, sampler, area_min)
+  crop = image[top:top + h, left:left + w]
+  method, antialias = RESIZES[resize]
+  crop = tf.image.resize(crop, [size, size], method=method, antialias=antialias)
+  crop = tf.where(tf.random.stateless_uniform([], flip_seed) < 0.5, crop, crop[:, ::-1])
+  return tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)

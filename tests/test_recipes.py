@@ -1,0 +1,393 @@
+"""Each preset against its reference's own definition (issue 10).
+
+Crop samplers against numpy transcriptions of the reference algorithms (TF's
+sample_distorted_bounding_box kernel, torchvision's RandomResizedCrop, BYOL's
+_decode_and_random_crop); color ops against tf.image and torchvision's
+formulas; blur against SimCLR's depthwise convolution; heads, weight-decay
+masks and initialisations per method; the optimizers' update rules against
+numpy transcriptions of SimCLR's, BYOL's and solo-learn's LARS.
+"""
+import math
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+import tensorflow as tf
+from helpers import load_config
+from scipy import ndimage
+from scipy import stats
+
+from contrastive_jax import augment
+from contrastive_jax import config_lib
+from contrastive_jax import crops
+from contrastive_jax import models
+from contrastive_jax import optim
+
+# --- Crop samplers -------------------------------------------------------------------------
+
+
+def _lrint(x):
+  return int(np.rint(np.float32(x)))  # C's lrintf: round half to even.
+
+
+def tf_kernel_crop(h, w, area_min, rng):
+  """tensorflow/core/kernels/image/sample_distorted_bounding_box_op.cc (GenerateRandomCrop
+  and SatisfiesOverlapConstraints) with SimCLR's arguments: the whole image as the box,
+  min_object_covered 0.1, aspect ratio [3/4, 4/3], 100 attempts, else the whole image."""
+  min_area, max_area = np.float32(area_min * w * h), np.float32(w * h)
+  for _ in range(100):
+    ratio = np.float32(rng.random() * (4 / 3 - 3 / 4) + 3 / 4)
+    ch = _lrint(np.sqrt(min_area / ratio))
+    max_h = _lrint(np.sqrt(max_area / ratio))
+    if _lrint(max_h * ratio) > w:
+      max_h = int((w + 0.5 - 1e-7) / ratio)
+      if _lrint(max_h * ratio) > w:
+        max_h -= 1
+    max_h = min(max_h, h)
+    ch = min(ch, max_h)
+    if ch < max_h:
+      ch += rng.integers(0, max_h - ch + 1)
+    cw = _lrint(ch * ratio)
+    if cw * ch < min_area:
+      ch += 1
+      cw = _lrint(ch * ratio)
+    if cw * ch > max_area:
+      ch -= 1
+      cw = _lrint(ch * ratio)
+    if not (min_area <= cw * ch <= max_area and 0 < cw <= w and 0 < ch <= h):
+      continue
+    if cw * ch / (w * h) >= np.float32(0.1):  # The crop covers >= 10% of the object.
+      return ch, cw
+  return h, w
+
+
+def torchvision_crop(h, w, area_min, rng):
+  """torchvision.transforms.RandomResizedCrop.get_params (scale (area_min, 1), ratio (3/4, 4/3))."""
+  for _ in range(10):
+    target = h * w * rng.uniform(area_min, 1.0)
+    ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+    cw, ch = int(round(math.sqrt(target * ratio))), int(round(math.sqrt(target / ratio)))
+    if 0 < cw <= w and 0 < ch <= h:
+      return ch, cw
+  if w / h < 3 / 4:
+    return int(round(w / (3 / 4))), w
+  if w / h > 4 / 3:
+    return h, int(round(h * 4 / 3))
+  return h, w
+
+
+def byol_crop(h, w, area_min, rng):
+  """BYOL's byol/utils/dataset.py _decode_and_random_crop: one draw, sides clamped."""
+  target = rng.uniform(area_min, 1.0) * h * w
+  ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
+  return (min(int(round(math.sqrt(target / ratio))), h),
+          min(int(round(math.sqrt(target * ratio))), w))
+
+
+REFERENCE_CROPS = {"tensorflow": tf_kernel_crop, "torchvision": torchvision_crop,
+                   "byol": byol_crop}
+
+
+def sampled_windows(sampler, h, w, n, area_min=0.08):
+  """n windows (top, left, height, width) of crops.crop_window with seeds (0, i)."""
+  fn = tf.function(lambda seeds: tf.map_fn(
+      lambda s: tf.stack(crops.crop_window(h, w, s, sampler, area_min)), seeds,
+      fn_output_signature=tf.int32))
+  return fn(tf.stack([tf.zeros([n], tf.int64), tf.range(n, dtype=tf.int64)], 1)).numpy()
+
+
+@pytest.mark.parametrize("h,w", [(32, 32), (168, 224)])
+def test_crop_area_and_aspect_distributions_match_the_reference_algorithms(h, w):
+  # Two-sample Kolmogorov-Smirnov on 4000 crops each: the critical distance at
+  # alpha = 1e-3 is 1.95 sqrt(2 / 4000) = 0.044 (conservative for these
+  # discrete sizes). The three references differ from each other by at least
+  # 0.08 on these shapes, so the test tells them apart.
+  n, critical = 4000, 1.95 * math.sqrt(2 / 4000)
+  rng = np.random.default_rng(0)
+  reference = {name: np.array([fn(h, w, 0.08, rng) for _ in range(n)])
+               for name, fn in REFERENCE_CROPS.items()}
+  for sampler in crops.SAMPLERS:
+    windows = sampled_windows(sampler, h, w, n)
+    top, left, ch, cw = windows.T
+    assert np.all((top >= 0) & (left >= 0) & (top + ch <= h) & (left + cw <= w))
+    ref = reference[sampler]
+    area = ch * cw / (h * w)
+    assert stats.ks_2samp(area, ref[:, 0] * ref[:, 1] / (h * w)).statistic < critical, sampler
+    assert stats.ks_2samp(cw / ch, ref[:, 1] / ref[:, 0]).statistic < critical, sampler
+    for other, other_ref in reference.items():
+      if other != sampler:
+        assert stats.ks_2samp(area, other_ref[:, 0] * other_ref[:, 1] / (h * w)).statistic > 0.06
+
+
+def test_crop_fallbacks_and_offsets():
+  # A 10 x 1000 image: no crop of >= 8% of it has an aspect ratio in [3/4, 4/3].
+  seeds = [tf.constant([0, i], tf.int64) for i in range(20)]
+  windows = {s: [np.array(crops.crop_window(10, 1000, seed, s, 0.08)) for seed in seeds]
+             for s in crops.SAMPLERS}
+  for window in windows["tensorflow"]:  # TF's kernel: the whole image.
+    np.testing.assert_array_equal(window, [0, 0, 10, 1000])
+  for window in windows["torchvision"]:  # Centre crop at the widest allowed ratio.
+    np.testing.assert_array_equal(window, [0, (1000 - 13) // 2, 10, round(10 * 4 / 3)])
+  for top, left, ch, cw in windows["byol"]:  # Height clamped, width drawn.
+    assert (top, ch) == (0, 10) and 24 <= cw <= 116 and 0 <= left <= 1000 - cw
+  # Offsets are uniform over every position that fits, both ends included.
+  top, left, ch, _ = sampled_windows("torchvision", 32, 32, 2000, area_min=0.25).T
+  slack = 32 - ch
+  assert np.any(top == slack) and np.any(top == 0)
+  assert abs(np.mean(top / np.maximum(slack, 1)) - 0.5) < 0.05
+  # A stateless function of the seed: the same seed, the same window.
+  np.testing.assert_array_equal(sampled_windows("byol", 32, 32, 5),
+                                sampled_windows("byol", 32, 32, 5))
+
+
+# --- Colour operations ---------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def image():
+  return np.random.default_rng(0).uniform(size=(6, 5, 3)).astype(np.float32)
+
+
+def _gray(x):
+  return np.tensordot(x, [0.2989, 0.587, 0.114], axes=(-1, -1))[..., None]
+
+
+def test_tensorflow_style_ops_equal_tf_image(image):
+  x = jnp.asarray(image)
+  for f in (0.3, 1.7):
+    np.testing.assert_allclose(augment.adjust_contrast(x, f, "tensorflow"),
+                               tf.image.adjust_contrast(image, f), atol=1e-6)
+    np.testing.assert_allclose(augment.adjust_saturation(x, f, "tensorflow"),
+                               tf.image.adjust_saturation(image, f), atol=1e-5)
+  for d in (-0.3, 0.1):
+    np.testing.assert_allclose(augment.adjust_hue(x, d), tf.image.adjust_hue(image, d), atol=1e-5)
+    np.testing.assert_allclose(augment.adjust_brightness(x, d, "add"),
+                               tf.image.adjust_brightness(image, d), atol=1e-6)
+  np.testing.assert_allclose(augment.to_grayscale(x)[..., :1], tf.image.rgb_to_grayscale(image),
+                             atol=1e-6)
+
+
+def test_torchvision_style_ops_equal_its_blend_formulas(image):
+  # torchvision.transforms.functional: adjust_brightness blends with black,
+  # adjust_contrast with the mean of the grayscale image, adjust_saturation
+  # with the grayscale image: blend(img, other, f) = f img + (1 - f) other.
+  x = jnp.asarray(image)
+  for f in (0.3, 1.7):
+    np.testing.assert_allclose(augment.adjust_brightness(x, f, "multiply"), f * image, atol=1e-6)
+    np.testing.assert_allclose(augment.adjust_contrast(x, f, "torchvision"),
+                               f * image + (1 - f) * _gray(image).mean(), atol=1e-6)
+    np.testing.assert_allclose(augment.adjust_saturation(x, f, "torchvision"),
+                               f * image + (1 - f) * _gray(image), atol=1e-6)
+
+
+def _jittered(view, value, n=2000):
+  """color_jitter of a 1 x 1 image of one gray level under n keys."""
+  x = jnp.full((1, 1, 3), value, jnp.float32)
+  keys = jax.random.split(jax.random.PRNGKey(0), n)
+  return np.asarray(jax.jit(jax.vmap(lambda k: augment.color_jitter(x, k, view)))(keys))[:, 0, 0, 0]
+
+
+def test_brightness_switch_draws_the_references_distributions():
+  # SimCLR v1 / BYOL: x + U[-b, b]; SimCLR v2 / torchvision: x * U[1 - b, 1 + b]. A gray
+  # image is unchanged by contrast, saturation and hue. KS against the uniform
+  # law, 2000 draws: 1.95 / sqrt(2000) = 0.044 at alpha 1e-3.
+  add = augment.ViewAugment(brightness=0.4, brightness_op="add", color_ops="tensorflow")
+  mul = augment.ViewAugment(brightness=0.4, brightness_op="multiply")
+  critical = 1.95 / math.sqrt(2000)
+  assert stats.kstest(_jittered(add, 0.5) - 0.5, stats.uniform(-0.4, 0.8).cdf).statistic < critical
+  assert stats.kstest(_jittered(mul, 0.5) / 0.5, stats.uniform(0.6, 0.8).cdf).statistic < critical
+
+
+def test_jitter_clips_after_each_op_and_grayscale_order(image):
+  # Brightness + 0.8 then contrast: without the clip in between, contrast
+  # would spread values above 1 (SimCLR clips after every op).
+  view = augment.ViewAugment(brightness=0.8, contrast=0.8, color_jitter_prob=1.0,
+                             brightness_op="add", color_ops="tensorflow")
+  keys = jax.random.split(jax.random.PRNGKey(1), 64)
+  augmented = jax.jit(jax.vmap(lambda k, view: augment.augment_image(jnp.asarray(image), k, view),
+                               in_axes=(0, None)), static_argnums=1)
+  out = augmented(keys, view)
+  assert float(out.min()) >= 0 and float(out.max()) <= 1
+  # MoCo v1: grayscale first, then the jitter, whose hue and saturation leave
+  # a gray image gray; after the jitter (MoCo v2, SimCLR, BYOL) the hue shift
+  # changes the gray levels.
+  first = augment.ViewAugment(hue=0.5, color_jitter_prob=1.0, grayscale_prob=1.0,
+                              grayscale_first=True)
+  after = augment.ViewAugment(hue=0.5, color_jitter_prob=1.0, grayscale_prob=1.0)
+  gray = np.broadcast_to(_gray(image), image.shape)
+  np.testing.assert_allclose(augmented(keys[:2], first), [gray, gray], atol=1e-5)
+  assert not np.allclose(augmented(keys[:2], after), [gray, gray], atol=1e-3)
+
+
+def test_blur_equals_simclrs_depthwise_convolution_and_pils_edge_padding():
+  x = np.random.default_rng(2).uniform(size=(40, 40, 3)).astype(np.float32)
+  sigma, radius = 1.3, 40 // 10 // 2  # SimCLR: kernel_size = height // 10, radius = size / 2.
+  t = np.arange(-radius, radius + 1, dtype=np.float32)
+  k = np.exp(-t**2 / (2 * sigma**2))
+  k /= k.sum()
+  horizontal = np.tile(k.reshape(1, -1, 1, 1), [1, 1, 3, 1])
+  vertical = np.tile(k.reshape(-1, 1, 1, 1), [1, 1, 3, 1])
+  simclr = tf.nn.depthwise_conv2d(tf.nn.depthwise_conv2d(x[None], horizontal, [1] * 4, "SAME"),
+                                  vertical, [1] * 4, "SAME")[0]
+  np.testing.assert_allclose(augment.gaussian_blur(jnp.asarray(x), sigma, "zeros"), simclr,
+                             atol=1e-6)
+  edge = ndimage.correlate1d(ndimage.correlate1d(x, k, axis=0, mode="nearest"), k, axis=1,
+                             mode="nearest")
+  np.testing.assert_allclose(augment.gaussian_blur(jnp.asarray(x), sigma, "edge"), edge,
+                             atol=1e-6)
+
+
+# --- Heads, initialisation and weight decay per method -------------------------------------
+
+
+def test_simclr_head_ends_in_a_dense_without_bias_and_a_bn_without_offset():
+  # SimCLR's model_util.projection_head: linear_layer(use_bias=True, use_bn=True)
+  # for the middle layer (Dense without bias, BN with scale and offset, ReLU),
+  # linear_layer(use_bias=False, use_bn=True) last (BN with center=False).
+  head = models.build_mlp(load_config("simclr_cifar10").projector, "float32")
+  x = jax.random.normal(jax.random.PRNGKey(0), (64, 512))
+  variables = head.init(jax.random.PRNGKey(1), x, train=False)
+  shapes = jax.tree.map(np.shape, variables["params"])
+  assert shapes == {"Dense_0": {"kernel": (512, 512)},
+                    "BatchNorm_0": {"scale": (512,), "bias": (512,)},
+                    "Dense_1": {"kernel": (512, 128)}, "BatchNorm_1": {"scale": (128,)}}
+  z, _ = head.apply(variables, x, train=True, mutable=["batch_stats"])
+  # Train mode: each output dimension has batch mean 0 (no offset) and std scale = 1.
+  np.testing.assert_allclose(z.mean(0), 0, atol=1e-5)
+  np.testing.assert_allclose(z.std(0), 1, atol=1e-3)
+  # MoCo v2's head: nn.Linear twice, with biases, no BN.
+  moco = models.build_mlp(load_config("moco_v2_imagenet").projector, "float32")
+  shapes = jax.tree.map(np.shape, moco.init(jax.random.PRNGKey(1), x, train=False)["params"])
+  assert shapes == {"Dense_0": {"kernel": (512, 2048), "bias": (2048,)},
+                    "Dense_1": {"kernel": (2048, 128), "bias": (128,)}}
+
+
+# Per config: (conv init, last BN scale of each block zero, head init, every parameter
+# decayed), from each reference's code: SimCLR (tf variance_scaling_initializer,
+# batch_norm_relu(init_zero=True), linear_layer's normal(0.01), LARS excluding BN and
+# biases), MoCo (torchvision's ResNet and nn.Linear, torch.optim.SGD's weight_decay),
+# BYOL (Haiku's defaults, BlockV1's zero scale_init, exclude_bias_and_norm) and
+# solo-learn's BYOL (torchvision's ResNet and nn.Linear, LARS excluding bias and norm).
+METHOD_INITS = {
+    "simclr_imagenet": ("variance_scaling", True, "normal_0.01", False),
+    "simclr_cifar10": ("variance_scaling", True, "normal_0.01", False),
+    "moco_v1_imagenet": ("he_normal", False, "torch", True),
+    "moco_v2_imagenet": ("he_normal", False, "torch", True),
+    "moco_v2_cifar10": ("he_normal", False, "torch", True),
+    "byol_imagenet": ("variance_scaling", True, "lecun_normal", False),
+    "byol_cifar10": ("he_normal", False, "torch", False),
+}
+
+
+@pytest.mark.parametrize("name", sorted(METHOD_INITS))
+def test_each_config_initialises_and_decays_as_its_reference(name):
+  config = load_config(name)
+  conv_init, zero_init, head_init, decay_all = METHOD_INITS[name]
+  assert (config.model.conv_init, config.model.zero_init_residual, config.projector.init,
+          config.optimizer.weight_decay_mask) == (conv_init, zero_init, head_init,
+                                                  "all" if decay_all else "kernels")
+  if "predictor" in config:
+    assert config.predictor.init == head_init
+  # SimCLR feeds [0, 1] pixels; MoCo and BYOL standardise them.
+  identity = tuple(config.model.input_mean) == (0, 0, 0) and tuple(config.model.input_std) == (1, 1, 1)
+  assert identity == name.startswith("simclr")
+
+
+def test_initialisations_and_weight_decay_masks_are_the_references():
+  key = jax.random.PRNGKey(0)
+  # Convolutions: He-normal fan-out, variance 2 / fan_out (torchvision's
+  # kaiming_normal_(mode='fan_out')), or variance 1 / fan_in (TF's and Haiku's
+  # variance scaling, truncated normal rescaled to keep the variance). 36864
+  # draws: the sample variance is within 2% (5 standard errors) of the law's.
+  shape = (3, 3, 64, 64)
+  for name, variance in (("he_normal", 2 / (9 * 64)), ("variance_scaling", 1 / (9 * 64))):
+    kernel = models.CONV_INITS[name](key, shape)
+    assert np.var(kernel) == pytest.approx(variance, rel=0.02), name
+  # Dense layers on 512 inputs: std 1/sqrt(512) (lecun_normal), 0.01, and PyTorch's
+  # U(+-1/sqrt(512)) for kernel and bias (std bound / sqrt(3)).
+  bound = 1 / math.sqrt(512)
+  for name, std in (("lecun_normal", bound), ("normal_0.01", 0.01), ("torch", bound / math.sqrt(3))):
+    kernel_init, bias_init = models._dense_inits(name, 512)  # pylint: disable=protected-access
+    assert np.std(kernel_init(key, (512, 256))) == pytest.approx(std, rel=0.02), name
+  kernel_init, bias_init = models._dense_inits("torch", 512)  # pylint: disable=protected-access
+  bias = bias_init(key, (256,))
+  assert np.abs(kernel_init(key, (512, 256))).max() <= bound and 0 < np.abs(bias).max() <= bound
+  # The wiring, on a one-block ResNet: the block's last BN scale is 0 or 1, and the
+  # decay mask is every leaf ('all') or the kernels only ('kernels').
+  for zero_init in (True, False):
+    model = models.ContrastiveModel(
+        encoder=models.ResNet(("basic", (1,)), width=0.0625, stem="cifar",
+                              zero_init_residual=zero_init),
+        projector=models.MLP((8,), 4, final_bn=True))
+    params = model.init(key, jnp.zeros((1, 8, 8, 3)), train=False)["params"]  # Eager: cheaper.
+    block = params["encoder"]["BasicBlock_0"]
+    np.testing.assert_array_equal(block["BatchNorm_1"]["scale"], 0.0 if zero_init else 1.0)
+    np.testing.assert_array_equal(block["BatchNorm_0"]["scale"], 1.0)
+  for which in ("all", "kernels"):
+    flat = {jax.tree_util.keystr(p): v for p, v in
+            jax.tree_util.tree_leaves_with_path(optim.decay_mask(params, which))}
+    assert all(decayed == (which == "all" or key.endswith("['kernel']"))
+               for key, decayed in flat.items())
+    assert any(key.endswith("['bias']") for key in flat)
+
+
+# --- Optimizers ----------------------------------------------------------------------------
+
+
+def _two_steps(cfg, w, grads, lrs):
+  schedule = lambda step: jnp.asarray(lrs)[step]
+  tx = optim.build_optimizer(ml_collections.ConfigDict(cfg), schedule)
+  params = {"kernel": jnp.asarray(w), "bias": jnp.zeros(2)}
+  state = tx.init(params)
+  for g in grads:
+    updates, state = tx.update({"kernel": jnp.asarray(g), "bias": jnp.ones(2)}, state, params)
+    params = optax.apply_updates(params, updates)
+  return np.asarray(params["kernel"]), np.asarray(params["bias"])
+
+
+def test_lars_variants_follow_their_references_update_rules():
+  rng = np.random.default_rng(0)
+  w0 = rng.normal(size=(3, 4))
+  grads = rng.normal(size=(2, 3, 4))
+  lrs, m, wd, eta = (0.5, 2.0), 0.9, 0.1, 0.02
+
+  def reference(w, trust, lr_in_momentum):
+    v = np.zeros_like(w)
+    for g, lr in zip(grads, lrs):
+      u = g + wd * w
+      step = trust(w, g) * u
+      v = m * v + (lr * step if lr_in_momentum else step)
+      w = w - (v if lr_in_momentum else lr * v)
+    return w
+
+  simclr = lambda w, g: eta * np.linalg.norm(w) / np.linalg.norm(g + wd * w)
+  lars = config_lib.optimizer("lars", 1.0, wd, trust_coefficient=eta)
+  # SimCLR's LARSOptimizer: next_v = m v + lr * trust * (g + wd w); w -= next_v.
+  np.testing.assert_allclose(_two_steps(dict(lars, lr_before_momentum=True), w0, grads, lrs)[0],
+                             reference(w0, simclr, True), rtol=1e-5)
+  # BYOL's optimizers.lars: mu = m mu + trust * (g + wd w); w -= lr * mu.
+  np.testing.assert_allclose(_two_steps(lars, w0, grads, lrs)[0],
+                             reference(w0, simclr, False), rtol=1e-5)
+  # solo-learn's LARS with clip_lars_lr: ratio eta |w| / (|g| + wd |w| + 1e-8), then
+  # min(ratio / lr, 1); torch's momentum; biases excluded (plain SGD on them).
+  larc = config_lib.optimizer("larc", 1.0, wd, trust_coefficient=eta)
+  for scale in (1.0, 1e-3):  # The ratio clipped at the lr, and not.
+    lrs_here = (lrs[0] * scale, lrs[1] * scale)
+    kernel, bias = _two_steps(larc, w0, grads, lrs_here)
+    w, v = w0, np.zeros_like(w0)
+    for g, lr in zip(grads, lrs_here):
+      ratio = eta * np.linalg.norm(w) / (np.linalg.norm(g) + wd * np.linalg.norm(w) + 1e-8)
+      v = m * v + min(ratio / lr, 1) * (g + wd * w)
+      w = w - lr * v
+    np.testing.assert_allclose(kernel, w, rtol=1e-5)
+    np.testing.assert_allclose(bias, -lrs_here[0] - lrs_here[1] * (m + 1), rtol=1e-6)
+  # MoCo's torch.optim.SGD(weight_decay=wd): every parameter decayed, bias included.
+  sgd = config_lib.optimizer("sgd", 1.0, wd, weight_decay_mask="all")
+  _, bias = _two_steps(sgd, w0, grads, lrs)
+  v1 = 1.0
+  b1 = -lrs[0] * v1
+  v2 = m * v1 + (1.0 + wd * b1)
+  np.testing.assert_allclose(bias, b1 - lrs[1] * v2, rtol=1e-6)
