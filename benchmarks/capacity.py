@@ -2,7 +2,7 @@
 
   python benchmarks/capacity.py --config=configs/simclr_imagenet.py --devices=32
   python benchmarks/capacity.py --config=configs/moco_v2_imagenet.py --devices=32 \
-      --config.moco.bn_groups=32 --accelerator=tpu_v5p --mfu=0.3
+      --accelerator=tpu_v5p --mfu=0.3
 
 Compiles the config's real train step (pretrain.setup, the same jitted, donating
 function the job runs) for a simulated 1-D mesh of --devices CPU devices, from

@@ -55,17 +55,17 @@ HEAD_INITS = {"zeros": (nn.initializers.zeros, nn.initializers.zeros),
 
 class LinearHead(nn.Module):
   """[N, D] float32 features -> [N, num_classes] logits: a Dense, after an affine-free BN
-  with standardize (the 'standardised' preset); init a HEAD_INITS name."""
+  with standardize (the 'standardised' preset); dense_init a HEAD_INITS name."""
   num_classes: int
   standardize: bool = True
-  init: str = "zeros"
+  dense_init: str = "zeros"
 
   @nn.compact
   def __call__(self, h, train: bool):
     if self.standardize:
       h = nn.BatchNorm(use_running_average=not train, use_scale=False, use_bias=False,
                        momentum=0.9, epsilon=1e-6)(h)
-    kernel_init, bias_init = HEAD_INITS[self.init]
+    kernel_init, bias_init = HEAD_INITS[self.dense_init]
     return nn.Dense(self.num_classes, kernel_init=kernel_init, bias_init=bias_init)(h)
 
 

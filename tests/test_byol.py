@@ -76,13 +76,16 @@ def stem_stats_per_view(model_config, params, batch_stats, images):
   kernel = np.asarray(params["encoder"]["stem_conv"]["kernel"], np.float64)  # [3, 3, 3, C]
   mean = np.asarray(batch_stats["encoder"]["stem_bn"]["mean"], np.float64)
   var = np.asarray(batch_stats["encoder"]["stem_bn"]["var"], np.float64)
+  k = kernel.shape[0]  # The stem: 3x3 stride 1 ('cifar') or 7x7 stride 2 ('imagenet').
+  stride = 1 if model_config.stem == "cifar" else 2
+  size = (images.shape[2] + 2 * (k // 2) - k) // stride + 1
   for v in range(2):  # Identity augmentation: the views are the host crops.
     x = (images[:, v] / 255.0 - np.asarray(model_config.input_mean)) / np.asarray(
         model_config.input_std)
-    x = np.pad(x, ((0, 0), (1, 1), (1, 1), (0, 0)))  # The stride-1 3x3 stem, 'SAME'.
-    size = images.shape[2]
-    y = sum(np.einsum("bhwc,cd->bhwd", x[:, i:i + size, j:j + size], kernel[i, j])
-            for i in range(3) for j in range(3))
+    x = np.pad(x, ((0, 0), (k // 2, k // 2), (k // 2, k // 2), (0, 0)))
+    y = sum(np.einsum("bhwc,cd->bhwd",
+                      x[:, i:i + stride * size:stride, j:j + stride * size:stride], kernel[i, j])
+            for i in range(k) for j in range(k))
     mean = 0.9 * mean + 0.1 * y.mean(axis=(0, 1, 2))
     var = 0.9 * var + 0.1 * y.var(axis=(0, 1, 2))
   return mean, var

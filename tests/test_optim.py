@@ -29,7 +29,7 @@ def _opt_config(**kw):
 def test_decay_mask_leaves_out_biases_and_bn_parameters():
   params = _resnet_params()
   flat = {jax.tree_util.keystr(p): v for p, v in
-          jax.tree_util.tree_leaves_with_path(optim.decay_mask(params))}
+          jax.tree_util.tree_leaves_with_path(optim.decay_mask(params, "kernels"))}
   kernels = [k for k in flat if k.endswith("['kernel']")]
   excluded = [k for k in flat if k.endswith("['bias']") or k.endswith("['scale']")]
   assert len(kernels) + len(excluded) == len(flat)
