@@ -153,14 +153,19 @@ def adjust_contrast(x, factor, color_ops: str):
 def adjust_saturation(x, factor, color_ops: str):
   """Saturation of x [..., 3] in [0, 1] scaled by factor.
 
-  'tensorflow': the HSV saturation times factor, clipped to [0, 1]
-  (tf.image.adjust_saturation); 'torchvision': a blend with the grayscale
-  image, gray + factor (x - gray) (torchvision's adjust_saturation before its
-  clamp).
+  'tensorflow': the HSV saturation s times factor, clipped to [0, 1], hue and
+  value kept (tf.image.adjust_saturation). Each channel is c = v - v s g(h)
+  with g depending on the hue only, so the new one is v - (s' / s)(v - c),
+  s' / s = min(factor, 1 / s): computed so, in RGB, without the HSV round trip.
+  'torchvision': a blend with the grayscale image, gray + factor (x - gray)
+  (torchvision's adjust_saturation before its clamp).
   """
   if color_ops == "tensorflow":
-    hsv = rgb_to_hsv(x)
-    return hsv_to_rgb(hsv.at[..., 1].set(jnp.clip(hsv[..., 1] * factor, 0.0, 1.0)))
+    v, low = jnp.max(x, -1, keepdims=True), jnp.min(x, -1, keepdims=True)
+    chroma = v - low
+    ratio = jnp.where(chroma > 0, jnp.minimum(factor, v / jnp.where(chroma > 0, chroma, 1.0)),
+                      0.0)
+    return v - ratio * (v - x)
   gray = to_grayscale(x)
   return gray + (x - gray) * factor
 
