@@ -5,8 +5,11 @@ Every config field can be overridden on the command line, e.g.
 --config.batch_size=512 or --config=configs/simclr_cifar10.py:runlocal. A
 workdir that holds a checkpoint resumes from it. Expected failures (a config
 that cannot run, a diverged run, a bad workdir) end with one line on stderr
-and exit status 1. Job modules define no flags; this one defines them all.
+and exit status 1, and so does a multi-host process whose computation fails
+because another process died (see _exit_after_peer_failure). Job modules
+define no flags; this one defines them all.
 """
+import os
 import sys
 
 from absl import app
@@ -45,6 +48,12 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "With --distributed: this process's index (default: found by JAX).",
     lower_bound=0)
+# JAX's coordination service declares a process dead when it has sent no heartbeat for
+# this long, and then ends every other process of the job (JAX's default: 100 s).
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    "heartbeat_timeout", 100,
+    "With --distributed: seconds after which a silent (dead or hung) process ends the whole "
+    "job; the bound on how long the others wait for a process that died.", lower_bound=1)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -66,12 +75,38 @@ def _distributed_args() -> dict:
   return {k: v for k, v in given.items() if v is not None}
 
 
+def _exit_after_peer_failure(error: jax.errors.JaxRuntimeError):
+  """Ends a multi-host process whose computation failed: one line on stderr, exit status 1.
+
+  When a process of the job dies, the others' next collective fails at once
+  where the dead peer's connections close (CPU's gloo: 'Connection closed by
+  peer' or 'reset by peer'). Returning normally would hang: JAX's exit
+  handler waits in a shutdown barrier for the dead process until the
+  heartbeat timeout and then aborts with a fatal log and a C++ stack trace.
+  os._exit skips it; the runner has already waited for pending checkpoint
+  writes. JAX itself ends the processes that cannot see the failure in a
+  collective: at once when process 0 (the coordinator) dies, else within
+  --heartbeat_timeout seconds (e.g. blocked in a TPU collective), with its
+  fatal message 'Terminating process because the JAX distributed service
+  detected fatal errors'.
+  """
+  first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+  print(f"error: process {jax.process_index()} of {jax.process_count()}: a computation "
+        f"failed: {first_line}. If that is a lost connection, another process of this job "
+        "has died (see its log); this one stops now instead of waiting for it. Starting the "
+        "job again on the same workdir resumes from its newest checkpoint.",
+        file=sys.stderr, flush=True)
+  logging.flush()
+  os._exit(1)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   metrics.quiet_library_logs()
   if _DISTRIBUTED.value:
-    jax.distributed.initialize(**_distributed_args())
+    jax.distributed.initialize(**_distributed_args(),
+                               heartbeat_timeout_seconds=_HEARTBEAT_TIMEOUT.value)
   elif _distributed_args():
     raise app.UsageError("--coordinator_address, --num_processes and --process_id need "
                          "--distributed")
@@ -81,6 +116,10 @@ def main(argv):
     runner.run(get_job(_CONFIG.value.get("job")), _CONFIG.value, _WORKDIR.value)
   except JobError as e:
     sys.exit(f"error: {e}")
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() == 1:
+      raise
+    _exit_after_peer_failure(e)
 
 
 if __name__ == "__main__":
