@@ -12,6 +12,7 @@ import jax
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from contrastive_jax import gcs
 from contrastive_jax.errors import ConfigError
 
 
@@ -26,10 +27,15 @@ class TfdsSource:
   Raises:
     ConfigError: unknown name, or a data_dir that does not hold the prepared
       dataset (the message says where it looked).
+    JobError: a gs:// data_dir (or TFDS_DATA_DIR) without Google Cloud credentials.
   """
 
   def __init__(self, name: str, data_dir: Optional[str]):
     self.name = name
+    if data_dir:
+      gcs.check_credentials(data_dir, "config.data_dir")
+    else:
+      gcs.check_credentials(os.environ.get("TFDS_DATA_DIR", ""), "TFDS_DATA_DIR")
     try:
       self._builder = tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError:

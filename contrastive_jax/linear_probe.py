@@ -28,6 +28,7 @@ from contrastive_jax import checkpointing
 from contrastive_jax import config_lib
 from contrastive_jax import data
 from contrastive_jax import evaluators
+from contrastive_jax import gcs
 from contrastive_jax import input_pipeline
 from contrastive_jax import models
 from contrastive_jax import optim
@@ -67,7 +68,9 @@ def restore_encoder(config, mesh):
     ConfigError: pretrain_workdir with no checkpoint, a pretrain_step that was
       not saved (the saved ones are listed), or a model_name that differs from
       the checkpoint's model.
+    JobError: a gs:// pretrain_workdir without Google Cloud credentials.
   """
+  gcs.check_credentials(config.pretrain_workdir or "", "config.pretrain_workdir")
   directory = f"{checkpointing.resolve_dir(config.pretrain_workdir or '')}/checkpoints"
   if not config.pretrain_workdir or not tf.io.gfile.isdir(directory):
     raise ConfigError("pretrain_workdir", config.pretrain_workdir,

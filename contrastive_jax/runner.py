@@ -183,6 +183,8 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
           window.exclude(time.time() - t0)
         if scalars:
           writer.write_scalars(step, scalars)
+        if save:  # A resumed run keeps the records up to its checkpoint: store them now.
+          writer.flush()
         if stop:
           logging.warning("Stopped at step %d after a preemption request.", step)
           break

@@ -1,6 +1,7 @@
 """Test helpers that touch no JAX device (the multi-host worker imports them too)."""
 import importlib.util
 import os
+import signal
 
 import numpy as np
 
@@ -37,6 +38,22 @@ def tiny_config(method: str = "simclr"):
   config.shuffle_buffer = 256
   config.data_threads = 1
   return config
+
+
+def sigterm_after_first_train_batch(monkeypatch):
+  """Sends SIGTERM while the loop runs step 2, so the job stops after it."""
+  from contrastive_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+  original = input_pipeline.device_batches
+
+  def device_batches(ds, sharding, prefetch=2):
+    is_train = "mask" not in ds.element_spec
+    for i, batch in enumerate(original(ds, sharding, prefetch)):
+      yield batch
+      # The loop resumes this generator when it fetches the next batch.
+      if is_train and i == 0:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+  monkeypatch.setattr(input_pipeline, "device_batches", device_batches)
 
 
 def checkpoints_are_finite(directory):
