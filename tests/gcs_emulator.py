@@ -30,6 +30,7 @@ import functools
 import http
 import http.server
 import json
+import logging
 import os
 import ssl
 import subprocess
@@ -113,6 +114,7 @@ def _serve(directory: str, bucket: str):
   from gcp_storage_emulator.handlers import objects
   from gcp_storage_emulator.storage import Storage
 
+  logging.getLogger("gcp_storage_emulator").setLevel(logging.CRITICAL)  # Every 404, else.
   tls = _write_certificate(directory)
   lock = threading.Lock()
 

@@ -63,6 +63,7 @@ def event_scalars(workdir, tag):
 def test_stopped_run_resumes_on_gs_and_the_probe_reads_it(bucket, monkeypatch):
   config = tiny_config()
   config.data_dir = f"{bucket}/tensorflow_datasets"
+  config.evaluators = {}  # Their compilation is most of a tiny run's time; test_runner has them.
   workdir = f"{bucket}/simclr"
   with monkeypatch.context() as m:
     sigterm_after_first_train_batch(m)
@@ -71,7 +72,7 @@ def test_stopped_run_resumes_on_gs_and_the_probe_reads_it(bucket, monkeypatch):
   saved = ocp.StandardCheckpointer().restore(f"{workdir}/checkpoints/2/state")
   jax.tree.map(np.testing.assert_array_equal, saved["params"], jax.device_get(stopped.params))
 
-  resumed, results = runner.run(pretrain, config, workdir)
+  resumed, _ = runner.run(pretrain, config, workdir)
   assert int(resumed.step) == 4
   ckpt = checkpointing.Checkpointer(f"{workdir}/checkpoints", read_only=True)
   assert ckpt.all_steps() == [2, 4]
@@ -80,11 +81,9 @@ def test_stopped_run_resumes_on_gs_and_the_probe_reads_it(bucket, monkeypatch):
 
   with tf.io.gfile.GFile(f"{workdir}/metrics.jsonl") as f:
     records = [json.loads(line) for line in f]
-  assert [r["step"] for r in records] == [0, 1, 2, 3, 4]  # None lost or repeated.
-  assert all(records[-1][k] == v for k, v in results.items())
+  assert [r["step"] for r in records] == [1, 2, 3, 4]  # None lost or repeated.
   assert len(tf.io.gfile.glob(f"{workdir}/events.out.tfevents.*")) == 2  # One per run.
-  assert event_scalars(workdir, "loss") == pytest.approx({r["step"]: r["loss"]
-                                                          for r in records[1:]})
+  assert event_scalars(workdir, "loss") == pytest.approx({r["step"]: r["loss"] for r in records})
 
   probe_config = load_config("linear_probe", "runlocal")
   probe_config.pretrain_workdir = workdir
