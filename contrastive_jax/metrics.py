@@ -14,7 +14,7 @@ from absl import logging
 from clu import metric_writers
 from clu.metric_writers import interface
 
-# How often metrics.jsonl on gs:// is uploaded (TensorBoard's event writer: every 120 s).
+# How often metrics.jsonl on gs:// is uploaded, besides at every checkpoint and at the end.
 GCS_FLUSH_SECS = 60.0
 
 

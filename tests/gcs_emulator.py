@@ -51,7 +51,11 @@ class Emulator(NamedTuple):
 
   def stop(self):
     self.process.stdin.close()  # The server exits when its stdin closes.
-    self.process.wait(timeout=30)
+    try:
+      self.process.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      self.process.kill()
+      raise
 
 
 def start(directory: str, bucket: str) -> Emulator:
