@@ -178,7 +178,6 @@ class FolderSource:
     Files that cannot be decoded are skipped and listed in `unreadable`,
     which each pass over the dataset rebuilds.
     """
-    del split
     if drop_remainder:
       raise ValueError("a FolderSource is read for evaluation only (drop_remainder=False)")
     counts = self.process_counts(split)

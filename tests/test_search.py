@@ -1,6 +1,9 @@
 """Embeddings and search by image: the embed and neighbours jobs, the chunked top-k."""
 import json
 import os
+import socket
+import subprocess
+import sys
 
 import jax
 import numpy as np
@@ -210,3 +213,22 @@ def test_bad_input_is_refused_before_any_compute(pretrained, index, tmp_path):
     with pytest.raises(ConfigError, match=match):
       embed.run(config, out)
   assert not os.path.exists(out)
+
+
+def test_two_hosts_embed_their_parts_and_process_zero_writes_the_whole_split(pretrained, index,
+                                                                             tmp_path):
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  worker = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__),
+                                                     os.environ.get("PYTHONPATH", "")]))
+  procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), str(tmp_path), TFDS_DIR,
+                             "embed", pretrained], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
+  for i, p in enumerate(procs):  # 10 images each: batches of 4, the last one half padding.
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 0 and f"RESULT process={i} rows={NUM}" in out, out[-3000:]
+  saved, single = embed.load_index(str(tmp_path)), embed.load_index(index)
+  assert saved.rows == single.rows
+  np.testing.assert_allclose(saved.embeddings, single.embeddings, atol=1e-5)
