@@ -116,8 +116,8 @@ def open_source(config, *, shorter_side: int):
     ConfigError: a missing dataset, split or folder, or an empty one.
   """
   if config.folder:
-    source = data.FolderSource(checkpointing.resolve_dir(config.folder),
-                               max_pixels=config.max_pixels, shorter_side=shorter_side)
+    source = data.FolderSource(config.folder, max_pixels=config.max_pixels,
+                               shorter_side=shorter_side)
     return source, source.SPLIT
   return data.get_source(config, {"split": config.split}), config.split
 
@@ -139,6 +139,9 @@ def run(config, workdir: str):
   check_config(config, jax.device_count())
   mesh = ts.make_mesh()
   config = config.copy_and_resolve_references()
+  for field in ("pretrain_workdir", "folder", "data_dir"):  # As the neighbours job will need them.
+    if config[field]:
+      config[field] = checkpointing.resolve_dir(config[field])
   model = load_model(config, mesh)
   config.pretrain_step = model.step
   source, split = open_source(

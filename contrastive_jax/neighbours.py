@@ -205,17 +205,18 @@ def _crop(image: np.ndarray, size: int, crop_fraction: float) -> np.ndarray:
   return input_pipeline.center_crop(tf.constant(image), size, crop_fraction).numpy()
 
 
-def _images(index: embed.Index, rows) -> dict:
+def _images(index: embed.Index, rows, shorter_side: int) -> dict:
   """{row: uint8 [H, W, 3]} for rows of the index, read again from its folder or dataset split.
+
+  Files are downscaled to shorter_side; a dataset's images are as stored.
 
   Raises:
     ConfigError: the index's dataset is gone.
     ImageError: a file of the index's folder cannot be decoded any more.
   """
   if index.config.folder:  # A row names its file (files that could not be read have no row).
-    side = embed.shorter_side(index.image_size, index.crop_fraction)
     return {r: images.load_image(index.rows[r]["name"], max_pixels=index.config.max_pixels,
-                                 shorter_side=side) for r in rows}
+                                 shorter_side=shorter_side) for r in rows}
   source = data.get_source(index.config, {"split": index.config.split})
   return dict(zip(rows, source.images(index.config.split, rows)))
 
@@ -223,10 +224,13 @@ def _images(index: embed.Index, rows) -> dict:
 def _picture(config, index: embed.Index, queries, scores, rows) -> np.ndarray:
   """The grid: per query, the query then its neighbours, centre-cropped as the encoder saw them.
 
-  Neighbour images are read again from the index's dataset split or folder.
+  Images are read again: from the index's dataset split or folder, and the
+  query files, at the cell's scale where the files allow (the encoder may
+  have seen them smaller).
   """
+  side = embed.shorter_side(max(config.cell, index.image_size), index.crop_fraction)
   wanted = sorted({int(r) for r in rows.ravel()} | {r for _, r, _ in queries if r is not None})
-  read = _images(index, wanted)
+  read = _images(index, wanted, side)
   chars = int(config.cell * _CHARS_PER_PIXEL)
 
   def caption(score, row):
@@ -235,8 +239,10 @@ def _picture(config, index: embed.Index, queries, scores, rows) -> np.ndarray:
     return f"{score:.3f}{named}"[:chars]
 
   lines, captions = [], []
-  for (_, row, image), line_scores, line_rows in zip(queries, scores, rows):
-    shown = [read[row] if row is not None else image] + [read[int(r)] for r in line_rows]
+  for (item, row, _), line_scores, line_rows in zip(queries, scores, rows):
+    query = read[row] if row is not None else images.load_image(
+        item, max_pixels=config.max_pixels, shorter_side=side)
+    shown = [query] + [read[int(r)] for r in line_rows]
     lines.append([_crop(x, config.cell, index.crop_fraction) for x in shown])
     captions.append(["query"] + [caption(s, int(r)) for s, r in zip(line_scores, line_rows)])
   return pictures.grid(lines, captions, cell=config.cell)
