@@ -5,9 +5,10 @@
   python -m contrastive_jax.main --config=configs/neighbours.py --workdir=DIR \
       --config.index_workdir=EMBED_DIR --config.query_rows=0,50,100
 
-A query is an image file (embedded with the index's encoder, decoded and
-cropped as the index's images were), the name of a row of the index, or a
-row number (config.query_rows). For each, the k rows of the index with the
+A query is a row number of the index (config.query_rows), the name of a
+row (config.queries), or an image file (config.queries; decoded, cropped and
+embedded with the index's encoder as the embed job does a folder's files);
+rows come first, then config.queries in their order. For each, the k rows of the index with the
 largest cosine similarity, best first; a query that is in the index finds
 itself first, with score 1. Writes to the workdir (process 0):
 
@@ -25,6 +26,7 @@ query batch. Not a training loop, so not run by runner.run.
 """
 import functools
 import json
+import os
 
 import jax
 import jax.numpy as jnp
@@ -120,7 +122,10 @@ def check_config(config):
 
 
 def _queries(config, index: embed.Index):
-  """[(query as given, its row or None, its decoded image or None)], every file read.
+  """[(query as given, its row or None, the encoder's input or None)], every file read.
+
+  A file's input is uint8 [S, S, 3], decoded, downscaled and centre-cropped
+  as the embed job reads a folder's files.
 
   Raises:
     ConfigError: a row outside the index; a query that is neither a name in
@@ -138,17 +143,17 @@ def _queries(config, index: embed.Index):
   for item in _split(config.queries):
     if item in by_name:
       found.append((item, by_name[item], None))
-    elif not tf.io.gfile.exists(item) or tf.io.gfile.isdir(item):
+    elif not os.path.isfile(item):
       raise ConfigError("queries", item, "an image file or the name of a row of the index "
                         f"(see {embed.INDEX}); there is no such file or name")
     else:
-      try:  # Decoded and downscaled as the embed job reads a folder's files.
+      try:
         image = images.load_image(item, max_pixels=config.max_pixels,
                                   shorter_side=embed.shorter_side(index.image_size,
                                                                   index.crop_fraction))
       except ImageError as e:
         raise ConfigError("queries", item, f"an image file that can be read: {e.reason}") from None
-      found.append((item, None, image))
+      found.append((item, None, _crop(image, index.image_size, index.crop_fraction)))
   return found
 
 
@@ -175,8 +180,8 @@ def run(config, workdir: str) -> dict:
   if files:  # Embedded whole on every device: a few images.
     mesh = ts.make_mesh()
     model = embed.load_model(index.config, mesh)
-    crops = np.stack([_crop(image, index.image_size, index.crop_fraction) for image in files])
-    embedded = iter(np.asarray(model.embed(jax.device_put(crops, ts.replicated(mesh)))))
+    embedded = iter(np.asarray(model.embed(jax.device_put(np.stack(files),
+                                                          ts.replicated(mesh)))))
   vectors = np.stack([index.embeddings[row] if row is not None else next(embedded)
                       for _, row, _ in queries])
   logging.info("Searching %d rows for the %d nearest of %d queries.", len(index.rows), config.k,
