@@ -3,7 +3,8 @@
 A source is what every job and evaluator reads through; none of them sees the
 storage format. TFDS is the first source (config.data_source='tfds'): a
 prepared dataset in data_dir, read with tf.data, one part per JAX process.
-Nothing is ever downloaded.
+Nothing is ever downloaded. FolderSource reads a folder of image files as
+they are, for the embed job.
 """
 import os
 from typing import Optional
