@@ -19,6 +19,7 @@ setuptools.setup(
         "numpy",
         "optax==0.2.8",
         "orbax-checkpoint==0.12.8",
+        "pillow",
         "tensorboard",
         "tensorflow-cpu==2.21.0",
         "tensorflow-datasets==4.9.10",
