@@ -11,6 +11,7 @@ setuptools.setup(
         "absl-py",
         "clu==0.0.12",
         "flax==0.12.8",
+        "importlib_resources",  # TFDS needs it to write datasets (prepare_images).
         "jax==0.10.2",
         "jaxlib==0.10.2",
         "ml-collections==1.1.0",
