@@ -283,7 +283,8 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
 
   The report (also written to data_dir/name/VERSION/prepare_report.json):
   src, name, fingerprint, options, classes ([] when unlabeled), splits
-  {split: {'images': n, 'per_class': {class: n}}}, files (count), skipped
+  {split: {'images': n, 'per_class': {class: n} or {}}}, files (the number
+  of entries found, hidden ones included), skipped
   [{'file', 'reason'}], smaller_than_image_size [{'file', 'width',
   'height'}] and warnings.
 
@@ -307,6 +308,7 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
     raise JobError(f"--holdout_fraction={holdout_fraction}: must be in (0, 1)")
   src, data_dir = os.path.abspath(src), os.path.abspath(data_dir)
   files, skipped = list_files(src)
+  num_entries = len(files) + len(skipped)
   if (os.path.realpath(data_dir) + os.sep).startswith(os.path.realpath(src) + os.sep):
     raise JobError(f"--data_dir={data_dir!r}: is inside --src={src!r}; choose a folder "
                    "outside it")
@@ -337,7 +339,7 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
       readable, holdout_fraction=holdout_fraction, seed=seed)
   skipped += layout_skipped
   if not examples.get("train"):
-    raise JobError(f"--src={src!r}: no image to prepare for the train split ({len(files)} "
+    raise JobError(f"--src={src!r}: no image to prepare for the train split ({num_entries} "
                    "files" + (f"; skipped: {_first(skipped)})" if skipped else ")"))
 
   os.makedirs(data_dir, exist_ok=True)
@@ -359,9 +361,10 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
                      f"skipped: {_first(skipped)}") from None
     report = dict(
         src=src, name=name, fingerprint=digest, options=options, classes=classes,
-        splits={split: dict(images=sum(c.values()), per_class=dict(sorted(c.items())))
+        splits={split: dict(images=sum(c.values()),
+                            per_class=dict(sorted(c.items())) if classes else {})
                 for split, c in sorted(counts.items())},
-        files=len(files), skipped=[dict(file=f, reason=r) for f, r in sorted(skipped)],
+        files=num_entries, skipped=[dict(file=f, reason=r) for f, r in sorted(skipped)],
         smaller_than_image_size=[dict(file=f, width=w, height=h) for f, w, h in sorted(small)],
         warnings=warnings)
     with open(os.path.join(tmp, name, VERSION, REPORT), "w") as f:

@@ -238,12 +238,14 @@ def test_prepared_folder_reads_by_name_with_labels_and_file_names(prepared):
 def test_pipelines_crop_variable_sizes_and_upscale_small_images(prepared):
   _, data_dir, _ = prepared
   source = data.TfdsSource("mini", data_dir)
-  # 48 px crops: every stored image (32 px, one 8 x 6) is smaller.
-  train = input_pipeline.train_dataset(source, "train", local_batch=8, image_size=48,
-                                       crop_area_min=0.08, seed=0, start_step=0, cache=True,
-                                       shuffle_buffer=8, threads=1)
-  batch = next(iter(tfds.as_numpy(train)))
-  assert batch["image"].shape == (8, 2, 48, 48, 3) and batch["image"].dtype == np.uint8
+  # 48 px crops: every stored image (32 px, one 8 x 6) is smaller. Cached images are
+  # decoded once; uncached ones stay encoded until the crop (large folders).
+  for cache in (True, False):
+    train = input_pipeline.train_dataset(source, "train", local_batch=8, image_size=48,
+                                         crop_area_min=0.08, seed=0, start_step=0, cache=cache,
+                                         shuffle_buffer=8, threads=1)
+    batch = next(iter(tfds.as_numpy(train)))
+    assert batch["image"].shape == (8, 2, 48, 48, 3) and batch["image"].dtype == np.uint8
   ev = input_pipeline.eval_dataset(source, "train", local_batch=8, image_size=48,
                                    crop_fraction=0.875, threads=1)
   assert next(iter(tfds.as_numpy(ev)))["image"].shape == (8, 48, 48, 3)
