@@ -3,16 +3,21 @@
 A source is what every job and evaluator reads through; none of them sees the
 storage format. TFDS is the first source (config.data_source='tfds'): a
 prepared dataset in data_dir, read with tf.data, one part per JAX process.
-Nothing is ever downloaded.
+Nothing is ever downloaded. FolderSource reads a folder of image files as
+they are, for the embed job.
 """
 import os
 from typing import Optional
 
 import jax
+import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from absl import logging
 
+from contrastive_jax import images as images_lib
 from contrastive_jax.errors import ConfigError
+from contrastive_jax.errors import ImageError
 
 
 class TfdsSource:
@@ -50,6 +55,7 @@ class TfdsSource:
           "point data_dir / TFDS_DATA_DIR at a copy")
     features = self._builder.info.features
     self._num_classes = features["label"].num_classes if "label" in features else None
+    self.class_names = features["label"].names if "label" in features else None
 
   @property
   def num_classes(self) -> Optional[int]:
@@ -77,21 +83,128 @@ class TfdsSource:
     return [self._builder.info.splits[s].num_examples
             for s in tfds.even_splits(split, n=jax.process_count(), drop_remainder=False)]
 
-  def read(self, split: str, *, drop_remainder: bool, decode: bool = True) -> tf.data.Dataset:
+  def read(self, split: str, *, drop_remainder: bool, decode: bool = True, names: bool = False,
+           whole: bool = False) -> tf.data.Dataset:
     """This process's part of `split` as (image, label) pairs, in a fixed order.
 
     image: uint8 [H, W, 3] (or the encoded bytes when decode=False, for
     tf.io.decode_image later); label: int32 scalar (-1 if unlabeled).
     drop_remainder=True gives every process the same count (training);
-    False keeps every example (evaluation).
+    False keeps every example (evaluation). The processes' parts are
+    contiguous and in process order: together they are the split in order.
+    names=True adds a third element, the example's name (string scalar): its
+    'file_name' feature where the dataset has one (prepared image folders),
+    else its TFDS id. whole=True reads the whole split on this process.
     """
-    process_split = tfds.split_for_jax_process(split, drop_remainder=drop_remainder)
+    process_split = split if whole else tfds.split_for_jax_process(
+        split, drop_remainder=drop_remainder)
+    has_file_name = "file_name" in self._builder.info.features
     ds = self._builder.as_dataset(
         split=process_split, shuffle_files=False,
-        decoders=None if decode else {"image": tfds.decode.SkipDecoding()})
+        decoders=None if decode else {"image": tfds.decode.SkipDecoding()},
+        read_config=tfds.ReadConfig(add_tfds_id=names and not has_file_name))
     has_label = self._num_classes is not None
-    return ds.map(lambda ex: (ex["image"],
-                              tf.cast(ex["label"], tf.int32) if has_label else tf.constant(-1)))
+
+    def example(ex):
+      label = tf.cast(ex["label"], tf.int32) if has_label else tf.constant(-1)
+      if not names:
+        return ex["image"], label
+      return ex["image"], label, ex["file_name" if has_file_name else "tfds_id"]
+
+    return ds.map(example)
+
+  def images(self, split: str, rows) -> list:
+    """The images at positions `rows` of `split` (uint8 [H, W, 3] each), read by this process.
+
+    Reads the split in order up to the last row wanted, decoding only the
+    rows wanted.
+    """
+    wanted, found = set(rows), {}
+    ds = self.read(split, drop_remainder=False, decode=False, whole=True).take(max(wanted) + 1)
+    for row, (encoded, _) in enumerate(ds.as_numpy_iterator()):
+      if row in wanted:
+        found[row] = tf.io.decode_image(encoded, channels=3, expand_animations=False).numpy()
+    return [found[r] for r in rows]
+
+
+def _list_files(folder: str):
+  """Every file below folder, sorted; hidden entries left out, links to folders not followed."""
+  files = []
+  for root, dirs, names in os.walk(folder):
+    dirs[:] = [d for d in dirs if not d.startswith(".")]
+    files += [os.path.join(root, name) for name in names if not name.startswith(".")]
+  return sorted(files)
+
+
+class FolderSource:
+  """A folder of image files read as they are, without preparation (the embed job's input).
+
+  Every file below `folder` is one example, in the order of its path (hidden
+  files and folders, names starting with '.', are left out; links to folders
+  are not followed, so a link loop cannot trap the listing), named by its
+  path; unlabeled. Its one split is SPLIT, the whole folder. Files are
+  decoded when read (images.load_image: RGB, EXIF orientation applied, at
+  most max_pixels pixels) and downscaled with antialiasing to a shorter side
+  of at most shorter_side; a file that cannot be decoded is skipped, logged
+  and kept in `unreadable` as (path, reason), never dropped silently.
+
+  Raises:
+    ConfigError (field 'folder'): not an existing folder, or no file in it.
+  """
+  SPLIT = "all"
+  num_classes = None
+  class_names = None
+
+  def __init__(self, folder: str, *, max_pixels: int, shorter_side: int):
+    if not os.path.isdir(folder):
+      raise ConfigError("folder", folder, "an existing folder of image files")
+    self.name = folder
+    self.files = _list_files(folder)
+    if not self.files:
+      raise ConfigError("folder", folder, "a folder holding image files; it holds no file")
+    self._max_pixels, self._shorter_side = max_pixels, shorter_side
+    self.unreadable = []
+
+  def num_examples(self, split: str, field: str) -> int:
+    del split, field  # A folder has one split.
+    return len(self.files)
+
+  def process_counts(self, split: str):
+    del split
+    return [len(part) for part in np.array_split(np.arange(len(self.files)), jax.process_count())]
+
+  def _load(self, path: str) -> np.ndarray:
+    return images_lib.load_image(path, max_pixels=self._max_pixels,
+                                 shorter_side=self._shorter_side)
+
+  def read(self, split: str, *, drop_remainder: bool, names: bool = False) -> tf.data.Dataset:
+    """This process's contiguous part of the files (image, label -1[, path]), in order.
+
+    As TfdsSource.read, for evaluation only (drop_remainder must be False).
+    Files that cannot be decoded are skipped and listed in `unreadable`,
+    which each pass over the dataset rebuilds.
+    """
+    if drop_remainder:
+      raise ValueError("a FolderSource is read for evaluation only (drop_remainder=False)")
+    counts = self.process_counts(split)
+    start = sum(counts[:jax.process_index()])
+    files = self.files[start:start + counts[jax.process_index()]]
+
+    def examples():
+      self.unreadable = []
+      for path in files:
+        try:
+          image = self._load(path)
+        except ImageError as e:
+          logging.warning("Skipped %s", e)
+          self.unreadable.append((path, e.reason))
+          continue
+        yield (image, -1, path) if names else (image, -1)
+
+    signature = (tf.TensorSpec([None, None, 3], tf.uint8), tf.TensorSpec([], tf.int32))
+    if names:
+      signature += (tf.TensorSpec([], tf.string),)
+    return tf.data.Dataset.from_generator(examples, output_signature=signature)
 
 
 SOURCES = {"tfds": TfdsSource}

@@ -39,7 +39,8 @@ class EvalModel(NamedTuple):
   dataset: Callable
 
 
-def _l2_normalize(x):
+def l2_normalize(x):
+  """Rows of x [..., D] scaled to unit L2 norm (all-zero rows stay zero)."""
   return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
@@ -79,7 +80,7 @@ class Knn:
     self._split, self._bank_split = cfg.split, cfg.bank_split
     self._local_batch = cfg.batch_size // jax.process_count()
     batch = ts.batch_sharded(mesh)
-    self._embed = jax.jit(lambda v, x: _l2_normalize(model.features(v, x)),
+    self._embed = jax.jit(lambda v, x: l2_normalize(model.features(v, x)),
                           out_shardings=batch)
     self._stack = jax.jit(lambda *xs: jnp.stack(xs),
                           out_shardings=jax.sharding.NamedSharding(mesh, jax.P(None, ts.DATA_AXIS)))

@@ -112,23 +112,31 @@ def train_dataset(source, split: str, *, local_batch: int, image_size: int,
 
 
 def eval_dataset(source, split: str, *, local_batch: int, image_size: int,
-                 crop_fraction: float, threads: int, cache: bool = False) -> tf.data.Dataset:
+                 crop_fraction: float, threads: int, cache: bool = False,
+                 names: bool = False) -> tf.data.Dataset:
   """This process's part of `split`, every example once, in fixed order.
 
   Elements are {'image': uint8 [local_batch, S, S, 3], 'label': int32 [b],
-  'mask': bool [b]}. The last batches are padded with mask False so that every
-  process yields the same number of batches (multi-host collectives need it).
+  'mask': bool [b]}, and with names=True 'name': string [b] (source.read's
+  names). The last batches are padded with mask False (name '') so that
+  every process yields the same number of batches (multi-host collectives
+  need it).
   """
   num_batches = -(-max(source.process_counts(split)) // local_batch)
-  ds = source.read(split, drop_remainder=False).map(
-      lambda image, label: {"image": center_crop(image, image_size, crop_fraction),
-                            "label": label, "mask": True},
-      num_parallel_calls=threads)
+
+  def example(image, label, name=None):
+    named = {} if name is None else {"name": name}
+    return {"image": center_crop(image, image_size, crop_fraction), "label": label,
+            "mask": True, **named}
+
+  ds = source.read(split, drop_remainder=False, names=names).map(
+      example, num_parallel_calls=threads)
   if cache:
     ds = ds.cache()
   pad = tf.data.Dataset.from_tensors({
       "image": tf.zeros([image_size, image_size, 3], tf.uint8),
-      "label": tf.constant(0, tf.int32), "mask": False}).repeat()
+      "label": tf.constant(0, tf.int32), "mask": False,
+      **({"name": tf.constant("")} if names else {})}).repeat()
   ds = ds.concatenate(pad).take(num_batches * local_batch)
   ds = ds.batch(local_batch, drop_remainder=True).prefetch(2)
   return ds.with_options(_options(threads))

@@ -24,6 +24,7 @@ from contrastive_jax import checkpointing
 from contrastive_jax import config_lib
 from contrastive_jax import evaluators as evaluators_lib
 from contrastive_jax import metrics as metrics_lib
+from contrastive_jax import pictures
 from contrastive_jax import train_state as ts
 from contrastive_jax.errors import ConfigError
 from contrastive_jax.errors import NonFiniteError
@@ -42,6 +43,9 @@ class Task(NamedTuple):
   schedule: step -> learning rate, for the logs.
   eval_model: what the evaluators call (evaluators.EvalModel).
   num_classes: of the dataset, or None (unlabeled).
+  views_picture: None, or (state, batch) -> uint8 [H, W, 3], a picture of the
+    augmented views the train step makes of the batch; a fresh run writes the
+    first batch's to WORKDIR/augmented_views.png and TensorBoard.
   """
   config: ml_collections.ConfigDict
   init: Callable[[], Any]
@@ -53,6 +57,7 @@ class Task(NamedTuple):
   schedule: Callable
   eval_model: evaluators_lib.EvalModel
   num_classes: Optional[int]
+  views_picture: Optional[Callable] = None
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int):
@@ -156,7 +161,10 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
                    jax.device_count())
       window = _Window()
       for step in range(start_step + 1, task.num_steps + 1):
-        state, step_metrics = task.train_step(state, next(batches))
+        batch = next(batches)
+        if step == 1 and task.views_picture is not None:
+          _write_views_picture(task.views_picture(state, batch), workdir, writer)
+        state, step_metrics = task.train_step(state, batch)
         if step == start_step + 1:
           window.restart(step, step_metrics)  # The first step's time is compilation.
         progress(step)
@@ -189,6 +197,13 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
   finally:
     writer.close()
   return state, results
+
+
+def _write_views_picture(picture, workdir: str, writer):
+  """Writes the step-0 views picture as a PNG (process 0) and a TensorBoard image."""
+  if jax.process_index() == 0:
+    pictures.write_png(f"{workdir}/augmented_views.png", picture)
+  writer.write_images(0, {"augmented_views": picture[None]})
 
 
 class _Window:
