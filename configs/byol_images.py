@@ -10,9 +10,9 @@ schedules), projector and predictor Linear 4096, BN, ReLU, Linear 256,
 asymmetric augmentations (Table 6). kNN monitor (k 20) and online probe on
 the test split; an unlabeled folder needs --config.evaluators='{}'.
 
-Variant `runlocal`: 64 px, ResNet-18 at width 0.25, batch 128, narrower
-heads, a larger lr for the short schedule; about 10 minutes on a 2-core CPU
-(config_lib.runlocal_images).
+Variant `runlocal`: 64 px, ResNet-18 at width 0.25, batch 128, 400 steps,
+narrower heads, a larger lr for the short schedule; sized for about 10
+minutes on a 2-core CPU (config_lib.runlocal_images).
 """
 from contrastive_jax import config_lib
 

@@ -12,8 +12,8 @@ images than the queue (raise both for large folders). kNN monitor (k 20) and
 online probe on the test split; an unlabeled folder needs
 --config.evaluators='{}'.
 
-Variant `runlocal`: 64 px, ResNet-18 at width 0.25, batch 128, about 10
-minutes on a 2-core CPU (config_lib.runlocal_images).
+Variant `runlocal`: 64 px, ResNet-18 at width 0.25, batch 128, 400 steps,
+sized for about 10 minutes on a 2-core CPU (config_lib.runlocal_images).
 """
 from contrastive_jax import config_lib
 

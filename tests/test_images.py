@@ -29,6 +29,7 @@ from contrastive_jax.errors import ConfigError
 from contrastive_jax.errors import ImageError
 from contrastive_jax.errors import JobError
 from helpers import SHARED
+from helpers import load_config
 from helpers import tiny_config
 
 PHOTOS = sorted(glob.glob(os.path.join(SHARED, "images", "clothing", "train", "*", "*.jpg")))
@@ -354,6 +355,14 @@ def test_unlabeled_folder_pretrains_and_refuses_label_evaluators(tmp_path):
   batch = next(task.train_batches(0))
   assert batch["image"].shape == (16, 2, 32, 32, 3)
   np.testing.assert_array_equal(batch["label"], -1)
+
+
+@pytest.mark.parametrize("name", ["simclr_images", "moco_v2_images", "byol_images"])
+def test_image_folder_configs_pass_their_checks(name):
+  for variant in ("", "runlocal"):
+    config = load_config(name, variant)
+    pretrain.check_config(config, num_devices=8)
+    assert 64 <= config.image_size <= 224 and config.dataset == "clothing"
 
 
 def test_command_line_error_is_one_line(tmp_path, monkeypatch):
