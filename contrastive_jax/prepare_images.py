@@ -133,7 +133,10 @@ def fingerprint(src: str, files, options: dict) -> str:
     digest.update(rel.encode() + b"\0")
     try:
       with open(os.path.join(src, rel), "rb") as f:
-        digest.update(hashlib.file_digest(f, "sha256").digest())
+        content = hashlib.sha256()
+        for block in iter(lambda: f.read(1 << 20), b""):
+          content.update(block)
+      digest.update(content.digest())
     except OSError as e:
       digest.update(str(e.errno).encode())  # Reported as skipped later.
   return digest.hexdigest()

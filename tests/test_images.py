@@ -14,7 +14,6 @@ from absl.testing import flagsaver
 import jax
 import numpy as np
 import pytest
-import tensorflow as tf
 import tensorflow_datasets as tfds
 from PIL import Image
 
