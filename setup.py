@@ -13,6 +13,7 @@ setuptools.setup(
         "flax==0.12.8",
         "google-auth",  # gcs.py: the credentials check for gs:// paths.
         "google-cloud-storage",  # Orbax imports it for gs:// checkpoints (bucket query).
+        "importlib_resources",  # TFDS needs it to write datasets (prepare_images).
         "jax==0.10.2",
         "jaxlib==0.10.2",
         "ml-collections==1.1.0",

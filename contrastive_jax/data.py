@@ -25,7 +25,8 @@ class TfdsSource:
   """A prepared TFDS dataset.
 
   Args:
-    name: TFDS name, e.g. 'cifar10' or 'imagenet2012'.
+    name: TFDS name, e.g. 'cifar10' or 'imagenet2012', or the name of an image
+      folder prepared by prepare_images.
     data_dir: where it is prepared; None means TFDS's default (TFDS_DATA_DIR
       or ~/tensorflow_datasets).
 
@@ -41,13 +42,17 @@ class TfdsSource:
       gcs.check_credentials(data_dir, "config.data_dir")
     else:
       gcs.check_credentials(os.environ.get("TFDS_DATA_DIR", ""), "TFDS_DATA_DIR")
+    looked = data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
     try:
+      # A name TFDS has no code for is read from its files in data_dir
+      # (read_only_builder): how folders prepared by prepare_images are found.
       self._builder = tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError:
       raise ConfigError("dataset", name,
-                        "a TFDS dataset name such as 'cifar10' or 'imagenet2012'") from None
+                        "a TFDS dataset name such as 'cifar10' or 'imagenet2012', or a dataset "
+                        "prepared in data_dir by `python -m contrastive_jax.prepare_images` "
+                        f"(none named {name!r} in data_dir={looked})") from None
     if not self._builder.is_prepared():
-      looked = data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
       raise ConfigError(
           "data_dir", data_dir,
           f"a directory holding the prepared dataset '{name}'; looked in "

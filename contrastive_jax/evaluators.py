@@ -178,7 +178,7 @@ def check_config(evaluators, source, num_devices: int):
     if source.num_classes is None:
       raise ConfigError(f"{field}.kind", cfg.kind,
                         f"an evaluator that needs no labels: dataset {source.name!r} has none "
-                        "(remove this evaluator)")
+                        "(remove this evaluator, or all of them with --config.evaluators='{}')")
     if cfg.batch_size <= 0 or cfg.batch_size % num_devices:
       raise ConfigError(f"{field}.batch_size", cfg.batch_size,
                         f"a positive multiple of the number of devices ({num_devices})")

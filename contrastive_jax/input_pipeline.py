@@ -30,7 +30,9 @@ def random_resized_crop(image, seed, size: int, area_range=(0.08, 1.0)):
 
   Crop area in area_range of the image and aspect ratio in [3/4, 4/3] (Szegedy
   et al. 2015; SimCLR Appendix A), up to 10 attempts, else the whole image;
-  bilinear resize to [size, size]; flip with probability 1/2. Returns uint8.
+  bilinear resize to [size, size] (a crop smaller than size is upscaled, as
+  crops of an image smaller than size always are); flip with probability
+  1/2. Returns uint8.
   """
   crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
   begin, crop_size, _ = tf.image.stateless_sample_distorted_bounding_box(
@@ -44,11 +46,16 @@ def random_resized_crop(image, seed, size: int, area_range=(0.08, 1.0)):
 
 
 def center_crop(image, size: int, crop_fraction: float):
-  """Central crop of crop_fraction of the shorter side, resized to [size, size] uint8."""
+  """Central crop of crop_fraction of the shorter side, resized to [size, size] uint8.
+
+  Images of any size: a crop smaller than size is upscaled (bilinear), down
+  to a single pixel.
+  """
   if crop_fraction == 1.0 and tuple(image.shape[:2]) == (size, size):
     return image  # Already the right size (CIFAR): keep the exact pixels.
   shape = tf.shape(image)
   side = tf.cast(tf.cast(tf.minimum(shape[0], shape[1]), tf.float32) * crop_fraction, tf.int32)
+  side = tf.maximum(side, 1)
   top, left = (shape[0] - side) // 2, (shape[1] - side) // 2
   crop = tf.image.resize(image[top:top + side, left:left + side], [size, size], method="bilinear")
   return tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)
