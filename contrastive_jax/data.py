@@ -133,22 +133,13 @@ class TfdsSource:
     return [found[r] for r in rows]
 
 
-def _list_files(folder: str):
-  """Every file below folder, sorted; hidden entries left out, links to folders not followed."""
-  files = []
-  for root, dirs, names in os.walk(folder):
-    dirs[:] = [d for d in dirs if not d.startswith(".")]
-    files += [os.path.join(root, name) for name in names if not name.startswith(".")]
-  return sorted(files)
-
-
 class FolderSource:
   """A folder of image files read as they are, without preparation (the embed job's input).
 
-  Every file below `folder` is one example, in the order of its path (hidden
-  files and folders, names starting with '.', are left out; links to folders
-  are not followed, so a link loop cannot trap the listing), named by its
-  path; unlabeled. Its one split is SPLIT, the whole folder. Files are
+  Every file below `folder` is one example, in the order of its path, named
+  by its path; unlabeled. The listing is images.list_files' (links followed,
+  a link loop refused; hidden entries, names starting with '.', left out);
+  other entries it skips (broken links, special files) join `unreadable`. Its one split is SPLIT, the whole folder. Files are
   decoded when read (images.load_image: RGB, EXIF orientation applied, at
   most max_pixels pixels) and downscaled with antialiasing to a shorter side
   of at most shorter_side; a file that cannot be decoded is skipped, logged
@@ -156,6 +147,7 @@ class FolderSource:
 
   Raises:
     ConfigError (field 'folder'): not an existing folder, or no file in it.
+    JobError: a symbolic link loop in the folder.
   """
   SPLIT = "all"
   num_classes = None
@@ -165,7 +157,9 @@ class FolderSource:
     if not os.path.isdir(folder):
       raise ConfigError("folder", folder, "an existing folder of image files")
     self.name = folder
-    self.files = _list_files(folder)
+    files, skipped = images_lib.list_files(folder, flag="config.folder")
+    self.files = [os.path.join(folder, f) for f in files]
+    self._skipped = [(os.path.join(folder, f), why) for f, why in skipped if why != "hidden"]
     if not self.files:
       raise ConfigError("folder", folder, "a folder holding image files; it holds no file")
     self._max_pixels, self._shorter_side = max_pixels, shorter_side
@@ -197,7 +191,8 @@ class FolderSource:
     files = self.files[start:start + counts[jax.process_index()]]
 
     def examples():
-      self.unreadable = []
+      # The listing's skips are the whole folder's: process 0 reports them.
+      self.unreadable = list(self._skipped) if jax.process_index() == 0 else []
       for path in files:
         try:
           image = self._load(path)

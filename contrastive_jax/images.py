@@ -5,6 +5,7 @@ folder (prepare_images.py) and reading query images both go through
 load_image. Formats are those Pillow decodes (JPEG, PNG, BMP, GIF, WebP and
 more); an animated GIF or WebP gives its first frame.
 """
+import os
 import struct
 from typing import Optional
 
@@ -13,6 +14,7 @@ from PIL import Image
 from PIL import ImageOps
 
 from contrastive_jax.errors import ImageError
+from contrastive_jax.errors import JobError
 
 # What Pillow raises for a file it cannot identify (UnidentifiedImageError is an
 # OSError), cannot open, or finds malformed or cut short while decoding.
@@ -108,3 +110,50 @@ def load_image(path: str, *, max_pixels: int, shorter_side: Optional[int] = None
       return np.asarray(image, np.uint8)
     except _DECODE_ERRORS as e:
       raise ImageError(path, f"cannot be decoded: truncated or corrupt ({e})") from None
+
+
+def list_files(src: str, *, flag: str):
+  """Every file below src, relative, '/'-separated and sorted, and the entries skipped.
+
+  Follows symbolic links. Returns (files, skipped) with skipped a list of
+  (relative path, reason) for hidden entries (names starting with '.'),
+  folders that cannot be listed, entries that are not regular files (a
+  FIFO would block the reader) and names that are not valid UTF-8.
+  Raises:
+    JobError: src does not exist or is not a folder, or a symbolic link
+      points to a folder that contains it (a loop), naming the link; each
+      message starts with flag=src, flag the option that gave src.
+  """
+  if not os.path.exists(src):
+    raise JobError(f"{flag}={src!r}: does not exist")
+  if not os.path.isdir(src):
+    raise JobError(f"{flag}={src!r}: is not a folder")
+  files, skipped = [], []
+
+  def visit(folder, rel, ancestors):
+    try:
+      entries = sorted(os.scandir(folder), key=lambda e: e.name)
+    except OSError as e:
+      skipped.append((rel or ".", f"folder cannot be listed ({e.strerror})"))
+      return
+    for entry in entries:
+      path = rel + entry.name
+      if entry.name.startswith("."):
+        skipped.append((path, "hidden"))
+      elif entry.is_dir():  # Follows links.
+        real = os.path.realpath(entry.path)
+        if real in ancestors:
+          raise JobError(f"{flag}={src!r}: symbolic link loop: {entry.path} points to {real}, "
+                         "a folder that contains it; remove the link")
+        visit(entry.path, path + "/", ancestors | {real})
+      elif not os.path.exists(entry.path):
+        skipped.append((path, "broken symbolic link"))
+      elif not entry.is_file():
+        skipped.append((path, "not a regular file"))
+      elif path != path.encode("utf-8", "replace").decode("utf-8"):
+        skipped.append((path, "name is not valid UTF-8"))
+      else:
+        files.append(path)
+
+  visit(src, "", frozenset([os.path.realpath(src)]))
+  return sorted(files), skipped

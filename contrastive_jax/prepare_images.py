@@ -80,52 +80,6 @@ _OVERWRITE = flags.DEFINE_bool("overwrite", False,
                                "with other options.")
 
 
-def list_files(src: str):
-  """Every file below src, relative, '/'-separated and sorted, and the hidden entries skipped.
-
-  Follows symbolic links. Returns (files, skipped) with skipped a list of
-  (relative path, reason) for hidden entries (names starting with '.'),
-  folders that cannot be listed, entries that are not regular files (a
-  FIFO would block the reader) and names that are not valid UTF-8.
-  Raises:
-    JobError: src does not exist or is not a folder, or a symbolic link
-      points to a folder that contains it (a loop), naming the link.
-  """
-  if not os.path.exists(src):
-    raise JobError(f"--src={src!r}: does not exist")
-  if not os.path.isdir(src):
-    raise JobError(f"--src={src!r}: is not a folder")
-  files, skipped = [], []
-
-  def visit(folder, rel, ancestors):
-    try:
-      entries = sorted(os.scandir(folder), key=lambda e: e.name)
-    except OSError as e:
-      skipped.append((rel or ".", f"folder cannot be listed ({e.strerror})"))
-      return
-    for entry in entries:
-      path = rel + entry.name
-      if entry.name.startswith("."):
-        skipped.append((path, "hidden"))
-      elif entry.is_dir():  # Follows links.
-        real = os.path.realpath(entry.path)
-        if real in ancestors:
-          raise JobError(f"--src={src!r}: symbolic link loop: {entry.path} points to {real}, "
-                         "a folder that contains it; remove the link")
-        visit(entry.path, path + "/", ancestors | {real})
-      elif not os.path.exists(entry.path):
-        skipped.append((path, "broken symbolic link"))
-      elif not entry.is_file():
-        skipped.append((path, "not a regular file"))
-      elif path != path.encode("utf-8", "replace").decode("utf-8"):
-        skipped.append((path, "name is not valid UTF-8"))
-      else:
-        files.append(path)
-
-  visit(src, "", frozenset([os.path.realpath(src)]))
-  return sorted(files), skipped
-
-
 def fingerprint(src: str, files, options: dict) -> str:
   """sha256 of the options and of every file's relative path and content."""
   digest = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
@@ -310,7 +264,7 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
   if not 0 < holdout_fraction < 1:
     raise JobError(f"--holdout_fraction={holdout_fraction}: must be in (0, 1)")
   src, data_dir = os.path.abspath(src), os.path.abspath(data_dir)
-  files, skipped = list_files(src)
+  files, skipped = images.list_files(src, flag="--src")
   num_entries = len(files) + len(skipped)
   if (os.path.realpath(data_dir) + os.sep).startswith(os.path.realpath(src) + os.sep):
     raise JobError(f"--data_dir={data_dir!r}: is inside --src={src!r}; choose a folder "
