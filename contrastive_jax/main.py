@@ -1,6 +1,7 @@
 """The one entry point: python -m contrastive_jax.main --config=configs/X.py --workdir=DIR.
 
-Runs the job the config names (config.job: 'pretrain' or 'linear_probe').
+Runs the job the config names (config.job: 'pretrain', 'linear_probe' or
+'finetune').
 Every config field can be overridden on the command line, e.g.
 --config.batch_size=512 or --config=configs/simclr_cifar10.py:runlocal. A
 workdir that holds a checkpoint resumes from it. Expected failures (a config
@@ -16,6 +17,7 @@ from ml_collections import config_flags
 
 import jax
 
+from contrastive_jax import finetune
 from contrastive_jax import linear_probe
 from contrastive_jax import metrics
 from contrastive_jax import pretrain
@@ -23,7 +25,7 @@ from contrastive_jax import runner
 from contrastive_jax.errors import ConfigError
 from contrastive_jax.errors import JobError
 
-JOBS = {"pretrain": pretrain, "linear_probe": linear_probe}
+JOBS = {"pretrain": pretrain, "linear_probe": linear_probe, "finetune": finetune}
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).",
                                           lock_config=True)
