@@ -3,7 +3,9 @@
 A source is what every job and evaluator reads through; none of them sees the
 storage format. TFDS is the first source (config.data_source='tfds'): a
 prepared dataset in data_dir, read with tf.data, one part per JAX process.
-Nothing is ever downloaded.
+Nothing is ever downloaded. A source has `name`, `num_classes`,
+`num_examples`, `process_counts` and `read`; fine-tuning's LabelledSubset, a
+source over another one, also needs its `ids_and_labels` and `read_range`.
 """
 import functools
 import hashlib
@@ -172,7 +174,7 @@ def select_labelled(ids, labels, fraction: float, seed: int):
       least = int(np.argmin(smallest))
       raise ConfigError("label_fraction", fraction,
                         f"in [{0.5 / smallest[least]:.3g}, 1], so that every class keeps an "
-                        f"image (class {least} has {int(smallest[least])} in the split)")
+                        f"image (class {least} has {int(smallest[least])} images in the split)")
     order = np.lexsort((ids[members].astype(str), ranks[members]))
     chosen.append(members[order[:keep]])
   return np.sort(np.concatenate(chosen))
