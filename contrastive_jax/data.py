@@ -149,8 +149,8 @@ def select_labelled(ids, labels, fraction: float, seed: int):
   smallest (ties by id): the semi-supervised subsets of SimCLR (Chen et al.
   2020, Sec. 6: 1% and 10% of ImageNet, sampled class-balanced). The choice is
   a function of the (id, label) pairs and the seed only, never of their order,
-  of how the data is stored or of the process count; adding examples to a
-  class can only swap in new ones, never swap out others for no reason.
+  of how the data is stored or of the process count; images added to a class
+  change its subset only where they outrank kept ones or change its count.
 
   Args:
     ids: [N] str, unique per example; labels: int [N], >= 0.

@@ -23,8 +23,6 @@ def check_optimizer_config(cfg):
     raise ConfigError("optimizer.weight_decay", cfg.weight_decay, ">= 0")
   if not 0 <= cfg.momentum < 1:
     raise ConfigError("optimizer.momentum", cfg.momentum, "in [0, 1)")
-  if cfg.get("nesterov", False) not in (True, False):
-    raise ConfigError("optimizer.nesterov", cfg.nesterov, "True or False")
   if cfg.schedule not in SCHEDULES:
     raise ConfigError("optimizer.schedule", cfg.schedule, f"one of {list(SCHEDULES)}")
   if not 0 < cfg.decay_factor <= 1:
