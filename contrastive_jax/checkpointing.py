@@ -77,7 +77,7 @@ class Checkpointer:
     if _get(saved, fields[0]) is None:
       raise ConfigError(fields[0], _get(current, fields[0]),
                         f"a field of the checkpoints in {self.directory}, which another kind "
-                        "of job wrote (pretraining vs linear probe): use a new workdir")
+                        "of job wrote (pretraining, linear probe, fine-tuning): use a new workdir")
     for field in fields:
       if _get(saved, field) != _get(current, field):
         raise ConfigError(field, _get(current, field),

@@ -64,6 +64,15 @@ def data_fields(config):
   return config
 
 
+def pretrained_encoder_fields(config):
+  """Sets the fields that say which encoder a downstream job starts from (downstream.py)."""
+  config.pretrain_workdir = config_dict.placeholder(str)  # The pretraining job's --workdir.
+  config.pretrain_step = -1  # -1: the latest checkpoint.
+  config.random_init = False  # True: the pretraining run's encoder at initialisation (baseline).
+  config.model_name = config_dict.placeholder(str)  # If set, the checkpoint's model must match.
+  return config
+
+
 def base_config() -> ml_collections.ConfigDict:
   """Pretraining defaults: data, durations, checkpoints and the evaluators.
 

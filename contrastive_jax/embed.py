@@ -44,9 +44,9 @@ from jax.experimental import multihost_utils
 
 from contrastive_jax import checkpointing
 from contrastive_jax import data
+from contrastive_jax import downstream
 from contrastive_jax import evaluators
 from contrastive_jax import input_pipeline
-from contrastive_jax import linear_probe
 from contrastive_jax import models
 from contrastive_jax import train_state as ts
 from contrastive_jax.errors import ConfigError
@@ -96,12 +96,12 @@ def check_config(config, num_devices: int):
 
 
 def load_model(config, mesh) -> EmbedModel:
-  """The encoder of config.pretrain_workdir's checkpoint (linear_probe.restore_encoder).
+  """The encoder of config.pretrain_workdir's checkpoint (downstream.restore_encoder).
 
   Raises:
     ConfigError: no checkpoint there, or none at config.pretrain_step.
   """
-  encoder, variables, pretrained, step = linear_probe.restore_encoder(config, mesh)
+  encoder, variables, pretrained, step, _ = downstream.restore_encoder(config, mesh)
   features = jax.jit(lambda v, x: evaluators.l2_normalize(models.encode(encoder, v, x)))
   return EmbedModel(lambda images: features(variables, images), pretrained.image_size,
                     pretrained.eval_crop_fraction, step)

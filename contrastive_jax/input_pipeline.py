@@ -82,7 +82,7 @@ def train_dataset(source, split: str, *, local_batch: int, image_size: int,
   epoch boundaries as after repeat() and batch(drop_remainder=True).
   Steps per epoch for schedules: split size // global batch.
   """
-  num_local = source.num_examples(split, "train_split") // jax.process_count()
+  num_local = source.process_counts(split, drop_remainder=True)[jax.process_index()]
   # Uncached (large) datasets keep images encoded through the shuffle buffer
   # and the skip of a resume; they are decoded in views().
   base = source.read(split, drop_remainder=True, decode=cache)

@@ -1,7 +1,7 @@
 """The one entry point: python -m contrastive_jax.main --config=configs/X.py --workdir=DIR.
 
 Runs the job the config names (config.job: 'pretrain', 'linear_probe',
-'embed' or 'neighbours').
+'finetune', 'embed' or 'neighbours').
 Every config field can be overridden on the command line, e.g.
 --config.batch_size=512 or --config=configs/simclr_cifar10.py:runlocal. A
 workdir that holds a checkpoint resumes from it. Expected failures (a config
@@ -18,6 +18,7 @@ from ml_collections import config_flags
 import jax
 
 from contrastive_jax import embed
+from contrastive_jax import finetune
 from contrastive_jax import linear_probe
 from contrastive_jax import metrics
 from contrastive_jax import neighbours
@@ -28,8 +29,8 @@ from contrastive_jax.errors import JobError
 
 # Training jobs (IDENTITY_FIELDS, check_config, build) run in runner.run's loop;
 # the others (no build) are not training loops and run themselves: job.run(config, workdir).
-JOBS = {"pretrain": pretrain, "linear_probe": linear_probe, "embed": embed,
-        "neighbours": neighbours}
+JOBS = {"pretrain": pretrain, "linear_probe": linear_probe, "finetune": finetune,
+        "embed": embed, "neighbours": neighbours}
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).",
                                           lock_config=True)

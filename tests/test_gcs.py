@@ -23,6 +23,7 @@ from helpers import TFDS_DIR, load_config, sigterm_after_first_train_batch, tiny
 
 import gcs_emulator
 from contrastive_jax import checkpointing
+from contrastive_jax import downstream
 from contrastive_jax import linear_probe
 from contrastive_jax import pretrain
 from contrastive_jax import runner
@@ -87,7 +88,7 @@ def test_stopped_run_resumes_on_gs_and_the_probe_reads_it(bucket, monkeypatch):
 
   probe_config = load_config("linear_probe", "runlocal")
   probe_config.pretrain_workdir = workdir
-  _, variables, pretrained, step = linear_probe.restore_encoder(probe_config, ts.make_mesh())
+  _, variables, pretrained, step, _ = downstream.restore_encoder(probe_config, ts.make_mesh())
   assert step == 4 and pretrained.data_dir == config.data_dir
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(variables),
                jax.device_get(encoder_variables(resumed)))

@@ -15,7 +15,7 @@ from PIL import Image
 from contrastive_jax import checkpointing
 from contrastive_jax import embed
 from contrastive_jax import evaluators
-from contrastive_jax import linear_probe
+from contrastive_jax import downstream
 from contrastive_jax import main
 from contrastive_jax import models
 from contrastive_jax import neighbours
@@ -119,14 +119,15 @@ def test_embeddings_are_unit_h_of_every_image_in_split_order(pretrained, index):
   assert saved.embeddings.dtype == np.float32 and saved.embeddings.shape[0] == NUM
   np.testing.assert_allclose(np.linalg.norm(saved.embeddings, axis=1), 1.0, atol=1e-6)
   images, labels = _cifar_test()
-  encoder, variables, _, step = linear_probe.restore_encoder(embed_config(pretrained),
-                                                             ts.make_mesh())
+  encoder, variables, _, step, _ = downstream.restore_encoder(embed_config(pretrained),
+                                                              ts.make_mesh())
   assert step == 0 and saved.config.pretrain_step == 0
   want = evaluators.l2_normalize(models.encode(encoder, jax.device_get(variables), images))
   np.testing.assert_allclose(saved.embeddings, want, atol=1e-5)
   assert [r["label"] for r in saved.rows] == labels
-  assert [r["name"] for r in saved.rows] == [
-      f"cifar10-test.tfrecord-00000-of-00001__{i}" for i in range(NUM)]
+  # cifar10's own 'id' feature names its examples (data.ID_FEATURES).
+  ids = tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split=f"test[:{NUM}]")
+  assert [r["name"] for r in saved.rows] == [x["id"].decode() for x in tfds.as_numpy(ids)]
   # An index is never overwritten.
   with pytest.raises(JobError, match="already holds embeddings"):
     embed.run(embed_config(pretrained), index)
