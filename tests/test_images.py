@@ -348,7 +348,7 @@ def test_unlabeled_folder_pretrains_and_refuses_label_evaluators(tmp_path):
   # (Compiling its step here would cost minutes of the suite; the README's chest_xray
   # run pretrains on such a folder.)
   config.evaluators = {}
-  task = pretrain.build(config, ts.make_mesh(), None)
+  task = pretrain.build(config, ts.make_mesh(), None, str(tmp_path / "built"))
   assert task.num_classes is None and task.eval_model.logits is None
   assert jax.eval_shape(task.init).probe == {}
   batch = next(task.train_batches(0))
