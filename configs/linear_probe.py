@@ -12,7 +12,6 @@ test split at the end (and every 10 epochs).
 Variant `runlocal`: 1000 steps (~5 epochs), sized for a 2-core CPU.
 """
 import ml_collections
-from ml_collections import config_dict
 
 from contrastive_jax import config_lib
 
@@ -20,10 +19,7 @@ from contrastive_jax import config_lib
 def get_config(variant: str = ""):
   config = config_lib.data_fields(ml_collections.ConfigDict())
   config.job = "linear_probe"
-  config.pretrain_workdir = config_dict.placeholder(str)
-  config.pretrain_step = -1  # -1: the latest checkpoint.
-  config.random_init = False  # True: probe the pretraining run's encoder at initialisation (baseline).
-  config.model_name = config_dict.placeholder(str)  # If set, the checkpoint's model must match.
+  config_lib.pretrained_encoder_fields(config)
   config.crop_area_min = 0.2
   config.batch_size = 256
   config.duration = "100 epochs"

@@ -1,6 +1,7 @@
 """The one entry point: python -m contrastive_jax.main --config=configs/X.py --workdir=DIR.
 
-Runs the job the config names (config.job: 'pretrain' or 'linear_probe').
+Runs the job the config names (config.job: 'pretrain', 'linear_probe',
+'finetune', 'embed' or 'neighbours').
 Every config field can be overridden on the command line, e.g.
 --config.batch_size=512 or --config=configs/simclr_cifar10.py:runlocal. A
 workdir that holds a checkpoint resumes from it. Expected failures (a config
@@ -19,14 +20,20 @@ from ml_collections import config_flags
 
 import jax
 
+from contrastive_jax import embed
+from contrastive_jax import finetune
 from contrastive_jax import linear_probe
 from contrastive_jax import metrics
+from contrastive_jax import neighbours
 from contrastive_jax import pretrain
 from contrastive_jax import runner
 from contrastive_jax.errors import ConfigError
 from contrastive_jax.errors import JobError
 
-JOBS = {"pretrain": pretrain, "linear_probe": linear_probe}
+# Training jobs (IDENTITY_FIELDS, check_config, build) run in runner.run's loop;
+# the others (no build) are not training loops and run themselves: job.run(config, workdir).
+JOBS = {"pretrain": pretrain, "linear_probe": linear_probe, "finetune": finetune,
+        "embed": embed, "neighbours": neighbours}
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).",
                                           lock_config=True)
@@ -68,6 +75,14 @@ def get_job(name: str):
   return JOBS[name]
 
 
+def run_job(config, workdir: str):
+  """Runs config.job with config in workdir; returns what the job returns."""
+  job = get_job(config.get("job"))
+  if hasattr(job, "build"):
+    return runner.run(job, config, workdir)
+  return job.run(config, workdir)
+
+
 def _distributed_args() -> dict:
   """The jax.distributed.initialize() arguments given on the command line."""
   given = {"coordinator_address": _COORDINATOR_ADDRESS.value,
@@ -83,8 +98,8 @@ def _exit_after_peer_failure(error: jax.errors.JaxRuntimeError):
   peer' or 'reset by peer'). Returning normally would hang: JAX's exit
   handler waits in a shutdown barrier for the dead process until the
   heartbeat timeout and then aborts with a fatal log and a C++ stack trace.
-  os._exit skips it; the runner has already waited for pending checkpoint
-  writes. JAX itself ends the processes that cannot see the failure in a
+  os._exit skips it; a training job's runner has already waited for pending
+  checkpoint writes. JAX itself ends the processes that cannot see the failure in a
   collective: at once when process 0 (the coordinator) dies, else within
   --heartbeat_timeout seconds (e.g. blocked in a TPU collective), with its
   fatal message 'Terminating process because the JAX distributed service
@@ -113,7 +128,7 @@ def main(argv):
   logging.info("JAX process %d of %d, %d local devices of %d.", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count())
   try:
-    runner.run(get_job(_CONFIG.value.get("job")), _CONFIG.value, _WORKDIR.value)
+    run_job(_CONFIG.value, _WORKDIR.value)
   except JobError as e:
     sys.exit(f"error: {e}")
   except jax.errors.JaxRuntimeError as e:

@@ -78,10 +78,15 @@ def build_optimizer(cfg, schedule) -> optax.GradientTransformation:
 
   LARS: trust coefficient cfg.trust_coefficient (SimCLR: 0.001), momentum 0.9.
   SGD: L2 weight decay added to the gradient (torch.optim.SGD style, as in MoCo).
+  Nesterov momentum with the optional field cfg.nesterov = True (SimCLR's
+  fine-tuning). Optional rather than a default of config_lib.optimizer: the
+  optimizer is an identity field, and a new key would make every checkpoint
+  saved before it refuse to resume.
   """
+  nesterov = cfg.get("nesterov", False)
   if cfg.name == "lars":
     return optax.lars(schedule, weight_decay=cfg.weight_decay, weight_decay_mask=decay_mask,
                       trust_coefficient=cfg.trust_coefficient, trust_ratio_mask=decay_mask,
-                      momentum=cfg.momentum)
+                      momentum=cfg.momentum, nesterov=nesterov)
   return optax.chain(optax.add_decayed_weights(cfg.weight_decay, mask=decay_mask),
-                     optax.sgd(schedule, momentum=cfg.momentum))
+                     optax.sgd(schedule, momentum=cfg.momentum, nesterov=nesterov))

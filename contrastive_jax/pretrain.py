@@ -10,7 +10,9 @@ from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import ml_collections
+import numpy as np
 import optax
 
 from contrastive_jax import augment
@@ -20,6 +22,7 @@ from contrastive_jax import evaluators
 from contrastive_jax import input_pipeline
 from contrastive_jax import models
 from contrastive_jax import optim
+from contrastive_jax import pictures
 from contrastive_jax import runner
 from contrastive_jax import train_state as ts
 from contrastive_jax.errors import ConfigError
@@ -114,7 +117,7 @@ def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int =
              probe)
 
 
-def build(config, mesh, saved_config) -> runner.Task:
+def build(config, mesh, saved_config, workdir) -> runner.Task:
   """The pretraining Task for runner.run (see its docstring).
 
   Raises:
@@ -122,7 +125,7 @@ def build(config, mesh, saved_config) -> runner.Task:
       a batch larger than the train split, an evaluator or method field that
       cannot run.
   """
-  del saved_config  # Resuming needs nothing beyond the identity check.
+  del saved_config, workdir  # Resuming needs nothing beyond the identity check.
   method = get_method(config.method)
   source = data.get_source(config, {"train_split": config.train_split})
   evaluators.check_config(config.evaluators, source, jax.device_count())
@@ -151,7 +154,43 @@ def build(config, mesh, saved_config) -> runner.Task:
                      num_steps=num_steps,
                      steps_per_epoch=steps_per_epoch, global_batch=config.batch_size,
                      schedule=run.schedule, eval_model=eval_model,
-                     num_classes=source.num_classes)
+                     num_classes=source.num_classes,
+                     views_picture=views_picture(views(config), mesh))
+
+
+def views_picture(view_settings, mesh, count: int = 16):
+  """(state, batch) -> uint8 picture of both augmented views of the batch's first images.
+
+  The views are made by ts.augmented_views in the train step's own shard_map
+  layout, with the state's key and step, so they are exactly the pixels the
+  train step sees (before the model's input normalisation). The picture has 4
+  rows of `count` // 4 images, each image as its view 1 then view 2, captioned
+  '<row in batch>: 1' and '<row in batch>: 2'; cells are at least 64 px.
+
+  Raises:
+    ValueError (when called): a batch of fewer than `count` images.
+  """
+  def per_device(state, images):
+    return jnp.stack(ts.augmented_views(images, state.rng, state.step, view_settings), axis=1)
+
+  sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(), jax.P(ts.DATA_AXIS)),
+                          out_specs=jax.P(ts.DATA_AXIS))
+  first = jax.jit(lambda state, images: sharded(state, images)[:count],
+                  out_shardings=ts.replicated(mesh))
+
+  def picture(state, batch):
+    if batch["image"].shape[0] < count:
+      raise ValueError(f"views_picture needs a batch of >= {count} images")
+    x = np.asarray(jax.device_get(first(state, batch["image"])))  # [count, 2, S, S, 3]
+    x = np.round(np.clip(x, 0.0, 1.0) * 255).astype(np.uint8)
+    per_row = count // 4
+    rows = [[x[i, v] for i in range(r * per_row, (r + 1) * per_row) for v in range(2)]
+            for r in range(4)]
+    captions = [[f"{i}: {v + 1}" for i in range(r * per_row, (r + 1) * per_row)
+                 for v in range(2)] for r in range(4)]
+    return pictures.grid(rows, captions, cell=max(64, x.shape[2]))
+
+  return picture
 
 
 def eval_datasets(source, *, image_size: int, crop_fraction: float, threads: int, cache: bool):

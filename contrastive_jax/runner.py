@@ -1,14 +1,17 @@
-"""The loop every job shares: pretraining, the linear probe, and those to come.
+"""The loop every job shares: pretraining, the linear probe, fine-tuning, and those to come.
 
-A job module (pretrain.py, linear_probe.py) provides IDENTITY_FIELDS (config
-fields a resumed run must share with its checkpoint; the first one exists only
-in that job's configs), check_config(config, num_devices) and
-build(config, mesh, saved_config) -> Task; run() does the rest, written once: resume from the workdir's latest
-checkpoint, step, log, stop on a non-finite loss, run the config's
-evaluators at their intervals and at the end, checkpoint, and stop cleanly on
-preemption (one process: SIGTERM; several: JAX's distributed preemption sync,
-so every host stops at the same step). Every exit path, errors included,
-waits for pending checkpoint writes; nothing non-finite is ever saved.
+A job module (pretrain.py, linear_probe.py, finetune.py) provides
+IDENTITY_FIELDS (config fields a resumed run must share with its checkpoint;
+the first one exists only in that job's configs), check_config(config,
+num_devices) and build(config, mesh, saved_config, workdir) -> Task (workdir
+for files of the job's own; saved_config is the checkpoint's config when
+resuming, else None); run() does the rest, written once: resume from the
+workdir's latest checkpoint, step, log, stop on a non-finite loss, run the
+config's evaluators at their intervals and at the end, checkpoint, and stop
+cleanly on preemption (one process: SIGTERM; several: JAX's distributed
+preemption sync, so every host stops at the same step). Every exit path,
+errors included, waits for pending checkpoint writes; nothing non-finite is
+ever saved.
 """
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
@@ -24,6 +27,7 @@ from contrastive_jax import checkpointing
 from contrastive_jax import config_lib
 from contrastive_jax import evaluators as evaluators_lib
 from contrastive_jax import metrics as metrics_lib
+from contrastive_jax import pictures
 from contrastive_jax import train_state as ts
 from contrastive_jax.errors import ConfigError
 from contrastive_jax.errors import NonFiniteError
@@ -42,6 +46,9 @@ class Task(NamedTuple):
   schedule: step -> learning rate, for the logs.
   eval_model: what the evaluators call (evaluators.EvalModel).
   num_classes: of the dataset, or None (unlabeled).
+  views_picture: None, or (state, batch) -> uint8 [H, W, 3], a picture of the
+    augmented views the train step makes of the batch; a fresh run writes the
+    first batch's to WORKDIR/augmented_views.png and TensorBoard.
   """
   config: ml_collections.ConfigDict
   init: Callable[[], Any]
@@ -53,6 +60,7 @@ class Task(NamedTuple):
   schedule: Callable
   eval_model: evaluators_lib.EvalModel
   num_classes: Optional[int]
+  views_picture: Optional[Callable] = None
 
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int):
@@ -104,7 +112,7 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
       saved = ckpt.saved_config()
       ckpt.check_compatible(config, job.IDENTITY_FIELDS[:1])  # The same kind of job.
     mesh = ts.make_mesh()
-    task = job.build(config, mesh, saved)
+    task = job.build(config, mesh, saved, workdir)
     if saved is not None:  # Compared with what build() resolved (e.g. the probe's step).
       ckpt.check_compatible(task.config, job.IDENTITY_FIELDS)
     return _loop(task, workdir, ckpt, mesh)
@@ -156,7 +164,10 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
                    jax.device_count())
       window = _Window()
       for step in range(start_step + 1, task.num_steps + 1):
-        state, step_metrics = task.train_step(state, next(batches))
+        batch = next(batches)
+        if step == 1 and task.views_picture is not None:
+          _write_views_picture(task.views_picture(state, batch), workdir, writer)
+        state, step_metrics = task.train_step(state, batch)
         if step == start_step + 1:
           window.restart(step, step_metrics)  # The first step's time is compilation.
         progress(step)
@@ -183,12 +194,21 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
           window.exclude(time.time() - t0)
         if scalars:
           writer.write_scalars(step, scalars)
+        if save:  # A resumed run keeps the records up to its checkpoint: store them now.
+          writer.flush()
         if stop:
           logging.warning("Stopped at step %d after a preemption request.", step)
           break
   finally:
     writer.close()
   return state, results
+
+
+def _write_views_picture(picture, workdir: str, writer):
+  """Writes the step-0 views picture as a PNG (process 0) and a TensorBoard image."""
+  if jax.process_index() == 0:
+    pictures.write_png(f"{workdir}/augmented_views.png", picture)
+  writer.write_images(0, {"augmented_views": picture[None]})
 
 
 class _Window:

@@ -99,7 +99,7 @@ def pretrain_runs(mesh, out: dict):
   for method in METHODS:
     config = method_config(method)
     pretrain.check_config(config, jax.device_count())
-    task = pretrain.build(config, mesh, None)
+    task = pretrain.build(config, mesh, None, workdir=None)  # It writes nothing.
     state = task.init()
     if method == "simclr":
       encoder = encoder_variables(task.init())  # A copy: the train step donates `state`.

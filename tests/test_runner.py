@@ -2,20 +2,25 @@
 epochs, the non-finite stop, bad configs and workdirs."""
 import json
 import os
-import signal
 import subprocess
 import sys
 
 import jax
 import numpy as np
 import pytest
+from PIL import Image
 from helpers import CONFIG_DIR, TFDS_DIR, checkpoints_are_finite, tiny_config
+from helpers import sigterm_after_first_train_batch
 
+from contrastive_jax import augment
 from contrastive_jax import checkpointing
+from contrastive_jax import data
 from contrastive_jax import input_pipeline
 from contrastive_jax import metrics as metrics_lib
+from contrastive_jax import pictures
 from contrastive_jax import pretrain
 from contrastive_jax import runner
+from contrastive_jax import train_state as ts
 from contrastive_jax.errors import ConfigError
 from contrastive_jax.errors import JobError
 from contrastive_jax.errors import NonFiniteError
@@ -24,21 +29,6 @@ from contrastive_jax.errors import NonFiniteError
 def read_metrics(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
-
-
-def sigterm_after_first_train_batch(monkeypatch):
-  """Sends SIGTERM while the loop runs step 2, so the job stops after it."""
-  original = input_pipeline.device_batches
-
-  def device_batches(ds, sharding, prefetch=2):
-    is_train = "mask" not in ds.element_spec
-    for i, batch in enumerate(original(ds, sharding, prefetch)):
-      yield batch
-      # The loop resumes this generator when it fetches the next batch.
-      if is_train and i == 0:
-        os.kill(os.getpid(), signal.SIGTERM)
-
-  monkeypatch.setattr(input_pipeline, "device_batches", device_batches)
 
 
 @pytest.mark.parametrize("method", ["simclr", "moco_v2", "byol"])
@@ -72,6 +62,31 @@ def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, method):
   straight_records = read_metrics(tmp_path / "straight")
   np.testing.assert_array_equal([r["loss"] for r in records[1:]],
                                 [r["loss"] for r in straight_records[1:]])
+  if method == "simclr":
+    check_views_picture(config, str(tmp_path / "straight" / "augmented_views.png"))
+
+
+def check_views_picture(config, path):
+  """The step-0 picture shows view v of batch row i as augment_image of the host crop with
+  the key of its device and position: the train step's own pixels."""
+  picture = np.asarray(Image.open(path))
+  mesh = ts.make_mesh()
+  batch = next(input_pipeline.train_batches(
+      data.get_source(config, {}), config, ts.batch_sharded(mesh),
+      image_size=config.image_size)(0))
+  crops = np.asarray(batch["image"])                      # [16, 2, S, S, 3] uint8
+  rng = jax.random.split(jax.random.PRNGKey(config.seed))[1]
+  per_device = config.batch_size // jax.device_count()
+  cell = max(64, config.image_size)
+  pad, caption = pictures._PAD, pictures._CAPTION_HEIGHT
+  for i in (0, 5, 15):  # Rows of devices 0, 2 and 7.
+    for v, view in enumerate(pretrain.views(config)):
+      key = jax.random.split(ts.view_key(rng, 0, i // per_device, v), per_device)[i % per_device]
+      x = np.asarray(augment.augment_image(crops[i, v], key, view))
+      expected = Image.fromarray(np.round(np.clip(x, 0, 1) * 255).astype(np.uint8))
+      expected = np.asarray(expected.resize((cell, cell), Image.BILINEAR))
+      top, left = pad + (i // 4) * (cell + caption + pad), pad + (2 * (i % 4) + v) * (cell + pad)
+      np.testing.assert_array_equal(picture[top:top + cell, left:left + cell], expected)
 
 
 def test_batch_size_override_keeps_evaluation_intervals_in_epochs(tmp_path):
