@@ -93,17 +93,17 @@ def _distributed_args() -> dict:
 def _exit_after_peer_failure(error: jax.errors.JaxRuntimeError):
   """Ends a multi-host process whose computation failed: one line on stderr, exit status 1.
 
-  When a process of the job dies, the others' next collective fails at once
+  When a process of the job dies, a survivor's collective may fail at once
   where the dead peer's connections close (CPU's gloo: 'Connection closed by
-  peer' or 'reset by peer'). Returning normally would hang: JAX's exit
+  peer' or 'reset by peer'). Returning normally would then hang: JAX's exit
   handler waits in a shutdown barrier for the dead process until the
   heartbeat timeout and then aborts with a fatal log and a C++ stack trace.
   os._exit skips it; a training job's runner has already waited for pending
-  checkpoint writes. JAX itself ends the processes that cannot see the failure in a
-  collective: at once when process 0 (the coordinator) dies, else within
-  --heartbeat_timeout seconds (e.g. blocked in a TPU collective), with its
-  fatal message 'Terminating process because the JAX distributed service
-  detected fatal errors'.
+  checkpoint writes. A survivor that blocks in a collective instead (one of
+  its devices waiting for the other, or on TPU) never gets here: JAX's
+  coordination service ends it within --heartbeat_timeout seconds, or at once
+  when process 0 (the coordinator) died, with its fatal message 'Terminating
+  process because the JAX distributed service detected fatal errors'.
   """
   first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
   print(f"error: process {jax.process_index()} of {jax.process_count()}: a computation "
