@@ -1,10 +1,11 @@
 """Host-count equality: 2 processes x 2 CPU devices compute what 1 process x 4 devices does.
 
 tests/multihost_equality_worker.py runs, in each set-up, 3 train steps of SimCLR,
-MoCo v2 and BYOL on the same global batches (each process passes its own rows),
-the kNN monitor and the online probe's classifier on fixed parameters, and 3
-steps of the linear-probe job's train step. The three processes (the reference
-and the two hosts) start together; compiling is most of the time.
+MoCo v2 and BYOL (tiny configs with one ResNet block per stage) on the same
+global batches (each process passes its own rows), the kNN monitor and the
+online probe's classifier on fixed parameters, and 3 steps of the linear-probe
+job's train step. The three processes (the reference and the two hosts) start
+together; compiling is most of their time.
 
 What is bitwise and what is not, and why:
 - Every device of both hosts holds the same state, bit for bit (the replicated
