@@ -11,6 +11,9 @@ setuptools.setup(
         "absl-py",
         "clu==0.0.12",
         "flax==0.12.8",
+        "google-auth",  # gcs.py: the credentials check for gs:// paths.
+        "google-cloud-storage",  # Orbax imports it for gs:// checkpoints (bucket query).
+        "importlib_resources",  # TFDS needs it to write datasets (prepare_images).
         "jax==0.10.2",
         "jaxlib==0.10.2",
         "ml-collections==1.1.0",
@@ -22,5 +25,7 @@ setuptools.setup(
         "tensorflow-cpu==2.21.0",
         "tensorflow-datasets==4.9.10",
     ],
-    extras_require={"test": ["pytest"]},
+    # tests/gcs_emulator.py patches gaps of this emulator version; cryptography makes its
+    # TLS certificate.
+    extras_require={"test": ["pytest", "gcp-storage-emulator==2026.7.19", "cryptography"]},
 )

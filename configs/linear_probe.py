@@ -33,10 +33,7 @@ from contrastive_jax import config_lib
 def get_config(variant: str = ""):
   config = config_lib.data_fields(ml_collections.ConfigDict())
   config.job = "linear_probe"
-  config.pretrain_workdir = config_dict.placeholder(str)
-  config.pretrain_step = -1  # -1: the latest checkpoint.
-  config.random_init = False  # True: probe the pretraining run's encoder at initialisation (baseline).
-  config.model_name = config_dict.placeholder(str)  # If set, the checkpoint's model must match.
+  config_lib.pretrained_encoder_fields(config)
   config.preset = "auto"
   # None: the preset's value.
   config.batch_size = config_dict.placeholder(int)

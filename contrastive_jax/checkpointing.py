@@ -18,6 +18,7 @@ import orbax.checkpoint as ocp
 import tensorflow as tf
 from absl import logging
 
+from contrastive_jax import gcs
 from contrastive_jax.errors import ConfigError
 from contrastive_jax.errors import JobError
 
@@ -76,7 +77,7 @@ class Checkpointer:
     if _get(saved, fields[0]) is None:
       raise ConfigError(fields[0], _get(current, fields[0]),
                         f"a field of the checkpoints in {self.directory}, which another kind "
-                        "of job wrote (pretraining vs linear probe): use a new workdir")
+                        "of job wrote (pretraining, linear probe, fine-tuning): use a new workdir")
     for field in fields:
       if _get(saved, field) != _get(current, field):
         raise ConfigError(field, _get(current, field),
@@ -155,11 +156,13 @@ def prepare_workdir(path: Optional[str]) -> str:
   """resolve_dir(path) for a job's --workdir, checked before anything is written.
 
   Raises:
-    JobError: no path, or a path that exists and is not a directory.
+    JobError: no path, a path that exists and is not a directory, or a gs://
+      path without Google Cloud credentials.
   """
   if not path:
     raise JobError("--workdir is empty: give the directory for checkpoints and metrics")
   path = resolve_dir(path)
+  gcs.check_credentials(path, "--workdir")
   if tf.io.gfile.exists(path) and not tf.io.gfile.isdir(path):
     raise JobError(f"--workdir={path}: must be a directory (or not exist yet); it is a file")
   return path

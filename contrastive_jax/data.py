@@ -3,40 +3,65 @@
 A source is what every job and evaluator reads through; none of them sees the
 storage format. TFDS is the first source (config.data_source='tfds'): a
 prepared dataset in data_dir, read with tf.data, one part per JAX process.
-Nothing is ever downloaded.
+Nothing is ever downloaded. A source has `name`, `num_classes`,
+`num_examples`, `process_counts` and `read`; fine-tuning's LabelledSubset, a
+source over another one, also needs its `ids_and_labels` and `read_range`.
+FolderSource reads a folder of image files as they are, for the embed job.
 """
+import functools
+import hashlib
+import operator
 import os
 from typing import Optional
 
 import jax
+import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from absl import logging
 
+from contrastive_jax import gcs
+from contrastive_jax import images as images_lib
 from contrastive_jax.errors import ConfigError
+from contrastive_jax.errors import ImageError
+
+# Features that name an example, first found first: the source file of a prepared
+# image folder, TFDS's own per-example id (e.g. cifar10's 'train_16399').
+ID_FEATURES = ("file_name", "id")
 
 
 class TfdsSource:
   """A prepared TFDS dataset.
 
   Args:
-    name: TFDS name, e.g. 'cifar10' or 'imagenet2012'.
+    name: TFDS name, e.g. 'cifar10' or 'imagenet2012', or the name of an image
+      folder prepared by prepare_images.
     data_dir: where it is prepared; None means TFDS's default (TFDS_DATA_DIR
       or ~/tensorflow_datasets).
 
   Raises:
     ConfigError: unknown name, or a data_dir that does not hold the prepared
       dataset (the message says where it looked).
+    JobError: a gs:// data_dir (or TFDS_DATA_DIR) without Google Cloud credentials.
   """
 
   def __init__(self, name: str, data_dir: Optional[str]):
     self.name = name
+    if data_dir:
+      gcs.check_credentials(data_dir, "config.data_dir")
+    else:
+      gcs.check_credentials(os.environ.get("TFDS_DATA_DIR", ""), "TFDS_DATA_DIR")
+    looked = data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
     try:
+      # A name TFDS has no code for is read from its files in data_dir
+      # (read_only_builder): how folders prepared by prepare_images are found.
       self._builder = tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError:
       raise ConfigError("dataset", name,
-                        "a TFDS dataset name such as 'cifar10' or 'imagenet2012'") from None
+                        "a TFDS dataset name such as 'cifar10' or 'imagenet2012', or a dataset "
+                        "prepared in data_dir by `python -m contrastive_jax.prepare_images` "
+                        f"(none named {name!r} in data_dir={looked})") from None
     if not self._builder.is_prepared():
-      looked = data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
       raise ConfigError(
           "data_dir", data_dir,
           f"a directory holding the prepared dataset '{name}'; looked in "
@@ -45,6 +70,8 @@ class TfdsSource:
           "point data_dir / TFDS_DATA_DIR at a copy")
     features = self._builder.info.features
     self._num_classes = features["label"].num_classes if "label" in features else None
+    self.class_names = features["label"].names if "label" in features else None
+    self._id_feature = next((name for name in ID_FEATURES if name in features), None)
 
   @property
   def num_classes(self) -> Optional[int]:
@@ -67,26 +94,259 @@ class TfdsSource:
                         "'train[:1000]')")
     return count
 
-  def process_counts(self, split: str):
-    """Examples each process reads of `split` with read(drop_remainder=False), by process."""
+  def process_counts(self, split: str, drop_remainder: bool = False):
+    """Examples each process reads of `split` with read(drop_remainder=...), by process."""
     return [self._builder.info.splits[s].num_examples
-            for s in tfds.even_splits(split, n=jax.process_count(), drop_remainder=False)]
+            for s in tfds.even_splits(split, n=jax.process_count(),
+                                      drop_remainder=drop_remainder)]
 
-  def read(self, split: str, *, drop_remainder: bool, decode: bool = True) -> tf.data.Dataset:
+  def read(self, split: str, *, drop_remainder: bool, decode: bool = True, names: bool = False,
+           whole: bool = False) -> tf.data.Dataset:
     """This process's part of `split` as (image, label) pairs, in a fixed order.
 
     image: uint8 [H, W, 3] (or the encoded bytes when decode=False, for
     tf.io.decode_image later); label: int32 scalar (-1 if unlabeled).
     drop_remainder=True gives every process the same count (training);
-    False keeps every example (evaluation).
+    False keeps every example (evaluation). The processes' parts are
+    contiguous and in process order: together they are the split in order.
+    names=True adds a third element, the example's name (string scalar): the
+    first of ID_FEATURES the dataset has ('file_name' for prepared image
+    folders), else its TFDS record id. whole=True reads the whole split on
+    this process.
     """
-    process_split = tfds.split_for_jax_process(split, drop_remainder=drop_remainder)
+    return self._read(split if whole else tfds.split_for_jax_process(
+        split, drop_remainder=drop_remainder), decode, names)
+
+  def read_range(self, split: str, start: int, stop: int, *, decode: bool = True):
+    """Examples start to stop - 1 of `split` in read order (that of ids_and_labels), as read().
+
+    Every process that calls it reads the same examples; TFDS reads only the
+    files (and records) that hold them.
+    """
+    parts, offset = [], 0
+    for part in tfds.core.ReadInstruction.from_spec(split).to_absolute(self._builder.info.splits):
+      first = part.from_ or 0
+      last = self._builder.info.splits[part.splitname].num_examples if part.to is None else part.to
+      lo, hi = max(start - offset, 0), min(stop - offset, last - first)
+      if lo < hi:
+        parts.append(tfds.core.ReadInstruction(part.splitname, from_=first + lo, to=first + hi,
+                                               unit="abs"))
+      offset += last - first
+    return self._read(functools.reduce(operator.add, parts), decode)
+
+  def ids_and_labels(self, split: str):
+    """(ids, labels) of every example of `split` in read order; images are not decoded.
+
+    ids: object [N] of str, the first of ID_FEATURES the dataset has, else
+    TFDS's record id (file and position); labels: int32 [N] (-1 if unlabeled).
+    Every process reads the whole split.
+    """
+    wanted = {"label": True} if self._num_classes is not None else {}
+    if self._id_feature:
+      wanted[self._id_feature] = True
     ds = self._builder.as_dataset(
-        split=process_split, shuffle_files=False,
-        decoders=None if decode else {"image": tfds.decode.SkipDecoding()})
+        split=split, shuffle_files=False, decoders=tfds.decode.PartialDecoding(wanted),
+        read_config=tfds.ReadConfig(add_tfds_id=not self._id_feature))
+    ids, labels = [], []
+    for batch in tfds.as_numpy(ds.batch(10_000)):
+      names = batch[self._id_feature or "tfds_id"]
+      ids.extend(name.decode("utf-8") for name in names)
+      labels.append(batch.get("label", np.full(len(names), -1)))
+    return np.array(ids, dtype=object), np.concatenate(labels).astype(np.int32)
+
+  def _read(self, split, decode: bool, names: bool = False) -> tf.data.Dataset:
+    """(image, label[, name]) of a split spec or tfds.core.ReadInstruction, in read order."""
+    ds = self._builder.as_dataset(
+        split=split, shuffle_files=False,
+        decoders=None if decode else {"image": tfds.decode.SkipDecoding()},
+        read_config=tfds.ReadConfig(add_tfds_id=names and not self._id_feature))
     has_label = self._num_classes is not None
-    return ds.map(lambda ex: (ex["image"],
-                              tf.cast(ex["label"], tf.int32) if has_label else tf.constant(-1)))
+
+    def example(ex):
+      label = tf.cast(ex["label"], tf.int32) if has_label else tf.constant(-1)
+      if not names:
+        return ex["image"], label
+      return ex["image"], label, ex[self._id_feature or "tfds_id"]
+
+    return ds.map(example)
+
+  def images(self, split: str, rows) -> list:
+    """The images at positions `rows` of `split` (uint8 [H, W, 3] each), read by this process.
+
+    Reads the split in order up to the last row wanted, decoding only the
+    rows wanted.
+    """
+    wanted, found = set(rows), {}
+    ds = self.read(split, drop_remainder=False, decode=False, whole=True).take(max(wanted) + 1)
+    for row, (encoded, _) in enumerate(ds.as_numpy_iterator()):
+      if row in wanted:
+        found[row] = tf.io.decode_image(encoded, channels=3, expand_animations=False).numpy()
+    return [found[r] for r in rows]
+
+
+class FolderSource:
+  """A folder of image files read as they are, without preparation (the embed job's input).
+
+  Every file below `folder` is one example, in the order of its path, named
+  by its path; unlabeled. The listing is images.list_files' (links followed,
+  a link loop refused; hidden entries, names starting with '.', left out);
+  other entries it skips (broken links, special files) join `unreadable`. Its one split is SPLIT, the whole folder. Files are
+  decoded when read (images.load_image: RGB, EXIF orientation applied, at
+  most max_pixels pixels) and downscaled with antialiasing to a shorter side
+  of at most shorter_side; a file that cannot be decoded is skipped, logged
+  and kept in `unreadable` as (path, reason), never dropped silently.
+
+  Raises:
+    ConfigError (field 'folder'): not an existing folder, or no file in it.
+    JobError: a symbolic link loop in the folder.
+  """
+  SPLIT = "all"
+  num_classes = None
+  class_names = None
+
+  def __init__(self, folder: str, *, max_pixels: int, shorter_side: int):
+    if not os.path.isdir(folder):
+      raise ConfigError("folder", folder, "an existing folder of image files")
+    self.name = folder
+    files, skipped = images_lib.list_files(folder, flag="config.folder")
+    self.files = [os.path.join(folder, f) for f in files]
+    self._skipped = [(os.path.join(folder, f), why) for f, why in skipped if why != "hidden"]
+    if not self.files:
+      raise ConfigError("folder", folder, "a folder holding image files; it holds no file")
+    self._max_pixels, self._shorter_side = max_pixels, shorter_side
+    self.unreadable = []
+
+  def num_examples(self, split: str, field: str) -> int:
+    del split, field  # A folder has one split.
+    return len(self.files)
+
+  def process_counts(self, split: str):
+    del split
+    return [len(part) for part in np.array_split(np.arange(len(self.files)), jax.process_count())]
+
+  def _load(self, path: str) -> np.ndarray:
+    return images_lib.load_image(path, max_pixels=self._max_pixels,
+                                 shorter_side=self._shorter_side)
+
+  def read(self, split: str, *, drop_remainder: bool, names: bool = False) -> tf.data.Dataset:
+    """This process's contiguous part of the files (image, label -1[, path]), in order.
+
+    As TfdsSource.read, for evaluation only (drop_remainder must be False).
+    Files that cannot be decoded are skipped and listed in `unreadable`,
+    which each pass over the dataset rebuilds.
+    """
+    if drop_remainder:
+      raise ValueError("a FolderSource is read for evaluation only (drop_remainder=False)")
+    counts = self.process_counts(split)
+    start = sum(counts[:jax.process_index()])
+    files = self.files[start:start + counts[jax.process_index()]]
+
+    def examples():
+      # The listing's skips are the whole folder's: process 0 reports them.
+      self.unreadable = list(self._skipped) if jax.process_index() == 0 else []
+      for path in files:
+        try:
+          image = self._load(path)
+        except ImageError as e:
+          logging.warning("Skipped %s", e)
+          self.unreadable.append((path, e.reason))
+          continue
+        yield (image, -1, path) if names else (image, -1)
+
+    signature = (tf.TensorSpec([None, None, 3], tf.uint8), tf.TensorSpec([], tf.int32))
+    if names:
+      signature += (tf.TensorSpec([], tf.string),)
+    return tf.data.Dataset.from_generator(examples, output_signature=signature)
+
+
+def select_labelled(ids, labels, fraction: float, seed: int):
+  """The class-balanced labelled subset of a split: sorted indices into ids.
+
+  Each class keeps round(fraction x its count) of its examples (halves round
+  up), those whose 64-bit BLAKE2b hash of the id, keyed by the seed, is
+  smallest (ties by id): the semi-supervised subsets of SimCLR (Chen et al.
+  2020, Sec. 6: 1% and 10% of ImageNet, sampled class-balanced). The choice is
+  a function of the (id, label) pairs and the seed only, never of their order,
+  of how the data is stored or of the process count; images added to a class
+  change its subset only where they outrank kept ones or change its count.
+
+  Args:
+    ids: [N] str, unique per example; labels: int [N], >= 0.
+    fraction: in (0, 1].
+    seed: int >= 0.
+  Raises:
+    ConfigError: a fraction that gives some class of the split no example
+      (naming the smallest class and the fraction it needs).
+  """
+  key = seed.to_bytes(8, "little")
+  ranks = np.array([int.from_bytes(hashlib.blake2b(i.encode("utf-8"), digest_size=8,
+                                                   key=key).digest(), "little")
+                    for i in ids], dtype=np.uint64)
+  chosen = []
+  for label in np.unique(labels):
+    members = np.flatnonzero(labels == label)
+    keep = int(np.floor(fraction * len(members) + 0.5))
+    if keep == 0:
+      smallest = np.bincount(labels).astype(float)
+      smallest[smallest == 0] = np.inf
+      least = int(np.argmin(smallest))
+      raise ConfigError("label_fraction", fraction,
+                        f"in [{0.5 / smallest[least]:.3g}, 1], so that every class keeps an "
+                        f"image (class {least} has {int(smallest[least])} images in the split)")
+    order = np.lexsort((ids[members].astype(str), ranks[members]))
+    chosen.append(members[order[:keep]])
+  return np.sort(np.concatenate(chosen))
+
+
+class LabelledSubset:
+  """A source's split restricted to its labelled subset (select_labelled): a source itself.
+
+  It stands for that one split (its methods take the split only to match
+  the source interface). Every process selects the same subset from the
+  whole split's ids and labels, then reads its own part: the subset's
+  examples in read order, split into process_count() parts of equal size
+  (within one; none is dropped, so every process count trains on the same
+  images). Each process reads only the stretch of the split its part spans.
+
+  Attributes:
+    ids: object [n] str and labels: int32 [n], the subset in read order.
+  Raises:
+    ConfigError: see select_labelled.
+  """
+
+  def __init__(self, source, split: str, fraction: float, seed: int):
+    ids, labels = source.ids_and_labels(split)
+    self._indices = select_labelled(ids, labels, fraction, seed)
+    self.ids, self.labels = ids[self._indices], labels[self._indices]
+    self.name, self.num_classes = source.name, source.num_classes
+    self._source, self._split = source, split
+
+  def num_examples(self, split: str, field: str) -> int:
+    del field  # The subset is never empty (select_labelled).
+    self._check(split)
+    return len(self._indices)
+
+  def process_counts(self, split: str, drop_remainder: bool = False):
+    """Examples each process reads (drop_remainder is ignored: nothing is dropped)."""
+    del drop_remainder
+    self._check(split)
+    return [len(part) for part in np.array_split(self._indices, jax.process_count())]
+
+  def read(self, split: str, *, drop_remainder: bool, decode: bool = True) -> tf.data.Dataset:
+    """This process's part of the subset as (image, label) pairs, in read order (see TfdsSource)."""
+    del drop_remainder
+    self._check(split)
+    part = np.array_split(self._indices, jax.process_count())[jax.process_index()]
+    start, stop = int(part[0]), int(part[-1]) + 1
+    keep = np.zeros(stop - start, bool)
+    keep[part - start] = True
+    ds = tf.data.Dataset.zip(self._source.read_range(split, start, stop, decode=decode),
+                             tf.data.Dataset.from_tensor_slices(keep))
+    return ds.filter(lambda _, kept: kept).map(lambda example, unused_kept: example)
+
+  def _check(self, split):
+    if split != self._split:
+      raise ValueError(f"LabelledSubset of {self._split!r} asked for split {split!r}")
 
 
 SOURCES = {"tfds": TfdsSource}

@@ -20,3 +20,16 @@ class ConfigError(JobError, ValueError):
 
 class NonFiniteError(JobError):
   """The loss or the parameters became NaN or infinite; nothing of that step was saved."""
+
+
+class ImageError(JobError):
+  """An image file that cannot be used: unreadable, not an image, truncated, too large.
+
+  Attributes:
+    path: the file, as given.
+    reason: why, in words (e.g. "truncated: image file is truncated").
+  """
+
+  def __init__(self, path: str, reason: str):
+    self.path, self.reason = path, reason
+    super().__init__(f"{path}: {reason}")

@@ -39,7 +39,8 @@ class EvalModel(NamedTuple):
   dataset: Callable
 
 
-def _l2_normalize(x):
+def l2_normalize(x):
+  """Rows of x [..., D] scaled to unit L2 norm (all-zero rows stay zero)."""
   return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
@@ -79,7 +80,7 @@ class Knn:
     self._split, self._bank_split = cfg.split, cfg.bank_split
     self._local_batch = cfg.batch_size // jax.process_count()
     batch = ts.batch_sharded(mesh)
-    self._embed = jax.jit(lambda v, x: _l2_normalize(model.features(v, x)),
+    self._embed = jax.jit(lambda v, x: l2_normalize(model.features(v, x)),
                           out_shardings=batch)
     self._stack = jax.jit(lambda *xs: jnp.stack(xs),
                           out_shardings=jax.sharding.NamedSharding(mesh, jax.P(None, ts.DATA_AXIS)))
@@ -177,7 +178,7 @@ def check_config(evaluators, source, num_devices: int):
     if source.num_classes is None:
       raise ConfigError(f"{field}.kind", cfg.kind,
                         f"an evaluator that needs no labels: dataset {source.name!r} has none "
-                        "(remove this evaluator)")
+                        "(remove this evaluator, or all of them with --config.evaluators='{}')")
     if cfg.batch_size <= 0 or cfg.batch_size % num_devices:
       raise ConfigError(f"{field}.batch_size", cfg.batch_size,
                         f"a positive multiple of the number of devices ({num_devices})")

@@ -29,11 +29,16 @@ def _seed_pair(seed: int, a, b):
 
 
 def center_crop(image, size: int, crop_fraction: float):
-  """Central crop of crop_fraction of the shorter side, resized to [size, size] uint8."""
+  """Central crop of crop_fraction of the shorter side, resized to [size, size] uint8.
+
+  Images of any size: a crop smaller than size is upscaled (bilinear), down
+  to a single pixel.
+  """
   if crop_fraction == 1.0 and tuple(image.shape[:2]) == (size, size):
     return image  # Already the right size (CIFAR): keep the exact pixels.
   shape = tf.shape(image)
   side = tf.cast(tf.cast(tf.minimum(shape[0], shape[1]), tf.float32) * crop_fraction, tf.int32)
+  side = tf.maximum(side, 1)
   top, left = (shape[0] - side) // 2, (shape[1] - side) // 2
   crop = tf.image.resize(image[top:top + side, left:left + side], [size, size], method="bilinear")
   return tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)
@@ -62,7 +67,7 @@ def train_dataset(source, split: str, *, local_batch: int, image_size: int,
   epoch boundaries as after repeat() and batch(drop_remainder=True).
   Steps per epoch for schedules: split size // global batch.
   """
-  num_local = source.num_examples(split, "train_split") // jax.process_count()
+  num_local = source.process_counts(split, drop_remainder=True)[jax.process_index()]
   # Uncached (large) datasets keep images encoded through the shuffle buffer
   # and the skip of a resume; they are decoded in views().
   base = source.read(split, drop_remainder=True, decode=cache)
@@ -92,23 +97,31 @@ def train_dataset(source, split: str, *, local_batch: int, image_size: int,
 
 
 def eval_dataset(source, split: str, *, local_batch: int, image_size: int,
-                 crop_fraction: float, threads: int, cache: bool = False) -> tf.data.Dataset:
+                 crop_fraction: float, threads: int, cache: bool = False,
+                 names: bool = False) -> tf.data.Dataset:
   """This process's part of `split`, every example once, in fixed order.
 
   Elements are {'image': uint8 [local_batch, S, S, 3], 'label': int32 [b],
-  'mask': bool [b]}. The last batches are padded with mask False so that every
-  process yields the same number of batches (multi-host collectives need it).
+  'mask': bool [b]}, and with names=True 'name': string [b] (source.read's
+  names). The last batches are padded with mask False (name '') so that
+  every process yields the same number of batches (multi-host collectives
+  need it).
   """
   num_batches = -(-max(source.process_counts(split)) // local_batch)
-  ds = source.read(split, drop_remainder=False).map(
-      lambda image, label: {"image": center_crop(image, image_size, crop_fraction),
-                            "label": label, "mask": True},
-      num_parallel_calls=threads)
+
+  def example(image, label, name=None):
+    named = {} if name is None else {"name": name}
+    return {"image": center_crop(image, image_size, crop_fraction), "label": label,
+            "mask": True, **named}
+
+  ds = source.read(split, drop_remainder=False, names=names).map(
+      example, num_parallel_calls=threads)
   if cache:
     ds = ds.cache()
   pad = tf.data.Dataset.from_tensors({
       "image": tf.zeros([image_size, image_size, 3], tf.uint8),
-      "label": tf.constant(0, tf.int32), "mask": False}).repeat()
+      "label": tf.constant(0, tf.int32), "mask": False,
+      **({"name": tf.constant("")} if names else {})}).repeat()
   ds = ds.concatenate(pad).take(num_batches * local_batch)
   ds = ds.batch(local_batch, drop_remainder=True).prefetch(2)
   return ds.with_options(_options(threads))

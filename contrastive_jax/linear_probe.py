@@ -3,48 +3,36 @@
   python -m contrastive_jax.main --config=configs/linear_probe.py \
       --config.pretrain_workdir=PRETRAIN_DIR --workdir=PROBE_DIR
 
-Restores only the encoder (params and BN statistics; MoCo's query encoder,
-BYOL's online encoder) from the pretraining workdir's Orbax checkpoint, with
-a partial restore onto however many devices this job has, and rebuilds it
-from the config saved with the checkpoint. The encoder stays frozen: eval-mode
-BN, no gradient, variables never written. Protocol: features h before the
-projection head, random crop-and-flip on train images, a linear classifier
-trained with the recipe of config.preset (config_lib.LINEAR_PROBE_PRESETS:
-'auto' picks the linear evaluation of the checkpoint's method's reference,
-'standardised' this project's probe, which standardises h with an affine-free
-BN so that one learning rate fits every encoder, the random baseline
-included); accuracy on every test image once (the config's 'classifier'
-evaluator).
+Restores only the encoder of the pretraining workdir's checkpoint (or the
+pretraining run's initialisation of it, the baseline; downstream.py). The
+encoder stays frozen: eval-mode BN, no gradient, variables never written.
+Protocol: features h before the projection head, random crop-and-flip on
+train images, a linear classifier trained with the recipe of config.preset
+(config_lib.LINEAR_PROBE_PRESETS: 'auto' picks the linear evaluation of the
+checkpoint's method's reference, 'standardised' this project's probe, which
+standardises h with an affine-free BN so that one learning rate fits every
+encoder, the random baseline included); accuracy on every test image once
+(the config's 'classifier' evaluator).
 """
-import functools
-
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import optax
-import tensorflow as tf
 from absl import logging
 
-from contrastive_jax import checkpointing
 from contrastive_jax import config_lib
-from contrastive_jax import crops
 from contrastive_jax import data
+from contrastive_jax import downstream
 from contrastive_jax import evaluators
 from contrastive_jax import input_pipeline
 from contrastive_jax import models
 from contrastive_jax import optim
-from contrastive_jax import pretrain
 from contrastive_jax import runner
 from contrastive_jax import train_state as ts
 from contrastive_jax.errors import ConfigError
-from contrastive_jax.methods import ENCODER
-from contrastive_jax.methods import encoder_variables
 
-# Fields a resumed probe must share with its checkpoint; the first exists only
-# in probe configs.
-IDENTITY_FIELDS = ("pretrain_workdir", "pretrain_step", "random_init", "preset", "data_source",
-                   "dataset", "train_split", "crop_sampler", "crop_area_min", "crop_resize",
-                   "batch_size", "seed", "duration", "optimizer", "head", "shuffle_buffer")
+# Fields a resumed probe must share with its checkpoint.
+IDENTITY_FIELDS = downstream.IDENTITY_FIELDS + ("preset", "head")
 PRESETS = ("auto",) + tuple(config_lib.LINEAR_PROBE_PRESETS)
 METHOD_PRESETS = ("simclr", "moco", "byol")  # 'auto' runs the checkpoint's method's.
 # name -> (kernel init, bias init) of the linear layer.
@@ -69,51 +57,6 @@ class LinearHead(nn.Module):
     return nn.Dense(self.num_classes, kernel_init=kernel_init, bias_init=bias_init)(h)
 
 
-def restore_encoder(config, mesh):
-  """The pretrained (or, with config.random_init, freshly initialised) encoder.
-
-  Returns (encoder module, its {'params', 'batch_stats'} replicated on mesh,
-  the pretraining config, the checkpoint step). Only the encoder is read from
-  the checkpoint (a partial restore).
-
-  Raises:
-    ConfigError: pretrain_workdir with no checkpoint, a pretrain_step that was
-      not saved (the saved ones are listed), or a model_name that differs from
-      the checkpoint's model.
-  """
-  directory = f"{checkpointing.resolve_dir(config.pretrain_workdir or '')}/checkpoints"
-  if not config.pretrain_workdir or not tf.io.gfile.isdir(directory):
-    raise ConfigError("pretrain_workdir", config.pretrain_workdir,
-                      f"a pretraining workdir with Orbax checkpoints in WORKDIR/checkpoints "
-                      f"(looked in {directory})")
-  ckpt = checkpointing.Checkpointer(directory, read_only=True)
-  try:
-    step = ckpt.resolve_step(None if config.pretrain_step < 0 else config.pretrain_step,
-                             "pretrain_step")
-    saved = ckpt.saved_config(step)
-    if "method" not in saved:
-      raise ConfigError("pretrain_workdir", config.pretrain_workdir,
-                        "a pretraining workdir; its checkpoints were written by another kind "
-                        "of job")
-    if config.model_name and config.model_name != saved.model.name:
-      raise ConfigError("model_name", config.model_name,
-                        f"{saved.model.name!r}, the model of the checkpoint in {directory}")
-    encoder = models.build_encoder(saved.model)
-    replicated = ts.replicated(mesh)
-    if config.random_init:  # The pretraining run's own initialisation, as it drew it.
-      init = pretrain.setup(saved, mesh, steps_per_epoch=1, num_steps=1).init
-      variables = jax.jit(lambda: encoder_variables(init()), out_shardings=replicated)()
-    else:
-      x = jnp.zeros((1, saved.image_size, saved.image_size, 3), jnp.float32)
-      shapes = jax.eval_shape(lambda: encoder.init(jax.random.PRNGKey(0), x, train=False))
-      abstract = checkpointing.abstract_like(
-          {name: {ENCODER: shapes[name]} for name in ("params", "batch_stats")}, replicated)
-      variables = encoder_variables(ckpt.restore_partial(abstract, step))
-  finally:
-    ckpt.close()
-  return encoder, variables, saved, step
-
-
 def check_config(config, num_devices: int):
   """Raises ConfigError for probe fields that cannot run (before any compute).
 
@@ -124,9 +67,7 @@ def check_config(config, num_devices: int):
     raise ConfigError("preset", config.preset, f"one of {list(PRESETS)}")
   for name in METHOD_PRESETS if config.preset == "auto" else (config.preset,):
     filled = config_lib.fill_probe_preset(config, name)
-    runner.check_config(filled, num_devices)
-    crops.check_config(filled)
-    optim.check_optimizer_config(filled.optimizer)
+    downstream.check_config(filled, num_devices)
     if filled.head.init not in HEAD_INITS:
       raise ConfigError("head.init", filled.head.init, f"one of {sorted(HEAD_INITS)}")
 
@@ -155,73 +96,66 @@ def make_train_step(encoder, head, tx):
   return jax.jit(train_step, donate_argnums=0)
 
 
-def build(config, mesh, saved_config) -> runner.Task:
+def build(config, mesh, saved_config, workdir) -> runner.Task:
   """The probe Task for runner.run.
 
   Resuming a probe started on "the latest" checkpoint keeps probing the
-  encoder it started with (saved_config.pretrain_step).
-
-  The returned Task's config is resolved: config.preset names the preset
-  that ran and its fields hold the preset's values.
+  encoder it started with (saved_config.pretrain_step). The returned Task's
+  config is resolved: config.preset names the preset that ran and its fields
+  hold the preset's values.
 
   Raises:
-    ConfigError: see restore_encoder; an unlabeled dataset; a batch larger
-      than the train split; an evaluator that cannot run.
+    ConfigError: see downstream.restore_encoder; an unlabeled dataset; a
+      batch larger than the train split; an evaluator that cannot run.
   """
+  del workdir  # The probe writes nothing but what the runner writes.
   config = config.copy_and_resolve_references()
   source = data.get_source(config, {"train_split": config.train_split})
   if source.num_classes is None:
     raise ConfigError("dataset", config.dataset,
                       "a labelled dataset: the linear probe trains on labels")
   evaluators.check_config(config.evaluators, source, jax.device_count())
-  if saved_config is not None and config.pretrain_step < 0:
-    config.pretrain_step = saved_config.pretrain_step
-  encoder, enc_vars, pretrained, config.pretrain_step = restore_encoder(config, mesh)
-  preset = pretrained.method if config.preset == "auto" else config.preset
+  encoder = downstream.restore_encoder(config, mesh, saved_config)
+  enc_vars = encoder.variables
+  preset = encoder.pretrained.method if config.preset == "auto" else config.preset
   config = config_lib.fill_probe_preset(config, preset)
   config.preset = preset
+  config.pretrain_step = encoder.step
   steps_per_epoch = runner.steps_per_epoch(source, config)
   num_steps = config_lib.to_steps(config.duration, "duration", steps_per_epoch)
   schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, steps_per_epoch,
                                           num_steps)
   tx = optim.build_optimizer(config.optimizer, schedule)
   head = LinearHead(source.num_classes, config.head.standardize, config.head.init)
-  feature_dim = jax.eval_shape(functools.partial(models.encode, encoder, enc_vars),
-                               jax.ShapeDtypeStruct((1, pretrained.image_size,
-                                                     pretrained.image_size, 3),
-                                                    jnp.uint8)).shape[-1]
 
   def init():
-    variables = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, feature_dim)),
+    variables = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, encoder.dim)),
                           train=False)
     return ts.TrainState(step=jnp.zeros((), jnp.int32), params=variables["params"],
                          batch_stats=variables.get("batch_stats", {}),
                          opt_state=tx.init(variables["params"]),
                          rng=jax.random.PRNGKey(config.seed))
 
-  step_fn = make_train_step(encoder, head, tx)
+  step_fn = make_train_step(encoder.module, head, tx)
 
   def logits(variables, images):
     enc, head_vars = variables
-    return head.apply(head_vars, models.encode(encoder, enc, images), train=False)
+    return head.apply(head_vars, models.encode(encoder.module, enc, images), train=False)
 
   logging.info("Probing %s encoder (%s, step %d of %s) with the linear-probe preset %r%s.",
                "a randomly initialised" if config.random_init else "the pretrained",
-               pretrained.method, config.pretrain_step, config.pretrain_workdir, preset,
-               " (the method's)" if preset == pretrained.method else "")
+               encoder.pretrained.method, config.pretrain_step, config.pretrain_workdir, preset,
+               " (the method's)" if preset == encoder.pretrained.method else "")
   eval_model = evaluators.EvalModel(
       variables=lambda state: (enc_vars, {"params": state.params,
                                           "batch_stats": state.batch_stats}),
-      features=lambda variables, images: models.encode(encoder, variables[0], images),
-      logits=logits,
-      dataset=pretrain.eval_datasets(source, image_size=pretrained.image_size,
-                                     crop_fraction=pretrained.eval_crop_fraction,
-                                     threads=config.data_threads, cache=config.cache))
+      features=lambda variables, images: models.encode(encoder.module, variables[0], images),
+      logits=logits, dataset=downstream.eval_datasets(source, config, encoder))
   return runner.Task(config=config, init=jax.jit(init, out_shardings=ts.replicated(mesh)),
                      train_step=lambda state, batch: step_fn(state, enc_vars, batch),
                      train_batches=input_pipeline.train_batches(
                          source, config, ts.batch_sharded(mesh),
-                         image_size=pretrained.image_size, num_views=1),
+                         image_size=encoder.pretrained.image_size, num_views=1),
                      num_steps=num_steps,
                      steps_per_epoch=steps_per_epoch, global_batch=config.batch_size,
                      schedule=schedule, eval_model=eval_model, num_classes=source.num_classes)

@@ -1,12 +1,16 @@
 """The one entry point: python -m contrastive_jax.main --config=configs/X.py --workdir=DIR.
 
-Runs the job the config names (config.job: 'pretrain' or 'linear_probe').
+Runs the job the config names (config.job: 'pretrain', 'linear_probe',
+'finetune', 'embed' or 'neighbours').
 Every config field can be overridden on the command line, e.g.
 --config.batch_size=512 or --config=configs/simclr_cifar10.py:runlocal. A
 workdir that holds a checkpoint resumes from it. Expected failures (a config
 that cannot run, a diverged run, a bad workdir) end with one line on stderr
-and exit status 1. Job modules define no flags; this one defines them all.
+and exit status 1, and so does a multi-host process whose computation fails
+because another process died (see _exit_after_peer_failure). Job modules
+define no flags; this one defines them all.
 """
+import os
 import sys
 
 from absl import app
@@ -16,14 +20,20 @@ from ml_collections import config_flags
 
 import jax
 
+from contrastive_jax import embed
+from contrastive_jax import finetune
 from contrastive_jax import linear_probe
 from contrastive_jax import metrics
+from contrastive_jax import neighbours
 from contrastive_jax import pretrain
 from contrastive_jax import runner
 from contrastive_jax.errors import ConfigError
 from contrastive_jax.errors import JobError
 
-JOBS = {"pretrain": pretrain, "linear_probe": linear_probe}
+# Training jobs (IDENTITY_FIELDS, check_config, build) run in runner.run's loop;
+# the others (no build) are not training loops and run themselves: job.run(config, workdir).
+JOBS = {"pretrain": pretrain, "linear_probe": linear_probe, "finetune": finetune,
+        "embed": embed, "neighbours": neighbours}
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).",
                                           lock_config=True)
@@ -45,6 +55,12 @@ _NUM_PROCESSES = flags.DEFINE_integer(
 _PROCESS_ID = flags.DEFINE_integer(
     "process_id", None, "With --distributed: this process's index (default: found by JAX).",
     lower_bound=0)
+# JAX's coordination service declares a process dead when it has sent no heartbeat for
+# this long, and then ends every other process of the job (JAX's default: 100 s).
+_HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
+    "heartbeat_timeout", 100,
+    "With --distributed: seconds after which a silent (dead or hung) process ends the whole "
+    "job; the bound on how long the others wait for a process that died.", lower_bound=1)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -59,6 +75,14 @@ def get_job(name: str):
   return JOBS[name]
 
 
+def run_job(config, workdir: str):
+  """Runs config.job with config in workdir; returns what the job returns."""
+  job = get_job(config.get("job"))
+  if hasattr(job, "build"):
+    return runner.run(job, config, workdir)
+  return job.run(config, workdir)
+
+
 def _distributed_args() -> dict:
   """The jax.distributed.initialize() arguments given on the command line."""
   given = {"coordinator_address": _COORDINATOR_ADDRESS.value,
@@ -66,21 +90,51 @@ def _distributed_args() -> dict:
   return {k: v for k, v in given.items() if v is not None}
 
 
+def _exit_after_peer_failure(error: jax.errors.JaxRuntimeError):
+  """Ends a multi-host process whose computation failed: one line on stderr, exit status 1.
+
+  When a process of the job dies, a survivor's collective may fail at once
+  where the dead peer's connections close (CPU's gloo: 'Connection closed by
+  peer' or 'reset by peer'). Returning normally would then hang: JAX's exit
+  handler waits in a shutdown barrier for the dead process until the
+  heartbeat timeout and then aborts with a fatal log and a C++ stack trace.
+  os._exit skips it; a training job's runner has already waited for pending
+  checkpoint writes. A survivor that blocks in a collective instead (one of
+  its devices waiting for the other, or on TPU) never gets here: JAX's
+  coordination service ends it within --heartbeat_timeout seconds, or at once
+  when process 0 (the coordinator) died, with its fatal message 'Terminating
+  process because the JAX distributed service detected fatal errors'.
+  """
+  first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
+  print(f"error: process {jax.process_index()} of {jax.process_count()}: a computation "
+        f"failed: {first_line}. If that is a lost connection, another process of this job "
+        "has died (see its log); this one stops now instead of waiting for it. Starting the "
+        "job again on the same workdir resumes from its newest checkpoint.",
+        file=sys.stderr, flush=True)
+  logging.flush()
+  os._exit(1)
+
+
 def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   metrics.quiet_library_logs()
   if _DISTRIBUTED.value:
-    jax.distributed.initialize(**_distributed_args())
+    jax.distributed.initialize(**_distributed_args(),
+                               heartbeat_timeout_seconds=_HEARTBEAT_TIMEOUT.value)
   elif _distributed_args():
     raise app.UsageError("--coordinator_address, --num_processes and --process_id need "
                          "--distributed")
   logging.info("JAX process %d of %d, %d local devices of %d.", jax.process_index(),
                jax.process_count(), jax.local_device_count(), jax.device_count())
   try:
-    runner.run(get_job(_CONFIG.value.get("job")), _CONFIG.value, _WORKDIR.value)
+    run_job(_CONFIG.value, _WORKDIR.value)
   except JobError as e:
     sys.exit(f"error: {e}")
+  except jax.errors.JaxRuntimeError as e:
+    if jax.process_count() == 1:
+      raise
+    _exit_after_peer_failure(e)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Only process 0 writes files; other processes log to the console only.
 """
 import json
 import logging as std_logging
+import time
 from typing import Optional
 
 import jax
@@ -13,6 +14,9 @@ from absl import logging
 from clu import metric_writers
 from clu.metric_writers import interface
 
+# How often metrics.jsonl on gs:// is uploaded, besides at every checkpoint and at the end.
+GCS_FLUSH_SECS = 60.0
+
 
 class JsonlWriter(interface.MetricWriter):
   """Appends one JSON object per write_scalars call: {"step": s, name: value, ...}.
@@ -20,14 +24,25 @@ class JsonlWriter(interface.MetricWriter):
   The JSONL file holds scalars only; hyperparameters, images, videos, audio,
   texts and histograms go to TensorBoard and are skipped here (the config is
   also saved with every checkpoint).
+
+  Args:
+    path: a local path or a gs:// URL.
+    flush_every_secs: the records reach storage at the first write this many
+      seconds after the previous flush (0: at every write), and at flush()
+      and close(). GCS objects cannot be appended to: on gs://, tf.io.gfile's
+      append mode keeps a local copy of the file and uploads all of it at
+      each flush, so flushing every record would upload O(records^2) bytes.
   """
 
-  def __init__(self, path: str):
+  def __init__(self, path: str, flush_every_secs: float = 0.0):
     self._file = tf.io.gfile.GFile(path, "a")
+    self._flush_every_secs = flush_every_secs
+    self._flushed = time.monotonic()
 
   def _write(self, record: dict):
     self._file.write(json.dumps(record) + "\n")
-    self._file.flush()
+    if time.monotonic() - self._flushed >= self._flush_every_secs:
+      self.flush()
 
   def write_scalars(self, step, scalars):
     self._write({"step": int(step), **{k: float(np.asarray(v)) for k, v in scalars.items()}})
@@ -55,6 +70,7 @@ class JsonlWriter(interface.MetricWriter):
 
   def flush(self):
     self._file.flush()
+    self._flushed = time.monotonic()
 
   def close(self):
     self._file.close()
@@ -63,10 +79,12 @@ class JsonlWriter(interface.MetricWriter):
 def create_writer(workdir: str, resumed_step: Optional[int]) -> interface.MetricWriter:
   """TensorBoard events in WORKDIR, WORKDIR/metrics.jsonl and the console log.
 
-  metrics.jsonl keeps only the records up to resumed_step, the step of the
-  checkpoint the job resumed from (None for a fresh start: none are kept); a
-  job killed between two checkpoints wrote the later ones and will write them
-  again.
+  WORKDIR may be a local path or gs://. metrics.jsonl keeps only the records
+  up to resumed_step, the step of the checkpoint the job resumed from (None
+  for a fresh start: none are kept); a job killed between two checkpoints wrote
+  the later ones and will write them again. Locally each record is flushed at
+  once; on gs:// every GCS_FLUSH_SECS (see JsonlWriter), and the runner
+  flushes the writer at every checkpoint.
   """
   if jax.process_index() > 0:
     return metric_writers.create_default_writer(just_logging=True)
@@ -79,7 +97,8 @@ def create_writer(workdir: str, resumed_step: Optional[int]) -> interface.Metric
     with tf.io.gfile.GFile(path, "w") as f:
       f.write("".join(kept))
   return metric_writers.MultiWriter([
-      metric_writers.create_default_writer(workdir, asynchronous=False), JsonlWriter(path)])
+      metric_writers.create_default_writer(workdir, asynchronous=False),
+      JsonlWriter(path, flush_every_secs=GCS_FLUSH_SECS if workdir.startswith("gs://") else 0.0)])
 
 
 class _QuietLibraries(std_logging.Filter):

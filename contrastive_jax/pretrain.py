@@ -118,7 +118,7 @@ def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int =
              probe)
 
 
-def build(config, mesh, saved_config) -> runner.Task:
+def build(config, mesh, saved_config, workdir) -> runner.Task:
   """The pretraining Task for runner.run (see its docstring).
 
   Raises:
@@ -126,7 +126,7 @@ def build(config, mesh, saved_config) -> runner.Task:
       a batch larger than the train split, an evaluator or method field that
       cannot run.
   """
-  del saved_config  # Resuming needs nothing beyond the identity check.
+  del saved_config, workdir  # Resuming needs nothing beyond the identity check.
   method = get_method(config.method)
   source = data.get_source(config, {"train_split": config.train_split})
   evaluators.check_config(config.evaluators, source, jax.device_count())

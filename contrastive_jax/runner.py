@@ -1,14 +1,17 @@
-"""The loop every job shares: pretraining, the linear probe, and those to come.
+"""The loop every job shares: pretraining, the linear probe, fine-tuning, and those to come.
 
-A job module (pretrain.py, linear_probe.py) provides IDENTITY_FIELDS (config
-fields a resumed run must share with its checkpoint; the first one exists only
-in that job's configs), check_config(config, num_devices) and
-build(config, mesh, saved_config) -> Task; run() does the rest, written once: resume from the workdir's latest
-checkpoint, step, log, stop on a non-finite loss, run the config's
-evaluators at their intervals and at the end, checkpoint, and stop cleanly on
-preemption (one process: SIGTERM; several: JAX's distributed preemption sync,
-so every host stops at the same step). Every exit path, errors included,
-waits for pending checkpoint writes; nothing non-finite is ever saved.
+A job module (pretrain.py, linear_probe.py, finetune.py) provides
+IDENTITY_FIELDS (config fields a resumed run must share with its checkpoint;
+the first one exists only in that job's configs), check_config(config,
+num_devices) and build(config, mesh, saved_config, workdir) -> Task (workdir
+for files of the job's own; saved_config is the checkpoint's config when
+resuming, else None); run() does the rest, written once: resume from the
+workdir's latest checkpoint, step, log, stop on a non-finite loss, run the
+config's evaluators at their intervals and at the end, checkpoint, and stop
+cleanly on preemption (one process: SIGTERM; several: JAX's distributed
+preemption sync, so every host stops at the same step). Every exit path,
+errors included, waits for pending checkpoint writes; nothing non-finite is
+ever saved.
 """
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
@@ -109,7 +112,7 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
       saved = ckpt.saved_config()
       ckpt.check_compatible(config, job.IDENTITY_FIELDS[:1])  # The same kind of job.
     mesh = ts.make_mesh()
-    task = job.build(config, mesh, saved)
+    task = job.build(config, mesh, saved, workdir)
     if saved is not None:  # Compared with what build() resolved (e.g. the probe's step).
       ckpt.check_compatible(task.config, job.IDENTITY_FIELDS)
     return _loop(task, workdir, ckpt, mesh)
@@ -191,6 +194,8 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
           window.exclude(time.time() - t0)
         if scalars:
           writer.write_scalars(step, scalars)
+        if save:  # A resumed run keeps the records up to its checkpoint: store them now.
+          writer.flush()
         if stop:
           logging.warning("Stopped at step %d after a preemption request.", step)
           break

@@ -3,7 +3,8 @@
 usage: python multihost_worker.py PROCESS_ID PORT WORKDIR TFDS_DIR JOB [PRETRAIN_WORKDIR]
 
 JOB 'pretrain' runs 3 steps of the tiny SimCLR config; 'linear_probe' probes
-PRETRAIN_WORKDIR for up to 400 steps (the test stops it with SIGTERM).
+PRETRAIN_WORKDIR for up to 400 steps (the test stops it with SIGTERM); 'embed'
+embeds CIFAR-10 test[:20] with PRETRAIN_WORKDIR's encoder (tests/test_search.py).
 Imports every module first and initialises jax.distributed after, as a pod
 worker does.
 """
@@ -11,6 +12,7 @@ import sys
 
 import jax
 
+from contrastive_jax import embed
 from contrastive_jax import linear_probe
 from contrastive_jax import pretrain
 from contrastive_jax import runner
@@ -24,6 +26,13 @@ def main(process_id: int, port: int, workdir: str, tfds_dir: str, job: str,
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
   from helpers import load_config, tiny_config
 
+  if job == "embed":
+    config = load_config("embed")
+    config.update(pretrain_workdir=pretrain_workdir, dataset="cifar10", data_dir=tfds_dir,
+                  split="test[:20]", batch_size=8, data_threads=1)
+    rows = len(embed.run(config, workdir))
+    print(f"RESULT process={jax.process_index()} rows={rows}", flush=True)
+    return
   if job == "pretrain":
     config = tiny_config()
     config.duration = "3 steps"

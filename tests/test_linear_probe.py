@@ -8,6 +8,7 @@ import pytest
 from helpers import TFDS_DIR, checkpoints_are_finite, load_config, tiny_config
 
 from contrastive_jax import checkpointing
+from contrastive_jax import downstream
 from contrastive_jax import linear_probe
 from contrastive_jax import pretrain
 from contrastive_jax import runner
@@ -45,9 +46,10 @@ def probe_config(pretrain_workdir, **overrides):
 
 def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path):
   mesh = ts.make_mesh()
-  _, saved_vars, saved_config, step = linear_probe.restore_encoder(probe_config(pretrained), mesh)
-  assert step == 2 and saved_config.method == "simclr"
-  before = jax.device_get(saved_vars)
+  encoder = downstream.restore_encoder(probe_config(pretrained), mesh)
+  saved_config = encoder.pretrained
+  assert encoder.step == 2 and saved_config.method == "simclr" and encoder.dim == 32
+  before = jax.device_get(encoder.variables)
   # The partial restore read exactly what pretraining saved.
   ckpt = checkpointing.Checkpointer(os.path.join(pretrained, "checkpoints"), read_only=True)
   full = ckpt.restore(checkpointing.abstract_like(
@@ -58,7 +60,7 @@ def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path)
   jax.tree.map(np.testing.assert_array_equal, before["batch_stats"],
                jax.device_get(full.batch_stats["encoder"]))
 
-  task = linear_probe.build(probe_config(pretrained), mesh, None)
+  task = linear_probe.build(probe_config(pretrained), mesh, None, str(tmp_path))
   # 'auto' ran the SimCLR checkpoint's reference's probe: a plain linear layer.
   assert task.config.preset == "simclr" and not task.config.head.standardize
   state, result = runner.run(linear_probe, probe_config(pretrained), str(tmp_path))
@@ -98,16 +100,17 @@ def test_probe_stops_on_a_non_finite_loss(pretrained, tmp_path):
 
 def test_restore_onto_another_device_count(pretrained):
   config = probe_config(pretrained)
-  _, on8, _, _ = linear_probe.restore_encoder(config, ts.make_mesh())
-  _, on1, _, _ = linear_probe.restore_encoder(config, ts.make_mesh(jax.devices()[:1]))
+  on8 = downstream.restore_encoder(config, ts.make_mesh()).variables
+  on1 = downstream.restore_encoder(config, ts.make_mesh(jax.devices()[:1])).variables
   assert len(jax.tree.leaves(on1)[0].sharding.device_set) == 1
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(on8), jax.device_get(on1))
 
 
 def test_random_init_baseline_is_the_pretraining_runs_initialisation(pretrained):
-  _, trained, saved, _ = linear_probe.restore_encoder(probe_config(pretrained), ts.make_mesh())
-  _, random, _, _ = linear_probe.restore_encoder(probe_config(pretrained, random_init=True),
-                                                 ts.make_mesh())
+  restored = downstream.restore_encoder(probe_config(pretrained), ts.make_mesh())
+  trained, saved = restored.variables, restored.pretrained
+  random = downstream.restore_encoder(probe_config(pretrained, random_init=True),
+                                      ts.make_mesh()).variables
   init = jax.device_get(pretrain.setup(saved, ts.make_mesh(), 1, 1).init())
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(random["params"]),
                init.params["encoder"])
@@ -117,11 +120,11 @@ def test_random_init_baseline_is_the_pretraining_runs_initialisation(pretrained)
 
 def test_bad_probe_inputs(pretrained, tmp_path):
   with pytest.raises(ConfigError, match="config.pretrain_workdir=.*looked in"):
-    linear_probe.restore_encoder(probe_config(str(tmp_path)), ts.make_mesh())
+    downstream.restore_encoder(probe_config(str(tmp_path)), ts.make_mesh())
   with pytest.raises(ConfigError, match=r"config.pretrain_step=7: must be one of the saved steps \[1, 2\]"):
-    linear_probe.restore_encoder(probe_config(pretrained, pretrain_step=7), ts.make_mesh())
+    downstream.restore_encoder(probe_config(pretrained, pretrain_step=7), ts.make_mesh())
   with pytest.raises(ConfigError, match="config.model_name='resnet50': must be 'resnet18'"):
-    linear_probe.restore_encoder(probe_config(pretrained, model_name="resnet50"), ts.make_mesh())
+    downstream.restore_encoder(probe_config(pretrained, model_name="resnet50"), ts.make_mesh())
   config = probe_config(pretrained)
   config.evaluators.linear_probe.every = "0 steps"
   with pytest.raises(ConfigError, match="config.evaluators.linear_probe.every='0 steps'"):
@@ -148,7 +151,7 @@ def test_probe_presets_resolve_to_their_references_recipes(pretrained):
     config = load_config("linear_probe")
     config.update(dict(pretrain_workdir=pretrained, data_dir=TFDS_DIR, **overrides))
     linear_probe.check_config(config, jax.device_count())
-    return linear_probe.build(config, ts.make_mesh(), None).config
+    return linear_probe.build(config, ts.make_mesh(), None, None).config
 
   for preset, expected in PROBE_REFERENCES.items():
     c = resolved(preset=preset)

@@ -1,33 +1,27 @@
-"""Two processes on 127.0.0.1, 4 CPU devices each: pretraining and a preempted probe."""
+"""Two processes on 127.0.0.1: pretraining, a preempted probe, a worker killed mid-run."""
 import json
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
 
-from helpers import TFDS_DIR, tiny_config
+import pytest
+from helpers import CONFIG_DIR, TFDS_DIR, free_port, subprocess_env, tiny_config
 
 from contrastive_jax import checkpointing
 from contrastive_jax import pretrain
 from contrastive_jax import runner
 
 
-def _free_port():
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
 def _start(workdir, job, *extra):
-  port = _free_port()
+  port = free_port()
   worker = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
-  env = dict(os.environ, PYTHONPATH=os.path.dirname(__file__))
   return [subprocess.Popen([sys.executable, worker, str(i), str(port), str(workdir), TFDS_DIR,
                             job, *extra],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                           env=subprocess_env(fast_compile=True))
           for i in range(2)]
 
 
@@ -53,11 +47,18 @@ def test_two_host_run_agrees_and_only_process_zero_writes_metrics(tmp_path):
   assert os.path.isdir(tmp_path / "checkpoints" / "3")
 
 
-def test_sigterm_to_one_process_stops_both_probe_processes_at_the_same_step(tmp_path):
-  pretrained = tmp_path / "pretrain"
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+  """A pretraining workdir with a 1-step tiny SimCLR checkpoint, for the probes."""
+  workdir = tmp_path_factory.mktemp("pretrain")
   config = tiny_config()
   config.duration = "1 steps"
-  runner.run(pretrain, config, str(pretrained))
+  runner.run(pretrain, config, str(workdir))
+  return workdir
+
+
+def test_sigterm_to_one_process_stops_both_probe_processes_at_the_same_step(pretrained,
+                                                                             tmp_path):
   probe_dir = tmp_path / "probe"
   procs = _start(probe_dir, "linear_probe", str(pretrained))
   deadline = time.time() + 300
@@ -70,3 +71,62 @@ def test_sigterm_to_one_process_stops_both_probe_processes_at_the_same_step(tmp_
   stopped = int(results[0][1])
   assert 3 <= stopped < 400
   assert checkpointing.Checkpointer(str(probe_dir / "checkpoints")).latest_step() == stopped
+
+
+def test_a_killed_worker_stops_the_other_within_the_heartbeat_timeout(pretrained, tmp_path):
+  """kill -9 of process 1 mid-run: process 0 exits non-zero within --heartbeat_timeout.
+
+  Through the real entry point (main.py --distributed), the linear probe on 2
+  processes x 2 devices. Either the survivor's collective fails at once and it
+  exits 1 with main.py's one line (about half the runs here), or one of its
+  devices blocks in a collective whose peer is gone and JAX's coordination
+  service ends it at the heartbeat timeout with its fatal message (the other
+  half); rarely gloo's I/O thread aborts it first on the dead peer's last
+  message (seen once in about 20 runs).
+  """
+  heartbeat_timeout = 10
+  workdir = tmp_path / "probe"
+  port = free_port()
+  args = [f"--config={CONFIG_DIR}/linear_probe.py:runlocal", f"--workdir={workdir}",
+          f"--config.pretrain_workdir={pretrained}", f"--config.data_dir={TFDS_DIR}",
+          "--config.train_split=train[:256]", "--config.batch_size=16",
+          "--config.duration=400 steps", "--config.log_every=1 steps",
+          "--config.shuffle_buffer=256", "--config.data_threads=1",
+          "--config.evaluators.linear_probe.split=test[:32]",
+          "--config.evaluators.linear_probe.batch_size=16", "--distributed",
+          f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
+          f"--heartbeat_timeout={heartbeat_timeout}"]
+  env = subprocess_env(fast_compile=True, JAX_NUM_CPU_DEVICES="2",
+                       JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+  logs = [tmp_path / f"process_{i}.log" for i in range(2)]
+  procs = []
+  for i, log in enumerate(logs):
+    with open(log, "w") as f:  # A file, not a pipe: a full pipe would stall the job.
+      procs.append(subprocess.Popen([sys.executable, "-m", "contrastive_jax.main", *args,
+                                     f"--process_id={i}"], stdout=f, stderr=subprocess.STDOUT,
+                                    env=env))
+  try:
+    deadline = time.time() + 300
+    while not (os.path.exists(workdir / "metrics.jsonl") and len(_steps(workdir)) >= 3):
+      assert time.time() < deadline and all(p.poll() is None for p in procs), logs[0].read_text()
+      time.sleep(0.2)
+    procs[1].send_signal(signal.SIGKILL)
+    killed = time.time()
+    procs[0].wait(timeout=heartbeat_timeout + 60)
+    took = time.time() - killed
+  finally:
+    for proc in procs:
+      proc.kill()
+      proc.wait()
+  output = logs[0].read_text()
+  assert took < heartbeat_timeout + 10, took  # Slack for a loaded machine.
+  if procs[0].returncode == 1:  # main.py's one line.
+    errors = [line for line in output.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, output[-3000:]
+    assert errors[0].startswith("error: process 0 of 2: a computation failed: "), errors[0]
+    assert "another process of this job has died" in errors[0], errors[0]
+    assert "Traceback" not in output, output[-3000:]
+  else:  # Aborted by JAX's coordination service or, rarely, by gloo.
+    assert procs[0].returncode == -signal.SIGABRT, output[-3000:]
+    assert ("This most likely indicates that another task died" in output
+            or "Received data size doesn't match expected size" in output), output[-3000:]

@@ -72,3 +72,18 @@ def test_step_schedule_decays_at_the_given_epochs():
   sched = optim.learning_rate_schedule(cfg, 256, steps_per_epoch=10, total_steps=50)
   np.testing.assert_allclose([sched(5), sched(10), sched(29), sched(30), sched(39), sched(40)],
                              [0.5, 1.0, 1.0, 0.1, 0.1, 0.01], rtol=1e-6)
+
+
+def test_nesterov_sgd_steps():
+  # Constant gradient 1, lr 1, momentum 0.9: v_t = 0.9 v_{t-1} + g; the Nesterov
+  # step is -(g + 0.9 v_t): -1.9, then -2.71 (plain momentum: -1, then -1.9).
+  cfg = ml_collections.ConfigDict(config_lib.optimizer("sgd", base_lr=1.0, weight_decay=0.0,
+                                                       nesterov=True))
+  tx = optim.build_optimizer(cfg, lambda step: 1.0)
+  params = {"kernel": jnp.zeros(3)}
+  state = tx.init(params)
+  steps = []
+  for _ in range(2):
+    updates, state = tx.update({"kernel": jnp.ones(3)}, state, params)
+    steps.append(updates["kernel"])
+  np.testing.assert_allclose(steps, [[-1.9] * 3, [-2.71] * 3], rtol=1e-6)

@@ -2,7 +2,6 @@
 epochs, the non-finite stop, bad configs and workdirs."""
 import json
 import os
-import signal
 import subprocess
 import sys
 
@@ -11,6 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from helpers import CONFIG_DIR, TFDS_DIR, checkpoints_are_finite, tiny_config
+from helpers import sigterm_after_first_train_batch
 
 from contrastive_jax import augment
 from contrastive_jax import checkpointing
@@ -29,21 +29,6 @@ from contrastive_jax.errors import NonFiniteError
 def read_metrics(workdir):
   with open(os.path.join(workdir, "metrics.jsonl")) as f:
     return [json.loads(line) for line in f]
-
-
-def sigterm_after_first_train_batch(monkeypatch):
-  """Sends SIGTERM while the loop runs step 2, so the job stops after it."""
-  original = input_pipeline.device_batches
-
-  def device_batches(ds, sharding, prefetch=2):
-    is_train = "mask" not in ds.element_spec
-    for i, batch in enumerate(original(ds, sharding, prefetch)):
-      yield batch
-      # The loop resumes this generator when it fetches the next batch.
-      if is_train and i == 0:
-        os.kill(os.getpid(), signal.SIGTERM)
-
-  monkeypatch.setattr(input_pipeline, "device_batches", device_batches)
 
 
 @pytest.mark.parametrize("method", ["simclr", "moco_v2", "byol"])

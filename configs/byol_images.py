@@ -1,0 +1,39 @@
+"""BYOL on an image folder prepared by prepare_images (Grill et al. 2020).
+
+  python -m contrastive_jax.main --config=configs/byol_images.py \\
+      --config.dataset=NAME --config.data_dir=DIR --workdir=RUN
+
+ResNet-18 (ImageNet stem) at 224 px (--config.image_size=64 to 224), batch
+256, 200 epochs, LARS lr 0.2 x B/256, weight decay 1.5e-6, 10 warm-up epochs
+then cosine, target EMA tau_base 0.99 (the paper's value for short
+schedules), projector and predictor Linear 4096, BN, ReLU, Linear 256,
+asymmetric augmentations (Table 6). kNN monitor (k 20) and online probe on
+the test split; an unlabeled folder needs --config.evaluators='{}'.
+
+Variant `runlocal`: 64 px, ResNet-18 at width 0.25, batch 128, 400 steps,
+narrower heads, a larger lr for the short schedule; sized for about 10
+minutes on a 2-core CPU (config_lib.runlocal_images).
+"""
+from contrastive_jax import config_lib
+
+
+def get_config(variant: str = ""):
+  config = config_lib.images(config_lib.base_config(), batch_size=256, num_epochs=200,
+                              reference="byol")
+  config.method = "byol"
+  config.projector = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")
+  config.predictor = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")
+  config.byol = dict(tau_base=0.99)
+  config_lib.crop(config, "byol", 0.08, "tf_bicubic")
+  config.augment = config_lib.byol_views()
+  config.optimizer = config_lib.optimizer("lars", base_lr=0.2, weight_decay=1.5e-6)
+  if variant == "runlocal":
+    config_lib.runlocal_images(config, steps=400)
+    config.projector.hidden_dims = (512,)
+    config.projector.out_dim = 128
+    config.predictor.hidden_dims = (512,)
+    config.predictor.out_dim = 128
+    config.optimizer.base_lr = 1.0
+  elif variant:
+    raise ValueError(f"Unknown variant {variant!r} of byol_images; known: 'runlocal'.")
+  return config

@@ -1,0 +1,33 @@
+"""Embeddings of a dataset split or a folder of images (config.job='embed').
+
+  python -m contrastive_jax.main --config=configs/embed.py --workdir=EMBED_DIR \
+      --config.pretrain_workdir=PRETRAIN_DIR --config.dataset=cifar10 --config.split=test
+  python -m contrastive_jax.main --config=configs/embed.py --workdir=EMBED_DIR \
+      --config.pretrain_workdir=PRETRAIN_DIR --config.folder=/photos
+
+Set the pretraining workdir and either a dataset (data_source, dataset,
+data_dir, split) or a folder of image files. The encoder's architecture,
+image size and centre crop come from the checkpoint's own config.
+"""
+import ml_collections
+from ml_collections import config_dict
+
+
+def get_config(variant: str = ""):
+  if variant:
+    raise ValueError(f"configs/embed.py has no variants; got {variant!r}.")
+  config = ml_collections.ConfigDict()
+  config.job = "embed"
+  config.pretrain_workdir = config_dict.placeholder(str)
+  config.pretrain_step = -1  # -1: the latest checkpoint.
+  config.random_init = False  # True: the pretraining run's encoder at initialisation (baseline).
+  config.model_name = config_dict.placeholder(str)  # If set, the checkpoint's model must match.
+  config.data_source = "tfds"
+  config.dataset = config_dict.placeholder(str)  # e.g. 'cifar10' or a prepared image folder.
+  config.data_dir = config_dict.placeholder(str)  # None: TFDS_DATA_DIR or ~/tensorflow_datasets.
+  config.split = "test"
+  config.folder = config_dict.placeholder(str)  # A folder of image files, instead of a dataset.
+  config.max_pixels = 100_000_000  # Files whose header claims more are not decoded.
+  config.batch_size = 256  # Global; a multiple of the device count.
+  config.data_threads = 2
+  return config

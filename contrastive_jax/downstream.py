@@ -1,0 +1,117 @@
+"""What the jobs on a pretrained encoder share: the linear probe and fine-tuning.
+
+Both restore only the encoder (params and BN statistics; MoCo's query
+encoder, BYOL's online encoder) of a pretraining workdir's Orbax checkpoint,
+with a partial restore onto however many devices the job has, and rebuild it
+from the config saved with the checkpoint; or, with config.random_init, take
+the pretraining run's own initialisation of it (the baseline). Both train on
+one random crop-and-flip per labelled image and are evaluated at the
+pretraining run's image size and eval crop.
+"""
+import functools
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import tensorflow as tf
+
+from contrastive_jax import checkpointing
+from contrastive_jax import crops
+from contrastive_jax import gcs
+from contrastive_jax import models
+from contrastive_jax import optim
+from contrastive_jax import pretrain
+from contrastive_jax import runner
+from contrastive_jax import train_state as ts
+from contrastive_jax.errors import ConfigError
+from contrastive_jax.methods import ENCODER
+from contrastive_jax.methods import encoder_variables
+
+# Fields a resumed downstream job must share with its checkpoint. The first
+# exists in no pretraining config; 'job' tells a probe from a fine-tune.
+IDENTITY_FIELDS = ("pretrain_workdir", "job", "pretrain_step", "random_init", "data_source",
+                   "dataset", "train_split", "crop_sampler", "crop_area_min", "crop_resize",
+                   "batch_size", "seed", "duration", "optimizer", "shuffle_buffer")
+
+
+class Encoder(NamedTuple):
+  """A restored encoder.
+
+  module: the ResNet (models.build_encoder of the pretraining config's model).
+  variables: its {'params', 'batch_stats'}, replicated on the mesh.
+  pretrained: the pretraining run's config (image_size, eval_crop_fraction, ...).
+  step: the checkpoint step it comes from.
+  dim: the size D of its representation h.
+  """
+  module: Any
+  variables: Any
+  pretrained: ml_collections.ConfigDict
+  step: int
+  dim: int
+
+
+def check_config(config, num_devices: int):
+  """Raises ConfigError for the shared fields that cannot run (before any compute)."""
+  runner.check_config(config, num_devices)
+  crops.check_config(config)
+  optim.check_optimizer_config(config.optimizer)
+
+
+def restore_encoder(config, mesh, saved_config=None) -> Encoder:
+  """The pretrained (or, with config.random_init, freshly initialised) encoder.
+
+  Only the encoder is read from the checkpoint (a partial restore). A job
+  resumed from saved_config (its own checkpoint's config) that was started on
+  "the latest" pretraining checkpoint keeps the step it started with.
+
+  Raises:
+    ConfigError: pretrain_workdir with no checkpoint, a pretrain_step that was
+      not saved (the saved ones are listed), checkpoints of another kind of
+      job, or a model_name that differs from the checkpoint's model.
+    JobError: a gs:// pretrain_workdir without Google Cloud credentials.
+  """
+  gcs.check_credentials(config.pretrain_workdir or "", "config.pretrain_workdir")
+  directory = f"{checkpointing.resolve_dir(config.pretrain_workdir or '')}/checkpoints"
+  if not config.pretrain_workdir or not tf.io.gfile.isdir(directory):
+    raise ConfigError("pretrain_workdir", config.pretrain_workdir,
+                      f"a pretraining workdir with Orbax checkpoints in WORKDIR/checkpoints "
+                      f"(looked in {directory})")
+  pretrain_step = config.pretrain_step
+  if saved_config is not None and pretrain_step < 0:
+    pretrain_step = saved_config.pretrain_step
+  ckpt = checkpointing.Checkpointer(directory, read_only=True)
+  try:
+    step = ckpt.resolve_step(None if pretrain_step < 0 else pretrain_step, "pretrain_step")
+    saved = ckpt.saved_config(step)
+    if "method" not in saved:
+      raise ConfigError("pretrain_workdir", config.pretrain_workdir,
+                        "a pretraining workdir; its checkpoints were written by another kind "
+                        "of job")
+    if config.model_name and config.model_name != saved.model.name:
+      raise ConfigError("model_name", config.model_name,
+                        f"{saved.model.name!r}, the model of the checkpoint in {directory}")
+    encoder = models.build_encoder(saved.model)
+    replicated = ts.replicated(mesh)
+    if config.random_init:  # The pretraining run's own initialisation, as it drew it.
+      init = pretrain.setup(saved, mesh, steps_per_epoch=1, num_steps=1).init
+      variables = jax.jit(lambda: encoder_variables(init()), out_shardings=replicated)()
+    else:
+      x = jnp.zeros((1, saved.image_size, saved.image_size, 3), jnp.float32)
+      shapes = jax.eval_shape(lambda: encoder.init(jax.random.PRNGKey(0), x, train=False))
+      abstract = checkpointing.abstract_like(
+          {name: {ENCODER: shapes[name]} for name in ("params", "batch_stats")}, replicated)
+      variables = encoder_variables(ckpt.restore_partial(abstract, step))
+  finally:
+    ckpt.close()
+  dim = jax.eval_shape(functools.partial(models.encode, encoder, variables),
+                       jax.ShapeDtypeStruct((1, saved.image_size, saved.image_size, 3),
+                                            jnp.uint8)).shape[-1]
+  return Encoder(encoder, variables, saved, step, dim)
+
+
+def eval_datasets(source, config, encoder: Encoder):
+  """The evaluators' datasets (pretrain.eval_datasets) at the encoder's image size and crop."""
+  return pretrain.eval_datasets(source, image_size=encoder.pretrained.image_size,
+                                crop_fraction=encoder.pretrained.eval_crop_fraction,
+                                threads=config.data_threads, cache=config.cache)

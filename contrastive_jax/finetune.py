@@ -1,0 +1,191 @@
+"""The fine-tuning job (config.job='finetune'): the whole encoder and a linear head, few labels.
+
+  python -m contrastive_jax.main --config=configs/finetune.py \
+      --config.pretrain_workdir=PRETRAIN_DIR --config.label_fraction=0.01 --workdir=DIR
+
+The semi-supervised protocol of SimCLR (Chen et al. 2020, Sec. 6 and Appendix
+B.5): the encoder of a pretraining checkpoint (or, with random_init, the
+pretraining run's initialisation of it: the baseline; downstream.py) and a
+zero-initialised linear head on h are trained together, by cross-entropy, on
+a class-balanced subset of the train split's labels (data.select_labelled:
+label_fraction of each class, chosen by label_seed alone, so that every run,
+seed and process count trains on the same images); top-1 and top-5 on every
+test image (the config's 'classifier' evaluator). The subset's ids and labels
+are written to WORKDIR/labelled_subset.csv.
+
+BatchNorm trains in train mode: batch statistics over the global batch (as
+SimCLR's global BN), and running statistics that start from the restored ones
+and follow the fine-tuned encoder (momentum 0.9), used at evaluation. Frozen
+statistics would describe the pretraining views' activations, which drift
+away as the weights change.
+"""
+import csv
+import functools
+import io
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import optax
+import tensorflow as tf
+from absl import logging
+
+from contrastive_jax import config_lib
+from contrastive_jax import data
+from contrastive_jax import downstream
+from contrastive_jax import evaluators
+from contrastive_jax import input_pipeline
+from contrastive_jax import models
+from contrastive_jax import optim
+from contrastive_jax import runner
+from contrastive_jax import train_state as ts
+from contrastive_jax.errors import ConfigError
+from contrastive_jax.errors import JobError
+from contrastive_jax.methods import ENCODER
+from contrastive_jax.methods import encoder_variables
+
+# Fields a resumed fine-tune must share with its checkpoint; the first exists
+# only in fine-tuning configs.
+IDENTITY_FIELDS = ("label_fraction", "label_seed") + downstream.IDENTITY_FIELDS
+SUBSET_FILE = "labelled_subset.csv"
+
+
+def check_config(config, num_devices: int):
+  """Raises ConfigError for fine-tuning fields that cannot run (before any compute)."""
+  downstream.check_config(config, num_devices)
+  if not 0 < config.label_fraction <= 1:
+    raise ConfigError("label_fraction", config.label_fraction,
+                      "in (0, 1]: the fraction of each class's train labels to fine-tune on "
+                      "(e.g. 0.01, 0.1 or 1)")
+  if config.label_seed < 0:
+    raise ConfigError("label_seed", config.label_seed, "an integer >= 0")
+
+
+def make_train_step(encoder, head, tx):
+  """Jitted (state, batch) -> (state, metrics), state donated; encoder and head both train.
+
+  batch: {'image': uint8 [B, 1, S, S, 3] (one crop per image), 'label': int32 [B]}.
+  state.params = {'encoder', 'head'}, state.batch_stats = {'encoder'}: BN in
+  train mode over the global batch, running statistics updated.
+  metrics: float32 'loss' (cross-entropy), 'train_top1' and apply_gradients' norms.
+  """
+
+  def train_step(state, batch):
+    images = batch["image"][:, 0].astype(jnp.float32) / 255.0  # Scaled as models.encode does.
+
+    def loss_fn(params):
+      h, updates = encoder.apply({"params": params[ENCODER],
+                                  "batch_stats": state.batch_stats[ENCODER]},
+                                 images, train=True, mutable=["batch_stats"])
+      logits = head.apply({"params": params["head"]}, h)
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+      return loss, (updates["batch_stats"], logits)
+
+    (loss, (stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    top1 = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+    state, health = ts.apply_gradients(state, grads, tx, batch_stats={ENCODER: stats})
+    return state, {"loss": loss, "train_top1": top1, **health}
+
+  return jax.jit(train_step, donate_argnums=0)
+
+
+def subset_csv(subset: data.LabelledSubset) -> str:
+  """The text of labelled_subset.csv: a header 'id,label', then one row per image in read order."""
+  text = io.StringIO()
+  writer = csv.writer(text, lineterminator="\n")
+  writer.writerow(("id", "label"))
+  writer.writerows(zip(subset.ids, subset.labels.tolist()))
+  return text.getvalue()
+
+
+def record_subset(subset: data.LabelledSubset, workdir: str, resumed: bool):
+  """Writes WORKDIR/labelled_subset.csv (process 0), or, resuming, checks it against `subset`.
+
+  The file is written whole under a temporary name and renamed, so any
+  process that sees it sees it complete.
+
+  Raises:
+    JobError: resuming, the file lists another subset than the one selected
+      now (the dataset changed under the same name): the checkpoint was
+      trained on the file's images.
+  """
+  path, text = f"{workdir}/{SUBSET_FILE}", subset_csv(subset)
+  if resumed and tf.io.gfile.exists(path):
+    with tf.io.gfile.GFile(path) as f:
+      if f.read() != text:
+        raise JobError(f"{path} lists another labelled subset than label_fraction and "
+                       f"label_seed select from dataset {subset.name!r} now: the dataset "
+                       "changed since this run started. Use a new workdir")
+    return
+  if jax.process_index() == 0:
+    with tf.io.gfile.GFile(path + ".tmp", "w") as f:
+      f.write(text)
+    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+
+
+def build(config, mesh, saved_config, workdir: str) -> runner.Task:
+  """The fine-tuning Task for runner.run.
+
+  Raises:
+    ConfigError: see downstream.restore_encoder and data.select_labelled; an
+      unlabeled dataset; a batch larger than the labelled subset; an
+      evaluator that cannot run.
+    JobError: see record_subset.
+  """
+  config = config.copy_and_resolve_references()
+  source = data.get_source(config, {"train_split": config.train_split})
+  if source.num_classes is None:
+    raise ConfigError("dataset", config.dataset,
+                      "a labelled dataset: fine-tuning trains on labels")
+  evaluators.check_config(config.evaluators, source, jax.device_count())
+  subset = data.LabelledSubset(source, config.train_split, config.label_fraction,
+                               config.label_seed)
+  size = subset.num_examples(config.train_split, "train_split")
+  if size < config.batch_size:
+    raise ConfigError("batch_size", config.batch_size,
+                      f"at most the labelled subset's size ({size} images: label_fraction "
+                      f"{config.label_fraction} of split {config.train_split!r})")
+  steps_per_epoch = runner.steps_per_epoch(subset, config)
+  num_steps = config_lib.to_steps(config.duration, "duration", steps_per_epoch)
+  encoder = downstream.restore_encoder(config, mesh, saved_config)
+  config.pretrain_step = encoder.step
+  schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, steps_per_epoch,
+                                          num_steps)
+  tx = optim.build_optimizer(config.optimizer, schedule)
+  head = nn.Dense(source.num_classes, kernel_init=nn.initializers.zeros)
+
+  def init_state(enc_vars):
+    params = {ENCODER: enc_vars["params"],
+              "head": head.init(jax.random.PRNGKey(config.seed),
+                                jnp.zeros((1, encoder.dim)))["params"]}
+    return ts.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                         batch_stats={ENCODER: enc_vars["batch_stats"]},
+                         opt_state=tx.init(params), rng=jax.random.PRNGKey(config.seed))
+
+  def features(variables, images):
+    return models.encode(encoder.module, encoder_variables(variables), images)
+
+  def logits(variables, images):
+    return head.apply({"params": variables["params"]["head"]}, features(variables, images))
+
+  record_subset(subset, workdir, resumed=saved_config is not None)
+  logging.info("Fine-tuning %s encoder (%s, step %d of %s) on %d labelled images "
+               "(label_fraction %g of %r).",
+               "a randomly initialised" if config.random_init else "the pretrained",
+               encoder.pretrained.method, config.pretrain_step, config.pretrain_workdir, size,
+               config.label_fraction, config.train_split)
+  eval_model = evaluators.EvalModel(
+      variables=lambda state: {"params": state.params, "batch_stats": state.batch_stats},
+      features=features, logits=logits,
+      dataset=downstream.eval_datasets(source, config, encoder))
+  # The encoder's variables are an argument, not constants baked into the program.
+  init = functools.partial(jax.jit(init_state, out_shardings=ts.replicated(mesh)),
+                           encoder.variables)
+  return runner.Task(config=config, init=init,
+                     train_step=make_train_step(encoder.module, head, tx),
+                     train_batches=input_pipeline.train_batches(
+                         subset, config, ts.batch_sharded(mesh),
+                         image_size=encoder.pretrained.image_size, num_views=1),
+                     num_steps=num_steps,
+                     steps_per_epoch=steps_per_epoch, global_batch=config.batch_size,
+                     schedule=schedule, eval_model=eval_model, num_classes=source.num_classes)

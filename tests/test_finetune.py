@@ -1,0 +1,266 @@
+"""Fine-tuning on few labels: the labelled subset, its bad inputs, and a tiny run."""
+import hashlib
+import json
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from helpers import TFDS_DIR, load_config, tiny_config
+
+from contrastive_jax import checkpointing
+from contrastive_jax import data
+from contrastive_jax import downstream
+from contrastive_jax import finetune
+from contrastive_jax import input_pipeline
+from contrastive_jax import linear_probe
+from contrastive_jax import models
+from contrastive_jax import runner
+from contrastive_jax import train_state as ts
+from contrastive_jax.errors import ConfigError
+from contrastive_jax.errors import JobError
+
+
+def _reference_subset(ids, labels, fraction, seed):
+  """The spec of select_labelled, written out: per class, round-half-up(fraction x count)
+  of the ids with the smallest keyed BLAKE2b-64 (little-endian) hash."""
+  chosen = set()
+  for label in set(labels.tolist()):
+    members = [i for i, l in zip(ids, labels) if l == label]
+    rank = {i: int.from_bytes(hashlib.blake2b(i.encode(), digest_size=8,
+                                              key=seed.to_bytes(8, "little")).digest(), "little")
+            for i in members}
+    chosen.update(sorted(members, key=lambda i: (rank[i], i))[:int(fraction * len(members) + 0.5)])
+  return chosen
+
+
+def test_selection_is_class_balanced_fixed_and_independent_of_order():
+  rng = np.random.default_rng(0)
+  counts = {0: 100, 1: 50, 2: 7}  # Round half up: 10, 5 and 1 (0.7) at 10%.
+  labels = np.repeat(list(counts), list(counts.values())).astype(np.int32)
+  ids = np.array([f"photo_{i:03d}.jpg" for i in rng.permutation(len(labels))], dtype=object)
+  chosen = data.select_labelled(ids, labels, 0.1, seed=0)
+  assert np.all(np.diff(chosen) > 0)  # Sorted: the subset in read order.
+  assert np.bincount(labels[chosen]).tolist() == [10, 5, 1]
+  assert set(ids[chosen]) == _reference_subset(ids, labels, 0.1, 0)
+  # The same (id, label) pairs in another order (another storage layout or
+  # process count) select the same images.
+  order = rng.permutation(len(ids))
+  assert set(ids[order][data.select_labelled(ids[order], labels[order], 0.1, 0)]) == set(
+      ids[chosen])
+  assert set(ids[data.select_labelled(ids, labels, 0.1, seed=1)]) != set(ids[chosen])
+  assert len(data.select_labelled(ids, labels, 1.0, 0)) == len(ids)
+  # Fixed ids: a change of the selection rule would change every run's subset.
+  ids = np.array([f"img_{i:02d}" for i in range(20)], dtype=object)
+  labels = np.arange(20, dtype=np.int32) % 2
+  assert ids[data.select_labelled(ids, labels, 0.2, 0)].tolist() == [
+      "img_07", "img_08", "img_14", "img_17"]
+
+
+def test_too_small_a_fraction_names_the_class_and_the_fraction_it_needs():
+  ids = np.array([f"x{i}" for i in range(300)], dtype=object)
+  labels = np.array([0] * 200 + [1] * 95 + [2] * 5, dtype=np.int32)
+  with pytest.raises(ConfigError, match=r"config.label_fraction=0.05: must be in \[0.1, 1\], "
+                                        r"so that every class keeps an image \(class 2 has 5 "):
+    data.select_labelled(ids, labels, 0.05, 0)
+  assert np.bincount(labels[data.select_labelled(ids, labels, 0.1, 0)]).tolist() == [20, 10, 1]
+
+
+@pytest.fixture(scope="module")
+def cifar():
+  config = ml_collections.ConfigDict(dict(data_source="tfds", dataset="cifar10",
+                                          data_dir=TFDS_DIR))
+  return data.get_source(config, {})
+
+
+def test_each_process_reads_its_part_and_together_the_subset(cifar, monkeypatch):
+  split = "train[100:164]"  # An offset slice: parts are read by absolute position.
+  reference = {ex["id"].decode(): (ex["image"], ex["label"]) for ex in tfds.as_numpy(
+      tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split=split))}
+  subset = data.LabelledSubset(cifar, split, 0.15, seed=0)  # 11 images.
+  assert subset.ids.tolist() == [i for i in reference if i in set(subset.ids)]  # Read order.
+  assert set(subset.ids) == _reference_subset(
+      np.array(list(reference), dtype=object),
+      np.array([l for _, l in reference.values()], np.int32), 0.15, 0)
+
+  def read(count, index):
+    """Process `index` of `count`'s part, checked against the count it announces."""
+    monkeypatch.setattr(jax, "process_count", lambda: count)
+    monkeypatch.setattr(jax, "process_index", lambda: index)
+    part = list(tfds.as_numpy(subset.read(split, drop_remainder=True)))
+    assert len(part) == subset.process_counts(split, drop_remainder=True)[index]
+    return part
+
+  whole = read(1, 0)
+  halves = read(2, 0), read(2, 1)
+  assert (len(whole), len(halves[0]), len(halves[1])) == (len(subset.ids), 6, 5) == (11, 6, 5)
+  for (image, label), name in zip(whole, subset.ids):
+    np.testing.assert_array_equal(image, reference[name][0])
+    assert label == reference[name][1] == subset.labels[list(subset.ids).index(name)]
+  for (a, la), (b, lb) in zip(whole, halves[0] + halves[1]):
+    np.testing.assert_array_equal(a, b)
+    assert la == lb
+
+  # The training stream over the subset resumes exactly (its epoch is the subset).
+  monkeypatch.setattr(jax, "process_count", lambda: 1)
+  monkeypatch.setattr(jax, "process_index", lambda: 0)
+
+  def stream(start_step, steps):
+    ds = input_pipeline.train_dataset(subset, split, local_batch=4, image_size=32,
+                                      crop_sampler="tensorflow", crop_area_min=0.5,
+                                      crop_resize="tf_bicubic", seed=1, start_step=start_step,
+                                      cache=True, shuffle_buffer=64, threads=1, num_views=1)
+    return [b["image"] for _, b in zip(range(steps), tfds.as_numpy(ds))]
+  # 11 images, batch 4: step 3 starts inside epoch 2, step 5 crosses into epoch 3.
+  for a, b in zip(stream(0, 7)[3:], stream(3, 4), strict=True):
+    np.testing.assert_array_equal(a, b)
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+  """A pretraining workdir with what downstream jobs read of it: the tiny SimCLR config
+  and, at step 1, an encoder of its shapes (a real run's checkpoint holds more, which
+  the partial restore never reads; tests/test_linear_probe.py restores from one).
+
+  The values are drawn on the host: compiling the ResNet's initialisers would take
+  longer than the whole fine-tune.
+  """
+  workdir = tmp_path_factory.mktemp("pretrain")
+  config = tiny_config()
+  encoder = models.build_encoder(config.model)
+  shapes = jax.eval_shape(lambda: encoder.init(jax.random.PRNGKey(0),
+                                               jnp.zeros((1, 32, 32, 3)), train=False))
+  rng = np.random.default_rng(0)
+
+  def draw(path, leaf):
+    if path[-1].key == "kernel":  # He-normal, as models.ResNet draws (fan-in here).
+      return rng.normal(0, np.sqrt(2 / np.prod(leaf.shape[:-1])), leaf.shape).astype(np.float32)
+    return (rng.uniform(0.5, 1.5, leaf.shape) if path[-1].key in ("scale", "var") else
+            rng.normal(0, 0.1, leaf.shape)).astype(np.float32)
+
+  state = {name: {"encoder": jax.tree_util.tree_map_with_path(draw, shapes[name])}
+           for name in ("params", "batch_stats")}
+  ckpt = checkpointing.Checkpointer(str(workdir / "checkpoints"))
+  ckpt.save(1, state, config)
+  ckpt.close()
+  return str(workdir)
+
+
+def finetune_config(pretrain_workdir, **overrides):
+  config = load_config("finetune", "runlocal")
+  config.pretrain_workdir = pretrain_workdir
+  config.data_dir = TFDS_DIR
+  config.train_split = "train[:64]"
+  config.label_fraction = 0.5
+  config.evaluators.finetune.split = "test[:40]"
+  config.evaluators.finetune.batch_size = 16
+  config.batch_size = 16
+  config.duration = "3 steps"
+  config.optimizer.base_lr = 2.0  # Big steps, so that 3 of them move every weight.
+  config.log_every = "1 steps"
+  config.shuffle_buffer = 64
+  config.data_threads = 1
+  config.update(overrides)
+  return config
+
+
+@pytest.fixture(scope="module")
+def finetuned(pretrained, tmp_path_factory):
+  """A finished 3-step fine-tune: (config, workdir, the restored encoder variables, final
+  state, final evaluation)."""
+  workdir = tmp_path_factory.mktemp("finetune")
+  config = finetune_config(pretrained)
+  restored = jax.device_get(downstream.restore_encoder(config, ts.make_mesh()).variables)
+  state, result = runner.run(finetune, config, str(workdir))
+  return config, workdir, restored, state, result
+
+
+def test_finetune_trains_the_whole_encoder_and_reports_the_test_split(finetuned):
+  _, workdir, restored, state, result = finetuned
+  assert int(state.step) == 3
+  tuned = jax.device_get({"params": state.params["encoder"],
+                          "batch_stats": state.batch_stats["encoder"]})
+  # Every convolution and BN statistic moved. (Some BN scales, at 1.0, move by
+  # less than float32 resolves in 3 steps.)
+  moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), restored, tuned)
+  assert all(jax.tree.leaves(moved["batch_stats"]))
+  kernels = [changed for path, changed in jax.tree_util.tree_leaves_with_path(moved["params"])
+             if path[-1].key == "kernel"]
+  assert len(kernels) == 20 and all(kernels)  # ResNet-18: stem, 16 in blocks, 3 shortcuts.
+  assert np.any(jax.device_get(state.params["head"]["kernel"]))
+  with open(workdir / "metrics.jsonl") as f:
+    records = [json.loads(line) for line in f]
+  assert [r["step"] for r in records] == [1, 2, 3]
+  assert result == {k: records[-1][k] for k in ("finetune_top1", "finetune_top5")}
+  # 40 test images: every fraction is a multiple of 1/40.
+  assert round(result["finetune_top1"] * 40, 6) == round(result["finetune_top1"] * 40)
+
+
+def test_the_subset_file_lists_the_images_and_survives_a_resume(finetuned):
+  config, workdir, _, _, result = finetuned
+  with open(workdir / "labelled_subset.csv") as f:
+    text = f.read()
+  lines = text.splitlines()
+  subset = data.LabelledSubset(data.get_source(config, {}), "train[:64]", 0.5, 0)
+  assert lines == ["id,label"] + [f"{i},{l}" for i, l in zip(subset.ids, subset.labels)]
+  split_labels = [ex["label"] for ex in tfds.as_numpy(
+      tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split="train[:64]"))]
+  assert len(lines) - 1 == sum(int(n / 2 + 0.5) for n in np.bincount(split_labels))
+  # Resuming the finished run reports the same numbers and keeps the file.
+  assert runner.run(finetune, config, str(workdir))[1] == result
+  with open(workdir / "labelled_subset.csv") as f:
+    assert f.read() == text
+  # A file that lists other images (the dataset changed under its name) stops a
+  # resume; a fresh run writes its own.
+  tampered = text.replace(lines[1], "train_99999,0")
+  with open(workdir / "labelled_subset.csv", "w") as f:
+    f.write(tampered)
+  with pytest.raises(JobError, match="labelled_subset.csv lists another labelled subset"):
+    finetune.record_subset(subset, str(workdir), resumed=True)
+  with open(workdir / "labelled_subset.csv") as f:
+    assert f.read() == tampered
+  finetune.record_subset(subset, str(workdir), resumed=False)
+  with open(workdir / "labelled_subset.csv") as f:
+    assert f.read() == text
+
+
+def test_resume_refuses_another_subset_or_another_job(finetuned, pretrained):
+  config, workdir, _, _, _ = finetuned
+  ckpt = checkpointing.Checkpointer(str(workdir / "checkpoints"), read_only=True)
+  with pytest.raises(ConfigError, match="config.label_fraction=0.25: must be 0.5"):
+    ckpt.check_compatible(finetune_config(pretrained, label_fraction=0.25),
+                          finetune.IDENTITY_FIELDS)
+  probe = load_config("linear_probe")
+  probe.pretrain_workdir = pretrained
+  with pytest.raises(ConfigError, match="config.job='linear_probe': must be 'finetune'"):
+    ckpt.check_compatible(probe, linear_probe.IDENTITY_FIELDS)
+  ckpt.close()
+
+
+class _Unlabeled(data.TfdsSource):
+  """CIFAR-10 without its labels, as an unlabeled image folder reads."""
+  num_classes = None
+
+
+@pytest.mark.parametrize("fraction", [0.0, -0.1, 1.5])
+def test_fraction_outside_0_1_stops_before_any_compute(fraction, tmp_path):
+  with pytest.raises(ConfigError, match=rf"config.label_fraction={fraction}: must be in \(0, 1\]"):
+    runner.run(finetune, finetune_config("unused", label_fraction=fraction), str(tmp_path))
+  assert not (tmp_path / "labelled_subset.csv").exists()
+
+
+def test_bad_datasets_stop_before_any_compute(pretrained, tmp_path, monkeypatch):
+  with pytest.raises(ConfigError, match=r"config.label_fraction=0.01: must be in \[0.\d+, 1\], "
+                                        "so that every class keeps an image"):
+    runner.run(finetune, finetune_config(pretrained, label_fraction=0.01), str(tmp_path))
+  with pytest.raises(ConfigError, match=r"config.batch_size=48: must be at most the labelled "
+                                        r"subset.s size \(34 images: "):
+    runner.run(finetune, finetune_config(pretrained, batch_size=48), str(tmp_path))
+  monkeypatch.setitem(data.SOURCES, "unlabeled", _Unlabeled)
+  with pytest.raises(ConfigError, match="config.dataset='cifar10': must be a labelled dataset: "
+                                        "fine-tuning trains on labels"):
+    runner.run(finetune, finetune_config(pretrained, data_source="unlabeled"), str(tmp_path))
+  assert not (tmp_path / "labelled_subset.csv").exists()
+  assert not list((tmp_path / "checkpoints").iterdir())

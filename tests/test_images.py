@@ -1,0 +1,374 @@
+"""Image files and folders as datasets: images.load_image, prepare_images and reading them.
+
+Small real photos from ../shared/images (clothing JPEGs, chest X-ray PNGs),
+converted and damaged here; every expected pixel comes from numpy.
+"""
+import glob
+import os
+import shutil
+import struct
+import zlib
+
+from absl import flags
+from absl.testing import flagsaver
+import jax
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from PIL import Image
+
+from contrastive_jax import data
+from contrastive_jax import images
+from contrastive_jax import input_pipeline
+from contrastive_jax import prepare_images
+from contrastive_jax import pretrain
+from contrastive_jax import runner
+from contrastive_jax import train_state as ts
+from contrastive_jax.errors import ConfigError
+from contrastive_jax.errors import ImageError
+from contrastive_jax.errors import JobError
+from helpers import SHARED
+from helpers import load_config
+from helpers import tiny_config
+
+PHOTOS = sorted(glob.glob(os.path.join(SHARED, "images", "clothing", "train", "*", "*.jpg")))
+XRAYS = sorted(glob.glob(os.path.join(SHARED, "images", "chest_xray", "images", "*.png")))
+BIG = 10**8  # max_pixels that every real file here passes.
+
+
+def photo(width=40, height=30) -> np.ndarray:
+  """A small real photo, uint8 [height, width, 3]."""
+  with Image.open(PHOTOS[0]) as im:
+    return np.asarray(im.convert("RGB").resize((width, height)))
+
+
+def png_header(width, height) -> bytes:
+  """A PNG of a signature, an IHDR chunk claiming width x height RGB, and IEND: no pixels."""
+  def chunk(kind, body):
+    return (struct.pack(">I", len(body)) + kind + body
+            + struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF))
+  ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+  return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IEND", b"")
+
+
+def truncated(src, dst):
+  with open(src, "rb") as f:
+    content = f.read()
+  with open(dst, "wb") as f:
+    f.write(content[:len(content) // 2])
+  return dst
+
+
+def test_modes_and_formats_become_rgb(tmp_path):
+  rgb = photo()
+  path = lambda name: str(tmp_path / name)
+  gray = np.asarray(Image.fromarray(rgb).convert("L"))
+  Image.fromarray(gray).save(path("gray.png"))
+  alpha = np.random.default_rng(0).integers(0, 256, gray.shape, np.uint8)
+  Image.fromarray(np.dstack([rgb, alpha]), "RGBA").save(path("rgba.png"))
+  Image.fromarray((gray.astype(np.uint16) * 257 + 100)).save(path("gray16.png"))
+  palette = Image.fromarray(rgb).quantize(16)
+  palette.save(path("palette.png"), transparency=0)
+  Image.fromarray(rgb).save(path("lossless.webp"), lossless=True)
+  Image.fromarray(rgb).save(path("photo.bmp"))
+  Image.fromarray(rgb).convert("CMYK").save(path("cmyk.jpg"), quality=95)
+  red, blue = (np.full((8, 10, 3), c, np.uint8) for c in ((255, 0, 0), (0, 0, 255)))
+  Image.fromarray(red).save(path("anim.gif"), save_all=True,
+                            append_images=[Image.fromarray(blue)], duration=100)
+  exif = Image.Exif()
+  exif[0x0112] = 6  # Orientation: shown rotated 90 degrees clockwise.
+  Image.fromarray(rgb).save(path("rotated.png"), exif=exif)
+
+  load = lambda name: images.load_image(path(name), max_pixels=BIG)
+  for name in ("gray.png", "rgba.png", "gray16.png", "palette.png", "lossless.webp", "photo.bmp",
+               "cmyk.jpg", "anim.gif", "rotated.png"):
+    assert load(name).dtype == np.uint8 and load(name).shape[2] == 3, name
+  np.testing.assert_array_equal(load("gray.png"), np.repeat(gray[..., None], 3, axis=2))
+  a = alpha[..., None] / 255.0
+  np.testing.assert_allclose(load("rgba.png"), rgb * a + 255 * (1 - a), atol=1)  # On white.
+  np.testing.assert_array_equal(load("gray16.png")[..., 0],
+                                np.round((gray.astype(np.float64) * 257 + 100) / 257))
+  index = np.asarray(palette)
+  colors = np.array(palette.getpalette()[:48], np.uint8).reshape(16, 3)[index]
+  colors[index == 0] = 255  # The transparent index.
+  np.testing.assert_array_equal(load("palette.png"), colors)
+  np.testing.assert_array_equal(load("lossless.webp"), rgb)
+  np.testing.assert_array_equal(load("photo.bmp"), rgb)
+  assert np.abs(load("cmyk.jpg").astype(int) - rgb).mean() < 8  # Lossy, but the same photo.
+  np.testing.assert_array_equal(load("anim.gif"), red)  # The first frame.
+  np.testing.assert_array_equal(load("rotated.png"), np.rot90(rgb, k=-1))
+
+
+def test_shorter_side_downscales_keeping_the_aspect_ratio():
+  with Image.open(PHOTOS[0]) as im:
+    width, height = im.size
+    full = np.asarray(im.convert("RGB"), np.float64)
+  small = images.load_image(PHOTOS[0], max_pixels=BIG, shorter_side=32)
+  scale = 32 / min(width, height)
+  assert small.shape == (round(height * scale), round(width * scale), 3)
+  assert np.abs(small.mean(axis=(0, 1)) - full.mean(axis=(0, 1))).max() < 3
+  tiny = images.load_image(PHOTOS[0], max_pixels=BIG, shorter_side=10_000)
+  assert tiny.shape == full.shape  # Never upscaled.
+
+
+@pytest.fixture(scope="module")
+def bad_files(tmp_path_factory):
+  d = tmp_path_factory.mktemp("bad")
+  (d / "notes.jpg").write_text("not an image")
+  (d / "bomb.png").write_bytes(png_header(100_000, 100_000))
+  (d / "big.png").write_bytes(png_header(5_000, 5_000))
+  (d / "folder.png").mkdir()
+  return {"truncated.jpg": truncated(PHOTOS[0], d / "truncated.jpg"),
+          "truncated.png": truncated(XRAYS[0], d / "truncated.png"),
+          "notes.jpg": d / "notes.jpg", "bomb.png": d / "bomb.png", "big.png": d / "big.png",
+          "folder.png": d / "folder.png", "missing.jpg": d / "missing.jpg"}
+
+
+@pytest.mark.parametrize("name,reason", [
+    ("truncated.jpg", "truncated"), ("truncated.png", "truncated"),
+    ("notes.jpg", "not an image"), ("missing.jpg", "No such file"),
+    ("folder.png", "Is a directory"), ("bomb.png", "too many pixels"),
+    ("big.png", "5000 x 5000 = 25,000,000 pixels, more than max_pixels=1,000,000")])
+def test_unreadable_file_is_one_error_naming_it(bad_files, name, reason):
+  with pytest.raises(ImageError, match=reason) as e:
+    images.load_image(str(bad_files[name]), max_pixels=1_000_000)
+  assert str(e.value).startswith(str(bad_files[name]) + ": ")
+
+
+def test_layout_maps_paths_to_splits_and_classes():
+  nested = [f"val/Fruit/Apple/{i}.jpg" for i in range(20)] + [
+      f"val/Vegetables/Pepper/Red/{i}.jpg" for i in range(10)] + ["val/Fruit/Kiwi/only.jpg"]
+  examples, classes, skipped, warnings = prepare_images.layout(nested, holdout_fraction=0.25,
+                                                               seed=0)
+  # The shared leading folder 'val' is not part of the class.
+  assert classes == ["Fruit/Apple", "Fruit/Kiwi", "Vegetables/Pepper/Red"]
+  test = collections_count(examples["test"])
+  assert test == {"Fruit/Apple": 5, "Vegetables/Pepper/Red": 2}  # round(0.25 n), stratified.
+  assert ("val/Fruit/Kiwi/only.jpg", "Fruit/Kiwi") in examples["train"] and not skipped
+  assert warnings == ["class 'Fruit/Kiwi' has 1 image (val/Fruit/Kiwi/only.jpg), in train only"]
+  again = prepare_images.layout(nested, holdout_fraction=0.25, seed=0)[0]
+  other = prepare_images.layout(nested, holdout_fraction=0.25, seed=1)[0]
+  assert again == examples and other["test"] != examples["test"]
+
+  # One folder, however deep: unlabeled; the test split is held out of all files.
+  flat = [f"images/{i}.png" for i in range(10)]
+  examples, classes, _, _ = prepare_images.layout(flat, holdout_fraction=0.1, seed=0)
+  assert classes == [] and len(examples["test"]) == 1 and len(examples["train"]) == 9
+
+  # Split folders; files outside them, or beside class folders, are skipped.
+  tree = ["train/hat/a.jpg", "train/shoes/b.jpg", "train/c.jpg", "test/hat/d.jpg", "e.jpg",
+          "extra/f.jpg"]
+  examples, classes, skipped, warnings = prepare_images.layout(tree, holdout_fraction=0.1,
+                                                               seed=0)
+  assert classes == ["hat", "shoes"]
+  assert examples == {"train": [("train/hat/a.jpg", "hat"), ("train/shoes/b.jpg", "shoes")],
+                      "test": [("test/hat/d.jpg", "hat")]}
+  assert [f for f, _ in skipped] == ["e.jpg", "extra/f.jpg", "train/c.jpg"]
+  assert "class 'shoes' has 1 image (train/shoes/b.jpg), in train only" in warnings
+
+
+def collections_count(split_examples):
+  counts = {}
+  for _, name in split_examples:
+    counts[name] = counts.get(name, 0) + 1
+  return counts
+
+
+def _make_source(root):
+  """train/{hat,shoes} and test/{hat,shoes} of real photos, a grayscale X-ray, a tiny image,
+  a truncated photo, a licence file and a hidden file."""
+  for split, n in (("train", 3), ("test", 1)):
+    for c, cls in enumerate(("hat", "shoes")):
+      os.makedirs(root / split / cls)
+      for i in range(n):
+        shutil.copy(PHOTOS[(c * 4 + i) if split == "train" else 3 + 4 * c],
+                    root / split / cls / f"{i}.jpg")
+  shutil.copy(XRAYS[0], root / "train" / "shoes" / "xray.png")
+  Image.fromarray(photo(8, 6)).save(root / "train" / "hat" / "tiny.png")
+  truncated(PHOTOS[10], root / "train" / "hat" / "broken.jpg")
+  (root / "LICENSE").write_text("CC0")
+  (root / ".DS_Store").write_bytes(b"\0\1")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory):
+  src = tmp_path_factory.mktemp("src")
+  _make_source(src)
+  data_dir = tmp_path_factory.mktemp("tfds")
+  report = prepare_images.prepare(str(src), "mini", str(data_dir), image_size=32,
+                                  encoding="jpeg", max_pixels=BIG, holdout_fraction=0.1, seed=0,
+                                  overwrite=False)
+  return src, str(data_dir), report
+
+
+def _examples(name, data_dir, split):
+  builder = tfds.builder(name, data_dir=data_dir)
+  return [{k: v.decode() if isinstance(v, bytes) else v for k, v in ex.items()}
+          for ex in tfds.as_numpy(builder.as_dataset(split=split, shuffle_files=False))]
+
+
+def test_prepared_folder_reads_by_name_with_labels_and_file_names(prepared):
+  _, data_dir, report = prepared
+  builder = tfds.builder("mini", data_dir=data_dir)
+  assert set(builder.info.features) == {"image", "label", "file_name"}
+  assert builder.info.features["label"].names == ["hat", "shoes"]
+  source = data.TfdsSource("mini", data_dir)
+  assert source.num_classes == 2
+  assert (source.num_examples("train", "f"), source.num_examples("test", "f")) == (8, 2)
+  train = _examples("mini", data_dir, "train")
+  assert sorted((ex["file_name"], ex["label"]) for ex in train) == [
+      ("train/hat/0.jpg", 0), ("train/hat/1.jpg", 0), ("train/hat/2.jpg", 0),
+      ("train/hat/tiny.png", 0), ("train/shoes/0.jpg", 1), ("train/shoes/1.jpg", 1),
+      ("train/shoes/2.jpg", 1), ("train/shoes/xray.png", 1)]
+  for ex in train:
+    shorter = 6 if ex["file_name"].endswith("tiny.png") else 32
+    assert ex["image"].dtype == np.uint8 and min(ex["image"].shape[:2]) == shorter
+  assert report["skipped"] == [
+      {"file": ".DS_Store", "reason": "hidden"},
+      {"file": "LICENSE", "reason": "not an image Pillow can decode"},
+      {"file": "train/hat/broken.jpg", "reason": report["skipped"][2]["reason"]}]
+  assert "truncated" in report["skipped"][2]["reason"]
+  assert report["smaller_than_image_size"] == [
+      {"file": "train/hat/tiny.png", "width": 8, "height": 6}]
+  assert report["splits"]["train"] == {"images": 8, "per_class": {"hat": 4, "shoes": 4}}
+  on_disk = os.path.join(data_dir, "mini", "1.0.0", "prepare_report.json")
+  assert os.path.exists(on_disk) and not glob.glob(os.path.join(data_dir, ".*"))
+
+
+def test_pipelines_crop_variable_sizes_and_upscale_small_images(prepared):
+  _, data_dir, _ = prepared
+  source = data.TfdsSource("mini", data_dir)
+  # 48 px crops: every stored image (32 px, one 8 x 6) is smaller. Cached images are
+  # decoded once; uncached ones stay encoded until the crop (large folders).
+  for cache in (True, False):
+    train = input_pipeline.train_dataset(source, "train", local_batch=8, image_size=48,
+                                         crop_sampler="tensorflow", crop_area_min=0.08,
+                                         crop_resize="tf_bicubic", seed=0, start_step=0, cache=cache,
+                                         shuffle_buffer=8, threads=1)
+    batch = next(iter(tfds.as_numpy(train)))
+    assert batch["image"].shape == (8, 2, 48, 48, 3) and batch["image"].dtype == np.uint8
+  ev = input_pipeline.eval_dataset(source, "train", local_batch=8, image_size=48,
+                                   crop_fraction=0.875, threads=1)
+  assert next(iter(tfds.as_numpy(ev)))["image"].shape == (8, 48, 48, 3)
+  one_pixel = np.full((1, 1, 3), 7, np.uint8)
+  np.testing.assert_array_equal(input_pipeline.center_crop(one_pixel, 4, 0.875).numpy(),
+                                np.full((4, 4, 3), 7))
+
+
+def test_preparing_again_is_a_no_op_and_new_files_need_overwrite(prepared, tmp_path):
+  src, data_dir, report = prepared
+  shard = glob.glob(os.path.join(data_dir, "mini", "1.0.0", "*train.tfrecord*"))[0]
+  mtime = os.stat(shard).st_mtime_ns
+  kwargs = dict(image_size=32, encoding="jpeg", max_pixels=BIG, holdout_fraction=0.1, seed=0)
+  assert prepare_images.prepare(str(src), "mini", data_dir, overwrite=False, **kwargs) == report
+  assert os.stat(shard).st_mtime_ns == mtime  # Nothing rewritten.
+
+  # The same folder prepared elsewhere: the same examples in the same order.
+  copy = prepare_images.prepare(str(src), "mini", str(tmp_path), overwrite=False, **kwargs)
+  assert copy["fingerprint"] == report["fingerprint"]
+  for split in ("train", "test"):
+    for a, b in zip(_examples("mini", data_dir, split), _examples("mini", str(tmp_path), split),
+                    strict=True):
+      assert a["file_name"] == b["file_name"] and np.array_equal(a["image"], b["image"])
+
+  shutil.copy(PHOTOS[20], src / "train" / "hat" / "new.jpg")
+  try:
+    with pytest.raises(JobError, match="already holds a dataset prepared from other files or "
+                       "options .* pass --overwrite"):
+      prepare_images.prepare(str(src), "mini", str(tmp_path), overwrite=False, **kwargs)
+    assert data.TfdsSource("mini", str(tmp_path)).num_examples("train", "f") == 8  # Intact.
+    prepare_images.prepare(str(src), "mini", str(tmp_path), overwrite=True, **kwargs)
+    assert data.TfdsSource("mini", str(tmp_path)).num_examples("train", "f") == 9
+    assert sorted(os.listdir(tmp_path)) == ["mini"]  # No temporary folder left.
+  finally:
+    os.remove(src / "train" / "hat" / "new.jpg")
+
+
+def _bad_source(tmp_path, kind):
+  """(--src, match) for a folder that cannot be prepared."""
+  if kind == "missing":
+    return tmp_path / "nowhere", "does not exist"
+  if kind == "file":
+    return truncated(PHOTOS[0], tmp_path / "a.jpg"), "is not a folder"
+  src = tmp_path / "src"
+  src.mkdir()
+  if kind == "empty":
+    return src, "no image to prepare for the train split \\(0 files\\)"
+  if kind == "no_images":
+    (src / "a.txt").write_text("text")
+    truncated(PHOTOS[0], src / "b.jpg")
+    return src, ("no image of split .train. could be decoded; skipped: a.txt: not an image "
+                 "Pillow can decode; b.jpg: cannot be decoded: truncated")
+  if kind == "loop":
+    (src / "cats").mkdir()
+    shutil.copy(PHOTOS[0], src / "cats" / "a.jpg")
+    os.symlink(src, src / "cats" / "again")
+    return src, f"symbolic link loop: {src}/cats/again points to {src}"
+  raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["missing", "file", "empty", "no_images", "loop"])
+def test_bad_folder_is_one_error_naming_it_and_writes_nothing(tmp_path, kind):
+  src, match = _bad_source(tmp_path, kind)
+  data_dir = tmp_path / "tfds"
+  with pytest.raises(JobError, match=match) as e:
+    prepare_images.prepare(str(src), "bad", str(data_dir), image_size=32, encoding="jpeg",
+                           max_pixels=BIG, holdout_fraction=0.1, seed=0, overwrite=False)
+  assert str(src) in str(e.value)
+  assert not data_dir.exists() or not os.listdir(data_dir)
+
+
+@pytest.mark.parametrize("name,fraction,data_dir,match", [
+    ("My-Photos", 0.1, None, "--name='My-Photos': must be lowercase"),
+    ("cifar10", 0.1, None, "--name='cifar10': is a registered TFDS dataset"),
+    ("ok", 1.0, None, "--holdout_fraction=1.0: must be in \\(0, 1\\)"),
+    ("ok", 0.1, "inside", "is inside --src")])
+def test_bad_arguments_are_refused(prepared, tmp_path, name, fraction, data_dir, match):
+  src = prepared[0]
+  data_dir = str(src / "tfds") if data_dir else str(tmp_path)
+  with pytest.raises(JobError, match=match):
+    prepare_images.prepare(str(src), name, data_dir, image_size=32, encoding="jpeg",
+                           max_pixels=BIG, holdout_fraction=fraction, seed=0, overwrite=False)
+
+
+def test_unlabeled_folder_pretrains_and_refuses_label_evaluators(tmp_path):
+  src = tmp_path / "xrays" / "images"
+  src.mkdir(parents=True)
+  for path in XRAYS[:18]:
+    shutil.copy(path, src)
+  report = prepare_images.prepare(str(src.parent), "xrays", str(tmp_path / "tfds"),
+                                  image_size=32, encoding="jpeg", max_pixels=BIG,
+                                  holdout_fraction=0.1, seed=0, overwrite=False)
+  assert report["classes"] == [] and report["splits"]["train"]["images"] == 16
+  config = tiny_config()
+  config.dataset, config.data_dir, config.train_split = "xrays", str(tmp_path / "tfds"), "train"
+  with pytest.raises(ConfigError, match="config.evaluators.knn.kind='knn': must be an evaluator "
+                     "that needs no labels: dataset 'xrays' has none .*--config.evaluators='{}'"):
+    runner.run(pretrain, config, str(tmp_path / "refused"))
+  # Without evaluators the job builds: no online probe, unlabeled batches (label -1).
+  # (Compiling its step here would cost minutes of the suite; the README's chest_xray
+  # run pretrains on such a folder.)
+  config.evaluators = {}
+  task = pretrain.build(config, ts.make_mesh(), None, str(tmp_path / "built"))
+  assert task.num_classes is None and task.eval_model.logits is None
+  assert jax.eval_shape(task.init).probe == {}
+  batch = next(task.train_batches(0))
+  assert batch["image"].shape == (16, 2, 32, 32, 3)
+  np.testing.assert_array_equal(batch["label"], -1)
+
+
+@pytest.mark.parametrize("name", ["simclr_images", "moco_v2_images", "byol_images"])
+def test_image_folder_configs_pass_their_checks(name):
+  for variant in ("", "runlocal"):
+    config = load_config(name, variant)
+    pretrain.check_config(config, num_devices=8)
+    assert 64 <= config.image_size <= 224 and config.dataset == "clothing"
+
+
+def test_command_line_error_is_one_line(tmp_path, monkeypatch):
+  monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # main() sets it.
+  flags.FLAGS.mark_as_parsed()
+  with flagsaver.flagsaver(src=f"{tmp_path}/nowhere", name="x", data_dir=f"{tmp_path}/tfds"):
+    with pytest.raises(SystemExit) as e:
+      prepare_images.main(["prepare_images"])
+  assert e.value.code == f"error: --src='{tmp_path}/nowhere': does not exist"

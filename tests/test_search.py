@@ -1,0 +1,235 @@
+"""Embeddings and search by image: the embed and neighbours jobs, the chunked top-k."""
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import jax
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from helpers import TFDS_DIR, load_config, tiny_config
+from PIL import Image
+
+from contrastive_jax import checkpointing
+from contrastive_jax import embed
+from contrastive_jax import evaluators
+from contrastive_jax import downstream
+from contrastive_jax import main
+from contrastive_jax import models
+from contrastive_jax import neighbours
+from contrastive_jax import pictures
+from contrastive_jax import train_state as ts
+from contrastive_jax.errors import ConfigError
+from contrastive_jax.errors import JobError
+
+NUM = 20  # test[:20]: two global batches of 16, the second padded.
+
+
+def _reference_top_k(queries, bank, k):
+  """Brute force: every score, sorted by (score descending, row ascending)."""
+  sims = queries.astype(np.float64) @ bank.T.astype(np.float64)
+  order = np.lexsort((np.broadcast_to(np.arange(len(bank)), sims.shape), -sims), axis=-1)[:, :k]
+  return np.take_along_axis(sims, order, axis=1), order
+
+
+@pytest.mark.parametrize("chunk_size", [3, 40])
+def test_chunked_top_k_equals_brute_force_with_ties_across_chunks(chunk_size):
+  rng = np.random.default_rng(0)
+  # Small integer vectors: exact dot products and many equal scores, with
+  # repeated bank rows falling in different chunks.
+  bank = rng.integers(-2, 3, (23, 4)).astype(np.float32)
+  bank[[5, 11, 17, 22]] = bank[2]
+  queries = rng.integers(-2, 3, (5, 4)).astype(np.float32)
+  for k in (4, 23):
+    scores, rows = neighbours.top_k_cosine(queries, bank, k, chunk_size=chunk_size, query_batch=2)
+    want_scores, want_rows = _reference_top_k(queries, bank, k)
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_array_equal(scores, want_scores)
+  # Unit rows in float32: cosine similarities, no ties.
+  bank = rng.normal(size=(50, 8)).astype(np.float32)
+  bank /= np.linalg.norm(bank, axis=1, keepdims=True)
+  scores, rows = neighbours.top_k_cosine(bank[:3], bank, 5, chunk_size=chunk_size)
+  want_scores, want_rows = _reference_top_k(bank[:3], bank, 5)
+  np.testing.assert_array_equal(rows, want_rows)
+  np.testing.assert_allclose(scores, want_scores, atol=1e-6)
+  assert list(rows[:, 0]) == [0, 1, 2]
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+  """A pretraining workdir of the tiny SimCLR config whose checkpoint holds a random encoder.
+
+  Only what downstream jobs read (the encoder's params and BN statistics, in
+  the TrainState's layout, and the config): drawn with numpy from the
+  encoder's shapes, BN scales and statistics included, which spares the
+  compilation of the whole initial state (about 20 s here).
+  """
+  workdir = str(tmp_path_factory.mktemp("pretrain"))
+  config = tiny_config()
+  encoder = models.build_encoder(config.model)
+  shapes = jax.eval_shape(lambda: encoder.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3)),
+                                               train=False))
+  rng = np.random.default_rng(0)
+  variables = jax.tree.map(lambda s: (0.5 + rng.random(s.shape) * 0.1 if len(s.shape) == 1 else
+                                      rng.normal(size=s.shape) * 0.2).astype(np.float32), shapes)
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
+  ckpt.save(0, {name: {"encoder": variables[name]} for name in ("params", "batch_stats")}, config)
+  ckpt.close()
+  return workdir
+
+
+def embed_config(pretrained, **overrides):
+  config = load_config("embed")
+  config.pretrain_workdir = pretrained
+  config.dataset, config.data_dir, config.split = "cifar10", TFDS_DIR, f"test[:{NUM}]"
+  config.batch_size = 16
+  config.data_threads = 1
+  config.update(overrides)
+  return config
+
+
+def neighbours_config(index_workdir, **overrides):
+  config = load_config("neighbours")
+  config.index_workdir = index_workdir
+  config.k = 4
+  config.chunk_size = 8
+  config.cell = 32
+  config.update(overrides)
+  return config
+
+
+@pytest.fixture(scope="module")
+def index(pretrained, tmp_path_factory):
+  workdir = str(tmp_path_factory.mktemp("index"))
+  main.run_job(embed_config(pretrained), workdir)  # Through the entry point's dispatch.
+  return workdir
+
+
+def _cifar_test():
+  ds = tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split=f"test[:{NUM}]",
+                                                              shuffle_files=False)
+  examples = list(tfds.as_numpy(ds))
+  return np.stack([e["image"] for e in examples]), [int(e["label"]) for e in examples]
+
+
+def test_embeddings_are_unit_h_of_every_image_in_split_order(pretrained, index):
+  saved = embed.load_index(index)
+  assert saved.embeddings.dtype == np.float32 and saved.embeddings.shape[0] == NUM
+  np.testing.assert_allclose(np.linalg.norm(saved.embeddings, axis=1), 1.0, atol=1e-6)
+  images, labels = _cifar_test()
+  encoder, variables, _, step, _ = downstream.restore_encoder(embed_config(pretrained),
+                                                              ts.make_mesh())
+  assert step == 0 and saved.config.pretrain_step == 0
+  want = evaluators.l2_normalize(models.encode(encoder, jax.device_get(variables), images))
+  np.testing.assert_allclose(saved.embeddings, want, atol=1e-5)
+  assert [r["label"] for r in saved.rows] == labels
+  # cifar10's own 'id' feature names its examples (data.ID_FEATURES).
+  ids = tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split=f"test[:{NUM}]")
+  assert [r["name"] for r in saved.rows] == [x["id"].decode() for x in tfds.as_numpy(ids)]
+  # An index is never overwritten.
+  with pytest.raises(JobError, match="already holds embeddings"):
+    embed.run(embed_config(pretrained), index)
+
+
+def test_neighbours_of_rows_names_and_files_find_themselves(index, tmp_path):
+  images, labels = _cifar_test()
+  query_file = str(tmp_path / "query.png")
+  Image.fromarray(images[7]).save(query_file)
+  name_5 = embed.load_index(index).rows[5]["name"]
+  workdir = tmp_path / "out"
+  results = neighbours.run(neighbours_config(index, query_rows="3", queries=f"{query_file},{name_5}"),
+                           str(workdir))
+  with open(workdir / neighbours.RESULTS) as f:
+    assert json.load(f) == results
+  assert [q["row"] for q in results["queries"]] == [3, None, 5]
+  for query, row in zip(results["queries"], [3, 7, 5]):
+    found = query["neighbours"]
+    assert len(found) == 4 and found[0]["row"] == row and found[0]["label"] == labels[row]
+    assert found[0]["score"] == pytest.approx(1.0, abs=1e-5)
+    assert [n["score"] for n in found] == sorted((n["score"] for n in found), reverse=True)
+  picture = np.asarray(Image.open(workdir / neighbours.PICTURE))
+  pad, caption = pictures._PAD, pictures._CAPTION_HEIGHT
+  assert picture.shape == (3 * (32 + caption + pad) + pad, 5 * (32 + pad) + pad, 3)
+  # Row 2 of the grid: the query file, then itself (CIFAR is 32 px: shown as is).
+  top = 2 * (32 + caption + pad) + pad
+  for column in (0, 1):
+    left = pad + column * (32 + pad)
+    np.testing.assert_array_equal(picture[top:top + 32, left:left + 32], images[5])
+  assert any(name.startswith("events.out.tfevents") for name in os.listdir(workdir))
+
+
+def test_folder_of_files_embeds_like_the_dataset_and_lists_what_it_cannot_read(pretrained, index,
+                                                                              tmp_path):
+  images, _ = _cifar_test()
+  folder = tmp_path / "photos"
+  (folder / "sub").mkdir(parents=True)
+  for i, rel in [(0, "b.png"), (1, "sub/a.png"), (2, "a.jpg.png")]:
+    Image.fromarray(images[i]).save(folder / rel)
+  (folder / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a JPEG")
+  (folder / ".hidden.png").write_bytes(b"")
+  workdir = tmp_path / "folder_index"
+  embed.run(embed_config(pretrained, dataset=None, folder=str(folder)), str(workdir))
+  saved = embed.load_index(str(workdir))
+  names = [str(folder / rel) for rel in ("a.jpg.png", "b.png", "sub/a.png")]
+  assert [r["name"] for r in saved.rows] == names and "label" not in saved.rows[0]
+  # Lossless files of the same pixels: the same embeddings as the dataset's.
+  np.testing.assert_allclose(saved.embeddings, embed.load_index(index).embeddings[[2, 0, 1]],
+                             atol=1e-5)
+  unreadable = (workdir / embed.UNREADABLE).read_text().splitlines()
+  assert len(unreadable) == 1 and unreadable[0].startswith(f"{folder / 'broken.jpg'}\t")
+  results = neighbours.run(neighbours_config(str(workdir), k=3, queries=names[2]),
+                           str(tmp_path / "out"))
+  assert [n["name"] for n in results["queries"][0]["neighbours"]][0] == names[2]
+
+
+def test_bad_input_is_refused_before_any_compute(pretrained, index, tmp_path):
+  broken = tmp_path / "broken.jpg"
+  broken.write_bytes(b"\xff\xd8\xff\xe0 not really a JPEG")
+  out = str(tmp_path / "out")
+  cases = [
+      (neighbours_config(index, queries=str(broken)),
+       rf"config.queries='{broken}': must be an image file that can be read: "),
+      (neighbours_config(index, queries="missing.jpg"),
+       "config.queries='missing.jpg': must be an image file or the name of a row"),
+      (neighbours_config(index), "config.queries='': must be at least one query"),
+      (neighbours_config(index, query_rows="3,20"), r"config.query_rows='3,20': must be .*\[0, 20\)"),
+      (neighbours_config(index, query_rows="1", k=21), "config.k=21: must be at most the size"),
+      (neighbours_config(str(tmp_path), query_rows="1"), "config.index_workdir=.*finished embed job"),
+  ]
+  for config, match in cases:
+    with pytest.raises(ConfigError, match=match):
+      neighbours.run(config, out)
+  for config, match in [
+      (embed_config(pretrained, folder=str(tmp_path)), "config.folder=.*only when"),
+      (embed_config(pretrained, dataset=None, folder=str(tmp_path / "nowhere")),
+       "config.folder=.*an existing folder"),
+      (embed_config(pretrained, dataset=None, folder=str(tmp_path / "empty")),
+       "config.folder=.*holds no file"),
+      (embed_config(str(tmp_path / "nowhere")), "config.pretrain_workdir=.*checkpoints"),
+      (embed_config(pretrained, split="tset"), "config.split='tset': must be a non-empty split"),
+  ]:
+    (tmp_path / "empty").mkdir(exist_ok=True)
+    with pytest.raises(ConfigError, match=match):
+      embed.run(config, out)
+  assert not os.path.exists(out)
+
+
+def test_two_hosts_embed_their_parts_and_process_zero_writes_the_whole_split(pretrained, index,
+                                                                             tmp_path):
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  worker = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__),
+                                                     os.environ.get("PYTHONPATH", "")]))
+  procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), str(tmp_path), TFDS_DIR,
+                             "embed", pretrained], stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
+  for i, p in enumerate(procs):  # 10 images each: batches of 4, the last one half padding.
+    out = p.communicate(timeout=300)[0]
+    assert p.returncode == 0 and f"RESULT process={i} rows={NUM}" in out, out[-3000:]
+  saved, single = embed.load_index(str(tmp_path)), embed.load_index(index)
+  assert saved.rows == single.rows
+  np.testing.assert_allclose(saved.embeddings, single.embeddings, atol=1e-5)
