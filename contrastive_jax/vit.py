@@ -147,10 +147,12 @@ class ViT(nn.Module):
                 kernel_init=_uniform((6.0 / (3 * p * p + d)) ** 0.5))(x.astype(self.dtype))
     if self.random_patch_projection:
       x = jax.lax.stop_gradient(x)
-    n, grid = x.shape[0], x.shape[1]
+    n, grid = x.shape[0], x.shape[1]  # [N, S/p, S/p, D]
     x = x.reshape(n, grid * grid, d) + sincos_position_embedding(grid, d).astype(self.dtype)
     cls = self.param("cls_token", nn.initializers.normal(1e-6), (1, 1, d), jnp.float32)
-    x = jnp.concatenate([jnp.broadcast_to(cls.astype(self.dtype), (n, 1, d)), x], axis=1)
+    # zeros_like keeps x's sharding (a replicated broadcast would not concatenate with
+    # a batch-sharded x under explicit sharding).
+    x = jnp.concatenate([jnp.zeros_like(x[:, :1]) + cls.astype(self.dtype), x], axis=1)
     for i in range(self.depth):
       x = Block(self.num_heads, dtype=self.dtype, name=f"block{i}")(x)
     x = nn.LayerNorm(epsilon=LN_EPSILON, dtype=self.dtype, name="norm")(x)

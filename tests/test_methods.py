@@ -16,7 +16,8 @@ from contrastive_jax import pretrain
 from contrastive_jax import train_state as ts
 from contrastive_jax import methods
 
-CONFIGS = {"simclr": "simclr", "moco": "moco_v2", "byol": "byol"}  # Method -> tiny config.
+# Method -> tiny config.
+CONFIGS = {"simclr": "simclr", "moco": "moco_v2", "mocov3": "mocov3", "byol": "byol"}
 
 
 def _batches(config, n, seed=0):
