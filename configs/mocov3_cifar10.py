@@ -23,12 +23,14 @@ narrower heads (512 hidden, 128 out). A step costs about a BYOL runlocal step
 
 Variant `runlocal_vit`: a ViT-Tiny (vit_tiny's 3 heads) shrunk so that a step is
 cheap on 2 CPU cores: D 96 (width 0.5), 4 blocks, patch 8 on the 32 px images
-(16 patches and the class token: attention over 17 tokens), batch 256, 1500
-steps; MoCo v3's ViT optimisation (AdamW, weight decay 0.1, random frozen patch
-projection) with a larger learning rate than ImageNet's (1e-3 x B/256, 5x
-MoCo v3's 1.5e-4 x 4096/256 = 2.4e-3 per ... see below) and a short warm-up
-(100 steps): ViTs learn slowly from few images, and 1500 steps leave no room
-for ImageNet's 40 warm-up epochs.
+(16 patches and the class token: attention over 17 tokens; patch 4 would make
+65 tokens and a step about 4x dearer), batch 256, 1500 steps, the same heads
+as `runlocal`; MoCo v3's ViT optimisation (AdamW, weight decay 0.1 on kernels,
+random frozen patch projection, t 0.2) with a base learning rate of 1e-3 x
+B/256, 6.7x MoCo v3's 1.5e-4 (at batch 256 the step is still below the 2.4e-3
+of its batch-4096 runs), and a warm-up of half an epoch (98 steps) instead of
+40 epochs: a ViT learns slowly from few images and few steps, and 1500 steps
+leave no room for a long warm-up.
 """
 from contrastive_jax import config_lib
 

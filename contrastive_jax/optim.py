@@ -4,8 +4,8 @@ Where the references differ, config fields say whose variant to run:
 weight_decay_mask 'kernels' leaves biases, BN and LayerNorm parameters and a
 ViT's class token out of weight decay and of LARS's trust ratio (SimCLR, BYOL,
 solo-learn, MoCo v3's LARS), 'all' decays every parameter (torch.optim.SGD's
-weight_decay: MoCo; torch.optim.AdamW as MoCo v3's main_moco.py calls it); lr_before_momentum scales
-each step by the learning rate before it enters the momentum (SimCLR's LARS
+weight_decay: MoCo; torch.optim.AdamW as MoCo v3's main_moco.py calls it);
+lr_before_momentum scales each step by the learning rate before it enters the momentum (SimCLR's LARS
 and optax.lars) instead of scaling the momentum (BYOL's LARS, PyTorch's and
 TensorFlow's momentum SGD); nesterov as in those optimizers.
 """
