@@ -8,6 +8,7 @@ import re
 import ml_collections
 from ml_collections import config_dict
 
+from contrastive_jax import models
 from contrastive_jax.errors import ConfigError
 
 _DURATION = re.compile(r"^\s*(\d+(?:\.\d*)?|\.\d+)\s*(steps?|epochs?)\s*$")
@@ -143,6 +144,16 @@ def byol_views(color_ops: str = "tensorflow", brightness_op: str = "add",
               view2=dict(jitter, blur_prob=0.1 if blur else 0.0, solarize_prob=0.2))
 
 
+def mocov3_views() -> dict:
+  """MoCo v3's views (moco-v3 main_moco.py, "BYOL's augmentation recipe"):
+  BYOL's asymmetric jitter, grayscale, blur (p 1.0 / 0.1) and solarization (p 0 / 0.2),
+  with torchvision's ColorJitter and PIL's Gaussian blur (edges repeated)."""
+  views = byol_views("torchvision", "multiply")
+  for view in views.values():
+    view["blur_padding"] = "edge"
+  return views
+
+
 def crop(config, sampler: str, area_min: float, resize: str):
   """Sets the host crop: crops.SAMPLERS sampler, smallest area fraction, crops.RESIZES resize."""
   config.crop_sampler = sampler
@@ -171,6 +182,14 @@ def model(name: str, stem: str, dtype: str, reference: str) -> dict:
             "byol": dict(zero_init_residual=True, conv_init="variance_scaling", **imagenet),
             "torchvision": dict(zero_init_residual=False, conv_init="he_normal", **imagenet)}
   return dict(name=name, width=1.0, stem=stem, dtype=dtype, **fields[reference])
+
+
+def vit_model(name: str, patch_size: int, dtype: str, random_patch_projection: bool) -> dict:
+  """A ViT model config (models.VIT_SPECS name; vit.py) at the spec's width (multiplier
+  1) and depth, ImageNet standardisation as MoCo v3's inputs."""
+  return dict(name=name, width=1.0, depth=models.VIT_SPECS[name][1], patch_size=patch_size,
+              dtype=dtype, random_patch_projection=random_patch_projection,
+              input_mean=IMAGENET_MEAN, input_std=IMAGENET_STD)
 
 
 def runlocal(config):
@@ -268,6 +287,15 @@ LINEAR_PROBE_PRESETS = {
         head=dict(standardize=False, init="lecun_normal"),
         optimizer=optimizer("sgd", 0.2, 0.0, nesterov=True, warmup_epochs=0,
                             weight_decay_mask="all")),
+    # MoCo v3 main_lincls.py: SGD momentum 0.9, lr 0.1 x B/256 (its default, the
+    # ResNet-50 command; CONFIG.md's ViT commands pass --lr=3), no weight decay,
+    # batch 1024, 90 epochs, half-cycle cosine without warm-up, RandomResizedCrop
+    # (scale 0.08-1) and flip, fc weights normal(0, 0.01), bias 0.
+    "mocov3": dict(
+        batch_size=1024, duration="90 epochs",
+        crop=dict(sampler="torchvision", area_min=0.08, resize="pil_bilinear"),
+        head=dict(standardize=False, init="normal_0.01"),
+        optimizer=optimizer("sgd", 0.1, 0.0, warmup_epochs=0, weight_decay_mask="all")),
     # This project's own probe, no reference's: h standardised by an
     # affine-free BN (a fixed per-feature affine map, so the classifier stays
     # linear), so that one learning rate fits every encoder, a random one too;

@@ -38,8 +38,8 @@ IDENTITY_FIELDS = ("pretrain_workdir", "job", "pretrain_step", "random_init", "d
 class Encoder(NamedTuple):
   """A restored encoder.
 
-  module: the ResNet (models.build_encoder of the pretraining config's model).
-  variables: its {'params', 'batch_stats'}, replicated on the mesh.
+  module: the ResNet or ViT (models.build_encoder of the pretraining config's model).
+  variables: its {'params', 'batch_stats'} ({} for a ViT), replicated on the mesh.
   pretrained: the pretraining run's config (image_size, eval_crop_fraction, ...).
   step: the checkpoint step it comes from.
   dim: the size D of its representation h.
@@ -99,8 +99,10 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
     else:
       x = jnp.zeros((1, saved.image_size, saved.image_size, 3), jnp.float32)
       shapes = jax.eval_shape(lambda: encoder.init(jax.random.PRNGKey(0), x, train=False))
+      # A ViT has no 'batch_stats': nothing of it is saved, so nothing is asked for.
       abstract = checkpointing.abstract_like(
-          {name: {ENCODER: shapes[name]} for name in ("params", "batch_stats")}, replicated)
+          {name: {ENCODER: shapes[name]} for name in ("params", "batch_stats")
+           if name in shapes}, replicated)
       variables = encoder_variables(ckpt.restore_partial(abstract, step))
   finally:
     ckpt.close()

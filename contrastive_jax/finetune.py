@@ -79,7 +79,7 @@ def make_train_step(encoder, head, tx):
                                  images, train=True, mutable=["batch_stats"])
       logits = head.apply({"params": params["head"]}, h)
       loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-      return loss, (updates["batch_stats"], logits)
+      return loss, (updates.get("batch_stats", {}), logits)  # {}: a ViT has no BN.
 
     (loss, (stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     top1 = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
@@ -151,7 +151,9 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
   config.pretrain_step = encoder.step
   schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, steps_per_epoch,
                                           num_steps)
-  tx = optim.build_optimizer(config.optimizer, schedule)
+  # A random patch projection stays frozen, as the encoder was pretrained.
+  tx = optim.build_optimizer(config.optimizer, schedule,
+                             freeze=encoder.pretrained.model.get("random_patch_projection", False))
   head = nn.Dense(source.num_classes, kernel_init=nn.initializers.zeros)
 
   def init_state(enc_vars):

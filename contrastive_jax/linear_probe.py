@@ -34,7 +34,7 @@ from contrastive_jax.errors import ConfigError
 # Fields a resumed probe must share with its checkpoint.
 IDENTITY_FIELDS = downstream.IDENTITY_FIELDS + ("preset", "head")
 PRESETS = ("auto",) + tuple(config_lib.LINEAR_PROBE_PRESETS)
-METHOD_PRESETS = ("simclr", "moco", "byol")  # 'auto' runs the checkpoint's method's.
+METHOD_PRESETS = ("simclr", "moco", "mocov3", "byol")  # 'auto' runs the checkpoint's method's.
 # name -> (kernel init, bias init) of the linear layer.
 HEAD_INITS = {"zeros": (nn.initializers.zeros, nn.initializers.zeros),
               "normal_0.01": (nn.initializers.normal(0.01), nn.initializers.zeros),

@@ -1,4 +1,4 @@
-"""Encoders (ResNet) and MLP heads (projection head, predictor) in Flax Linen.
+"""Encoders (ResNet; ViT in vit.py) and MLP heads (projection head, predictor) in Flax Linen.
 
 The encoder output h (after global average pooling) is the representation used
 downstream (linear probe, kNN monitor); the projection head maps it to z, which
@@ -23,6 +23,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from contrastive_jax import vit
 from contrastive_jax.errors import ConfigError
 
 # name -> (block type, blocks per stage); He et al. 2016, Table 1.
@@ -30,6 +31,14 @@ RESNET_SPECS = {
     "resnet18": ("basic", (2, 2, 2, 2)),
     "resnet34": ("basic", (3, 4, 6, 3)),
     "resnet50": ("bottleneck", (3, 4, 6, 3)),
+}
+# name -> (width D, depth, heads). Tiny is DeiT-Ti (Touvron et al. 2021, Table 1); Small
+# and Base are MoCo v3's (vits.py): its ViT-S has 12 heads where DeiT-S has 6 (the
+# parameters are the same, the attention finer).
+VIT_SPECS = {
+    "vit_tiny": (192, 12, 3),
+    "vit_small": (384, 12, 12),
+    "vit_base": (768, 12, 12),
 }
 STEMS = ("cifar", "imagenet")
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -170,16 +179,20 @@ class MLP(nn.Module):
 
   SimCLR's projection head (Chen et al. 2020, Eq. 2 and Appendix B.1;
   model_util.projection_head: the last Dense has no bias and is followed by a
-  BN with a scale but no offset, final_bn=True), MoCo v2's MLP head (no BN)
-  and BYOL's projector/predictor (Grill et al. 2020, Sec. 3.3) all have this
-  shape. Dense layers followed by a BN have no bias (the BN's mean subtraction
-  cancels it). dense_init: a DENSE_INITS name. Maps [N, D_in] to [N, out_dim]
-  float32.
+  BN with a scale but no offset, final_bn=True), MoCo v2's MLP head (no BN),
+  BYOL's projector/predictor (Grill et al. 2020, Sec. 3.3) and MoCo v3's
+  (moco-v3 builder.py _build_mlp: the projector's last BN without affine
+  parameters, final_bn_scale=False; the predictor's last Dense without bias,
+  final_bias=False) all have this shape. Dense layers followed by a BN have
+  no bias (the BN's mean subtraction cancels it). dense_init: a DENSE_INITS
+  name. Maps [N, D_in] to [N, out_dim] float32.
   """
   hidden_dims: Sequence[int]
   out_dim: int
   use_bn: bool = True
   final_bn: bool = False
+  final_bn_scale: bool = True
+  final_bias: bool = True
   dense_init: str = "lecun_normal"
   dtype: Any = jnp.float32
   bn_axis_name: Optional[str] = None
@@ -197,10 +210,10 @@ class MLP(nn.Module):
         x = norm()(x)
       x = nn.relu(x)
     kernel_init, bias_init = _dense_inits(self.dense_init, x.shape[-1])
-    x = nn.Dense(self.out_dim, use_bias=not self.final_bn, dtype=self.dtype,
-                 kernel_init=kernel_init, bias_init=bias_init)(x)
+    x = nn.Dense(self.out_dim, use_bias=self.final_bias and not self.final_bn,
+                 dtype=self.dtype, kernel_init=kernel_init, bias_init=bias_init)(x)
     if self.final_bn:
-      x = norm(use_bias=False)(x)
+      x = norm(use_bias=False, use_scale=self.final_bn_scale)(x)
     return x.astype(jnp.float32)
 
 
@@ -228,6 +241,7 @@ def encode(encoder, variables, images):
   """Eval-mode representation h, float32 [B, D], of uint8 images [B, S, S, 3].
 
   Pixels are scaled to [0, 1] as in training; BN uses its running statistics.
+  variables: {'params', 'batch_stats'} ('batch_stats' empty for a ViT).
   """
   return encoder.apply(variables, images.astype(jnp.float32) / 255.0, train=False)
 
@@ -236,18 +250,26 @@ def encode(encoder, variables, images):
 # a saved config without them gets the values the code had then.
 _MODEL_DEFAULTS = dict(zero_init_residual=True, conv_init="he_normal",
                        input_mean=(0.0, 0.0, 0.0), input_std=(1.0, 1.0, 1.0))
-_MLP_DEFAULTS = dict(final_bn=False, init="lecun_normal")
+_MLP_DEFAULTS = dict(final_bn=False, init="lecun_normal", final_bn_scale=True, final_bias=True)
 
 
-def build_encoder(model_config, bn_axis_name=None) -> ResNet:
-  """Builds the ResNet named by `model_config` (fields name, width, stem, dtype,
-  zero_init_residual, conv_init, input_mean, input_std).
+def build_encoder(model_config, bn_axis_name=None) -> nn.Module:
+  """Builds the encoder named by `model_config`: a ResNet of RESNET_SPECS (fields
+  name, width, stem, dtype, zero_init_residual, conv_init, input_mean, input_std)
+  or a ViT of VIT_SPECS (name, width, depth, patch_size, dtype,
+  random_patch_projection, input_mean, input_std; no BN, so bn_axis_name is
+  unused): D = vit_width(model_config), depth blocks, the spec's heads.
 
   Raises:
     ConfigError: see check_model_config.
   """
   check_model_config(model_config)
   get = lambda field: model_config.get(field, _MODEL_DEFAULTS[field])
+  if model_config.name in VIT_SPECS:
+    return vit.ViT(vit_width(model_config), model_config.depth, VIT_SPECS[model_config.name][2],
+                   model_config.patch_size, dtype=DTYPES[model_config.dtype],
+                   random_patch_projection=model_config.random_patch_projection,
+                   input_mean=tuple(get("input_mean")), input_std=tuple(get("input_std")))
   return ResNet(RESNET_SPECS[model_config.name], width=model_config.width,
                 stem=model_config.stem, dtype=DTYPES[model_config.dtype],
                 bn_axis_name=bn_axis_name, zero_init_residual=get("zero_init_residual"),
@@ -256,38 +278,76 @@ def build_encoder(model_config, bn_axis_name=None) -> ResNet:
 
 
 def build_mlp(mlp_config, dtype_name, bn_axis_name=None) -> MLP:
-  """Builds an MLP head from a config with hidden_dims, out_dim, use_bn, final_bn, init."""
+  """Builds an MLP head from a config with hidden_dims, out_dim, use_bn, final_bn, init
+  and optionally final_bn_scale, final_bias (MLP's attributes)."""
   get = lambda field: mlp_config.get(field, _MLP_DEFAULTS[field])
   return MLP(tuple(mlp_config.hidden_dims), mlp_config.out_dim,
-             use_bn=mlp_config.use_bn, final_bn=get("final_bn"), dense_init=get("init"),
+             use_bn=mlp_config.use_bn, final_bn=get("final_bn"),
+             final_bn_scale=get("final_bn_scale"), final_bias=get("final_bias"),
+             dense_init=get("init"),
              dtype=DTYPES[dtype_name], bn_axis_name=bn_axis_name)
 
 
 def encoder_width(model_config) -> int:
-  """Dimension of h for a model config (512 * width, or 2048 * width for R50)."""
+  """Dimension of h for a model config (512 * width, or 2048 * width for R50; D for a ViT)."""
+  if model_config.name in VIT_SPECS:
+    return vit_width(model_config)
   block_type, _ = RESNET_SPECS[model_config.name]
   base = max(1, round(64 * model_config.width))
   return base * 8 * (4 if block_type == "bottleneck" else 1)
 
 
-def check_model_config(model_config):
-  """Raises ConfigError naming the field if the model config cannot be built."""
-  if model_config.name not in RESNET_SPECS:
-    raise ConfigError("model.name", model_config.name, f"one of {sorted(RESNET_SPECS)}")
-  if model_config.stem not in STEMS:
-    raise ConfigError("model.stem", model_config.stem, f"one of {list(STEMS)}")
+def vit_width(model_config) -> int:
+  """D of a ViT config: the spec's D times model.width, rounded (a runlocal shrinks it)."""
+  return round(VIT_SPECS[model_config.name][0] * model_config.width)
+
+
+def check_model_config(model_config, image_size: int = None):
+  """Raises ConfigError naming the field if the model config cannot be built (on images
+  of image_size pixels, when given: a ViT's patch size must divide it)."""
+  if model_config.name not in RESNET_SPECS and model_config.name not in VIT_SPECS:
+    raise ConfigError("model.name", model_config.name,
+                      f"one of {sorted(RESNET_SPECS) + sorted(VIT_SPECS)}")
   if model_config.dtype not in DTYPES:
     raise ConfigError("model.dtype", model_config.dtype, f"one of {sorted(DTYPES)}")
+  if model_config.name in VIT_SPECS:
+    _check_vit_config(model_config, image_size)
+    return
+  if model_config.stem not in STEMS:
+    raise ConfigError("model.stem", model_config.stem, f"one of {list(STEMS)}")
   if not model_config.width > 0:
     raise ConfigError("model.width", model_config.width, "a number > 0")
   conv_init = model_config.get("conv_init", _MODEL_DEFAULTS["conv_init"])
   if conv_init not in CONV_INITS:
     raise ConfigError("model.conv_init", conv_init, f"one of {sorted(CONV_INITS)}")
+  _check_input_statistics(model_config)
+
+
+def _check_input_statistics(model_config):
   for field in ("input_mean", "input_std"):
     value = model_config.get(field, _MODEL_DEFAULTS[field])
     if len(value) != 3 or (field == "input_std" and min(value) <= 0):
       raise ConfigError(f"model.{field}", tuple(value),
                         "3 numbers (R, G, B)" + (", each > 0" if field == "input_std" else ""))
+
+
+def _check_vit_config(model_config, image_size):
+  heads = VIT_SPECS[model_config.name][2]
+  if not model_config.width > 0 or vit_width(model_config) % (4 * heads):
+    raise ConfigError("model.width", model_config.width,
+                      f"> 0, making D = {VIT_SPECS[model_config.name][0]} x width a multiple "
+                      f"of 4 x {heads} heads (the 2-D sin-cos embedding splits D in 4)")
+  if not isinstance(model_config.get("depth"), int) or model_config.depth <= 0:
+    raise ConfigError("model.depth", model_config.get("depth"), "an integer > 0 (blocks)")
+  patch = model_config.get("patch_size")
+  if not isinstance(patch, int) or patch <= 0 or (image_size and image_size % patch):
+    raise ConfigError("model.patch_size", patch,
+                      "an integer > 0" + (f" that divides image_size ({image_size})"
+                                          if image_size else ""))
+  if not isinstance(model_config.get("random_patch_projection"), bool):
+    raise ConfigError("model.random_patch_projection",
+                      model_config.get("random_patch_projection"), "True or False")
+  _check_input_statistics(model_config)
 
 
 def check_mlp_config(mlp_config, field):

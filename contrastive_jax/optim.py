@@ -1,10 +1,11 @@
-"""Optimizers (LARS, LARC, SGD with momentum) and the warm-up + cosine schedule.
+"""Optimizers (LARS, LARC, SGD with momentum, AdamW) and the warm-up + cosine schedule.
 
 Where the references differ, config fields say whose variant to run:
-weight_decay_mask 'kernels' leaves biases and BN parameters out of weight
-decay and of LARS's trust ratio (SimCLR, BYOL, solo-learn), 'all' decays every
-parameter (torch.optim.SGD's weight_decay: MoCo); lr_before_momentum scales
-each step by the learning rate before it enters the momentum (SimCLR's LARS
+weight_decay_mask 'kernels' leaves biases, BN and LayerNorm parameters and a
+ViT's class token out of weight decay and of LARS's trust ratio (SimCLR, BYOL,
+solo-learn, MoCo v3's LARS), 'all' decays every parameter (torch.optim.SGD's
+weight_decay: MoCo; torch.optim.AdamW as MoCo v3's main_moco.py calls it);
+lr_before_momentum scales each step by the learning rate before it enters the momentum (SimCLR's LARS
 and optax.lars) instead of scaling the momentum (BYOL's LARS, PyTorch's and
 TensorFlow's momentum SGD); nesterov as in those optimizers.
 """
@@ -14,11 +15,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from contrastive_jax import vit
 from contrastive_jax.errors import ConfigError
 
 LR_SCALINGS = ("linear", "sqrt")
 SCHEDULES = ("cosine", "step")
-OPTIMIZERS = ("lars", "larc", "sgd")
+OPTIMIZERS = ("lars", "larc", "sgd", "adamw")
 DECAY_MASKS = ("kernels", "all")
 
 
@@ -78,14 +80,16 @@ def learning_rate_schedule(cfg, global_batch: int, steps_per_epoch: int, total_s
 def decay_mask(params, which: str):
   """True for the leaves that get weight decay (and, under LARS, the trust ratio).
 
-  'kernels': biases and BatchNorm parameters (leaves named 'bias' or 'scale')
-  are left out, as in SimCLR (Appendix B.1; its LARS excludes
-  'batch_normalization' and 'bias') and BYOL (Sec. 3.3; exclude_bias_and_norm),
-  so only conv and dense kernels are True. 'all': every leaf, as
+  'kernels': biases, BatchNorm and LayerNorm parameters (leaves named 'bias'
+  or 'scale') and a ViT's class token are left out, as in SimCLR (Appendix
+  B.1; its LARS excludes 'batch_normalization' and 'bias'), BYOL (Sec. 3.3;
+  exclude_bias_and_norm) and MoCo v3's LARS (moco-v3 optimizer.py: parameters
+  with one dimension), so only conv and dense kernels are True. (A ViT's
+  position embedding is a constant, not a parameter.) 'all': every leaf, as
   torch.optim.SGD's weight_decay in MoCo's main_moco.py.
   """
   def keep(path, _):
-    return which == "all" or path[-1].key not in ("bias", "scale")
+    return which == "all" or path[-1].key not in ("bias", "scale", "cls_token")
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
@@ -120,16 +124,44 @@ def scale_by_clipped_trust_ratio(schedule, trust_coefficient: float, weight_deca
   return optax.GradientTransformation(init, update)
 
 
-def build_optimizer(cfg, schedule) -> optax.GradientTransformation:
-  """LARS (You et al. 2017), LARC or SGD with momentum (see the module docstring).
+def frozen_labels(params):
+  """'frozen' for the leaves under a module whose name starts with vit.FROZEN_PREFIX
+  (a ViT's random patch projection), 'train' for the others."""
+  def label(path, _):
+    frozen = any(str(getattr(k, "key", "")).startswith(vit.FROZEN_PREFIX) for k in path)
+    return "frozen" if frozen else "train"
+  return jax.tree_util.tree_map_with_path(label, params)
+
+
+def build_optimizer(cfg, schedule, freeze: bool = False) -> optax.GradientTransformation:
+  """LARS (You et al. 2017), LARC, SGD with momentum or AdamW (see the module docstring).
 
   lars: weight decay, then the trust ratio trust_coefficient ||w|| / ||update||
   (SimCLR and BYOL: 0.001), both on the leaves of decay_mask; sgd: weight decay
   added to the gradient (torch.optim.SGD, tf's L2 loss); larc:
   scale_by_clipped_trust_ratio. Then momentum (Nesterov or not) and the
-  learning rate, in the order lr_before_momentum says.
+  learning rate, in the order lr_before_momentum says. adamw: optax.adamw
+  (Loshchilov and Hutter 2019; decoupled decay w <- w - lr wd w on the leaves
+  of decay_mask, as torch.optim.AdamW), b1 = momentum, b2 = 0.999 and eps 1e-8
+  (PyTorch's defaults, which MoCo v3 keeps); nesterov, lr_before_momentum and
+  trust_coefficient are unused.
+
+  freeze: the leaves frozen_labels marks get a zero update (no step, no
+  decay), as PyTorch leaves a parameter with requires_grad False alone (MoCo
+  v3's stop-grad patch projection). It changes the optimizer state's
+  structure, so it is set only for models with frozen leaves.
   """
+  tx = _optimizer(cfg, schedule)
+  if freeze:
+    tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, frozen_labels)
+  return tx
+
+
+def _optimizer(cfg, schedule):
   mask = lambda params: decay_mask(params, cfg.weight_decay_mask)
+  if cfg.name == "adamw":
+    return optax.adamw(schedule, b1=cfg.momentum, b2=0.999, eps=1e-8,
+                       weight_decay=cfg.weight_decay, mask=mask)
   if cfg.name == "larc":
     steps = [scale_by_clipped_trust_ratio(schedule, cfg.trust_coefficient, cfg.weight_decay,
                                           mask)]

@@ -1,4 +1,4 @@
-"""The pretraining job (config.job='pretrain'): SimCLR, MoCo or BYOL.
+"""The pretraining job (config.job='pretrain'): SimCLR, MoCo v1/v2, MoCo v3 or BYOL.
 
 Builds what runner.run() steps: the method's model, optimizer, state and
 train step, the host input pipeline and the evaluators' view of the model
@@ -36,7 +36,9 @@ from contrastive_jax.methods import get_method
 # The first field exists only in pretraining configs.
 IDENTITY_FIELDS = ("method", "model.name", "model.width", "model.stem", "model.dtype",
                    "model.zero_init_residual", "model.conv_init", "model.input_mean",
-                   "model.input_std", "projector", "predictor", "moco", "byol", "temperature",
+                   "model.input_std", "model.depth", "model.patch_size",
+                   "model.random_patch_projection",
+                   "projector", "predictor", "moco", "byol", "temperature",
                    "optimizer", "augment", "data_source", "dataset", "train_split", "image_size",
                    "crop_sampler", "crop_area_min", "crop_resize", "batch_size", "seed",
                    "duration", "shuffle_buffer", "online_probe")
@@ -57,7 +59,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int):
     raise ConfigError("eval_crop_fraction", config.eval_crop_fraction, "in (0, 1]")
   if not config.online_probe.learning_rate > 0:
     raise ConfigError("online_probe.learning_rate", config.online_probe.learning_rate, "> 0")
-  models.check_model_config(config.model)
+  models.check_model_config(config.model, config.image_size)
   optim.check_optimizer_config(config.optimizer)
   views(config)
 
@@ -100,7 +102,8 @@ def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int =
   method = get_method(config.method)
   schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size,
                                           steps_per_epoch, num_steps)
-  tx = optim.build_optimizer(config.optimizer, schedule)
+  tx = optim.build_optimizer(config.optimizer, schedule,
+                            freeze=config.model.get("random_patch_projection", False))
   model = method.build_model(config)
   probe = online_probe(config, num_classes) if num_classes > 0 else None
   init_rng, rng = jax.random.split(jax.random.PRNGKey(config.seed))

@@ -49,10 +49,24 @@ def make_mesh(devices=None) -> jax.sharding.Mesh:
 def init_variables(model, rng, image_size: int):
   """Initialises a Flax model on a [2, S, S, 3] float32 dummy batch.
 
-  Returns (params, batch_stats).
+  Returns (params, batch_stats); batch_stats is {} for a model without BN.
   """
   variables = model.init(rng, jnp.zeros((2, image_size, image_size, 3), jnp.float32), train=False)
-  return variables["params"], variables["batch_stats"]
+  return variables["params"], variables.get("batch_stats", {})
+
+
+def apply_per_view(network, params, batch_stats, x1, x2):
+  """Train-mode outputs of view 1 and view 2, each its own forward pass.
+
+  BN statistics are thus per view (BYOL's and MoCo v3's references encode
+  the views separately); the running statistics are updated twice, view 1's
+  first. Returns (outputs of x1, outputs of x2, the new batch_stats).
+  """
+  out1, updates = network.apply({"params": params, "batch_stats": batch_stats}, x1,
+                                train=True, mutable=["batch_stats"])
+  out2, updates = network.apply({"params": params, "batch_stats": updates["batch_stats"]}, x2,
+                                train=True, mutable=["batch_stats"])
+  return out1, out2, updates["batch_stats"]
 
 
 def augmented_views(images, rng, step, views):

@@ -20,9 +20,15 @@ def load_config(name: str, variant: str = ""):
   return module.get_config(variant)
 
 
-def tiny_config(method: str = "simclr"):
-  """configs/METHOD_cifar10.py:runlocal shrunk to seconds: 8 devices x 2 images, 4 steps."""
-  config = load_config(f"{method}_cifar10", "runlocal")
+def tiny_config(method: str = "simclr", variant: str = "runlocal"):
+  """configs/METHOD_cifar10.py:VARIANT shrunk to seconds: 8 devices x 2 images, 4 steps,
+  a ResNet-18 at width 0.0625 or a 1-block ViT of D = 12 (runlocal_vit).
+
+  The ViT's config also leaves out the photometric augmentations (crops and flips
+  stay): they would compile to more than the tiny ViT's whole step, and their code is
+  every method's (ts.augmented_views), tested on the ResNet configs.
+  """
+  config = load_config(f"{method}_cifar10", variant)
   if method == "moco_v2":
     config.moco.queue_size = 64
     config.moco.bn_group_size = 8  # One image of each group per device on 8 devices.
@@ -36,6 +42,11 @@ def tiny_config(method: str = "simclr"):
   config.batch_size = 16
   config.duration = "4 steps"
   config.model.width = 0.0625
+  if "depth" in config.model:  # A ViT.
+    config.model.depth = 1
+    for view in ("view1", "view2"):
+      config.augment[view] = dict(color_jitter_prob=0.0, grayscale_prob=0.0, blur_prob=0.0,
+                                  solarize_prob=0.0)
   config.log_every = "1 steps"
   config.checkpoint_every = "2 steps"
   config.shuffle_buffer = 256

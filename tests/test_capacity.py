@@ -9,6 +9,7 @@ import jax.numpy as jnp
 import pytest
 from helpers import load_config
 
+from contrastive_jax import pretrain
 from contrastive_jax.methods import get_method
 
 
@@ -77,3 +78,31 @@ def test_estimate_is_the_slower_bound_and_fit_flips_at_the_needed_bytes(plan16):
   assert capacity.estimate(plan16, acc, 0.5, hbm_bytes=plan16.hbm_needed).fits
   assert not capacity.estimate(plan16, acc, 0.5, hbm_bytes=plan16.hbm_needed - 1).fits
   assert "| tpu_v5e |" in capacity.report(plan16, {"tpu_v5e": acc}, 0.5)
+
+
+
+@pytest.mark.parametrize("variant", ["vit_small", "vit_base", "resnet50"])
+def test_mocov3_imagenet_configs_pass_their_checks_and_build_their_state(variant):
+  # The shapes part of the plan, from the jitted init's eval_shape as plan() takes it;
+  # the compile, for the memory, is the README's table (21 to 52 s per config here).
+  config = load_config("mocov3_imagenet", variant)
+  pretrain.check_config(config, 8)
+  get_method(config.method).check_config(config, capacity.KNOWN_DATASETS["imagenet2012"][0])
+  mesh = jax.make_mesh((8,), ("data",))
+  state = jax.eval_shape(pretrain.setup(config, mesh, 312, 300 * 312, num_classes=1000).init)
+  nbytes = capacity.per_device_bytes
+  params = state.params
+  # timm's vit_small/base_patch16_224 (22,050,664 and 86,567,656 parameters) less their
+  # 1000-class head and position embedding (a constant here); torchvision's resnet50
+  # (25,557,032) less its fc.
+  assert sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params["encoder"])) == {
+      "vit_small": 21_590_016, "vit_base": 85_647_360, "resnet50": 23_508_032}[variant]
+  # The momentum network (encoder and projector, no queue) and the optimizer's moments:
+  # AdamW's two of every trained parameter (none for the frozen patch projection),
+  # LARS's one.
+  assert nbytes(state.extra) == (nbytes(params["encoder"]) + nbytes(params["projector"])
+                                 + nbytes(state.batch_stats.get("encoder", {}))
+                                 + nbytes(state.batch_stats["projector"]))
+  frozen = nbytes(params["encoder"].get("frozen_patch_embed", {}))
+  moments = 2 * (nbytes(params) - frozen) if variant.startswith("vit") else nbytes(params)
+  assert 0 <= nbytes(state.opt_state) - moments <= 64  # Step counters.

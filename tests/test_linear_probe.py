@@ -141,6 +141,8 @@ PROBE_REFERENCES = {
              "normal_0.01", False),
     "byol": (1024, "80 epochs", 0.2, True, 0.0, "cosine", (), "byol", 0.08, "lecun_normal",
              False),
+    "mocov3": (1024, "90 epochs", 0.1, False, 0.0, "cosine", (), "torchvision", 0.08,
+               "normal_0.01", False),
     "standardised": (256, "100 epochs", 0.1, False, 0.0, "cosine", (), "torchvision", 0.2,
                      "zeros", True),
 }

@@ -11,7 +11,8 @@ The method contract: a module registered in METHODS provides
   init_state(config, model, tx, init_rng, rng) -> train_state.TrainState
       The state at step 0: params and batch_stats from model.init, the
       optimizer state, rng as the run's base key, and the method's own
-      state in `extra` (MoCo's key encoder and queue, BYOL's target network).
+      state in `extra` (MoCo's key encoder and queue, MoCo v3's momentum
+      encoder, BYOL's target network).
   make_train_step(config, model, tx, views, mesh, num_steps, probe=None)
       -> train_step(state, batch) -> (state, metrics), built with
       train_state.build_train_step (so every method gets the health
@@ -20,16 +21,17 @@ The method contract: a module registered in METHODS provides
       int32 [B]; metrics are float32 scalars including 'loss'.
 
 and keeps the encoder that downstream jobs use at state.params['encoder'] and
-state.batch_stats['encoder'] (encoder_variables), which is what their partial
-checkpoint restore reads. tests/test_methods.py checks every registered method
+state.batch_stats['encoder'] (encoder_variables; absent for an encoder without
+BN, a ViT), which is what their partial checkpoint restore reads. tests/test_methods.py checks every registered method
 against this contract.
 """
 from contrastive_jax.errors import ConfigError
 from contrastive_jax.methods import byol
 from contrastive_jax.methods import moco
+from contrastive_jax.methods import mocov3
 from contrastive_jax.methods import simclr
 
-METHODS = {"byol": byol, "moco": moco, "simclr": simclr}
+METHODS = {"byol": byol, "moco": moco, "mocov3": mocov3, "simclr": simclr}
 ENCODER = "encoder"
 
 
@@ -45,6 +47,11 @@ def get_method(name: str):
 
 
 def encoder_variables(tree):
-  """The encoder's {'params', 'batch_stats'} of a TrainState (or a dict with those keys)."""
+  """The encoder's {'params', 'batch_stats'} of a TrainState (or a dict with those keys).
+
+  'batch_stats' is {} for an encoder without BN (a ViT), whose state has no
+  batch_stats['encoder'] (a dict may then lack 'batch_stats' altogether).
+  """
   get = tree.get if isinstance(tree, dict) else lambda k: getattr(tree, k)
-  return {"params": get("params")[ENCODER], "batch_stats": get("batch_stats")[ENCODER]}
+  return {"params": get("params")[ENCODER],
+          "batch_stats": (get("batch_stats") or {}).get(ENCODER, {})}

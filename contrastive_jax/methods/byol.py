@@ -7,7 +7,7 @@ differentiated. Its parameters and BN statistics live in state.extra. As in
 the reference (deepmind-research byol_experiment.py), each view goes through
 its own forward pass, so BN statistics are per view, global (cross-device)
 over that view's batch, and the running statistics are updated twice per
-step, view 1 first; the target network is initialised with its own key, not
+step, view 1 first (ts.apply_per_view); the target network is initialised with its own key, not
 as a copy of the online one.
 """
 import jax
@@ -100,23 +100,15 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
   """
   target_model = model.clone(predictor=None)
 
-  def per_view(network, params, batch_stats, x1, x2):
-    """Outputs of view 1 and view 2, each its own forward pass (BN statistics per view),
-    and the batch_stats after both updates, view 1's first."""
-    out1, updates = network.apply({"params": params, "batch_stats": batch_stats}, x1,
-                                  train=True, mutable=["batch_stats"])
-    out2, updates = network.apply({"params": params, "batch_stats": updates["batch_stats"]}, x2,
-                                  train=True, mutable=["batch_stats"])
-    return out1, out2, updates["batch_stats"]
-
   def per_device(state, images):
     x1, x2 = ts.augmented_views(images, state.rng, state.step, views)
     extra = state.extra
-    (_, z1), (_, z2), target_stats = per_view(target_model, extra["target_params"],
-                                              extra["target_batch_stats"], x1, x2)
+    (_, z1), (_, z2), target_stats = ts.apply_per_view(
+        target_model, extra["target_params"], extra["target_batch_stats"], x1, x2)
 
     def loss_fn(params):
-      (h1, online_z1, p1), (_, _, p2), stats = per_view(model, params, state.batch_stats, x1, x2)
+      (h1, online_z1, p1), (_, _, p2), stats = ts.apply_per_view(model, params,
+                                                                 state.batch_stats, x1, x2)
       return byol_loss(p1, p2, z1, z2, ts.DATA_AXIS), (stats, {"h": h1, "z": online_z1})
 
     (loss, (stats, outputs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)

@@ -15,6 +15,15 @@ from contrastive_jax import train_state as ts
 from contrastive_jax.errors import ConfigError
 
 
+def gather_global(x, axis_name):
+  """Inside shard_map: (every device's rows of x concatenated in device order [B, ...],
+  the index of this device's first row in them). With axis_name None: (x, 0)."""
+  if axis_name is None:
+    return x, 0
+  return (jax.lax.all_gather(x, axis_name, tiled=True),
+          jax.lax.axis_index(axis_name) * x.shape[0])
+
+
 def nt_xent(z1, z2, temperature: float, axis_name=None):
   """NT-Xent loss and contrastive top-1 accuracy (SimCLR Eq. 1).
 
@@ -45,12 +54,8 @@ def nt_xent(z1, z2, temperature: float, axis_name=None):
   z1 = z1 / jnp.maximum(jnp.linalg.norm(z1, axis=1, keepdims=True), 1e-12)
   z2 = z2 / jnp.maximum(jnp.linalg.norm(z2, axis=1, keepdims=True), 1e-12)
   b = z1.shape[0]
-  if axis_name is None:
-    all1, all2, offset = z1, z2, 0
-  else:
-    all1 = jax.lax.all_gather(z1, axis_name, tiled=True)
-    all2 = jax.lax.all_gather(z2, axis_name, tiled=True)
-    offset = jax.lax.axis_index(axis_name) * b
+  all1, offset = gather_global(z1, axis_name)
+  all2, _ = gather_global(z2, axis_name)
   global_b = all1.shape[0]
   anchors = jnp.concatenate([z1, z2])                    # [2b, d]
   candidates = jnp.concatenate([all1, all2])             # [2B, d]

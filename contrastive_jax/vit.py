@@ -1,0 +1,159 @@
+"""Vision Transformer encoders (Dosovitskiy et al. 2021) as MoCo v3 trains them.
+
+MoCo v3 (Chen, Xie and He 2021, arXiv 2104.02057, Sec. 4 and Appendix;
+facebookresearch/moco-v3 vits.py on timm's VisionTransformer): non-overlapping
+p x p patches projected to D dimensions by a strided convolution, a learned
+class token prepended, a fixed 2-D sine-cosine position embedding added (none
+on the class token), L pre-norm blocks x + MHSA(LN(x)), x + MLP(LN(x)) (MLP
+ratio 4, exact GELU, LayerNorm eps 1e-6, qkv with bias), a final LayerNorm;
+the representation h is the class token after it. No dropout, no BatchNorm, so
+the encoder has no batch_stats.
+
+Initialisation as vits.py: dense kernels Xavier-uniform (qkv's bound computed
+as if q, k and v were three separate D x D matrices), biases zero, the patch
+projection U(+-sqrt(6 / (3 p^2 + D))), the class token normal(0, 1e-6).
+
+random_patch_projection is MoCo v3's stability trick (Sec. 4.2, vits.py's
+stop_grad_conv1): the patch projection stays at its random initialisation.
+Its parameters then live in a module named 'frozen_patch_embed', which
+optim.build_optimizer(..., freeze=True) gives no update at all (no weight
+decay either, as PyTorch skips a parameter with requires_grad False); the
+forward pass stops the gradient too.
+
+Precision: parameters float32; dense layers and the convolution compute in
+`dtype` (bfloat16 on accelerators); LayerNorm statistics, attention logits
+and softmax in float32; h float32.
+
+Written here in Flax Linen: no maintained Flax ViT package offers the fixed
+2-D sin-cos embedding, the frozen patch projection and this module's
+parameter layout together (flax's examples and big_vision are not libraries
+to depend on).
+"""
+from typing import Any, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FROZEN_PREFIX = "frozen_"  # Modules named so get no optimizer update (optim.py).
+LN_EPSILON = 1e-6
+
+
+def sincos_position_embedding(grid: int, dim: int, temperature: float = 10000.0) -> np.ndarray:
+  """Fixed 2-D sine-cosine position embedding of a grid x grid patch grid, float32 [grid^2, dim].
+
+  As moco-v3 vits.py's build_2d_sincos_position_embedding: with
+  omega_i = 1 / temperature^(i / (dim/4)), i < dim/4, the patch in row r and
+  column c (patches flattened row-major, as the convolution's output) gets
+    [sin(r omega), cos(r omega), sin(c omega), cos(c omega)].
+  The reference names its first coordinate grid_w, but torch.meshgrid's
+  'ij' indexing makes it the row index for flattened row-major patches; this
+  function reproduces its values. The class token gets no embedding (zeros).
+
+  Raises:
+    ValueError: dim not a multiple of 4.
+  """
+  if dim % 4:
+    raise ValueError(f"dim={dim}: the 2-D sin-cos embedding needs a multiple of 4")
+  quarter = dim // 4
+  omega = 1.0 / temperature ** (np.arange(quarter, dtype=np.float64) / quarter)
+  rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
+  out_r = rows.reshape(-1)[:, None] * omega[None, :]
+  out_c = cols.reshape(-1)[:, None] * omega[None, :]
+  return np.concatenate([np.sin(out_r), np.cos(out_r), np.sin(out_c), np.cos(out_c)],
+                        axis=1).astype(np.float32)
+
+
+def _uniform(bound: float):
+  def init(key, shape, dtype=jnp.float32):
+    return jax.random.uniform(key, shape, dtype, -bound, bound)
+  return init
+
+
+def _qkv_init(key, shape, dtype=jnp.float32):
+  """Xavier-uniform of a [D, 3D] kernel as three D x D matrices (vits.py)."""
+  fan_in, fan_out = shape[0], shape[1] // 3
+  return _uniform((6.0 / (fan_in + fan_out)) ** 0.5)(key, shape, dtype)
+
+
+class SelfAttention(nn.Module):
+  """Multi-head self-attention, [N, T, D] -> [N, T, D]; logits and softmax in float32."""
+  num_heads: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    n, t, d = x.shape
+    head_dim = d // self.num_heads
+    qkv = nn.Dense(3 * d, dtype=self.dtype, kernel_init=_qkv_init, name="qkv")(x)
+    q, k, v = jnp.moveaxis(qkv.reshape(n, t, 3, self.num_heads, head_dim), 2, 0)
+    logits = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32)
+    weights = jax.nn.softmax(logits / head_dim**0.5, axis=-1).astype(self.dtype)
+    out = jnp.einsum("nhqk,nkhd->nqhd", weights, v).reshape(n, t, d)
+    return nn.Dense(d, dtype=self.dtype, kernel_init=nn.initializers.xavier_uniform(),
+                    name="proj")(out)
+
+
+class Block(nn.Module):
+  """Pre-norm Transformer block: x + MHSA(LN(x)), then x + MLP(LN(x))."""
+  num_heads: int
+  mlp_ratio: int = 4
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    d = x.shape[-1]
+    norm = lambda name: nn.LayerNorm(epsilon=LN_EPSILON, dtype=self.dtype, name=name)
+    dense = lambda width, name: nn.Dense(width, dtype=self.dtype, name=name,
+                                         kernel_init=nn.initializers.xavier_uniform())
+    x = x + SelfAttention(self.num_heads, self.dtype, name="attn")(norm("norm1")(x))
+    y = dense(self.mlp_ratio * d, "fc1")(norm("norm2")(x))
+    return x + dense(d, "fc2")(nn.gelu(y, approximate=False))
+
+
+class ViT(nn.Module):
+  """Vision Transformer encoder; see the module docstring.
+
+  Attributes:
+    width: D, the token dimension (a multiple of 4 and of num_heads).
+    depth: number of blocks.
+    num_heads: attention heads.
+    patch_size: p; the image size must be a multiple of it.
+    dtype: compute dtype.
+    random_patch_projection: freeze the patch projection (MoCo v3 Sec. 4.2).
+    input_mean, input_std: per-channel (R, G, B) standardisation of the [0, 1] input.
+  """
+  width: int
+  depth: int
+  num_heads: int
+  patch_size: int
+  dtype: Any = jnp.float32
+  random_patch_projection: bool = False
+  input_mean: Sequence[float] = (0.0, 0.0, 0.0)
+  input_std: Sequence[float] = (1.0, 1.0, 1.0)
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    """Maps images [N, S, S, 3] (float, values in [0, 1]) to h [N, width] float32.
+
+    train is accepted for the encoder interface; the ViT has no train-mode layers.
+    """
+    del train
+    p, d = self.patch_size, self.width
+    x = (x - jnp.asarray(self.input_mean, jnp.float32)) / jnp.asarray(self.input_std, jnp.float32)
+    name = (FROZEN_PREFIX if self.random_patch_projection else "") + "patch_embed"
+    x = nn.Conv(d, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype, name=name,
+                kernel_init=_uniform((6.0 / (3 * p * p + d)) ** 0.5))(x.astype(self.dtype))
+    if self.random_patch_projection:
+      x = jax.lax.stop_gradient(x)
+    n, grid = x.shape[0], x.shape[1]  # [N, S/p, S/p, D]
+    x = x.reshape(n, grid * grid, d) + sincos_position_embedding(grid, d).astype(self.dtype)
+    cls = self.param("cls_token", nn.initializers.normal(1e-6), (1, 1, d), jnp.float32)
+    # zeros_like keeps x's sharding (a replicated broadcast would not concatenate with
+    # a batch-sharded x under explicit sharding).
+    x = jnp.concatenate([jnp.zeros_like(x[:, :1]) + cls.astype(self.dtype), x], axis=1)
+    for i in range(self.depth):
+      x = Block(self.num_heads, dtype=self.dtype, name=f"block{i}")(x)
+    x = nn.LayerNorm(epsilon=LN_EPSILON, dtype=self.dtype, name="norm")(x)
+    return x[:, 0].astype(jnp.float32)
