@@ -21,6 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from contrastive_jax import config_lib
 from contrastive_jax import evaluators
 from contrastive_jax import linear_probe
 from contrastive_jax import models
@@ -121,7 +122,8 @@ def probe_run(mesh, pretrained, out: dict):
   """STEPS steps of the linear-probe job's train step on the encoder variables `pretrained`."""
   pretrain_config = method_config("simclr")
   encoder = get_method("simclr").build_model(pretrain_config).encoder
-  config = load_config("linear_probe", "runlocal")
+  # The 'standardised' preset: its head has a BN, whose statistics must agree too.
+  config = config_lib.fill_probe_preset(load_config("linear_probe", "runlocal"), "standardised")
   config.batch_size = 16
   head = linear_probe.LinearHead(10)
   tx = optim.build_optimizer(config.optimizer, optim.learning_rate_schedule(
