@@ -26,6 +26,7 @@ from contrastive_jax import evaluators
 from contrastive_jax import models
 from contrastive_jax import train_state as ts
 from contrastive_jax.errors import ConfigError
+from contrastive_jax.methods import byol
 from contrastive_jax.methods import moco
 from contrastive_jax.methods import simclr
 
@@ -91,12 +92,9 @@ def check_config(config, num_train_examples: int):
                       "are compared")
 
 
-def build_model(config) -> models.ContrastiveModel:
-  """Query network: encoder, projector and predictor, all BN global over the data axis."""
-  return models.ContrastiveModel(
-      encoder=models.build_encoder(config.model, bn_axis_name=ts.DATA_AXIS),
-      projector=models.build_mlp(config.projector, config.model.dtype, ts.DATA_AXIS),
-      predictor=models.build_mlp(config.predictor, config.model.dtype, ts.DATA_AXIS))
+# The query network is BYOL's online network: encoder, projector and predictor, all
+# BN global over the data axis.
+build_model = byol.build_model
 
 
 def _momentum_part(tree):
