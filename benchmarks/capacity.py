@@ -56,10 +56,10 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from contrastive_jax import config_lib
-from contrastive_jax import pretrain
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import JobError
+from contrastive_jax.core import durations
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import get_method
 
 @dataclasses.dataclass(frozen=True)
@@ -196,14 +196,14 @@ def plan(config, num_devices: int, *, num_train: int = 0, num_classes: int = -1)
   pretrain.check_config(config, num_devices)
   # MoCo's check reads jax.device_count(), which the script sets to num_devices.
   get_method(config.method).check_config(config, num_train)
-  mesh = ts.make_mesh(devices[:num_devices])
+  mesh = mesh_lib.make_mesh(devices[:num_devices])
   steps_per_epoch = num_train // config.batch_size
-  num_steps = config_lib.to_steps(config.duration, "duration", steps_per_epoch)
+  num_steps = durations.to_steps(config.duration, "duration", steps_per_epoch)
   run = pretrain.setup(config, mesh, steps_per_epoch, num_steps, num_classes)
 
   state = jax.eval_shape(run.init)  # ShapeDtypeStructs with the replicated sharding.
   size = config.image_size
-  batch_sharding = ts.batch_sharded(mesh)
+  batch_sharding = mesh_lib.batch_sharded(mesh)
   batch = {"image": jax.ShapeDtypeStruct((config.batch_size, 2, size, size, 3), jnp.uint8,
                                          sharding=batch_sharding),
            "label": jax.ShapeDtypeStruct((config.batch_size,), jnp.int32,

@@ -21,10 +21,10 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from contrastive_jax import data
-from contrastive_jax import input_pipeline
-from contrastive_jax import pretrain
-from contrastive_jax import train_state as ts
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import sources
+from contrastive_jax.jobs import pretrain
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base config.")
 _VARIANTS = flags.DEFINE_string("variants", "", "';'-separated override sets.")
@@ -51,16 +51,16 @@ def override(config, assignments: str):
 
 def time_step(config):
   """Seconds per step, and whether MoCo's queue buffer was reused (None for other methods)."""
-  mesh = ts.make_mesh()
+  mesh = mesh_lib.make_mesh()
   # The step the jobs run: with the online probe of a labelled dataset.
-  num_classes = data.get_source(config, {}).num_classes or 0
+  num_classes = sources.get_source(config, {}).num_classes or 0
   run = pretrain.setup(config, mesh, steps_per_epoch=100, num_steps=1000,
                        num_classes=num_classes)
   state = run.init()
   images = np.random.default_rng(0).integers(
       0, 256, (config.batch_size, 2, config.image_size, config.image_size, 3), np.uint8)
   labels = np.zeros(config.batch_size, np.int32)
-  batch = jax.device_put({"image": images, "label": labels}, ts.batch_sharded(mesh))
+  batch = jax.device_put({"image": images, "label": labels}, mesh_lib.batch_sharded(mesh))
   state, metrics = run.train_step(state, batch)
   jax.block_until_ready(metrics)
   queue = state.extra.get("queue")
@@ -76,7 +76,7 @@ def time_step(config):
 
 
 def time_pipeline(config) -> float:
-  source = data.get_source(config, {"train_split": config.train_split})
+  source = sources.get_source(config, {"train_split": config.train_split})
   ds = input_pipeline.train_dataset(
       source, config.train_split, local_batch=config.batch_size, image_size=config.image_size,
       crop_sampler=config.crop_sampler, crop_area_min=config.crop_area_min,

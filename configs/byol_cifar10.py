@@ -14,49 +14,49 @@ RandomResizedCrop(32) (scale 0.08-1, bicubic), torchvision's ColorJitter(0.4,
 0.4, 0.2, 0.1) p 0.8, grayscale p 0.2, no blur, solarize view 2 with p 0.2,
 flip; inputs standardised with solo-learn's CIFAR-10 mean and std.
 
-Variant `runlocal`: shrunk for a 2-core CPU (config_lib.runlocal, but 1200 steps),
+Variant `runlocal`: shrunk for a 2-core CPU (recipes.runlocal, but 1200 steps),
 with narrower heads (512 hidden, 128 out) and, unlike the other runlocal variants, another
 recipe: solo-learn's LARC did not learn in 1500 steps here, so it runs the BYOL
 reference's own LARS (lr 1.0 x B/256, weight decay 1.5e-6, trust coefficient
-0.001), initialisation, crop and tf.image views (config_lib.byol_views).
+0.001), initialisation, crop and tf.image views (recipes.byol_views).
 """
-from contrastive_jax import config_lib
+from contrastive_jax import recipes
 
 
 def get_config(variant: str = ""):
-  config = config_lib.base_config()
+  config = recipes.base_config()
   config.method = "byol"
   config.batch_size = 256
   config.duration = "1000 epochs"
-  config.model = config_lib.model("resnet18", "cifar", "float32", "torchvision")
+  config.model = recipes.model("resnet18", "cifar", "float32", "torchvision")
   config.model.input_mean = (0.4914, 0.4822, 0.4465)
   config.model.input_std = (0.247, 0.243, 0.261)
   config.projector = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="torch")
   config.predictor = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="torch")
   config.byol = dict(tau_base=0.99)
-  config_lib.crop(config, "torchvision", 0.08, "pil_bicubic")
-  config.augment = config_lib.byol_views("torchvision", "multiply", blur=False)
-  config.optimizer = config_lib.optimizer("larc", base_lr=1.0, weight_decay=1e-5,
+  recipes.crop(config, "torchvision", 0.08, "pil_bicubic")
+  config.augment = recipes.byol_views("torchvision", "multiply", blur=False)
+  config.optimizer = recipes.optimizer("larc", base_lr=1.0, weight_decay=1e-5,
                                           trust_coefficient=0.02)
   if variant == "runlocal":
     # LARC's eta 0.02 (2% steps per layer) is tuned for 1000 epochs: in 1500 steps of
     # the width-0.25 network the kNN monitor fell (0.2904 at step 0, 0.2403 at step
     # 1000; measured, see the README). The shrink runs the BYOL reference's own
     # ImageNet choices instead: its LARS, initialisation, crop and tf.image views.
-    config_lib.runlocal(config)
+    recipes.runlocal(config)
     # Two forward passes per network (one per view) make BYOL's step the slowest:
     # 1200 steps keep the run within 15 minutes here.
     config.duration = "1200 steps"
     for evaluator in config.evaluators.values():
       evaluator.every = "400 steps"
-    config.model = dict(config_lib.model("resnet18", "imagenet", "float32", "byol"),
+    config.model = dict(recipes.model("resnet18", "imagenet", "float32", "byol"),
                         width=0.25, input_mean=config.model.input_mean,
                         input_std=config.model.input_std)
     config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=True, init="lecun_normal")
     config.predictor = dict(config.projector)
-    config_lib.crop(config, "byol", 0.08, "tf_bicubic")
-    config.augment = config_lib.byol_views()
-    config.optimizer = config_lib.optimizer("lars", base_lr=1.0, weight_decay=1.5e-6,
+    recipes.crop(config, "byol", 0.08, "tf_bicubic")
+    config.augment = recipes.byol_views()
+    config.optimizer = recipes.optimizer("lars", base_lr=1.0, weight_decay=1.5e-6,
                                             warmup_epochs=1)
   elif variant:
     raise ValueError(f"Unknown variant {variant!r} of byol_cifar10; known: 'runlocal'.")

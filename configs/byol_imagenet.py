@@ -17,9 +17,9 @@ variance-scaling conv initialisation and the code's zero-initialised last BN
 scale of each block (the paper's runs used 1; the README reports no change
 for ResNet-50 1x), ImageNet standardisation, BYOL's own crop (area 0.08-1,
 bicubic), tf.image color ops with additive brightness, asymmetric blur and
-solarization (config_lib.byol_views); bfloat16.
+solarization (recipes.byol_views); bfloat16.
 """
-from contrastive_jax import config_lib
+from contrastive_jax import recipes
 
 # epochs -> (base lr, weight decay, tau_base): byol/configs/byol.py's presets.
 PRESETS = {300: (0.3, 1e-6, 0.99), 1000: (0.2, 1.5e-6, 0.996)}
@@ -31,13 +31,13 @@ def get_config(variant: str = ""):
     raise ValueError(f"Unknown variant {variant!r} of byol_imagenet; known: '300ep', '1000ep'.")
   epochs = EPOCHS[variant]
   base_lr, weight_decay, tau_base = PRESETS[epochs]
-  config = config_lib.imagenet(config_lib.base_config(), batch_size=4096, num_epochs=epochs,
+  config = recipes.imagenet(recipes.base_config(), batch_size=4096, num_epochs=epochs,
                                reference="byol")
   config.method = "byol"
   config.projector = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")
   config.predictor = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")
   config.byol = dict(tau_base=tau_base)
-  config_lib.crop(config, "byol", 0.08, "tf_bicubic")
-  config.augment = config_lib.byol_views()
-  config.optimizer = config_lib.optimizer("lars", base_lr=base_lr, weight_decay=weight_decay)
+  recipes.crop(config, "byol", 0.08, "tf_bicubic")
+  config.augment = recipes.byol_views()
+  config.optimizer = recipes.optimizer("lars", base_lr=base_lr, weight_decay=weight_decay)
   return config

@@ -12,23 +12,23 @@ the test split; an unlabeled folder needs --config.evaluators='{}'.
 
 Variant `runlocal`: 64 px, ResNet-18 at width 0.25, batch 128, 400 steps,
 narrower heads, a larger lr for the short schedule; sized for about 10
-minutes on a 2-core CPU (config_lib.runlocal_images).
+minutes on a 2-core CPU (recipes.runlocal_images).
 """
-from contrastive_jax import config_lib
+from contrastive_jax import recipes
 
 
 def get_config(variant: str = ""):
-  config = config_lib.images(config_lib.base_config(), batch_size=256, num_epochs=200,
+  config = recipes.images(recipes.base_config(), batch_size=256, num_epochs=200,
                               reference="byol")
   config.method = "byol"
   config.projector = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")
   config.predictor = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")
   config.byol = dict(tau_base=0.99)
-  config_lib.crop(config, "byol", 0.08, "tf_bicubic")
-  config.augment = config_lib.byol_views()
-  config.optimizer = config_lib.optimizer("lars", base_lr=0.2, weight_decay=1.5e-6)
+  recipes.crop(config, "byol", 0.08, "tf_bicubic")
+  config.augment = recipes.byol_views()
+  config.optimizer = recipes.optimizer("lars", base_lr=0.2, weight_decay=1.5e-6)
   if variant == "runlocal":
-    config_lib.runlocal_images(config, steps=400)
+    recipes.runlocal_images(config, steps=400)
     config.projector.hidden_dims = (512,)
     config.projector.out_dim = 128
     config.predictor.hidden_dims = (512,)

@@ -25,19 +25,19 @@ about 5.
 """
 import ml_collections
 
-from contrastive_jax import config_lib
+from contrastive_jax import recipes
 
 
 def get_config(variant: str = ""):
-  config = config_lib.data_fields(ml_collections.ConfigDict())
+  config = recipes.data_fields(ml_collections.ConfigDict())
   config.job = "finetune"
-  config_lib.pretrained_encoder_fields(config)
+  recipes.pretrained_encoder_fields(config)
   config.label_fraction = 0.01
   config.label_seed = 0
-  config_lib.crop(config, "tensorflow", 0.08, "tf_bicubic")  # SimCLR's crop, as in B.5.
+  recipes.crop(config, "tensorflow", 0.08, "tf_bicubic")  # SimCLR's crop, as in B.5.
   config.batch_size = 64
   config.duration = "60 epochs"
-  config.optimizer = config_lib.optimizer("sgd", base_lr=0.05, weight_decay=0.0, warmup_epochs=0,
+  config.optimizer = recipes.optimizer("sgd", base_lr=0.05, weight_decay=0.0, warmup_epochs=0,
                                           nesterov=True)
   config.log_every = "100 steps"
   config.checkpoint_every = "1000 steps"

@@ -6,7 +6,7 @@
 Set --config.pretrain_workdir=DIR (the pretraining job's --workdir). The
 encoder's architecture and image size come from the checkpoint's own config;
 it stays frozen in eval mode. config.preset chooses the recipe
-(config_lib.LINEAR_PROBE_PRESETS): 'auto' (the default) runs the linear
+(recipes.LINEAR_PROBE_PRESETS): 'auto' (the default) runs the linear
 evaluation of the reference of the checkpoint's method ('simclr': SimCLR
 README's, Nesterov SGD lr 0.1 x B/256, batch 512, 100 epochs, cosine; 'moco':
 main_lincls.py's, SGD lr 30, batch 256, 100 epochs, x0.1 at 60 and 80;
@@ -27,13 +27,13 @@ decays at 60 and 80 epochs) are not reached.
 import ml_collections
 from ml_collections import config_dict
 
-from contrastive_jax import config_lib
+from contrastive_jax import recipes
 
 
 def get_config(variant: str = ""):
-  config = config_lib.data_fields(ml_collections.ConfigDict())
+  config = recipes.data_fields(ml_collections.ConfigDict())
   config.job = "linear_probe"
-  config_lib.pretrained_encoder_fields(config)
+  recipes.pretrained_encoder_fields(config)
   config.preset = "auto"
   # None: the preset's value.
   config.batch_size = config_dict.placeholder(int)
@@ -44,7 +44,7 @@ def get_config(variant: str = ""):
   config.head = dict(standardize=config_dict.placeholder(bool),
                      init=config_dict.placeholder(str))
   config.optimizer = {key: config_dict.placeholder(type(value))
-                      for key, value in config_lib.optimizer("sgd", 0.1, 0.0).items()}
+                      for key, value in recipes.optimizer("sgd", 0.1, 0.0).items()}
   config.log_every = "100 steps"
   config.checkpoint_every = "1000 steps"
   config.keep_checkpoints = 2

@@ -10,20 +10,20 @@ scale 1), ImageNet standardisation, shuffle BN over BN groups of 32 images
 (8 GPUs x 32), RandomResizedCrop (scale 0.2-1, bilinear), grayscale p 0.2
 then torchvision's ColorJitter(0.4, 0.4, 0.4, 0.4) always, flip; bfloat16.
 """
-from contrastive_jax import config_lib
+from contrastive_jax import recipes
 
 
 def get_config(variant: str = ""):
-  config = config_lib.imagenet(config_lib.base_config(), batch_size=256, num_epochs=200,
+  config = recipes.imagenet(recipes.base_config(), batch_size=256, num_epochs=200,
                                reference="torchvision")
   config.method = "moco"
   config.projector = dict(hidden_dims=(), out_dim=128, use_bn=False, init="torch")
   config.temperature = 0.07
   config.moco = dict(queue_size=65536, momentum=0.999, momentum_schedule="constant",
                      bn_group_size=32)
-  config_lib.crop(config, "torchvision", 0.2, "pil_bilinear")
-  config.augment = dict(view1=config_lib.moco_v1_view(), view2=config_lib.moco_v1_view())
-  config.optimizer = config_lib.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
+  recipes.crop(config, "torchvision", 0.2, "pil_bilinear")
+  config.augment = dict(view1=recipes.moco_v1_view(), view2=recipes.moco_v1_view())
+  config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
                                           warmup_epochs=0, schedule="step",
                                           decay_epochs=(120, 160), weight_decay_mask="all")
   if variant:

@@ -16,30 +16,30 @@ RandomResizedCrop(32) (scale 0.08-1, bilinear), torchvision's ColorJitter(0.4,
 0.4, 0.4, 0.1) p 0.8, grayscale p 0.2, flip; inputs standardised with the
 demo's CIFAR-10 mean and std.
 
-Variant `runlocal`: the same job shrunk for a 2-core CPU (config_lib.runlocal),
+Variant `runlocal`: the same job shrunk for a 2-core CPU (recipes.runlocal),
 with BN groups of 32 to keep 8 groups at batch 256.
 """
-from contrastive_jax import config_lib
+from contrastive_jax import recipes
 
 
 def get_config(variant: str = ""):
-  config = config_lib.base_config()
+  config = recipes.base_config()
   config.method = "moco"
   config.batch_size = 512
   config.duration = "200 epochs"
-  config.model = config_lib.model("resnet18", "cifar", "float32", "torchvision")
+  config.model = recipes.model("resnet18", "cifar", "float32", "torchvision")
   config.model.input_mean = (0.4914, 0.4822, 0.4465)
   config.model.input_std = (0.2023, 0.1994, 0.2010)
   config.projector = dict(hidden_dims=(), out_dim=128, use_bn=False, init="torch")
   config.temperature = 0.1
   config.moco = dict(queue_size=4096, momentum=0.99, momentum_schedule="constant",
                      bn_group_size=64)
-  config_lib.crop(config, "torchvision", 0.08, "pil_bilinear")
-  config.augment = dict(view1=config_lib.moco_v2_view(0.0), view2=config_lib.moco_v2_view(0.0))
-  config.optimizer = config_lib.optimizer("sgd", base_lr=0.03, weight_decay=5e-4,
+  recipes.crop(config, "torchvision", 0.08, "pil_bilinear")
+  config.augment = dict(view1=recipes.moco_v2_view(0.0), view2=recipes.moco_v2_view(0.0))
+  config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=5e-4,
                                           warmup_epochs=0, weight_decay_mask="all")
   if variant == "runlocal":
-    config_lib.runlocal(config)
+    recipes.runlocal(config)
     config.moco.bn_group_size = 32
   elif variant:
     raise ValueError(f"Unknown variant {variant!r} of moco_v2_cifar10; known: 'runlocal'.")

@@ -15,7 +15,7 @@ BN groups of 32 images (the reference's 8 GPUs x 32), RandomResizedCrop
 (scale 0.2-1, bilinear), torchvision's ColorJitter(0.4, 0.4, 0.4, 0.1) p 0.8,
 grayscale p 0.2, Gaussian blur p 0.5, flip; bfloat16.
 """
-from contrastive_jax import config_lib
+from contrastive_jax import recipes
 
 EPOCHS = {"": 200, "200ep": 200, "800ep": 800}
 
@@ -24,15 +24,15 @@ def get_config(variant: str = ""):
   if variant not in EPOCHS:
     raise ValueError(f"Unknown variant {variant!r} of moco_v2_imagenet; known: '200ep', "
                      "'800ep'.")
-  config = config_lib.imagenet(config_lib.base_config(), batch_size=256,
+  config = recipes.imagenet(recipes.base_config(), batch_size=256,
                                num_epochs=EPOCHS[variant], reference="torchvision")
   config.method = "moco"
   config.projector = dict(hidden_dims=(2048,), out_dim=128, use_bn=False, init="torch")
   config.temperature = 0.2
   config.moco = dict(queue_size=65536, momentum=0.999, momentum_schedule="constant",
                      bn_group_size=32)
-  config_lib.crop(config, "torchvision", 0.2, "pil_bilinear")
-  config.augment = dict(view1=config_lib.moco_v2_view(0.5), view2=config_lib.moco_v2_view(0.5))
-  config.optimizer = config_lib.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
+  recipes.crop(config, "torchvision", 0.2, "pil_bilinear")
+  config.augment = dict(view1=recipes.moco_v2_view(0.5), view2=recipes.moco_v2_view(0.5))
+  config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
                                           warmup_epochs=0, weight_decay_mask="all")
   return config

@@ -13,25 +13,25 @@ online probe on the test split; an unlabeled folder needs
 --config.evaluators='{}'.
 
 Variant `runlocal`: 64 px, ResNet-18 at width 0.25, batch 128, 400 steps,
-sized for about 10 minutes on a 2-core CPU (config_lib.runlocal_images).
+sized for about 10 minutes on a 2-core CPU (recipes.runlocal_images).
 """
-from contrastive_jax import config_lib
+from contrastive_jax import recipes
 
 
 def get_config(variant: str = ""):
-  config = config_lib.images(config_lib.base_config(), batch_size=256, num_epochs=200,
+  config = recipes.images(recipes.base_config(), batch_size=256, num_epochs=200,
                               reference="torchvision")
   config.method = "moco"
   config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=False, init="torch")
   config.temperature = 0.2
   config.moco = dict(queue_size=2048, momentum=0.99, momentum_schedule="constant",
                      bn_group_size=32)
-  config_lib.crop(config, "torchvision", 0.2, "pil_bilinear")
-  config.augment = dict(view1=config_lib.moco_v2_view(0.5), view2=config_lib.moco_v2_view(0.5))
-  config.optimizer = config_lib.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
+  recipes.crop(config, "torchvision", 0.2, "pil_bilinear")
+  config.augment = dict(view1=recipes.moco_v2_view(0.5), view2=recipes.moco_v2_view(0.5))
+  config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
                                           warmup_epochs=0, weight_decay_mask="all")
   if variant == "runlocal":
-    config_lib.runlocal_images(config, steps=400)
+    recipes.runlocal_images(config, steps=400)
     config.projector.hidden_dims = (128,)
     config.optimizer.base_lr = 0.06
     config.moco.bn_group_size = 16  # 8 groups at batch 128, as at full size.

@@ -16,7 +16,7 @@ torchvision's ColorJitter(0.4, 0.4, 0.2, 0.1) p 0.8, grayscale p 0.2, no blur,
 solarize view 2 with p 0.2, flip; inputs standardised with solo-learn's
 CIFAR-10 mean and std.
 
-Variant `runlocal`: the same job shrunk for a 2-core CPU (config_lib.runlocal:
+Variant `runlocal`: the same job shrunk for a 2-core CPU (recipes.runlocal:
 ResNet-18 at width 0.25 with the ImageNet stem, batch 256, 1500 steps), with
 narrower heads (512 hidden, 128 out). A step costs about a BYOL runlocal step
 (four forward passes, two backward).
@@ -33,15 +33,15 @@ of its batch-4096 runs), and a warm-up of half an epoch (98 steps) instead of
 40 epochs: a ViT learns slowly from few images and few steps, and 1500 steps
 leave no room for a long warm-up.
 """
-from contrastive_jax import config_lib
+from contrastive_jax import recipes
 
 
 def get_config(variant: str = ""):
-  config = config_lib.base_config()
+  config = recipes.base_config()
   config.method = "mocov3"
   config.batch_size = 256
   config.duration = "1000 epochs"
-  config.model = config_lib.model("resnet18", "cifar", "float32", "torchvision")
+  config.model = recipes.model("resnet18", "cifar", "float32", "torchvision")
   config.model.input_mean = (0.4914, 0.4822, 0.4465)
   config.model.input_std = (0.247, 0.243, 0.261)
   head = dict(use_bn=True, final_bn_scale=False, final_bias=False, init="torch")
@@ -49,20 +49,20 @@ def get_config(variant: str = ""):
   config.predictor = dict(hidden_dims=(4096,), out_dim=256, final_bn=False, **head)
   config.temperature = 0.2
   config.moco = dict(momentum=0.99, momentum_schedule="cosine")
-  config_lib.crop(config, "torchvision", 0.08, "pil_bicubic")
-  config.augment = config_lib.byol_views("torchvision", "multiply", blur=False)
-  config.optimizer = config_lib.optimizer("larc", base_lr=0.3, weight_decay=1e-6,
+  recipes.crop(config, "torchvision", 0.08, "pil_bicubic")
+  config.augment = recipes.byol_views("torchvision", "multiply", blur=False)
+  config.optimizer = recipes.optimizer("larc", base_lr=0.3, weight_decay=1e-6,
                                           trust_coefficient=0.02)
   if variant in ("runlocal", "runlocal_vit"):
-    config_lib.runlocal(config)
+    recipes.runlocal(config)
     for mlp in (config.projector, config.predictor):
       mlp.hidden_dims = (512,)
       mlp.out_dim = 128
   if variant == "runlocal_vit":
     mean, std = config.model.input_mean, config.model.input_std
-    config.model = config_lib.vit_model("vit_tiny", 8, "float32", random_patch_projection=True)
+    config.model = recipes.vit_model("vit_tiny", 8, "float32", random_patch_projection=True)
     config.model.update(width=0.5, depth=4, input_mean=mean, input_std=std)
-    config.optimizer = config_lib.optimizer("adamw", base_lr=1e-3, weight_decay=0.1,
+    config.optimizer = recipes.optimizer("adamw", base_lr=1e-3, weight_decay=0.1,
                                             warmup_epochs=0.5)
     config.duration = "800 steps"
     for evaluator in config.evaluators.values():

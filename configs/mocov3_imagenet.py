@@ -28,7 +28,7 @@ each view its own forward pass; BYOL's asymmetric views with torchvision's
 ColorJitter (0.4, 0.4, 0.2, 0.1) p 0.8, grayscale p 0.2, PIL blur p 1.0 / 0.1,
 solarize p 0 / 0.2, flip; ImageNet standardisation; bfloat16 compute.
 """
-from contrastive_jax import config_lib
+from contrastive_jax import recipes
 
 # variant -> (ResNet-50 base lr, weight decay, momentum, epochs).
 RESNET50 = {"resnet50": (0.6, 1e-6, 0.99, 100), "resnet50_300ep": (0.3, 1e-6, 0.99, 300),
@@ -47,27 +47,27 @@ def get_config(variant: str = ""):
   if variant not in VITS and variant not in RESNET50:
     raise ValueError(f"Unknown variant {variant!r} of mocov3_imagenet; known: "
                      f"{sorted(k for k in VITS if k) + sorted(RESNET50)}.")
-  config = config_lib.base_config()
+  config = recipes.base_config()
   config.method = "mocov3"
   config.predictor = mlp((4096,), last_bn=False)
-  config.augment = config_lib.mocov3_views()
+  config.augment = recipes.mocov3_views()
   if variant in RESNET50:
     base_lr, weight_decay, momentum, epochs = RESNET50[variant]
-    config_lib.imagenet(config, batch_size=4096, num_epochs=epochs, reference="torchvision")
+    recipes.imagenet(config, batch_size=4096, num_epochs=epochs, reference="torchvision")
     config.model.zero_init_residual = True
     config.projector = mlp((4096,), last_bn=True)
     config.temperature = 1.0
     config.moco = dict(momentum=momentum, momentum_schedule="cosine")
-    config_lib.crop(config, "torchvision", 0.2, "pil_bilinear")
-    config.optimizer = config_lib.optimizer("lars", base_lr=base_lr, weight_decay=weight_decay)
+    recipes.crop(config, "torchvision", 0.2, "pil_bilinear")
+    config.optimizer = recipes.optimizer("lars", base_lr=base_lr, weight_decay=weight_decay)
     return config
-  config_lib.imagenet(config, batch_size=4096, num_epochs=300, reference="torchvision")
-  config.model = config_lib.vit_model(VITS[variant], 16, "bfloat16",
+  recipes.imagenet(config, batch_size=4096, num_epochs=300, reference="torchvision")
+  config.model = recipes.vit_model(VITS[variant], 16, "bfloat16",
                                       random_patch_projection=True)
   config.projector = mlp((4096, 4096), last_bn=True)
   config.temperature = 0.2
   config.moco = dict(momentum=0.99, momentum_schedule="cosine")
-  config_lib.crop(config, "torchvision", 0.08, "pil_bilinear")
-  config.optimizer = config_lib.optimizer("adamw", base_lr=1.5e-4, weight_decay=0.1,
+  recipes.crop(config, "torchvision", 0.08, "pil_bilinear")
+  config.optimizer = recipes.optimizer("adamw", base_lr=1.5e-4, weight_decay=0.1,
                                           warmup_epochs=40)
   return config

@@ -13,30 +13,30 @@ no bias and a BN without offset), global BN, ResNet-18 with the 3x3 stride-1
 stem and no max-pool, TF's variance-scaling initialisation and zero-initialised
 last BN scale of each block, TensorFlow's distorted-bounding-box crop (area
 0.08-1, bicubic) and tf.image color ops with v1's additive brightness (see
-config_lib.simclr_view for the v2 switch).
+recipes.simclr_view for the v2 switch).
 
 Variants: `configs/simclr_cifar10.py:runlocal` is the same job shrunk for a
-2-core CPU (config_lib.runlocal: narrow ResNet-18, batch 256, ~10 minutes).
+2-core CPU (recipes.runlocal: narrow ResNet-18, batch 256, ~10 minutes).
 """
-from contrastive_jax import config_lib
+from contrastive_jax import recipes
 
 
 def get_config(variant: str = ""):
-  config = config_lib.base_config()
+  config = recipes.base_config()
   config.method = "simclr"
   config.batch_size = 512
   config.duration = "1000 epochs"
-  config.model = config_lib.model("resnet18", "cifar", "float32", "simclr")
+  config.model = recipes.model("resnet18", "cifar", "float32", "simclr")
   config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=True, final_bn=True,
                           init="normal_0.01")
   config.temperature = 0.5
-  config_lib.crop(config, "tensorflow", 0.08, "tf_bicubic")
-  config.augment = dict(view1=config_lib.simclr_view(0.5, 0.0),
-                        view2=config_lib.simclr_view(0.5, 0.0))
-  config.optimizer = config_lib.optimizer("lars", base_lr=1.0, weight_decay=1e-6,
+  recipes.crop(config, "tensorflow", 0.08, "tf_bicubic")
+  config.augment = dict(view1=recipes.simclr_view(0.5, 0.0),
+                        view2=recipes.simclr_view(0.5, 0.0))
+  config.optimizer = recipes.optimizer("lars", base_lr=1.0, weight_decay=1e-6,
                                           lr_before_momentum=True)
   if variant == "runlocal":
-    config_lib.runlocal(config)
+    recipes.runlocal(config)
     config.projector.hidden_dims = (128,)
   elif variant:
     raise ValueError(f"Unknown variant {variant!r} of simclr_cifar10; known: 'runlocal'.")

@@ -18,7 +18,7 @@ inputs in [0, 1], TensorFlow's distorted-bounding-box crop (area 0.08-1,
 bicubic), color jitter strength 1.0 with tf.image ops and v1's additive
 brightness, blur p 0.5 (kernel 10% of the side, zero-padded), bfloat16.
 """
-from contrastive_jax import config_lib
+from contrastive_jax import recipes
 
 EPOCHS = {"": 100, "100ep": 100, "1000ep": 1000}
 
@@ -26,15 +26,15 @@ EPOCHS = {"": 100, "100ep": 100, "1000ep": 1000}
 def get_config(variant: str = ""):
   if variant not in EPOCHS:
     raise ValueError(f"Unknown variant {variant!r} of simclr_imagenet; known: '100ep', '1000ep'.")
-  config = config_lib.imagenet(config_lib.base_config(), batch_size=4096,
+  config = recipes.imagenet(recipes.base_config(), batch_size=4096,
                                num_epochs=EPOCHS[variant], reference="simclr")
   config.method = "simclr"
   config.projector = dict(hidden_dims=(2048,), out_dim=128, use_bn=True, final_bn=True,
                           init="normal_0.01")
   config.temperature = 0.1
-  config_lib.crop(config, "tensorflow", 0.08, "tf_bicubic")
-  config.augment = dict(view1=config_lib.simclr_view(1.0, 0.5),
-                        view2=config_lib.simclr_view(1.0, 0.5))
-  config.optimizer = config_lib.optimizer("lars", base_lr=0.3, weight_decay=1e-6,
+  recipes.crop(config, "tensorflow", 0.08, "tf_bicubic")
+  config.augment = dict(view1=recipes.simclr_view(1.0, 0.5),
+                        view2=recipes.simclr_view(1.0, 0.5))
+  config.optimizer = recipes.optimizer("lars", base_lr=0.3, weight_decay=1e-6,
                                           lr_before_momentum=True)
   return config

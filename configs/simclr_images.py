@@ -1,6 +1,6 @@
 """SimCLR on an image folder prepared by prepare_images (Chen et al. 2020).
 
-  python -m contrastive_jax.prepare_images --src=PHOTOS --name=NAME --data_dir=DIR
+  python -m contrastive_jax.data.prepare_images --src=PHOTOS --name=NAME --data_dir=DIR
   python -m contrastive_jax.main --config=configs/simclr_images.py \\
       --config.dataset=NAME --config.data_dir=DIR --workdir=RUN
 
@@ -12,25 +12,25 @@ p 0.5 (Appendix A), 2-layer head to 128-d. kNN monitor (k 20) and online
 probe on the test split; an unlabeled folder needs --config.evaluators='{}'.
 
 Variant `runlocal`: 64 px, ResNet-18 at width 0.25, batch 128, 400 steps,
-sized for about 10 minutes on a 2-core CPU (config_lib.runlocal_images).
+sized for about 10 minutes on a 2-core CPU (recipes.runlocal_images).
 """
-from contrastive_jax import config_lib
+from contrastive_jax import recipes
 
 
 def get_config(variant: str = ""):
-  config = config_lib.images(config_lib.base_config(), batch_size=256, num_epochs=200,
+  config = recipes.images(recipes.base_config(), batch_size=256, num_epochs=200,
                               reference="simclr")
   config.method = "simclr"
   config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=True, final_bn=True,
                           init="normal_0.01")
   config.temperature = 0.1
-  config_lib.crop(config, "tensorflow", 0.08, "tf_bicubic")
-  config.augment = dict(view1=config_lib.simclr_view(1.0, 0.5),
-                        view2=config_lib.simclr_view(1.0, 0.5))
-  config.optimizer = config_lib.optimizer("lars", base_lr=0.075, weight_decay=1e-6,
+  recipes.crop(config, "tensorflow", 0.08, "tf_bicubic")
+  config.augment = dict(view1=recipes.simclr_view(1.0, 0.5),
+                        view2=recipes.simclr_view(1.0, 0.5))
+  config.optimizer = recipes.optimizer("lars", base_lr=0.075, weight_decay=1e-6,
                                           lr_scaling="sqrt", lr_before_momentum=True)
   if variant == "runlocal":
-    config_lib.runlocal_images(config, steps=400)
+    recipes.runlocal_images(config, steps=400)
     config.projector.hidden_dims = (128,)
   elif variant:
     raise ValueError(f"Unknown variant {variant!r} of simclr_images; known: 'runlocal'.")

@@ -20,15 +20,15 @@ from ml_collections import config_flags
 
 import jax
 
-from contrastive_jax import embed
-from contrastive_jax import finetune
-from contrastive_jax import linear_probe
-from contrastive_jax import metrics
-from contrastive_jax import neighbours
-from contrastive_jax import pretrain
-from contrastive_jax import runner
-from contrastive_jax.errors import ConfigError
-from contrastive_jax.errors import JobError
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core import metrics
+from contrastive_jax.jobs import embed
+from contrastive_jax.jobs import finetune
+from contrastive_jax.jobs import linear_probe
+from contrastive_jax.jobs import neighbours
+from contrastive_jax.jobs import pretrain
+from contrastive_jax.jobs import runner
 
 # Training jobs (IDENTITY_FIELDS, check_config, build) run in runner.run's loop;
 # the others (no build) are not training loops and run themselves: job.run(config, workdir).

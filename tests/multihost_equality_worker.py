@@ -21,15 +21,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from contrastive_jax import config_lib
-from contrastive_jax import evaluators
-from contrastive_jax import linear_probe
-from contrastive_jax import models
-from contrastive_jax import optim
-from contrastive_jax import pretrain
-from contrastive_jax import train_state as ts
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.jobs import evaluators
+from contrastive_jax.jobs import linear_probe
+from contrastive_jax.jobs import pretrain
+from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import get_method
+from contrastive_jax.methods import optim
+from contrastive_jax import models
+from contrastive_jax import recipes
 from helpers import load_config, tiny_config
 
 NUM_DEVICES = 4
@@ -88,7 +89,7 @@ def fixed(tree, mesh, seed: int):
 
   def leaf(x):
     value = rng.standard_normal(x.shape).astype(x.dtype)
-    return jax.make_array_from_callback(x.shape, ts.replicated(mesh), lambda index: value[index])
+    return jax.make_array_from_callback(x.shape, mesh_lib.replicated(mesh), lambda index: value[index])
   return jax.tree.map(leaf, tree)
 
 
@@ -112,7 +113,7 @@ def pretrain_runs(mesh, out: dict):
           out[f"eval/{name}"] = np.float64(value)
     for step in range(STEPS):
       batch = global_batch(config.seed, step, config.batch_size, config.image_size, 2)
-      state, metrics = task.train_step(state, this_process_rows(batch, ts.batch_sharded(mesh)))
+      state, metrics = task.train_step(state, this_process_rows(batch, mesh_lib.batch_sharded(mesh)))
       out.update(local_copies(metrics, f"{method}/metrics/{step}"))
     out.update(local_copies(state, f"{method}/state"))
   return encoder
@@ -123,7 +124,7 @@ def probe_run(mesh, pretrained, out: dict):
   pretrain_config = method_config("simclr")
   encoder = get_method("simclr").build_model(pretrain_config).encoder
   # The 'standardised' preset: its head has a BN, whose statistics must agree too.
-  config = config_lib.fill_probe_preset(load_config("linear_probe", "runlocal"), "standardised")
+  config = recipes.fill_probe_preset(load_config("linear_probe", "runlocal"), "standardised")
   config.batch_size = 16
   head = linear_probe.LinearHead(10)
   tx = optim.build_optimizer(config.optimizer, optim.learning_rate_schedule(
@@ -133,17 +134,17 @@ def probe_run(mesh, pretrained, out: dict):
   def init():  # As linear_probe.build initialises its state.
     variables = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, feature_dim)),
                           train=False)
-    return ts.TrainState(step=jnp.zeros((), jnp.int32), params=variables["params"],
+    return common.TrainState(step=jnp.zeros((), jnp.int32), params=variables["params"],
                          batch_stats=variables["batch_stats"],
                          opt_state=tx.init(variables["params"]),
                          rng=jax.random.PRNGKey(config.seed))
 
-  state = jax.jit(init, out_shardings=ts.replicated(mesh))()
+  state = jax.jit(init, out_shardings=mesh_lib.replicated(mesh))()
   train_step = linear_probe.make_train_step(encoder, head, tx)
   for step in range(STEPS):
     batch = global_batch(config.seed + 1, step, config.batch_size, pretrain_config.image_size, 1)
     state, metrics = train_step(state, pretrained,
-                                this_process_rows(batch, ts.batch_sharded(mesh)))
+                                this_process_rows(batch, mesh_lib.batch_sharded(mesh)))
     out.update(local_copies(metrics, f"probe/metrics/{step}"))
   out.update(local_copies(state, "probe/state"))
 
@@ -154,7 +155,7 @@ def main(num_processes: int, process_id: int, port: int, out_dir: str):
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
                                process_id=process_id)
-  mesh = ts.make_mesh()
+  mesh = mesh_lib.make_mesh()
   assert mesh.size == NUM_DEVICES, mesh
   out = {}
   probe_run(mesh, pretrain_runs(mesh, out), out)

@@ -5,8 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from contrastive_jax import augment
-from contrastive_jax import train_state as ts
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.data import augment
+from contrastive_jax.methods import common
 
 
 def test_hsv_round_trip_matches_colorsys():
@@ -49,20 +50,20 @@ def test_color_jitter_stays_in_range_and_changes_images():
 
 def test_view_keys_differ_across_steps_devices_and_views():
   rng = jax.random.PRNGKey(0)
-  keys = {tuple(np.asarray(ts.view_key(rng, s, d, v)))
+  keys = {tuple(np.asarray(common.view_key(rng, s, d, v)))
           for s in range(3) for d in range(8) for v in range(2)}
   assert len(keys) == 3 * 8 * 2
 
 
 def test_augmentations_differ_across_devices_and_views_in_shard_map():
-  mesh = ts.make_mesh()
+  mesh = mesh_lib.make_mesh()
   view = augment.ViewAugment(brightness=0.8, contrast=0.8, saturation=0.8, hue=0.2,
                              color_jitter_prob=1.0)
   image = np.random.default_rng(2).integers(0, 256, (1, 1, 8, 8, 3), np.uint8)
-  images = jax.device_put(np.tile(image, (8, 2, 1, 1, 1)), ts.batch_sharded(mesh))  # Same image everywhere.
+  images = jax.device_put(np.tile(image, (8, 2, 1, 1, 1)), mesh_lib.batch_sharded(mesh))  # Same image everywhere.
   fn = jax.jit(jax.shard_map(
-      lambda im, rng, step: jnp.stack(ts.augmented_views(im, rng, step, (view, view)), 1),
-      mesh=mesh, in_specs=(jax.P(ts.DATA_AXIS), jax.P(), jax.P()), out_specs=jax.P(ts.DATA_AXIS)))
+      lambda im, rng, step: jnp.stack(common.augmented_views(im, rng, step, (view, view)), 1),
+      mesh=mesh, in_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P(), jax.P()), out_specs=jax.P(mesh_lib.DATA_AXIS)))
   out = np.asarray(fn(images, jax.random.PRNGKey(0), jnp.int32(0))).reshape(16, -1)
   assert len({row.tobytes() for row in out}) == 16
   again = np.asarray(fn(images, jax.random.PRNGKey(0), jnp.int32(0))).reshape(16, -1)

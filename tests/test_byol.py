@@ -5,18 +5,19 @@ import numpy as np
 import pytest
 from helpers import load_config
 
-from contrastive_jax import augment
-from contrastive_jax import pretrain
-from contrastive_jax import train_state as ts
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.data import augment
+from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import byol
+from contrastive_jax.methods import common
 from test_simclr import numeric_grad
 
 
 def test_tau_schedule_first_middle_last():
   # tau_k = 1 - (1 - 0.996) (cos(pi k / K) + 1) / 2 with K = 100.
-  values = [float(ts.ema_momentum(0.996, k, 100, "cosine")) for k in (0, 50, 100)]
+  values = [float(common.ema_momentum(0.996, k, 100, "cosine")) for k in (0, 50, 100)]
   np.testing.assert_allclose(values, [0.996, 0.998, 1.0], rtol=1e-7)
-  assert float(ts.ema_momentum(0.99, 30, 100, "constant")) == pytest.approx(0.99)
+  assert float(common.ema_momentum(0.99, 30, 100, "constant")) == pytest.approx(0.99)
 
 
 def byol_loss_numpy(p1, p2, z1, z2):
@@ -45,14 +46,14 @@ def test_views_get_their_own_settings():
   v1, v2 = pretrain.views(config)
   assert (v1.blur_prob, v1.solarize_prob, v2.blur_prob, v2.solarize_prob) == (1.0, 0.0, 0.1, 0.2)
   # Applied per view: solarize always on view 1, never on view 2.
-  mesh = ts.make_mesh()
+  mesh = mesh_lib.make_mesh()
   images = np.random.default_rng(1).integers(0, 256, (8, 2, 8, 8, 3), np.uint8)
   first, second = augment.ViewAugment(solarize_prob=1.0), augment.ViewAugment()
-  fn = jax.jit(jax.shard_map(lambda im: ts.augmented_views(im, jax.random.PRNGKey(0), 0,
+  fn = jax.jit(jax.shard_map(lambda im: common.augmented_views(im, jax.random.PRNGKey(0), 0,
                                                             (first, second)),
-                             mesh=mesh, in_specs=jax.P(ts.DATA_AXIS),
-                             out_specs=jax.P(ts.DATA_AXIS)))
-  x1, x2 = fn(jax.device_put(images, ts.batch_sharded(mesh)))
+                             mesh=mesh, in_specs=jax.P(mesh_lib.DATA_AXIS),
+                             out_specs=jax.P(mesh_lib.DATA_AXIS)))
+  x1, x2 = fn(jax.device_put(images, mesh_lib.batch_sharded(mesh)))
   np.testing.assert_allclose(x1, augment.solarize(images[:, 0] / 255.0), atol=1e-6)
   np.testing.assert_allclose(x2, images[:, 1] / 255.0, atol=1e-6)
 
@@ -95,7 +96,7 @@ def test_eight_devices_equal_one_device_and_target_follows_the_ema():
   images = np.random.default_rng(0).integers(0, 256, (2, 16, 2, 32, 32, 3), np.uint8)
   config = tiny_byol_config()
   states = []
-  for mesh in (ts.make_mesh(), ts.make_mesh(jax.devices()[:1])):
+  for mesh in (mesh_lib.make_mesh(), mesh_lib.make_mesh(jax.devices()[:1])):
     run = pretrain.setup(config, mesh, steps_per_epoch=10, num_steps=4)
     state = run.init()
     state0 = jax.device_get(state)
@@ -103,7 +104,7 @@ def test_eight_devices_equal_one_device_and_target_follows_the_ema():
     # The target network has its own initialisation, not a copy of the online one.
     assert not np.allclose(target0["encoder"]["stem_conv"]["kernel"],
                            state0.params["encoder"]["stem_conv"]["kernel"])
-    state, m1 = run.train_step(state, {"image": jax.device_put(images[0], ts.batch_sharded(mesh))})
+    state, m1 = run.train_step(state, {"image": jax.device_put(images[0], mesh_lib.batch_sharded(mesh))})
     # BN statistics per view in both networks, as the reference's separate forward passes
     # (one pass over both views would give 0.1 of the joint batch's mean instead).
     for params, before, after in (
@@ -121,7 +122,7 @@ def test_eight_devices_equal_one_device_and_target_follows_the_ema():
                             {k: online[k] for k in ("encoder", "projector")})
     jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
                  jax.device_get(state.extra["target_params"]), expected)
-    state, m2 = run.train_step(state, {"image": jax.device_put(images[1], ts.batch_sharded(mesh))})
+    state, m2 = run.train_step(state, {"image": jax.device_put(images[1], mesh_lib.batch_sharded(mesh))})
     states.append((jax.device_get(state), float(m1["loss"]), float(m2["loss"])))
   (s8, *l8), (s1, *l1) = states
   np.testing.assert_allclose(l8, l1, rtol=1e-4)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import pytest
 from helpers import load_config
 
-from contrastive_jax import pretrain
+from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import get_method
 
 

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import tensorflow as tf
 
-from contrastive_jax import evaluators
-from contrastive_jax import train_state as ts
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.jobs import evaluators
 
 
 def test_weighted_vote_hand_worked():
@@ -67,7 +67,7 @@ def test_sharded_knn_equals_numpy_reference(k):
             "test": rng.integers(0, 4, 45).astype(np.int32)}
   cfg = ml_collections.ConfigDict(dict(kind="knn", every="1 steps", split="test",
                                        bank_split="bank", k=k, temperature=0.1, batch_size=16))
-  mesh = ts.make_mesh()
+  mesh = mesh_lib.make_mesh()
   knn = evaluators.Knn("knn", cfg, _eval_model(images, labels), mesh, num_classes=4)
   result = knn(jnp.float32(1.0))
   flat = {s: images[s].reshape(len(images[s]), -1).astype(np.float64) for s in images}
@@ -75,7 +75,7 @@ def test_sharded_knn_equals_numpy_reference(k):
   assert result == {"knn_top1": np.mean(expected == labels["test"])}
   # One device gives the same answer as eight.
   one = evaluators.Knn("knn", cfg, _eval_model(images, labels),
-                       ts.make_mesh(jax.devices()[:1]), num_classes=4)
+                       mesh_lib.make_mesh(jax.devices()[:1]), num_classes=4)
   assert one(jnp.float32(1.0)) == result
 
 
@@ -88,7 +88,7 @@ def test_classifier_counts_every_image_once_and_top5_only_with_5_classes(num_cla
   model = _eval_model(images, labels, logits=lambda v, x: x.reshape(-1, 3).astype(jnp.float32) @ v)
   cfg = ml_collections.ConfigDict(dict(kind="classifier", every="1 steps", split="test",
                                        batch_size=8))
-  result = evaluators.Classifier("c", cfg, model, ts.make_mesh(), num_classes)(jnp.asarray(w))
+  result = evaluators.Classifier("c", cfg, model, mesh_lib.make_mesh(), num_classes)(jnp.asarray(w))
   assert set(result) == names
   logits = images["test"].reshape(-1, 3).astype(np.float32) @ w
   ranks = np.argsort(-logits, axis=1)

@@ -10,17 +10,17 @@ import pytest
 import tensorflow_datasets as tfds
 from helpers import TFDS_DIR, load_config, tiny_config
 
-from contrastive_jax import checkpointing
-from contrastive_jax import data
-from contrastive_jax import downstream
-from contrastive_jax import finetune
-from contrastive_jax import input_pipeline
-from contrastive_jax import linear_probe
+from contrastive_jax.core import checkpointing
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import sources
+from contrastive_jax.jobs import downstream
+from contrastive_jax.jobs import finetune
+from contrastive_jax.jobs import linear_probe
+from contrastive_jax.jobs import runner
 from contrastive_jax import models
-from contrastive_jax import runner
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
-from contrastive_jax.errors import JobError
 
 
 def _reference_subset(ids, labels, fraction, seed):
@@ -41,21 +41,21 @@ def test_selection_is_class_balanced_fixed_and_independent_of_order():
   counts = {0: 100, 1: 50, 2: 7}  # Round half up: 10, 5 and 1 (0.7) at 10%.
   labels = np.repeat(list(counts), list(counts.values())).astype(np.int32)
   ids = np.array([f"photo_{i:03d}.jpg" for i in rng.permutation(len(labels))], dtype=object)
-  chosen = data.select_labelled(ids, labels, 0.1, seed=0)
+  chosen = sources.select_labelled(ids, labels, 0.1, seed=0)
   assert np.all(np.diff(chosen) > 0)  # Sorted: the subset in read order.
   assert np.bincount(labels[chosen]).tolist() == [10, 5, 1]
   assert set(ids[chosen]) == _reference_subset(ids, labels, 0.1, 0)
   # The same (id, label) pairs in another order (another storage layout or
   # process count) select the same images.
   order = rng.permutation(len(ids))
-  assert set(ids[order][data.select_labelled(ids[order], labels[order], 0.1, 0)]) == set(
+  assert set(ids[order][sources.select_labelled(ids[order], labels[order], 0.1, 0)]) == set(
       ids[chosen])
-  assert set(ids[data.select_labelled(ids, labels, 0.1, seed=1)]) != set(ids[chosen])
-  assert len(data.select_labelled(ids, labels, 1.0, 0)) == len(ids)
+  assert set(ids[sources.select_labelled(ids, labels, 0.1, seed=1)]) != set(ids[chosen])
+  assert len(sources.select_labelled(ids, labels, 1.0, 0)) == len(ids)
   # Fixed ids: a change of the selection rule would change every run's subset.
   ids = np.array([f"img_{i:02d}" for i in range(20)], dtype=object)
   labels = np.arange(20, dtype=np.int32) % 2
-  assert ids[data.select_labelled(ids, labels, 0.2, 0)].tolist() == [
+  assert ids[sources.select_labelled(ids, labels, 0.2, 0)].tolist() == [
       "img_07", "img_08", "img_14", "img_17"]
 
 
@@ -64,22 +64,22 @@ def test_too_small_a_fraction_names_the_class_and_the_fraction_it_needs():
   labels = np.array([0] * 200 + [1] * 95 + [2] * 5, dtype=np.int32)
   with pytest.raises(ConfigError, match=r"config.label_fraction=0.05: must be in \[0.1, 1\], "
                                         r"so that every class keeps an image \(class 2 has 5 "):
-    data.select_labelled(ids, labels, 0.05, 0)
-  assert np.bincount(labels[data.select_labelled(ids, labels, 0.1, 0)]).tolist() == [20, 10, 1]
+    sources.select_labelled(ids, labels, 0.05, 0)
+  assert np.bincount(labels[sources.select_labelled(ids, labels, 0.1, 0)]).tolist() == [20, 10, 1]
 
 
 @pytest.fixture(scope="module")
 def cifar():
   config = ml_collections.ConfigDict(dict(data_source="tfds", dataset="cifar10",
                                           data_dir=TFDS_DIR))
-  return data.get_source(config, {})
+  return sources.get_source(config, {})
 
 
 def test_each_process_reads_its_part_and_together_the_subset(cifar, monkeypatch):
   split = "train[100:164]"  # An offset slice: parts are read by absolute position.
   reference = {ex["id"].decode(): (ex["image"], ex["label"]) for ex in tfds.as_numpy(
       tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split=split))}
-  subset = data.LabelledSubset(cifar, split, 0.15, seed=0)  # 11 images.
+  subset = sources.LabelledSubset(cifar, split, 0.15, seed=0)  # 11 images.
   assert subset.ids.tolist() == [i for i in reference if i in set(subset.ids)]  # Read order.
   assert set(subset.ids) == _reference_subset(
       np.array(list(reference), dtype=object),
@@ -172,7 +172,7 @@ def finetuned(pretrained, tmp_path_factory):
   state, final evaluation)."""
   workdir = tmp_path_factory.mktemp("finetune")
   config = finetune_config(pretrained)
-  restored = jax.device_get(downstream.restore_encoder(config, ts.make_mesh()).variables)
+  restored = jax.device_get(downstream.restore_encoder(config, mesh_lib.make_mesh()).variables)
   state, result = runner.run(finetune, config, str(workdir))
   return config, workdir, restored, state, result
 
@@ -203,7 +203,7 @@ def test_the_subset_file_lists_the_images_and_survives_a_resume(finetuned):
   with open(workdir / "labelled_subset.csv") as f:
     text = f.read()
   lines = text.splitlines()
-  subset = data.LabelledSubset(data.get_source(config, {}), "train[:64]", 0.5, 0)
+  subset = sources.LabelledSubset(sources.get_source(config, {}), "train[:64]", 0.5, 0)
   assert lines == ["id,label"] + [f"{i},{l}" for i, l in zip(subset.ids, subset.labels)]
   split_labels = [ex["label"] for ex in tfds.as_numpy(
       tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split="train[:64]"))]
@@ -239,7 +239,7 @@ def test_resume_refuses_another_subset_or_another_job(finetuned, pretrained):
   ckpt.close()
 
 
-class _Unlabeled(data.TfdsSource):
+class _Unlabeled(sources.TfdsSource):
   """CIFAR-10 without its labels, as an unlabeled image folder reads."""
   num_classes = None
 
@@ -258,7 +258,7 @@ def test_bad_datasets_stop_before_any_compute(pretrained, tmp_path, monkeypatch)
   with pytest.raises(ConfigError, match=r"config.batch_size=48: must be at most the labelled "
                                         r"subset.s size \(34 images: "):
     runner.run(finetune, finetune_config(pretrained, batch_size=48), str(tmp_path))
-  monkeypatch.setitem(data.SOURCES, "unlabeled", _Unlabeled)
+  monkeypatch.setitem(sources.SOURCES, "unlabeled", _Unlabeled)
   with pytest.raises(ConfigError, match="config.dataset='cifar10': must be a labelled dataset: "
                                         "fine-tuning trains on labels"):
     runner.run(finetune, finetune_config(pretrained, data_source="unlabeled"), str(tmp_path))

@@ -17,16 +17,16 @@ import pytest
 import tensorflow_datasets as tfds
 from PIL import Image
 
-from contrastive_jax import data
-from contrastive_jax import images
-from contrastive_jax import input_pipeline
-from contrastive_jax import prepare_images
-from contrastive_jax import pretrain
-from contrastive_jax import runner
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
-from contrastive_jax.errors import ImageError
-from contrastive_jax.errors import JobError
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import ImageError
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.data import images
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import prepare_images
+from contrastive_jax.data import sources
+from contrastive_jax.jobs import pretrain
+from contrastive_jax.jobs import runner
 from helpers import SHARED
 from helpers import load_config
 from helpers import tiny_config
@@ -212,7 +212,7 @@ def test_prepared_folder_reads_by_name_with_labels_and_file_names(prepared):
   builder = tfds.builder("mini", data_dir=data_dir)
   assert set(builder.info.features) == {"image", "label", "file_name"}
   assert builder.info.features["label"].names == ["hat", "shoes"]
-  source = data.TfdsSource("mini", data_dir)
+  source = sources.TfdsSource("mini", data_dir)
   assert source.num_classes == 2
   assert (source.num_examples("train", "f"), source.num_examples("test", "f")) == (8, 2)
   train = _examples("mini", data_dir, "train")
@@ -237,7 +237,7 @@ def test_prepared_folder_reads_by_name_with_labels_and_file_names(prepared):
 
 def test_pipelines_crop_variable_sizes_and_upscale_small_images(prepared):
   _, data_dir, _ = prepared
-  source = data.TfdsSource("mini", data_dir)
+  source = sources.TfdsSource("mini", data_dir)
   # 48 px crops: every stored image (32 px, one 8 x 6) is smaller. Cached images are
   # decoded once; uncached ones stay encoded until the crop (large folders).
   for cache in (True, False):
@@ -276,9 +276,9 @@ def test_preparing_again_is_a_no_op_and_new_files_need_overwrite(prepared, tmp_p
     with pytest.raises(JobError, match="already holds a dataset prepared from other files or "
                        "options .* pass --overwrite"):
       prepare_images.prepare(str(src), "mini", str(tmp_path), overwrite=False, **kwargs)
-    assert data.TfdsSource("mini", str(tmp_path)).num_examples("train", "f") == 8  # Intact.
+    assert sources.TfdsSource("mini", str(tmp_path)).num_examples("train", "f") == 8  # Intact.
     prepare_images.prepare(str(src), "mini", str(tmp_path), overwrite=True, **kwargs)
-    assert data.TfdsSource("mini", str(tmp_path)).num_examples("train", "f") == 9
+    assert sources.TfdsSource("mini", str(tmp_path)).num_examples("train", "f") == 9
     assert sorted(os.listdir(tmp_path)) == ["mini"]  # No temporary folder left.
   finally:
     os.remove(src / "train" / "hat" / "new.jpg")
@@ -349,7 +349,7 @@ def test_unlabeled_folder_pretrains_and_refuses_label_evaluators(tmp_path):
   # (Compiling its step here would cost minutes of the suite; the README's chest_xray
   # run pretrains on such a folder.)
   config.evaluators = {}
-  task = pretrain.build(config, ts.make_mesh(), None, str(tmp_path / "built"))
+  task = pretrain.build(config, mesh_lib.make_mesh(), None, str(tmp_path / "built"))
   assert task.num_classes is None and task.eval_model.logits is None
   assert jax.eval_shape(task.init).probe == {}
   batch = next(task.train_batches(0))

@@ -5,14 +5,14 @@ import pytest
 import tensorflow_datasets as tfds
 from helpers import TFDS_DIR
 
-from contrastive_jax import data
-from contrastive_jax import input_pipeline
-from contrastive_jax.errors import ConfigError
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import sources
 
 
 def _source(dataset="cifar10", data_dir=TFDS_DIR, splits=None):
   config = ml_collections.ConfigDict(dict(data_source="tfds", dataset=dataset, data_dir=data_dir))
-  return data.get_source(config, splits or {})
+  return sources.get_source(config, splits or {})
 
 
 @pytest.fixture(scope="module")

@@ -7,14 +7,14 @@ import numpy as np
 import pytest
 from helpers import TFDS_DIR, checkpoints_are_finite, load_config, tiny_config
 
-from contrastive_jax import checkpointing
-from contrastive_jax import downstream
-from contrastive_jax import linear_probe
-from contrastive_jax import pretrain
-from contrastive_jax import runner
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
-from contrastive_jax.errors import NonFiniteError
+from contrastive_jax.core import checkpointing
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import NonFiniteError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.jobs import downstream
+from contrastive_jax.jobs import linear_probe
+from contrastive_jax.jobs import pretrain
+from contrastive_jax.jobs import runner
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +45,7 @@ def probe_config(pretrain_workdir, **overrides):
 
 
 def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path):
-  mesh = ts.make_mesh()
+  mesh = mesh_lib.make_mesh()
   encoder = downstream.restore_encoder(probe_config(pretrained), mesh)
   saved_config = encoder.pretrained
   assert encoder.step == 2 and saved_config.method == "simclr" and encoder.dim == 32
@@ -54,7 +54,7 @@ def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path)
   ckpt = checkpointing.Checkpointer(os.path.join(pretrained, "checkpoints"), read_only=True)
   full = ckpt.restore(checkpointing.abstract_like(
       jax.eval_shape(pretrain.setup(saved_config, mesh, 1, 1, num_classes=10).init),
-      ts.replicated(mesh)))
+      mesh_lib.replicated(mesh)))
   jax.tree.map(np.testing.assert_array_equal, before["params"],
                jax.device_get(full.params["encoder"]))
   jax.tree.map(np.testing.assert_array_equal, before["batch_stats"],
@@ -100,18 +100,18 @@ def test_probe_stops_on_a_non_finite_loss(pretrained, tmp_path):
 
 def test_restore_onto_another_device_count(pretrained):
   config = probe_config(pretrained)
-  on8 = downstream.restore_encoder(config, ts.make_mesh()).variables
-  on1 = downstream.restore_encoder(config, ts.make_mesh(jax.devices()[:1])).variables
+  on8 = downstream.restore_encoder(config, mesh_lib.make_mesh()).variables
+  on1 = downstream.restore_encoder(config, mesh_lib.make_mesh(jax.devices()[:1])).variables
   assert len(jax.tree.leaves(on1)[0].sharding.device_set) == 1
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(on8), jax.device_get(on1))
 
 
 def test_random_init_baseline_is_the_pretraining_runs_initialisation(pretrained):
-  restored = downstream.restore_encoder(probe_config(pretrained), ts.make_mesh())
+  restored = downstream.restore_encoder(probe_config(pretrained), mesh_lib.make_mesh())
   trained, saved = restored.variables, restored.pretrained
   random = downstream.restore_encoder(probe_config(pretrained, random_init=True),
-                                      ts.make_mesh()).variables
-  init = jax.device_get(pretrain.setup(saved, ts.make_mesh(), 1, 1).init())
+                                      mesh_lib.make_mesh()).variables
+  init = jax.device_get(pretrain.setup(saved, mesh_lib.make_mesh(), 1, 1).init())
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(random["params"]),
                init.params["encoder"])
   assert not np.array_equal(jax.device_get(trained["params"]["stem_conv"]["kernel"]),
@@ -120,18 +120,18 @@ def test_random_init_baseline_is_the_pretraining_runs_initialisation(pretrained)
 
 def test_bad_probe_inputs(pretrained, tmp_path):
   with pytest.raises(ConfigError, match="config.pretrain_workdir=.*looked in"):
-    downstream.restore_encoder(probe_config(str(tmp_path)), ts.make_mesh())
+    downstream.restore_encoder(probe_config(str(tmp_path)), mesh_lib.make_mesh())
   with pytest.raises(ConfigError, match=r"config.pretrain_step=7: must be one of the saved steps \[1, 2\]"):
-    downstream.restore_encoder(probe_config(pretrained, pretrain_step=7), ts.make_mesh())
+    downstream.restore_encoder(probe_config(pretrained, pretrain_step=7), mesh_lib.make_mesh())
   with pytest.raises(ConfigError, match="config.model_name='resnet50': must be 'resnet18'"):
-    downstream.restore_encoder(probe_config(pretrained, model_name="resnet50"), ts.make_mesh())
+    downstream.restore_encoder(probe_config(pretrained, model_name="resnet50"), mesh_lib.make_mesh())
   config = probe_config(pretrained)
   config.evaluators.linear_probe.every = "0 steps"
   with pytest.raises(ConfigError, match="config.evaluators.linear_probe.every='0 steps'"):
     runner.run(linear_probe, config, str(tmp_path))
 
 
-# Each reference's linear evaluation, from its own code (config_lib.LINEAR_PROBE_PRESETS
+# Each reference's linear evaluation, from its own code (recipes.LINEAR_PROBE_PRESETS
 # cites them): batch, duration, base lr (x B/256), Nesterov, weight decay, schedule,
 # decay epochs, crop sampler, smallest crop area, head init, standardised features.
 PROBE_REFERENCES = {
@@ -153,7 +153,7 @@ def test_probe_presets_resolve_to_their_references_recipes(pretrained):
     config = load_config("linear_probe")
     config.update(dict(pretrain_workdir=pretrained, data_dir=TFDS_DIR, **overrides))
     linear_probe.check_config(config, jax.device_count())
-    return linear_probe.build(config, ts.make_mesh(), None, None).config
+    return linear_probe.build(config, mesh_lib.make_mesh(), None, None).config
 
   for preset, expected in PROBE_REFERENCES.items():
     c = resolved(preset=preset)

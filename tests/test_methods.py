@@ -11,10 +11,12 @@ import numpy as np
 import pytest
 from helpers import tiny_config
 
-from contrastive_jax import models
-from contrastive_jax import pretrain
-from contrastive_jax import train_state as ts
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.jobs import pretrain
 from contrastive_jax import methods
+from contrastive_jax.methods import common
+from contrastive_jax import models
+from contrastive_jax.models import heads
 
 # Method -> tiny config.
 # MoCo v3 runs its ViT variant: its compile is a fraction of the ResNet's.
@@ -33,7 +35,7 @@ def _run(config, mesh, batches, num_classes):
   run = pretrain.setup(config, mesh, steps_per_epoch=16, num_steps=100, num_classes=num_classes)
   state = run.init()
   for batch in batches:
-    state, metrics = run.train_step(state, jax.device_put(batch, ts.batch_sharded(mesh)))
+    state, metrics = run.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
   return jax.device_get(state), jax.device_get(metrics)
 
 
@@ -49,10 +51,10 @@ def test_method_meets_the_contract_and_its_online_probe_leaves_the_encoder_uncha
   config = tiny_config(*CONFIGS[name].split(":"))
   method.check_config(config, 50_000)
   model = method.build_model(config)
-  assert isinstance(model, models.ContrastiveModel)
+  assert isinstance(model, heads.ContrastiveModel)
   batches = _batches(config, 2)
-  state, metrics = _run(config, ts.make_mesh(), batches, num_classes=10)
-  assert isinstance(state, ts.TrainState) and int(state.step) == 2
+  state, metrics = _run(config, mesh_lib.make_mesh(), batches, num_classes=10)
+  assert isinstance(state, common.TrainState) and int(state.step) == 2
   # The encoder downstream jobs read is where the contract says.
   encoder = methods.encoder_variables(state)
   x = jnp.zeros((2, config.image_size, config.image_size, 3))
@@ -68,7 +70,7 @@ def test_method_meets_the_contract_and_its_online_probe_leaves_the_encoder_uncha
   np.testing.assert_allclose(metrics["param_norm"], param_norm, rtol=1e-5)
 
   # The same steps without the online probe: the encoder's training is bitwise the same.
-  without, metrics0 = _run(config, ts.make_mesh(), batches, num_classes=0)
+  without, metrics0 = _run(config, mesh_lib.make_mesh(), batches, num_classes=0)
   assert state.probe and not without.probe
   jax.tree.map(np.testing.assert_array_equal, state.params, without.params)
   jax.tree.map(np.testing.assert_array_equal, state.batch_stats, without.batch_stats)
@@ -81,14 +83,14 @@ def test_method_meets_the_contract_and_its_online_probe_leaves_the_encoder_uncha
 def test_projection_std_on_8_devices_matches_numpy():
   rng = np.random.default_rng(0)
   z = rng.normal(size=(32, 6)).astype(np.float32)
-  mesh = ts.make_mesh()
-  fn = jax.jit(jax.shard_map(lambda z: ts.projection_std(z, ts.DATA_AXIS), mesh=mesh,
-                             in_specs=jax.P(ts.DATA_AXIS), out_specs=jax.P()))
+  mesh = mesh_lib.make_mesh()
+  fn = jax.jit(jax.shard_map(lambda z: common.projection_std(z, mesh_lib.DATA_AXIS), mesh=mesh,
+                             in_specs=jax.P(mesh_lib.DATA_AXIS), out_specs=jax.P()))
   unit = z / np.linalg.norm(z, axis=1, keepdims=True)
-  np.testing.assert_allclose(fn(jax.device_put(z, ts.batch_sharded(mesh))),
+  np.testing.assert_allclose(fn(jax.device_put(z, mesh_lib.batch_sharded(mesh))),
                              np.mean(np.std(unit, axis=0)), rtol=1e-5)
   collapsed = np.tile(z[:1], (32, 1))
-  assert float(fn(jax.device_put(collapsed, ts.batch_sharded(mesh)))) < 1e-3
+  assert float(fn(jax.device_put(collapsed, mesh_lib.batch_sharded(mesh)))) < 1e-3
 
 
 def test_every_module_imports_without_touching_a_device_then_distributed_initialises():
@@ -105,4 +107,4 @@ def test_every_module_imports_without_touching_a_device_then_distributed_initial
                     "print('OK', jax.process_count())"])
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
   assert out.returncode == 0 and "OK 1" in out.stdout, out.stderr[-3000:]
-  assert "contrastive_jax.main" in names and "contrastive_jax.linear_probe" in names
+  assert "contrastive_jax.main" in names and "contrastive_jax.jobs.linear_probe" in names

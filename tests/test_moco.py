@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 from helpers import load_config
 
-from contrastive_jax import models
-from contrastive_jax import pretrain
-from contrastive_jax import train_state as ts
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.jobs import pretrain
+from contrastive_jax.methods import common
 from contrastive_jax.methods import moco
+from contrastive_jax import models
+from contrastive_jax.models import heads
 from test_simclr import numeric_grad
 
 
@@ -63,22 +65,22 @@ def test_info_nce_value_and_gradient_match_numpy():
 def test_ema_update_on_every_leaf():
   target = {"a": jnp.array([1.0, 2.0]), "b": {"c": jnp.array(3.0)}}
   online = {"a": jnp.array([5.0, 6.0]), "b": {"c": jnp.array(-1.0)}}
-  out = ts.ema_update(target, online, 0.9)
+  out = common.ema_update(target, online, 0.9)
   np.testing.assert_allclose(out["a"], [0.9 * 1 + 0.1 * 5, 0.9 * 2 + 0.1 * 6], rtol=1e-6)
   np.testing.assert_allclose(out["b"]["c"], 0.9 * 3 - 0.1, rtol=1e-6)
-  grads = jax.grad(lambda o: ts.ema_update(target, o, 0.5)["b"]["c"])(online)
+  grads = jax.grad(lambda o: common.ema_update(target, o, 0.5)["b"]["c"])(online)
   assert float(grads["b"]["c"]) == 0.0  # Never differentiated.
 
 
 def test_shuffle_then_unshuffle_is_identity_and_moves_keys_to_other_groups():
-  mesh = ts.make_mesh()
+  mesh = mesh_lib.make_mesh()
   B = 64
   perm = jax.random.permutation(jax.random.PRNGKey(3), B)
-  ids = jax.device_put(jnp.arange(B), ts.batch_sharded(mesh))
+  ids = jax.device_put(jnp.arange(B), mesh_lib.batch_sharded(mesh))
   fn = jax.jit(jax.shard_map(
       lambda x, p: (moco.shuffle_rows(x, p), moco.unshuffle_rows(moco.shuffle_rows(x, p), p)),
-      mesh=mesh, in_specs=(jax.P(ts.DATA_AXIS), jax.P()),
-      out_specs=(jax.P(ts.DATA_AXIS), jax.P())))
+      mesh=mesh, in_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P()),
+      out_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P())))
   shuffled, restored = fn(ids, perm)
   np.testing.assert_array_equal(restored, np.arange(B))
   # Example i's query is encoded on device i // 8; its key on the device that got it.
@@ -104,7 +106,7 @@ def run_steps(config, mesh, images, steps=3):
   state = run.init()
   losses = []
   for i in range(steps):
-    state, metrics = run.train_step(state, {"image": jax.device_put(images[i], ts.batch_sharded(mesh))})
+    state, metrics = run.train_step(state, {"image": jax.device_put(images[i], mesh_lib.batch_sharded(mesh))})
     losses.append(float(metrics["loss"]))
   return state, losses
 
@@ -114,8 +116,8 @@ def test_eight_devices_equal_one_device_with_the_same_bn_groups():
   # image of each group, on 1 device all of them; the groups are the same.
   images = np.random.default_rng(0).integers(0, 256, (3, 16, 2, 32, 32, 3), np.uint8)
   config = tiny_moco_config()
-  state8, losses8 = run_steps(config, ts.make_mesh(), images)
-  state1, losses1 = run_steps(config, ts.make_mesh(jax.devices()[:1]), images)
+  state8, losses8 = run_steps(config, mesh_lib.make_mesh(), images)
+  state1, losses1 = run_steps(config, mesh_lib.make_mesh(jax.devices()[:1]), images)
   np.testing.assert_allclose(losses8, losses1, rtol=1e-4)
   for a, b in zip(jax.tree.leaves(jax.device_get(state8.params)),
                   jax.tree.leaves(jax.device_get(state1.params))):
@@ -128,7 +130,7 @@ def test_eight_devices_equal_one_device_with_the_same_bn_groups():
   assert len(shards) == 8 and all(np.array_equal(shards[0], s) for s in shards)
   # The newest keys are unit vectors; the key encoder moved towards the query encoder.
   np.testing.assert_allclose(np.linalg.norm(state8.extra["queue"][:48], axis=1), 1.0, rtol=1e-5)
-  init = pretrain.setup(config, ts.make_mesh(), 10, 100).init()
+  init = pretrain.setup(config, mesh_lib.make_mesh(), 10, 100).init()
   for k0, k, q in zip(jax.tree.leaves(init.extra["key_params"]),
                       jax.tree.leaves(state8.extra["key_params"]),
                       jax.tree.leaves(state8.params)):
@@ -138,19 +140,19 @@ def test_eight_devices_equal_one_device_with_the_same_bn_groups():
 def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
   config = tiny_moco_config()
   config.optimizer.warmup_epochs = 0  # So that step 0 moves the query encoder.
-  mesh = ts.make_mesh()
+  mesh = mesh_lib.make_mesh()
   run = pretrain.setup(config, mesh, steps_per_epoch=10, num_steps=100)
   state0 = jax.device_get(run.init())
   images = np.random.default_rng(5).integers(0, 256, (2, 16, 2, 32, 32, 3), np.uint8)
-  state1, _ = run.train_step(run.init(), {"image": jax.device_put(images[0], ts.batch_sharded(mesh))})
+  state1, _ = run.train_step(run.init(), {"image": jax.device_put(images[0], mesh_lib.batch_sharded(mesh))})
   state1_host = jax.device_get(state1)
-  state2, _ = run.train_step(state1, {"image": jax.device_put(images[1], ts.batch_sharded(mesh))})
+  state2, _ = run.train_step(state1, {"image": jax.device_put(images[1], mesh_lib.batch_sharded(mesh))})
 
   # Reference keys of step 0, written out: the key encoder (an EMA of two
   # equal encoders, so the initial one) encodes 2 BN groups of 8 rows each,
   # group g holding the images at shuffled positions g, g + 2, ...
   # (order[g::2]), in train mode, with each group's own BN statistics.
-  model = models.ContrastiveModel(encoder=models.build_encoder(config.model),
+  model = heads.ContrastiveModel(encoder=models.build_encoder(config.model),
                                   projector=models.build_mlp(config.projector, "float32"))
   x = images[0][:, 1] / np.float32(255)
 
@@ -163,7 +165,7 @@ def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
       out[rows] = z / np.linalg.norm(z, axis=1, keepdims=True)
     return out
 
-  perm = np.asarray(jax.random.permutation(ts.shuffle_key(state0.rng, 0), 16))
+  perm = np.asarray(jax.random.permutation(common.shuffle_key(state0.rng, 0), 16))
   # BN over 8 rows amplifies float rounding: agreement to 2e-4, while the
   # unshuffled groups give keys that differ by orders of magnitude more.
   np.testing.assert_allclose(state1_host.extra["queue"][:16], keys(perm), atol=2e-4)

@@ -11,18 +11,19 @@ import optax
 import pytest
 from helpers import TFDS_DIR, load_config, tiny_config
 
-from contrastive_jax import checkpointing
-from contrastive_jax import config_lib
-from contrastive_jax import downstream
-from contrastive_jax import linear_probe
-from contrastive_jax import models
-from contrastive_jax import optim
-from contrastive_jax import pretrain
-from contrastive_jax import runner
-from contrastive_jax import train_state as ts
-from contrastive_jax import vit
-from contrastive_jax.errors import ConfigError
+from contrastive_jax.core import checkpointing
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.jobs import downstream
+from contrastive_jax.jobs import linear_probe
+from contrastive_jax.jobs import pretrain
+from contrastive_jax.jobs import runner
+from contrastive_jax.methods import common
 from contrastive_jax.methods import mocov3
+from contrastive_jax.methods import optim
+from contrastive_jax import models
+from contrastive_jax.models import vit
+from contrastive_jax import recipes
 from test_simclr import numeric_grad
 
 
@@ -55,7 +56,7 @@ def test_loss_and_gradient_match_algorithm_1(t):
 
 
 def test_sharded_loss_and_gradients_equal_single_device():
-  mesh = ts.make_mesh()
+  mesh = mesh_lib.make_mesh()
   rng = np.random.default_rng(1)
   w, u = (jnp.asarray(a, jnp.float32) for a in rng.normal(size=(2, 5, 4)))
   x1, x2 = (jnp.asarray(a, jnp.float32) for a in rng.normal(size=(2, 16, 5)))
@@ -67,11 +68,11 @@ def test_sharded_loss_and_gradients_equal_single_device():
 
   single, single_grad = jax.value_and_grad(loss_of)(w, x1, x2, None)
   sharded_fn = jax.jit(jax.shard_map(
-      jax.value_and_grad(lambda w, a, b: loss_of(w, a, b, ts.DATA_AXIS)), mesh=mesh,
-      in_specs=(jax.P(), jax.P(ts.DATA_AXIS), jax.P(ts.DATA_AXIS)), out_specs=jax.P()))
-  sharded, sharded_grad = sharded_fn(jax.device_put(w, ts.replicated(mesh)),
-                                     jax.device_put(x1, ts.batch_sharded(mesh)),
-                                     jax.device_put(x2, ts.batch_sharded(mesh)))
+      jax.value_and_grad(lambda w, a, b: loss_of(w, a, b, mesh_lib.DATA_AXIS)), mesh=mesh,
+      in_specs=(jax.P(), jax.P(mesh_lib.DATA_AXIS), jax.P(mesh_lib.DATA_AXIS)), out_specs=jax.P()))
+  sharded, sharded_grad = sharded_fn(jax.device_put(w, mesh_lib.replicated(mesh)),
+                                     jax.device_put(x1, mesh_lib.batch_sharded(mesh)),
+                                     jax.device_put(x2, mesh_lib.batch_sharded(mesh)))
   np.testing.assert_allclose(sharded, single, rtol=1e-6)
   np.testing.assert_allclose(sharded_grad, single_grad, rtol=1e-5, atol=1e-7)
 
@@ -85,7 +86,7 @@ def test_train_steps_on_8_devices_equal_1_device_and_the_momentum_encoder_is_an_
   # SGD, not AdamW: the projector's BN cancels any shift of h, so the final LayerNorm's
   # bias gets a gradient of rounding noise only, which Adam's normalisation makes a
   # full-size step of a sign that differs between 8 devices and 1.
-  config.optimizer = config_lib.optimizer("sgd", 0.1, 1e-4, warmup_epochs=0)
+  config.optimizer = recipes.optimizer("sgd", 0.1, 1e-4, warmup_epochs=0)
   # tiny_config's ViT views are crops only: no augmentation key depends on the device.
   images = np.random.default_rng(0).integers(0, 256, (2, 16, 2, 32, 32, 3), np.uint8)
 
@@ -95,12 +96,12 @@ def test_train_steps_on_8_devices_equal_1_device_and_the_momentum_encoder_is_an_
     for batch in images:
       states.append(jax.device_get(state))
       state, metrics = r.train_step(state, {"image": jax.device_put(batch,
-                                                                    ts.batch_sharded(mesh))})
+                                                                    mesh_lib.batch_sharded(mesh))})
       losses.append(float(metrics["loss"]))
     return states + [jax.device_get(state)], losses, float(metrics["key_momentum"])
 
-  states8, losses8, momentum = run(ts.make_mesh())
-  states1, losses1, _ = run(ts.make_mesh(jax.devices()[:1]))
+  states8, losses8, momentum = run(mesh_lib.make_mesh())
+  states1, losses1, _ = run(mesh_lib.make_mesh(jax.devices()[:1]))
   np.testing.assert_allclose(losses8, losses1, rtol=1e-5)
   for a, b in zip(jax.tree.leaves(states8[-1]), jax.tree.leaves(states1[-1])):
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
@@ -139,7 +140,7 @@ def test_position_embedding_matches_its_formula():
     # (769,000) and its position embedding (151,296), a constant here.
     ("vit_base", 768, 85_647_360)])
 def test_vit_output_shapes_for_each_size(name, width, params):
-  cfg = ml_collections.ConfigDict(config_lib.vit_model(name, 16, "bfloat16", True))
+  cfg = ml_collections.ConfigDict(recipes.vit_model(name, 16, "bfloat16", True))
   encoder = models.build_encoder(cfg)
   x = jax.ShapeDtypeStruct((2, 224, 224, 3), jnp.float32)
   variables = jax.eval_shape(lambda x: encoder.init(jax.random.PRNGKey(0), x, train=False), x)
@@ -154,9 +155,9 @@ def test_vit_output_shapes_for_each_size(name, width, params):
 
 
 def test_adamw_decays_kernels_only_and_leaves_the_frozen_projection_alone():
-  cfg = ml_collections.ConfigDict(config_lib.vit_model("vit_tiny", 8, "float32", True))
+  cfg = ml_collections.ConfigDict(recipes.vit_model("vit_tiny", 8, "float32", True))
   cfg.update(width=0.125, depth=1)
-  params, _ = ts.init_variables(models.build_encoder(cfg), jax.random.PRNGKey(0), 16)
+  params, _ = common.init_variables(models.build_encoder(cfg), jax.random.PRNGKey(0), 16)
   mask = {"/".join(k.key for k in path): v for path, v in jax.tree_util.tree_leaves_with_path(
       optim.decay_mask(params, "kernels"))}
   assert {k for k, v in mask.items() if v} == {
@@ -164,7 +165,7 @@ def test_adamw_decays_kernels_only_and_leaves_the_frozen_projection_alone():
       "block0/fc1/kernel", "block0/fc2/kernel"}
   assert not mask["cls_token"] and not mask["norm/scale"] and not mask["block0/norm1/bias"]
   lr, wd = 0.1, 0.5
-  opt = config_lib.optimizer("adamw", 1.0, wd)
+  opt = recipes.optimizer("adamw", 1.0, wd)
   tx = optim.build_optimizer(ml_collections.ConfigDict(opt), lambda step: lr, freeze=True)
   # Zero gradients: Adam's step is 0, so only the decoupled decay moves w: w (1 - lr wd).
   grads = jax.tree.map(jnp.zeros_like, params)
@@ -209,7 +210,7 @@ def test_linear_probe_of_a_vit_checkpoint(tmp_path):
   # batch_stats hold the heads' BN statistics but nothing of the encoder.
   config = tiny_vit_config()
   pretrain_dir = str(tmp_path / "pretrain")
-  state = pretrain.setup(config, ts.make_mesh(), 16, 4, num_classes=10).init()
+  state = pretrain.setup(config, mesh_lib.make_mesh(), 16, 4, num_classes=10).init()
   assert "encoder" not in state.batch_stats
   ckpt = checkpointing.Checkpointer(f"{pretrain_dir}/checkpoints")
   ckpt.save(0, state, config)
@@ -220,7 +221,7 @@ def test_linear_probe_of_a_vit_checkpoint(tmp_path):
                     batch_size=16, duration="1 steps", log_every="1 steps", shuffle_buffer=64,
                     data_threads=1))
   probe.evaluators.linear_probe.update(split="test[:32]", batch_size=16)
-  encoder = downstream.restore_encoder(probe, ts.make_mesh())
+  encoder = downstream.restore_encoder(probe, mesh_lib.make_mesh())
   assert encoder.variables["batch_stats"] == {} and encoder.dim == 12
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(encoder.variables["params"]),
                jax.device_get(state.params["encoder"]))

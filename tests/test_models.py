@@ -6,9 +6,10 @@ import numpy as np
 import pytest
 from helpers import load_config
 
-from contrastive_jax import models
-from contrastive_jax import train_state as ts
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.methods import common
 from contrastive_jax.methods import get_method
+from contrastive_jax import models
 
 
 def _encoder(axis_name):
@@ -18,9 +19,9 @@ def _encoder(axis_name):
 
 
 def test_global_bn_equals_bn_on_the_whole_batch():
-  mesh = ts.make_mesh()
+  mesh = mesh_lib.make_mesh()
   x = jnp.asarray(np.random.default_rng(0).uniform(size=(16, 8, 8, 3)), jnp.float32)
-  params, stats = ts.init_variables(_encoder(None), jax.random.PRNGKey(0), 8)
+  params, stats = common.init_variables(_encoder(None), jax.random.PRNGKey(0), 8)
 
   def forward(model):
     def fn(x):
@@ -30,17 +31,17 @@ def test_global_bn_equals_bn_on_the_whole_batch():
     return fn
 
   h_ref, stats_ref = jax.jit(forward(_encoder(None)))(x)
-  sharded = jax.jit(jax.shard_map(forward(_encoder(ts.DATA_AXIS)), mesh=mesh,
-                                  in_specs=jax.P(ts.DATA_AXIS),
-                                  out_specs=(jax.P(ts.DATA_AXIS), jax.P())))
-  h, new_stats = sharded(jax.device_put(x, ts.batch_sharded(mesh)))
+  sharded = jax.jit(jax.shard_map(forward(_encoder(mesh_lib.DATA_AXIS)), mesh=mesh,
+                                  in_specs=jax.P(mesh_lib.DATA_AXIS),
+                                  out_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P())))
+  h, new_stats = sharded(jax.device_put(x, mesh_lib.batch_sharded(mesh)))
   np.testing.assert_allclose(h, h_ref, rtol=1e-4, atol=1e-5)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
                new_stats, stats_ref)
   # Per-device BN differs: the test would catch a missing axis_name.
-  local = jax.jit(jax.shard_map(forward(_encoder(None)), mesh=mesh, in_specs=jax.P(ts.DATA_AXIS),
-                                out_specs=(jax.P(ts.DATA_AXIS), jax.P(ts.DATA_AXIS))))
-  h_local, _ = local(jax.device_put(x, ts.batch_sharded(mesh)))
+  local = jax.jit(jax.shard_map(forward(_encoder(None)), mesh=mesh, in_specs=jax.P(mesh_lib.DATA_AXIS),
+                                out_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P(mesh_lib.DATA_AXIS))))
+  h_local, _ = local(jax.device_put(x, mesh_lib.batch_sharded(mesh)))
   assert not np.allclose(h_local, h_ref, atol=1e-3)
 
 
@@ -65,7 +66,7 @@ def test_bfloat16_compute_keeps_float32_params_and_outputs():
   cfg = ml_collections.ConfigDict(dict(name="resnet18", width=0.0625, stem="cifar",
                                        dtype="bfloat16"))
   model = models.build_encoder(cfg)
-  params, stats = ts.init_variables(model, jax.random.PRNGKey(0), 8)
+  params, stats = common.init_variables(model, jax.random.PRNGKey(0), 8)
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
   out = model.apply({"params": params, "batch_stats": stats}, jnp.ones((2, 8, 8, 3)), train=False)
   assert out.dtype == jnp.float32

@@ -10,9 +10,9 @@ import time
 import pytest
 from helpers import CONFIG_DIR, TFDS_DIR, free_port, subprocess_env, tiny_config
 
-from contrastive_jax import checkpointing
-from contrastive_jax import pretrain
-from contrastive_jax import runner
+from contrastive_jax.core import checkpointing
+from contrastive_jax.jobs import pretrain
+from contrastive_jax.jobs import runner
 
 
 def _start(workdir, job, *extra):

@@ -4,24 +4,25 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from contrastive_jax import config_lib
+from contrastive_jax.methods import common
+from contrastive_jax.methods import optim
 from contrastive_jax import models
-from contrastive_jax import optim
-from contrastive_jax import train_state as ts
+from contrastive_jax.models import heads
+from contrastive_jax import recipes
 
 
 def _resnet_params():
-  model = models.ContrastiveModel(
+  model = heads.ContrastiveModel(
       encoder=models.build_encoder(ml_collections.ConfigDict(
           dict(name="resnet18", width=0.125, stem="cifar", dtype="float32"))),
       projector=models.build_mlp(ml_collections.ConfigDict(
           dict(hidden_dims=(16,), out_dim=8, use_bn=True)), "float32"))
-  params, _ = ts.init_variables(model, jax.random.PRNGKey(0), 8)
+  params, _ = common.init_variables(model, jax.random.PRNGKey(0), 8)
   return params
 
 
 def _opt_config(**kw):
-  return ml_collections.ConfigDict(config_lib.optimizer(
+  return ml_collections.ConfigDict(recipes.optimizer(
       "lars", base_lr=1.0, weight_decay=0.1, **{"warmup_epochs": 1, "lr_before_momentum": True,
                                                **kw}))
 
@@ -77,7 +78,7 @@ def test_step_schedule_decays_at_the_given_epochs():
 def test_nesterov_sgd_steps():
   # Constant gradient 1, lr 1, momentum 0.9: v_t = 0.9 v_{t-1} + g; the Nesterov
   # step is -(g + 0.9 v_t): -1.9, then -2.71 (plain momentum: -1, then -1.9).
-  cfg = ml_collections.ConfigDict(config_lib.optimizer("sgd", base_lr=1.0, weight_decay=0.0,
+  cfg = ml_collections.ConfigDict(recipes.optimizer("sgd", base_lr=1.0, weight_decay=0.0,
                                                        nesterov=True))
   tx = optim.build_optimizer(cfg, lambda step: 1.0)
   params = {"kernel": jnp.zeros(3)}

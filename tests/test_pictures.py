@@ -2,7 +2,7 @@
 import numpy as np
 import pytest
 
-from contrastive_jax import pictures
+from contrastive_jax.core import pictures
 
 
 def test_grid_places_each_image_in_its_cell_on_white():

@@ -20,11 +20,13 @@ from helpers import load_config
 from scipy import ndimage
 from scipy import stats
 
-from contrastive_jax import augment
-from contrastive_jax import config_lib
-from contrastive_jax import crops
+from contrastive_jax.data import augment
+from contrastive_jax.data import crops
+from contrastive_jax.methods import optim
 from contrastive_jax import models
-from contrastive_jax import optim
+from contrastive_jax.models import heads
+from contrastive_jax.models import resnet
+from contrastive_jax import recipes
 
 # --- Crop samplers -------------------------------------------------------------------------
 
@@ -304,24 +306,24 @@ def test_initialisations_and_weight_decay_masks_are_the_references():
   # draws: the sample variance is within 2% (5 standard errors) of the law's.
   shape = (3, 3, 64, 64)
   for name, variance in (("he_normal", 2 / (9 * 64)), ("variance_scaling", 1 / (9 * 64))):
-    kernel = models.CONV_INITS[name](key, shape)
+    kernel = resnet.CONV_INITS[name](key, shape)
     assert np.var(kernel) == pytest.approx(variance, rel=0.02), name
   # Dense layers on 512 inputs: std 1/sqrt(512) (lecun_normal), 0.01, and PyTorch's
   # U(+-1/sqrt(512)) for kernel and bias (std bound / sqrt(3)).
   bound = 1 / math.sqrt(512)
   for name, std in (("lecun_normal", bound), ("normal_0.01", 0.01), ("torch", bound / math.sqrt(3))):
-    kernel_init, bias_init = models._dense_inits(name, 512)  # pylint: disable=protected-access
+    kernel_init, bias_init = heads._dense_inits(name, 512)  # pylint: disable=protected-access
     assert np.std(kernel_init(key, (512, 256))) == pytest.approx(std, rel=0.02), name
-  kernel_init, bias_init = models._dense_inits("torch", 512)  # pylint: disable=protected-access
+  kernel_init, bias_init = heads._dense_inits("torch", 512)  # pylint: disable=protected-access
   bias = bias_init(key, (256,))
   assert np.abs(kernel_init(key, (512, 256))).max() <= bound and 0 < np.abs(bias).max() <= bound
   # The wiring, on a one-block ResNet: the block's last BN scale is 0 or 1, and the
   # decay mask is every leaf ('all') or the kernels only ('kernels').
   for zero_init in (True, False):
-    model = models.ContrastiveModel(
-        encoder=models.ResNet(("basic", (1,)), width=0.0625, stem="cifar",
+    model = heads.ContrastiveModel(
+        encoder=resnet.ResNet(("basic", (1,)), width=0.0625, stem="cifar",
                               zero_init_residual=zero_init),
-        projector=models.MLP((8,), 4, final_bn=True))
+        projector=heads.MLP((8,), 4, final_bn=True))
     params = model.init(key, jnp.zeros((1, 8, 8, 3)), train=False)["params"]  # Eager: cheaper.
     block = params["encoder"]["BasicBlock_0"]
     np.testing.assert_array_equal(block["BatchNorm_1"]["scale"], 0.0 if zero_init else 1.0)
@@ -364,7 +366,7 @@ def test_lars_variants_follow_their_references_update_rules():
     return w
 
   simclr = lambda w, g: eta * np.linalg.norm(w) / np.linalg.norm(g + wd * w)
-  lars = config_lib.optimizer("lars", 1.0, wd, trust_coefficient=eta)
+  lars = recipes.optimizer("lars", 1.0, wd, trust_coefficient=eta)
   # SimCLR's LARSOptimizer: next_v = m v + lr * trust * (g + wd w); w -= next_v.
   np.testing.assert_allclose(_two_steps(dict(lars, lr_before_momentum=True), w0, grads, lrs)[0],
                              reference(w0, simclr, True), rtol=1e-5)
@@ -373,7 +375,7 @@ def test_lars_variants_follow_their_references_update_rules():
                              reference(w0, simclr, False), rtol=1e-5)
   # solo-learn's LARS with clip_lars_lr: ratio eta |w| / (|g| + wd |w| + 1e-8), then
   # min(ratio / lr, 1); torch's momentum; biases excluded (plain SGD on them).
-  larc = config_lib.optimizer("larc", 1.0, wd, trust_coefficient=eta)
+  larc = recipes.optimizer("larc", 1.0, wd, trust_coefficient=eta)
   for scale in (1.0, 1e-3):  # The ratio clipped at the lr, and not.
     lrs_here = (lrs[0] * scale, lrs[1] * scale)
     kernel, bias = _two_steps(larc, w0, grads, lrs_here)
@@ -385,7 +387,7 @@ def test_lars_variants_follow_their_references_update_rules():
     np.testing.assert_allclose(kernel, w, rtol=1e-5)
     np.testing.assert_allclose(bias, -lrs_here[0] - lrs_here[1] * (m + 1), rtol=1e-6)
   # MoCo's torch.optim.SGD(weight_decay=wd): every parameter decayed, bias included.
-  sgd = config_lib.optimizer("sgd", 1.0, wd, weight_decay_mask="all")
+  sgd = recipes.optimizer("sgd", 1.0, wd, weight_decay_mask="all")
   _, bias = _two_steps(sgd, w0, grads, lrs)
   v1 = 1.0
   b1 = -lrs[0] * v1

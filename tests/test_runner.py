@@ -12,18 +12,19 @@ from PIL import Image
 from helpers import CONFIG_DIR, TFDS_DIR, checkpoints_are_finite, tiny_config
 from helpers import sigterm_after_first_train_batch
 
-from contrastive_jax import augment
-from contrastive_jax import checkpointing
-from contrastive_jax import data
-from contrastive_jax import input_pipeline
-from contrastive_jax import metrics as metrics_lib
-from contrastive_jax import pictures
-from contrastive_jax import pretrain
-from contrastive_jax import runner
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
-from contrastive_jax.errors import JobError
-from contrastive_jax.errors import NonFiniteError
+from contrastive_jax.core import checkpointing
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core.errors import NonFiniteError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core import metrics as metrics_lib
+from contrastive_jax.core import pictures
+from contrastive_jax.data import augment
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import sources
+from contrastive_jax.jobs import pretrain
+from contrastive_jax.jobs import runner
+from contrastive_jax.methods import common
 
 
 def read_metrics(workdir):
@@ -70,9 +71,9 @@ def check_views_picture(config, path):
   """The step-0 picture shows view v of batch row i as augment_image of the host crop with
   the key of its device and position: the train step's own pixels."""
   picture = np.asarray(Image.open(path))
-  mesh = ts.make_mesh()
+  mesh = mesh_lib.make_mesh()
   batch = next(input_pipeline.train_batches(
-      data.get_source(config, {}), config, ts.batch_sharded(mesh),
+      sources.get_source(config, {}), config, mesh_lib.batch_sharded(mesh),
       image_size=config.image_size)(0))
   crops = np.asarray(batch["image"])                      # [16, 2, S, S, 3] uint8
   rng = jax.random.split(jax.random.PRNGKey(config.seed))[1]
@@ -81,7 +82,7 @@ def check_views_picture(config, path):
   pad, caption = pictures._PAD, pictures._CAPTION_HEIGHT
   for i in (0, 5, 15):  # Rows of devices 0, 2 and 7.
     for v, view in enumerate(pretrain.views(config)):
-      key = jax.random.split(ts.view_key(rng, 0, i // per_device, v), per_device)[i % per_device]
+      key = jax.random.split(common.view_key(rng, 0, i // per_device, v), per_device)[i % per_device]
       x = np.asarray(augment.augment_image(crops[i, v], key, view))
       expected = Image.fromarray(np.round(np.clip(x, 0, 1) * 255).astype(np.uint8))
       expected = np.asarray(expected.resize((cell, cell), Image.BILINEAR))

@@ -12,17 +12,18 @@ import tensorflow_datasets as tfds
 from helpers import TFDS_DIR, load_config, tiny_config
 from PIL import Image
 
-from contrastive_jax import checkpointing
-from contrastive_jax import embed
-from contrastive_jax import evaluators
-from contrastive_jax import downstream
+from contrastive_jax.core import checkpointing
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core import pictures
+from contrastive_jax.jobs import downstream
+from contrastive_jax.jobs import embed
+from contrastive_jax.jobs import evaluators
+from contrastive_jax.jobs import index as index_lib
+from contrastive_jax.jobs import neighbours
 from contrastive_jax import main
 from contrastive_jax import models
-from contrastive_jax import neighbours
-from contrastive_jax import pictures
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
-from contrastive_jax.errors import JobError
 
 NUM = 20  # test[:20]: two global batches of 16, the second padded.
 
@@ -115,12 +116,12 @@ def _cifar_test():
 
 
 def test_embeddings_are_unit_h_of_every_image_in_split_order(pretrained, index):
-  saved = embed.load_index(index)
+  saved = index_lib.load_index(index)
   assert saved.embeddings.dtype == np.float32 and saved.embeddings.shape[0] == NUM
   np.testing.assert_allclose(np.linalg.norm(saved.embeddings, axis=1), 1.0, atol=1e-6)
   images, labels = _cifar_test()
   encoder, variables, _, step, _ = downstream.restore_encoder(embed_config(pretrained),
-                                                              ts.make_mesh())
+                                                              mesh_lib.make_mesh())
   assert step == 0 and saved.config.pretrain_step == 0
   want = evaluators.l2_normalize(models.encode(encoder, jax.device_get(variables), images))
   np.testing.assert_allclose(saved.embeddings, want, atol=1e-5)
@@ -137,7 +138,7 @@ def test_neighbours_of_rows_names_and_files_find_themselves(index, tmp_path):
   images, labels = _cifar_test()
   query_file = str(tmp_path / "query.png")
   Image.fromarray(images[7]).save(query_file)
-  name_5 = embed.load_index(index).rows[5]["name"]
+  name_5 = index_lib.load_index(index).rows[5]["name"]
   workdir = tmp_path / "out"
   results = neighbours.run(neighbours_config(index, query_rows="3", queries=f"{query_file},{name_5}"),
                            str(workdir))
@@ -171,13 +172,13 @@ def test_folder_of_files_embeds_like_the_dataset_and_lists_what_it_cannot_read(p
   (folder / ".hidden.png").write_bytes(b"")
   workdir = tmp_path / "folder_index"
   embed.run(embed_config(pretrained, dataset=None, folder=str(folder)), str(workdir))
-  saved = embed.load_index(str(workdir))
+  saved = index_lib.load_index(str(workdir))
   names = [str(folder / rel) for rel in ("a.jpg.png", "b.png", "sub/a.png")]
   assert [r["name"] for r in saved.rows] == names and "label" not in saved.rows[0]
   # Lossless files of the same pixels: the same embeddings as the dataset's.
-  np.testing.assert_allclose(saved.embeddings, embed.load_index(index).embeddings[[2, 0, 1]],
+  np.testing.assert_allclose(saved.embeddings, index_lib.load_index(index).embeddings[[2, 0, 1]],
                              atol=1e-5)
-  unreadable = (workdir / embed.UNREADABLE).read_text().splitlines()
+  unreadable = (workdir / index_lib.UNREADABLE).read_text().splitlines()
   assert len(unreadable) == 1 and unreadable[0].startswith(f"{folder / 'broken.jpg'}\t")
   results = neighbours.run(neighbours_config(str(workdir), k=3, queries=names[2]),
                            str(tmp_path / "out"))
@@ -230,6 +231,6 @@ def test_two_hosts_embed_their_parts_and_process_zero_writes_the_whole_split(pre
   for i, p in enumerate(procs):  # 10 images each: batches of 4, the last one half padding.
     out = p.communicate(timeout=300)[0]
     assert p.returncode == 0 and f"RESULT process={i} rows={NUM}" in out, out[-3000:]
-  saved, single = embed.load_index(str(tmp_path)), embed.load_index(index)
+  saved, single = index_lib.load_index(str(tmp_path)), index_lib.load_index(index)
   assert saved.rows == single.rows
   np.testing.assert_allclose(saved.embeddings, single.embeddings, atol=1e-5)

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from contrastive_jax import train_state as ts
+from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.methods import simclr
 
 
@@ -60,7 +60,7 @@ def test_nt_xent_hand_worked_case():
 
 
 def test_sharded_nt_xent_and_gradients_equal_single_device():
-  mesh = ts.make_mesh()
+  mesh = mesh_lib.make_mesh()
   assert mesh.size == 8
   rng = np.random.default_rng(1)
   w = jnp.asarray(rng.normal(size=(5, 4)), jnp.float32)
@@ -71,10 +71,10 @@ def test_sharded_nt_xent_and_gradients_equal_single_device():
 
   single, single_grad = jax.value_and_grad(loss_of)(w, x1, x2, None)
   sharded_fn = jax.jit(jax.shard_map(
-      jax.value_and_grad(lambda w, a, b: loss_of(w, a, b, ts.DATA_AXIS)), mesh=mesh,
-      in_specs=(jax.P(), jax.P(ts.DATA_AXIS), jax.P(ts.DATA_AXIS)), out_specs=jax.P()))
+      jax.value_and_grad(lambda w, a, b: loss_of(w, a, b, mesh_lib.DATA_AXIS)), mesh=mesh,
+      in_specs=(jax.P(), jax.P(mesh_lib.DATA_AXIS), jax.P(mesh_lib.DATA_AXIS)), out_specs=jax.P()))
   put = lambda a, s: jax.device_put(a, s)
-  sharded, sharded_grad = sharded_fn(put(w, ts.replicated(mesh)), put(x1, ts.batch_sharded(mesh)),
-                                     put(x2, ts.batch_sharded(mesh)))
+  sharded, sharded_grad = sharded_fn(put(w, mesh_lib.replicated(mesh)), put(x1, mesh_lib.batch_sharded(mesh)),
+                                     put(x2, mesh_lib.batch_sharded(mesh)))
   np.testing.assert_allclose(sharded, single, rtol=1e-6)
   np.testing.assert_allclose(sharded_grad, single_grad, rtol=1e-5, atol=1e-7)

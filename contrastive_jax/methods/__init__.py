@@ -5,17 +5,17 @@ The method contract: a module registered in METHODS provides
   check_config(config, num_train_examples) -> None
       Raises ConfigError, naming the field, for the method's own fields
       (temperature, moco.*, byol.*, heads); runs before any compute.
-  build_model(config) -> models.ContrastiveModel
+  build_model(config) -> heads.ContrastiveModel
       The trained network, whose submodule 'encoder' is the representation
       h that downstream jobs use.
-  init_state(config, model, tx, init_rng, rng) -> train_state.TrainState
+  init_state(config, model, tx, init_rng, rng) -> common.TrainState
       The state at step 0: params and batch_stats from model.init, the
       optimizer state, rng as the run's base key, and the method's own
       state in `extra` (MoCo's key encoder and queue, MoCo v3's momentum
       encoder, BYOL's target network).
   make_train_step(config, model, tx, views, mesh, num_steps, probe=None)
       -> train_step(state, batch) -> (state, metrics), built with
-      train_state.build_train_step (so every method gets the health
+      common.build_train_step (so every method gets the health
       scalars, the online probe, the augmentation keys and the sharding of
       the others); batch holds 'image' uint8 [B, 2, S, S, 3] and 'label'
       int32 [B]; metrics are float32 scalars including 'loss'.
@@ -25,7 +25,10 @@ state.batch_stats['encoder'] (encoder_variables; absent for an encoder without
 BN, a ViT), which is what their partial checkpoint restore reads. tests/test_methods.py checks every registered method
 against this contract.
 """
-from contrastive_jax.errors import ConfigError
+import jax
+import optax
+
+from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.methods import byol
 from contrastive_jax.methods import moco
 from contrastive_jax.methods import mocov3
@@ -55,3 +58,26 @@ def encoder_variables(tree):
   get = tree.get if isinstance(tree, dict) else lambda k: getattr(tree, k)
   return {"params": get("params")[ENCODER],
           "batch_stats": (get("batch_stats") or {}).get(ENCODER, {})}
+
+
+def run_keys(seed: int):
+  """(init_rng, rng) of a pretraining run: the key its parameters are drawn with and
+  the base key of every later draw (TrainState.rng), both from PRNGKey(seed)."""
+  return tuple(jax.random.split(jax.random.PRNGKey(seed)))
+
+
+def initial_encoder_variables(config):
+  """The encoder's {'params', 'batch_stats'} at step 0 of the pretraining run `config`
+  describes, drawn exactly as that run drew them; builds no optimizer or train step.
+
+  The baseline of the downstream jobs (config.random_init). Call it under jax.jit.
+
+  Raises:
+    ConfigError: unknown method name.
+  """
+  method = get_method(config.method)
+  init_rng, rng = run_keys(config.seed)
+  # The optimizer state is dropped: any optimizer gives the same parameters.
+  return encoder_variables(method.init_state(config, method.build_model(config),
+                                             optax.identity(), init_rng, rng))
+

@@ -7,15 +7,15 @@ differentiated. Its parameters and BN statistics live in state.extra. As in
 the reference (deepmind-research byol_experiment.py), each view goes through
 its own forward pass, so BN statistics are per view, global (cross-device)
 over that view's batch, and the running statistics are updated twice per
-step, view 1 first (ts.apply_per_view); the target network is initialised with its own key, not
+step, view 1 first (common.apply_per_view); the target network is initialised with its own key, not
 as a copy of the online one.
 """
 import jax
 import jax.numpy as jnp
 
-from contrastive_jax import models
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.methods import common
 
 _TARGET_PARTS = ("encoder", "projector")
 
@@ -28,8 +28,8 @@ def regression_loss(p, z):
   """
   p = p.astype(jnp.float32)
   z = z.astype(jnp.float32)
-  p = p / jnp.maximum(jnp.linalg.norm(p, axis=1, keepdims=True), 1e-12)
-  z = z / jnp.maximum(jnp.linalg.norm(z, axis=1, keepdims=True), 1e-12)
+  p = common.l2_normalize(p)
+  z = common.l2_normalize(z)
   return jnp.mean(2.0 - 2.0 * jnp.sum(p * z, axis=1))
 
 
@@ -53,20 +53,11 @@ def check_config(config, num_train_examples: int):
   del num_train_examples
   if not 0.0 <= config.byol.tau_base <= 1.0:
     raise ConfigError("byol.tau_base", config.byol.tau_base, "in [0, 1]")
-  models.check_mlp_config(config.projector, "projector")
-  models.check_mlp_config(config.predictor, "predictor")
-  if config.predictor.out_dim != config.projector.out_dim:
-    raise ConfigError("predictor.out_dim", config.predictor.out_dim,
-                      f"projector.out_dim ({config.projector.out_dim}): the prediction "
-                      "regresses the target projection")
+  common.check_heads_with_predictor(config, "the prediction regresses the target projection")
 
 
-def build_model(config) -> models.ContrastiveModel:
-  """Online network: encoder, projector and predictor, all with global BN."""
-  return models.ContrastiveModel(
-      encoder=models.build_encoder(config.model, bn_axis_name=ts.DATA_AXIS),
-      projector=models.build_mlp(config.projector, config.model.dtype, ts.DATA_AXIS),
-      predictor=models.build_mlp(config.predictor, config.model.dtype, ts.DATA_AXIS))
+# The online network.
+build_model = common.build_model_with_predictor
 
 
 def _target_part(tree):
@@ -78,46 +69,46 @@ def target_key(init_rng):
   return jax.random.fold_in(init_rng, 1)
 
 
-def init_state(config, model, tx, init_rng, rng) -> ts.TrainState:
+def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   """Step 0: the online network from init_rng, the target network from its own key.
 
   The reference initialises them independently (rng_online, rng_target in
   _make_initial_state), noting that a copy made no difference it could see.
   """
-  params, batch_stats = ts.init_variables(model, init_rng, config.image_size)
-  target_params, target_stats = ts.init_variables(model, target_key(init_rng), config.image_size)
+  params, batch_stats = common.init_variables(model, init_rng, config.image_size)
+  target_params, target_stats = common.init_variables(model, target_key(init_rng), config.image_size)
   extra = {"target_params": _target_part(target_params),
            "target_batch_stats": _target_part(target_stats)}
-  return ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
+  return common.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
                        opt_state=tx.init(params), rng=rng, extra=extra)
 
 
 def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
-  The target EMA uses tau_k of the step k just taken (ts.ema_momentum,
+  The target EMA uses tau_k of the step k just taken (common.ema_momentum,
   'cosine' over num_steps) and the online parameters after the update.
   """
   target_model = model.clone(predictor=None)
 
   def per_device(state, images):
-    x1, x2 = ts.augmented_views(images, state.rng, state.step, views)
+    x1, x2 = common.augmented_views(images, state.rng, state.step, views)
     extra = state.extra
-    (_, z1), (_, z2), target_stats = ts.apply_per_view(
+    (_, z1), (_, z2), target_stats = common.apply_per_view(
         target_model, extra["target_params"], extra["target_batch_stats"], x1, x2)
 
     def loss_fn(params):
-      (h1, online_z1, p1), (_, _, p2), stats = ts.apply_per_view(model, params,
+      (h1, online_z1, p1), (_, _, p2), stats = common.apply_per_view(model, params,
                                                                  state.batch_stats, x1, x2)
-      return byol_loss(p1, p2, z1, z2, ts.DATA_AXIS), (stats, {"h": h1, "z": online_z1})
+      return byol_loss(p1, p2, z1, z2, mesh_lib.DATA_AXIS), (stats, {"h": h1, "z": online_z1})
 
     (loss, (stats, outputs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     new_extra = dict(extra, target_batch_stats=target_stats)
     return grads, stats, new_extra, {"loss": loss}, outputs
 
   def update_target(state):
-    tau = ts.ema_momentum(config.byol.tau_base, state.step - 1, num_steps, "cosine")
-    target = ts.ema_update(state.extra["target_params"], _target_part(state.params), tau)
+    tau = common.ema_momentum(config.byol.tau_base, state.step - 1, num_steps, "cosine")
+    target = common.ema_update(state.extra["target_params"], _target_part(state.params), tau)
     return state.replace(extra=dict(state.extra, target_params=target))
 
-  return ts.build_train_step(per_device, tx, mesh, after_update=update_target, probe=probe)
+  return common.build_train_step(per_device, tx, mesh, after_update=update_target, probe=probe)

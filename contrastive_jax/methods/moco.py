@@ -25,11 +25,12 @@ the others by DistributedDataParallel).
 import jax
 import jax.numpy as jnp
 
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.methods import common
 from contrastive_jax import models
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
+from contrastive_jax.models import heads
 
-MOMENTUM_SCHEDULES = ("constant", "cosine")
 
 
 def info_nce(q, k, queue, temperature: float, axis_name=None):
@@ -47,8 +48,8 @@ def info_nce(q, k, queue, temperature: float, axis_name=None):
     (loss, top1): float32 scalars averaged over the global batch, the same on
     every device; top1 is the fraction of rows whose largest logit is the positive.
   """
-  q = _normalize(q.astype(jnp.float32))
-  k = _normalize(k.astype(jnp.float32))
+  q = common.l2_normalize(q.astype(jnp.float32))
+  k = common.l2_normalize(k.astype(jnp.float32))
   l_pos = jnp.sum(q * k, axis=1, keepdims=True)
   l_neg = jnp.matmul(q, queue.astype(jnp.float32).T, precision=jax.lax.Precision.HIGHEST)
   logits = jnp.concatenate([l_pos, l_neg], axis=1) / temperature
@@ -70,10 +71,6 @@ def enqueue(queue, ptr, keys):
   return queue, (ptr + keys.shape[0]) % queue.shape[0]
 
 
-def _normalize(x):
-  return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
-
-
 def check_config(config, num_train_examples: int):
   """Raises ConfigError for MoCo fields that cannot run."""
   moco = config.moco
@@ -81,9 +78,9 @@ def check_config(config, num_train_examples: int):
     raise ConfigError("temperature", config.temperature, "> 0")
   if not 0.0 <= moco.momentum <= 1.0:
     raise ConfigError("moco.momentum", moco.momentum, "in [0, 1]")
-  if moco.momentum_schedule not in MOMENTUM_SCHEDULES:
+  if moco.momentum_schedule not in common.MOMENTUM_SCHEDULES:
     raise ConfigError("moco.momentum_schedule", moco.momentum_schedule,
-                      f"one of {list(MOMENTUM_SCHEDULES)}")
+                      f"one of {list(common.MOMENTUM_SCHEDULES)}")
   if moco.queue_size <= 0 or moco.queue_size % config.batch_size:
     raise ConfigError("moco.queue_size", moco.queue_size,
                       f"a positive multiple of batch_size ({config.batch_size}): each step "
@@ -102,22 +99,22 @@ def check_config(config, num_train_examples: int):
   models.check_mlp_config(config.projector, "projector")
 
 
-def build_model(config) -> models.ContrastiveModel:
+def build_model(config) -> heads.ContrastiveModel:
   """Encoder + head (v1: projector.hidden_dims = (); v2: MLP); BN statistics are averaged
   over the data axis, within each BN group of grouped_apply's vmap."""
-  return models.ContrastiveModel(
-      encoder=models.build_encoder(config.model, bn_axis_name=ts.DATA_AXIS),
-      projector=models.build_mlp(config.projector, config.model.dtype, ts.DATA_AXIS))
+  return heads.ContrastiveModel(
+      encoder=models.build_encoder(config.model, bn_axis_name=mesh_lib.DATA_AXIS),
+      projector=models.build_mlp(config.projector, config.model.dtype, mesh_lib.DATA_AXIS))
 
 
-def init_state(config, model, tx, init_rng, rng) -> ts.TrainState:
+def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   """Step 0: key encoder = query encoder; queue of random unit vectors; pointer 0."""
-  params, batch_stats = ts.init_variables(model, init_rng, config.image_size)
+  params, batch_stats = common.init_variables(model, init_rng, config.image_size)
   queue = jax.random.normal(jax.random.fold_in(init_rng, 1),
                             (config.moco.queue_size, config.projector.out_dim), jnp.float32)
-  extra = {"key_params": params, "key_batch_stats": batch_stats, "queue": _normalize(queue),
+  extra = {"key_params": params, "key_batch_stats": batch_stats, "queue": common.l2_normalize(queue),
            "queue_ptr": jnp.zeros((), jnp.int32)}
-  return ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
+  return common.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
                        opt_state=tx.init(params), rng=rng, extra=extra)
 
 
@@ -148,8 +145,8 @@ def shuffle_rows(x, perm):
   the same on every device. Device d gets global rows perm[d*b:(d+1)*b].
   """
   b = x.shape[0]
-  rows = jax.lax.dynamic_slice_in_dim(perm, jax.lax.axis_index(ts.DATA_AXIS) * b, b)
-  return jax.lax.all_gather(x, ts.DATA_AXIS, tiled=True)[rows]
+  rows = jax.lax.dynamic_slice_in_dim(perm, jax.lax.axis_index(mesh_lib.DATA_AXIS) * b, b)
+  return jax.lax.all_gather(x, mesh_lib.DATA_AXIS, tiled=True)[rows]
 
 
 def unshuffle_rows(y, perm):
@@ -158,7 +155,7 @@ def unshuffle_rows(y, perm):
   The result is typed invariant across devices (the same everywhere), so it
   can update the replicated queue.
   """
-  gathered = jax.lax.all_gather(y, ts.DATA_AXIS, tiled=True, to="invarying")
+  gathered = jax.lax.all_gather(y, mesh_lib.DATA_AXIS, tiled=True, to="invarying")
   return gathered[jnp.argsort(perm)]
 
 
@@ -173,22 +170,22 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
   groups = config.batch_size // moco.bn_group_size
 
   def per_device(state, images):
-    x_q, x_k = ts.augmented_views(images, state.rng, state.step, views)
+    x_q, x_k = common.augmented_views(images, state.rng, state.step, views)
     extra = state.extra
-    momentum = ts.ema_momentum(moco.momentum, state.step, num_steps, moco.momentum_schedule)
-    key_params = ts.ema_update(extra["key_params"], state.params, momentum)
+    momentum = common.ema_momentum(moco.momentum, state.step, num_steps, moco.momentum_schedule)
+    key_params = common.ema_update(extra["key_params"], state.params, momentum)
     b = x_k.shape[0]
-    perm = jax.random.permutation(ts.shuffle_key(state.rng, state.step),
-                                  b * jax.lax.axis_size(ts.DATA_AXIS))
+    perm = jax.random.permutation(common.shuffle_key(state.rng, state.step),
+                                  b * jax.lax.axis_size(mesh_lib.DATA_AXIS))
     # Shuffle BN: encode the keys in BN groups of other samples than their queries'.
     _, k_shuffled, key_stats = grouped_apply(model, key_params, extra["key_batch_stats"],
                                           shuffle_rows(x_k, perm), groups)
-    k_all = jax.lax.stop_gradient(unshuffle_rows(_normalize(k_shuffled), perm))
-    k = jax.lax.dynamic_slice_in_dim(k_all, jax.lax.axis_index(ts.DATA_AXIS) * b, b)
+    k_all = jax.lax.stop_gradient(unshuffle_rows(common.l2_normalize(k_shuffled), perm))
+    k = jax.lax.dynamic_slice_in_dim(k_all, jax.lax.axis_index(mesh_lib.DATA_AXIS) * b, b)
 
     def loss_fn(params):
       h, q, stats = grouped_apply(model, params, state.batch_stats, x_q, groups)
-      loss, top1 = info_nce(q, k, extra["queue"], config.temperature, ts.DATA_AXIS)
+      loss, top1 = info_nce(q, k, extra["queue"], config.temperature, mesh_lib.DATA_AXIS)
       return loss, (stats, top1, {"h": h, "z": q})
 
     (loss, (stats, top1, outputs)), grads = jax.value_and_grad(
@@ -199,4 +196,4 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
     return grads, stats, new_extra, {"loss": loss, "contrastive_top1": top1,
                                      "key_momentum": momentum}, outputs
 
-  return ts.build_train_step(per_device, tx, mesh, probe=probe)
+  return common.build_train_step(per_device, tx, mesh, probe=probe)

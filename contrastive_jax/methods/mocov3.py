@@ -3,14 +3,14 @@
 The query network is the encoder, a projection MLP and a prediction MLP; the
 momentum network is the encoder and projection MLP, an EMA of the query
 network's with a momentum ramped from moco.momentum to 1 by a cosine
-(ts.ema_momentum 'cosine'; main_moco.py --moco-m-cos), updated before the keys
+(common.ema_momentum 'cosine'; main_moco.py --moco-m-cos), updated before the keys
 are computed, as the reference does (builder.py forward). It and its BN
 statistics live in state.extra; at step 0 it is a copy of the query network.
 There is no queue: each view's queries are contrasted with the momentum keys of
 the other view over the all-gathered global batch (Algorithm 1 of the paper),
 the loss symmetrised and scaled by 2t (ctr(q1, k2) + ctr(q2, k1)).
 
-Each view goes through its own forward pass (ts.apply_per_view), so BN
+Each view goes through its own forward pass (common.apply_per_view), so BN
 statistics are per view; all BN is global (cross-device), as the reference
 converts every BN to SyncBatchNorm. The MLP heads are configs
 (projector, predictor): the reference's are Linear (no bias), BN, ReLU layers
@@ -22,13 +22,9 @@ a ResNet; the predictor has 2 layers and ends with the bare Linear
 import jax
 import jax.numpy as jnp
 
-from contrastive_jax import evaluators
-from contrastive_jax import models
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
-from contrastive_jax.methods import byol
-from contrastive_jax.methods import moco
-from contrastive_jax.methods import simclr
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.methods import common
 
 _MOMENTUM_PARTS = ("encoder", "projector")
 _MOCO_FIELDS = ("momentum", "momentum_schedule")
@@ -43,7 +39,7 @@ def contrastive_loss(q, k, temperature: float, axis_name=None):
   reference's ctr (CrossEntropyLoss * 2 * T), which keeps the gradient's scale
   about the same for every t. Inside shard_map with axis_name set, this
   device's b queries are compared with the all-gathered keys of every device,
-  the positive's column offset by the device's position (simclr.gather_global).
+  the positive's column offset by the device's position (common.gather_global).
 
   Args:
     q: [b, D] queries of this device's images; k: [b, D] their keys (the
@@ -54,9 +50,9 @@ def contrastive_loss(q, k, temperature: float, axis_name=None):
     (loss, top1): float32 scalars, the same on every device; top1 is the
     fraction of queries whose most similar key is their positive.
   """
-  q = evaluators.l2_normalize(q.astype(jnp.float32))
-  k = evaluators.l2_normalize(k.astype(jnp.float32))
-  keys, offset = simclr.gather_global(k, axis_name)
+  q = common.l2_normalize(q.astype(jnp.float32))
+  k = common.l2_normalize(k.astype(jnp.float32))
+  keys, offset = common.gather_global(k, axis_name)
   global_b = keys.shape[0]
   logits = jnp.matmul(q, keys.T, precision=jax.lax.Precision.HIGHEST) / temperature
   labels = offset + jnp.arange(q.shape[0])
@@ -81,20 +77,14 @@ def check_config(config, num_train_examples: int):
                         f"{list(_MOCO_FIELDS)}")
   if not 0.0 <= config.moco.momentum <= 1.0:
     raise ConfigError("moco.momentum", config.moco.momentum, "in [0, 1]")
-  if config.moco.momentum_schedule not in moco.MOMENTUM_SCHEDULES:
+  if config.moco.momentum_schedule not in common.MOMENTUM_SCHEDULES:
     raise ConfigError("moco.momentum_schedule", config.moco.momentum_schedule,
-                      f"one of {list(moco.MOMENTUM_SCHEDULES)}")
-  models.check_mlp_config(config.projector, "projector")
-  models.check_mlp_config(config.predictor, "predictor")
-  if config.predictor.out_dim != config.projector.out_dim:
-    raise ConfigError("predictor.out_dim", config.predictor.out_dim,
-                      f"projector.out_dim ({config.projector.out_dim}): queries and keys "
-                      "are compared")
+                      f"one of {list(common.MOMENTUM_SCHEDULES)}")
+  common.check_heads_with_predictor(config, "queries and keys are compared")
 
 
-# The query network is BYOL's online network: encoder, projector and predictor, all
-# BN global over the data axis.
-build_model = byol.build_model
+# The query network: encoder, projector and predictor, all BN global over the data axis.
+build_model = common.build_model_with_predictor
 
 
 def _momentum_part(tree):
@@ -103,19 +93,19 @@ def _momentum_part(tree):
   return {name: tree[name] for name in _MOMENTUM_PARTS if name in tree}
 
 
-def init_state(config, model, tx, init_rng, rng) -> ts.TrainState:
+def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   """Step 0: the momentum network is a copy of the query network's encoder and projector
   (builder.py copies the parameters)."""
-  params, batch_stats = ts.init_variables(model, init_rng, config.image_size)
+  params, batch_stats = common.init_variables(model, init_rng, config.image_size)
   extra = {"key_params": _momentum_part(params), "key_batch_stats": _momentum_part(batch_stats)}
-  return ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
+  return common.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
                        opt_state=tx.init(params), rng=rng, extra=extra)
 
 
 def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
-  Per step k: momentum m_k (ts.ema_momentum over num_steps), the momentum
+  Per step k: momentum m_k (common.ema_momentum over num_steps), the momentum
   network's EMA from the current query network, keys of both views under
   stop-gradient, then the symmetrised contrastive_loss. Metrics add 'loss',
   'contrastive_top1' (the mean over both directions) and 'key_momentum'.
@@ -123,20 +113,20 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
   key_model = model.clone(predictor=None)
 
   def per_device(state, images):
-    x1, x2 = ts.augmented_views(images, state.rng, state.step, views)
+    x1, x2 = common.augmented_views(images, state.rng, state.step, views)
     extra = state.extra
-    momentum = ts.ema_momentum(config.moco.momentum, state.step, num_steps,
+    momentum = common.ema_momentum(config.moco.momentum, state.step, num_steps,
                                config.moco.momentum_schedule)
-    key_params = ts.ema_update(extra["key_params"], _momentum_part(state.params), momentum)
-    (_, k1), (_, k2), key_stats = ts.apply_per_view(key_model, key_params,
+    key_params = common.ema_update(extra["key_params"], _momentum_part(state.params), momentum)
+    (_, k1), (_, k2), key_stats = common.apply_per_view(key_model, key_params,
                                                     extra["key_batch_stats"], x1, x2)
     k1, k2 = jax.lax.stop_gradient((k1, k2))
 
     def loss_fn(params):
-      (h1, z1, q1), (_, _, q2), stats = ts.apply_per_view(model, params, state.batch_stats,
+      (h1, z1, q1), (_, _, q2), stats = common.apply_per_view(model, params, state.batch_stats,
                                                           x1, x2)
-      loss12, top1_12 = contrastive_loss(q1, k2, config.temperature, ts.DATA_AXIS)
-      loss21, top1_21 = contrastive_loss(q2, k1, config.temperature, ts.DATA_AXIS)
+      loss12, top1_12 = contrastive_loss(q1, k2, config.temperature, mesh_lib.DATA_AXIS)
+      loss21, top1_21 = contrastive_loss(q2, k1, config.temperature, mesh_lib.DATA_AXIS)
       return loss12 + loss21, (stats, (top1_12 + top1_21) / 2, {"h": h1, "z": z1})
 
     (loss, (stats, top1, outputs)), grads = jax.value_and_grad(
@@ -145,4 +135,4 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
     return grads, stats, new_extra, {"loss": loss, "contrastive_top1": top1,
                                      "key_momentum": momentum}, outputs
 
-  return ts.build_train_step(per_device, tx, mesh, probe=probe)
+  return common.build_train_step(per_device, tx, mesh, probe=probe)

@@ -10,18 +10,11 @@ the reference's model_util.projection_head).
 import jax
 import jax.numpy as jnp
 
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.methods import common
 from contrastive_jax import models
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
-
-
-def gather_global(x, axis_name):
-  """Inside shard_map: (every device's rows of x concatenated in device order [B, ...],
-  the index of this device's first row in them). With axis_name None: (x, 0)."""
-  if axis_name is None:
-    return x, 0
-  return (jax.lax.all_gather(x, axis_name, tiled=True),
-          jax.lax.axis_index(axis_name) * x.shape[0])
+from contrastive_jax.models import heads
 
 
 def nt_xent(z1, z2, temperature: float, axis_name=None):
@@ -51,11 +44,11 @@ def nt_xent(z1, z2, temperature: float, axis_name=None):
   """
   z1 = z1.astype(jnp.float32)
   z2 = z2.astype(jnp.float32)
-  z1 = z1 / jnp.maximum(jnp.linalg.norm(z1, axis=1, keepdims=True), 1e-12)
-  z2 = z2 / jnp.maximum(jnp.linalg.norm(z2, axis=1, keepdims=True), 1e-12)
+  z1 = common.l2_normalize(z1)
+  z2 = common.l2_normalize(z2)
   b = z1.shape[0]
-  all1, offset = gather_global(z1, axis_name)
-  all2, _ = gather_global(z2, axis_name)
+  all1, offset = common.gather_global(z1, axis_name)
+  all2, _ = common.gather_global(z2, axis_name)
   global_b = all1.shape[0]
   anchors = jnp.concatenate([z1, z2])                    # [2b, d]
   candidates = jnp.concatenate([all1, all2])             # [2B, d]
@@ -83,17 +76,17 @@ def check_config(config, num_train_examples: int):
   models.check_mlp_config(config.projector, "projector")
 
 
-def build_model(config) -> models.ContrastiveModel:
+def build_model(config) -> heads.ContrastiveModel:
   """Encoder + projection head, both with global BN over the data axis."""
-  return models.ContrastiveModel(
-      encoder=models.build_encoder(config.model, bn_axis_name=ts.DATA_AXIS),
-      projector=models.build_mlp(config.projector, config.model.dtype, ts.DATA_AXIS))
+  return heads.ContrastiveModel(
+      encoder=models.build_encoder(config.model, bn_axis_name=mesh_lib.DATA_AXIS),
+      projector=models.build_mlp(config.projector, config.model.dtype, mesh_lib.DATA_AXIS))
 
 
-def init_state(config, model, tx, init_rng, rng) -> ts.TrainState:
+def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   """The state at step 0: parameters drawn with init_rng; rng is the base key."""
-  params, batch_stats = ts.init_variables(model, init_rng, config.image_size)
-  return ts.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
+  params, batch_stats = common.init_variables(model, init_rng, config.image_size)
+  return common.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
                        opt_state=tx.init(params), rng=rng)
 
 
@@ -101,24 +94,24 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
   batch['image'] is uint8 [B, 2, H, W, 3] sharded over the data axis; metrics
-  add float32 scalars 'loss' and 'contrastive_top1' to ts.build_train_step's.
+  add float32 scalars 'loss' and 'contrastive_top1' to common.build_train_step's.
   num_steps is unused (SimCLR has no schedule of its own besides the lr).
   """
   del num_steps
 
   def per_device(state, images):
-    x1, x2 = ts.augmented_views(images, state.rng, state.step, views)
+    x1, x2 = common.augmented_views(images, state.rng, state.step, views)
 
     def loss_fn(params):
       (h, z), updates = model.apply({"params": params, "batch_stats": state.batch_stats},
                                     jnp.concatenate([x1, x2]), train=True,
                                     mutable=["batch_stats"])
       z1, z2 = jnp.split(z, 2)
-      loss, top1 = nt_xent(z1, z2, config.temperature, ts.DATA_AXIS)
+      loss, top1 = nt_xent(z1, z2, config.temperature, mesh_lib.DATA_AXIS)
       return loss, (updates["batch_stats"], top1, {"h": h[:len(x1)], "z": z1})
 
     (loss, (new_stats, top1, outputs)), grads = jax.value_and_grad(
         loss_fn, has_aux=True)(state.params)
     return grads, new_stats, state.extra, {"loss": loss, "contrastive_top1": top1}, outputs
 
-  return ts.build_train_step(per_device, tx, mesh, probe=probe)
+  return common.build_train_step(per_device, tx, mesh, probe=probe)

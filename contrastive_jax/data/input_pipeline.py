@@ -12,6 +12,7 @@ stateless seed made from (seed, process, p), so a pipeline started at step s
 yields exactly what an uninterrupted one yields from step s on.
 """
 import collections
+import functools
 from typing import Iterator
 
 import jax
@@ -19,7 +20,7 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from contrastive_jax import crops
+from contrastive_jax.data import crops
 
 
 def _seed_pair(seed: int, a, b):
@@ -161,3 +162,13 @@ def device_batches(ds: tf.data.Dataset, sharding, prefetch: int = 2) -> Iterator
       yield queue.popleft()
   while queue:
     yield queue.popleft()
+
+
+def eval_datasets(source, *, image_size: int, crop_fraction: float, threads: int, cache: bool):
+  """(split, local_batch) -> eval tf.data (eval_dataset), built once per pair so that an
+  in-memory cache persists across evaluations."""
+  @functools.lru_cache(maxsize=None)
+  def dataset(split, local_batch):
+    return eval_dataset(source, split, local_batch=local_batch, image_size=image_size,
+                        crop_fraction=crop_fraction, threads=threads, cache=cache)
+  return dataset

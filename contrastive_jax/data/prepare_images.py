@@ -1,6 +1,6 @@
 """Prepares a folder of image files as a TFDS dataset, usable by name like cifar10.
 
-  python -m contrastive_jax.prepare_images --src=DIR --name=NAME --data_dir=DIR2
+  python -m contrastive_jax.data.prepare_images --src=DIR --name=NAME --data_dir=DIR2
 
 writes DIR2/NAME/1.0.0/ (TFDS's on-disk format, written by TFDS's own
 store_as_tfds_dataset) and its report, DIR2/NAME/1.0.0/prepare_report.json.
@@ -50,10 +50,10 @@ import numpy as np
 from PIL import Image
 import tensorflow_datasets as tfds
 
-from contrastive_jax import images
-from contrastive_jax import metrics
-from contrastive_jax.errors import ImageError
-from contrastive_jax.errors import JobError
+from contrastive_jax.core.errors import ImageError
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core import metrics
+from contrastive_jax.data import images
 
 VERSION = "1.0.0"
 REPORT = "prepare_report.json"
@@ -309,7 +309,7 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
                       for split, split_examples in sorted(examples.items())}
     try:
       _store(tmp, name, encoding=encoding, classes=classes, split_datasets=split_datasets,
-             description=f"Images of {src}, prepared by contrastive_jax.prepare_images.")
+             description=f"Images of {src}, prepared by contrastive_jax.data.prepare_images.")
     except AssertionError:  # TFDS refuses a split that yielded no example.
       last = list(counts)[-1] if counts else None
       if last is None or counts[last]:

@@ -20,10 +20,10 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from absl import logging
 
-from contrastive_jax import gcs
-from contrastive_jax import images as images_lib
-from contrastive_jax.errors import ConfigError
-from contrastive_jax.errors import ImageError
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import ImageError
+from contrastive_jax.core import gcs
+from contrastive_jax.data import images as images_lib
 
 # Features that name an example, first found first: the source file of a prepared
 # image folder, TFDS's own per-example id (e.g. cifar10's 'train_16399').
@@ -59,7 +59,7 @@ class TfdsSource:
     except tfds.core.registered.DatasetNotFoundError:
       raise ConfigError("dataset", name,
                         "a TFDS dataset name such as 'cifar10' or 'imagenet2012', or a dataset "
-                        "prepared in data_dir by `python -m contrastive_jax.prepare_images` "
+                        "prepared in data_dir by `python -m contrastive_jax.data.prepare_images` "
                         f"(none named {name!r} in data_dir={looked})") from None
     if not self._builder.is_prepared():
       raise ConfigError(

@@ -37,7 +37,7 @@ import math
 
 import tensorflow as tf
 
-from contrastive_jax.errors import ConfigError
+from contrastive_jax.core.errors import ConfigError
 
 SAMPLERS = ("tensorflow", "torchvision", "byol")
 # name -> (tf.image.resize method, antialias).

@@ -16,17 +16,19 @@ import jax.numpy as jnp
 import ml_collections
 import tensorflow as tf
 
-from contrastive_jax import checkpointing
-from contrastive_jax import crops
-from contrastive_jax import gcs
-from contrastive_jax import models
-from contrastive_jax import optim
-from contrastive_jax import pretrain
-from contrastive_jax import runner
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
+from contrastive_jax.core import checkpointing
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core import files
+from contrastive_jax.core import gcs
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.data import crops
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.jobs import runner
 from contrastive_jax.methods import ENCODER
 from contrastive_jax.methods import encoder_variables
+from contrastive_jax.methods import initial_encoder_variables
+from contrastive_jax.methods import optim
+from contrastive_jax import models
 
 # Fields a resumed downstream job must share with its checkpoint. The first
 # exists in no pretraining config; 'job' tells a probe from a fine-tune.
@@ -72,7 +74,7 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
     JobError: a gs:// pretrain_workdir without Google Cloud credentials.
   """
   gcs.check_credentials(config.pretrain_workdir or "", "config.pretrain_workdir")
-  directory = f"{checkpointing.resolve_dir(config.pretrain_workdir or '')}/checkpoints"
+  directory = f"{files.resolve_dir(config.pretrain_workdir or '')}/checkpoints"
   if not config.pretrain_workdir or not tf.io.gfile.isdir(directory):
     raise ConfigError("pretrain_workdir", config.pretrain_workdir,
                       f"a pretraining workdir with Orbax checkpoints in WORKDIR/checkpoints "
@@ -92,10 +94,9 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
       raise ConfigError("model_name", config.model_name,
                         f"{saved.model.name!r}, the model of the checkpoint in {directory}")
     encoder = models.build_encoder(saved.model)
-    replicated = ts.replicated(mesh)
+    replicated = mesh_lib.replicated(mesh)
     if config.random_init:  # The pretraining run's own initialisation, as it drew it.
-      init = pretrain.setup(saved, mesh, steps_per_epoch=1, num_steps=1).init
-      variables = jax.jit(lambda: encoder_variables(init()), out_shardings=replicated)()
+      variables = jax.jit(lambda: initial_encoder_variables(saved), out_shardings=replicated)()
     else:
       x = jnp.zeros((1, saved.image_size, saved.image_size, 3), jnp.float32)
       shapes = jax.eval_shape(lambda: encoder.init(jax.random.PRNGKey(0), x, train=False))
@@ -113,7 +114,8 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
 
 
 def eval_datasets(source, config, encoder: Encoder):
-  """The evaluators' datasets (pretrain.eval_datasets) at the encoder's image size and crop."""
-  return pretrain.eval_datasets(source, image_size=encoder.pretrained.image_size,
-                                crop_fraction=encoder.pretrained.eval_crop_fraction,
-                                threads=config.data_threads, cache=config.cache)
+  """The evaluators' datasets (input_pipeline.eval_datasets) at the encoder's image size and
+  crop."""
+  return input_pipeline.eval_datasets(source, image_size=encoder.pretrained.image_size,
+                                      crop_fraction=encoder.pretrained.eval_crop_fraction,
+                                      threads=config.data_threads, cache=config.cache)

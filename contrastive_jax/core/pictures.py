@@ -8,9 +8,10 @@ import io
 from typing import Optional, Sequence
 
 import numpy as np
-import tensorflow as tf
 from PIL import Image
 from PIL import ImageDraw
+
+from contrastive_jax.core import files
 
 _PAD = 2             # pixels between cells
 _CAPTION_HEIGHT = 12  # pixels under a cell for one line of PIL's default font
@@ -63,7 +64,4 @@ def write_png(path: str, picture: np.ndarray):
   """Writes a uint8 [H, W, 3] picture as a PNG at path (local or gs://), atomically."""
   buffer = io.BytesIO()
   Image.fromarray(picture).save(buffer, format="PNG")
-  tmp = path + ".tmp"
-  with tf.io.gfile.GFile(tmp, "wb") as f:
-    f.write(buffer.getvalue())
-  tf.io.gfile.rename(tmp, path, overwrite=True)
+  files.write_atomic(path, buffer.getvalue())

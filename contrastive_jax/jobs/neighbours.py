@@ -35,15 +35,15 @@ import tensorflow as tf
 from absl import logging
 from clu import metric_writers
 
-from contrastive_jax import checkpointing
-from contrastive_jax import data
-from contrastive_jax import embed
-from contrastive_jax import images
-from contrastive_jax import input_pipeline
-from contrastive_jax import pictures
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
-from contrastive_jax.errors import ImageError
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import ImageError
+from contrastive_jax.core import files
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core import pictures
+from contrastive_jax.data import images
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import sources
+from contrastive_jax.jobs import index as index_lib
 
 RESULTS, PICTURE = "neighbours.json", "neighbours.png"
 _CHARS_PER_PIXEL = 1 / 6  # PIL's default font is about 6 pixels per character.
@@ -114,14 +114,14 @@ def check_config(config):
     raise ConfigError("queries", config.queries,
                       "at least one query: image files or names of index rows, "
                       "comma-separated (or config.query_rows: row numbers)")
-  if not config.index_workdir or not embed.is_index(
-      checkpointing.resolve_dir(config.index_workdir)):
+  if not config.index_workdir or not index_lib.is_index(
+      files.resolve_dir(config.index_workdir)):
     raise ConfigError("index_workdir", config.index_workdir,
-                      f"the workdir of a finished embed job (holding {embed.META}, "
-                      f"{embed.INDEX} and {embed.EMBEDDINGS})")
+                      f"the workdir of a finished embed job (holding {index_lib.META}, "
+                      f"{index_lib.INDEX} and {index_lib.EMBEDDINGS})")
 
 
-def _queries(config, index: embed.Index):
+def _queries(config, index: index_lib.Index):
   """[(query as given, its row or None, the encoder's input or None)], every file read.
 
   A file's input is uint8 [S, S, 3], decoded, downscaled and centre-cropped
@@ -145,11 +145,11 @@ def _queries(config, index: embed.Index):
       found.append((item, by_name[item], None))
     elif not os.path.isfile(item):
       raise ConfigError("queries", item, "an image file or the name of a row of the index "
-                        f"(see {embed.INDEX}); there is no such file or name")
+                        f"(see {index_lib.INDEX}); there is no such file or name")
     else:
       try:
         image = images.load_image(item, max_pixels=config.max_pixels,
-                                  shorter_side=embed.shorter_side(index.image_size,
+                                  shorter_side=index_lib.shorter_side(index.image_size,
                                                                   index.crop_fraction))
       except ImageError as e:
         raise ConfigError("queries", item, f"an image file that can be read: {e.reason}") from None
@@ -167,21 +167,21 @@ def run(config, workdir: str) -> dict:
       than the index.
     JobError: a workdir that is a file.
   """
-  workdir = checkpointing.prepare_workdir(workdir)
+  workdir = files.prepare_workdir(workdir)
   check_config(config)
-  index_workdir = checkpointing.resolve_dir(config.index_workdir)
-  index = embed.load_index(index_workdir)
+  index_workdir = files.resolve_dir(config.index_workdir)
+  index = index_lib.load_index(index_workdir)
   if config.k > len(index.rows):
     raise ConfigError("k", config.k, f"at most the size of the index ({len(index.rows)})")
   queries = _queries(config, index)
 
-  files = [image for _, row, image in queries if row is None]
+  new_images = [image for _, row, image in queries if row is None]
   embedded = iter([])
-  if files:  # Embedded whole on every device: a few images.
-    mesh = ts.make_mesh()
-    model = embed.load_model(index.config, mesh)
-    embedded = iter(np.asarray(model.embed(jax.device_put(np.stack(files),
-                                                          ts.replicated(mesh)))))
+  if new_images:  # Embedded whole on every device: a few images.
+    mesh = mesh_lib.make_mesh()
+    model = index_lib.load_model(index.config, mesh)
+    embedded = iter(np.asarray(model.embed(jax.device_put(np.stack(new_images),
+                                                          mesh_lib.replicated(mesh)))))
   vectors = np.stack([index.embeddings[row] if row is not None else next(embedded)
                       for _, row, _ in queries])
   logging.info("Searching %d rows for the %d nearest of %d queries.", len(index.rows), config.k,
@@ -195,7 +195,7 @@ def run(config, workdir: str) -> dict:
       for i, (item, row, _) in enumerate(queries)]}
   if jax.process_index() == 0:
     tf.io.gfile.makedirs(workdir)
-    embed.write_file(f"{workdir}/{RESULTS}", json.dumps(results, indent=1).encode())
+    files.write_atomic(f"{workdir}/{RESULTS}", json.dumps(results, indent=1).encode())
     picture = _picture(config, index, queries, scores, rows)
     pictures.write_png(f"{workdir}/{PICTURE}", picture)
     writer = metric_writers.create_default_writer(workdir, asynchronous=False)
@@ -210,7 +210,7 @@ def _crop(image: np.ndarray, size: int, crop_fraction: float) -> np.ndarray:
   return input_pipeline.center_crop(tf.constant(image), size, crop_fraction).numpy()
 
 
-def _images(index: embed.Index, rows, shorter_side: int) -> dict:
+def _images(index: index_lib.Index, rows, shorter_side: int) -> dict:
   """{row: uint8 [H, W, 3]} for rows of the index, read again from its folder or dataset split.
 
   Files are downscaled to shorter_side; a dataset's images are as stored.
@@ -222,18 +222,18 @@ def _images(index: embed.Index, rows, shorter_side: int) -> dict:
   if index.config.folder:  # A row names its file (files that could not be read have no row).
     return {r: images.load_image(index.rows[r]["name"], max_pixels=index.config.max_pixels,
                                  shorter_side=shorter_side) for r in rows}
-  source = data.get_source(index.config, {"split": index.config.split})
+  source = sources.get_source(index.config, {"split": index.config.split})
   return dict(zip(rows, source.images(index.config.split, rows)))
 
 
-def _picture(config, index: embed.Index, queries, scores, rows) -> np.ndarray:
+def _picture(config, index: index_lib.Index, queries, scores, rows) -> np.ndarray:
   """The grid: per query, the query then its neighbours, centre-cropped as the encoder saw them.
 
   Images are read again: from the index's dataset split or folder, and the
   query files, at the cell's scale where the files allow (the encoder may
   have seen them smaller).
   """
-  side = embed.shorter_side(max(config.cell, index.image_size), index.crop_fraction)
+  side = index_lib.shorter_side(max(config.cell, index.image_size), index.crop_fraction)
   wanted = sorted({int(r) for r in rows.ravel()} | {r for _, r, _ in queries if r is not None})
   read = _images(index, wanted, side)
   chars = int(config.cell * _CHARS_PER_PIXEL)

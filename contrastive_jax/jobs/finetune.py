@@ -7,7 +7,7 @@ The semi-supervised protocol of SimCLR (Chen et al. 2020, Sec. 6 and Appendix
 B.5): the encoder of a pretraining checkpoint (or, with random_init, the
 pretraining run's initialisation of it: the baseline; downstream.py) and a
 zero-initialised linear head on h are trained together, by cross-entropy, on
-a class-balanced subset of the train split's labels (data.select_labelled:
+a class-balanced subset of the train split's labels (sources.select_labelled:
 label_fraction of each class, chosen by label_seed alone, so that every run,
 seed and process count trains on the same images); top-1 and top-5 on every
 test image (the config's 'classifier' evaluator). The subset's ids and labels
@@ -30,19 +30,21 @@ import optax
 import tensorflow as tf
 from absl import logging
 
-from contrastive_jax import config_lib
-from contrastive_jax import data
-from contrastive_jax import downstream
-from contrastive_jax import evaluators
-from contrastive_jax import input_pipeline
-from contrastive_jax import models
-from contrastive_jax import optim
-from contrastive_jax import runner
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
-from contrastive_jax.errors import JobError
+from contrastive_jax.core import durations
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core import files
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import sources
+from contrastive_jax.jobs import downstream
+from contrastive_jax.jobs import evaluators
+from contrastive_jax.jobs import runner
 from contrastive_jax.methods import ENCODER
+from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
+from contrastive_jax.methods import optim
+from contrastive_jax import models
 
 # Fields a resumed fine-tune must share with its checkpoint; the first exists
 # only in fine-tuning configs.
@@ -83,13 +85,13 @@ def make_train_step(encoder, head, tx):
 
     (loss, (stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     top1 = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
-    state, health = ts.apply_gradients(state, grads, tx, batch_stats={ENCODER: stats})
+    state, health = common.apply_gradients(state, grads, tx, batch_stats={ENCODER: stats})
     return state, {"loss": loss, "train_top1": top1, **health}
 
   return jax.jit(train_step, donate_argnums=0)
 
 
-def subset_csv(subset: data.LabelledSubset) -> str:
+def subset_csv(subset: sources.LabelledSubset) -> str:
   """The text of labelled_subset.csv: a header 'id,label', then one row per image in read order."""
   text = io.StringIO()
   writer = csv.writer(text, lineterminator="\n")
@@ -98,7 +100,7 @@ def subset_csv(subset: data.LabelledSubset) -> str:
   return text.getvalue()
 
 
-def record_subset(subset: data.LabelledSubset, workdir: str, resumed: bool):
+def record_subset(subset: sources.LabelledSubset, workdir: str, resumed: bool):
   """Writes WORKDIR/labelled_subset.csv (process 0), or, resuming, checks it against `subset`.
 
   The file is written whole under a temporary name and renamed, so any
@@ -118,27 +120,25 @@ def record_subset(subset: data.LabelledSubset, workdir: str, resumed: bool):
                        "changed since this run started. Use a new workdir")
     return
   if jax.process_index() == 0:
-    with tf.io.gfile.GFile(path + ".tmp", "w") as f:
-      f.write(text)
-    tf.io.gfile.rename(path + ".tmp", path, overwrite=True)
+    files.write_atomic(path, text)
 
 
 def build(config, mesh, saved_config, workdir: str) -> runner.Task:
   """The fine-tuning Task for runner.run.
 
   Raises:
-    ConfigError: see downstream.restore_encoder and data.select_labelled; an
+    ConfigError: see downstream.restore_encoder and sources.select_labelled; an
       unlabeled dataset; a batch larger than the labelled subset; an
       evaluator that cannot run.
     JobError: see record_subset.
   """
   config = config.copy_and_resolve_references()
-  source = data.get_source(config, {"train_split": config.train_split})
+  source = sources.get_source(config, {"train_split": config.train_split})
   if source.num_classes is None:
     raise ConfigError("dataset", config.dataset,
                       "a labelled dataset: fine-tuning trains on labels")
   evaluators.check_config(config.evaluators, source, jax.device_count())
-  subset = data.LabelledSubset(source, config.train_split, config.label_fraction,
+  subset = sources.LabelledSubset(source, config.train_split, config.label_fraction,
                                config.label_seed)
   size = subset.num_examples(config.train_split, "train_split")
   if size < config.batch_size:
@@ -146,7 +146,7 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
                       f"at most the labelled subset's size ({size} images: label_fraction "
                       f"{config.label_fraction} of split {config.train_split!r})")
   steps_per_epoch = runner.steps_per_epoch(subset, config)
-  num_steps = config_lib.to_steps(config.duration, "duration", steps_per_epoch)
+  num_steps = durations.to_steps(config.duration, "duration", steps_per_epoch)
   encoder = downstream.restore_encoder(config, mesh, saved_config)
   config.pretrain_step = encoder.step
   schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, steps_per_epoch,
@@ -160,7 +160,7 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
     params = {ENCODER: enc_vars["params"],
               "head": head.init(jax.random.PRNGKey(config.seed),
                                 jnp.zeros((1, encoder.dim)))["params"]}
-    return ts.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+    return common.TrainState(step=jnp.zeros((), jnp.int32), params=params,
                          batch_stats={ENCODER: enc_vars["batch_stats"]},
                          opt_state=tx.init(params), rng=jax.random.PRNGKey(config.seed))
 
@@ -181,12 +181,12 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
       features=features, logits=logits,
       dataset=downstream.eval_datasets(source, config, encoder))
   # The encoder's variables are an argument, not constants baked into the program.
-  init = functools.partial(jax.jit(init_state, out_shardings=ts.replicated(mesh)),
+  init = functools.partial(jax.jit(init_state, out_shardings=mesh_lib.replicated(mesh)),
                            encoder.variables)
   return runner.Task(config=config, init=init,
                      train_step=make_train_step(encoder.module, head, tx),
                      train_batches=input_pipeline.train_batches(
-                         subset, config, ts.batch_sharded(mesh),
+                         subset, config, mesh_lib.batch_sharded(mesh),
                          image_size=encoder.pretrained.image_size, num_views=1),
                      num_steps=num_steps,
                      steps_per_epoch=steps_per_epoch, global_batch=config.batch_size,

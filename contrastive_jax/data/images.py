@@ -13,8 +13,8 @@ import numpy as np
 from PIL import Image
 from PIL import ImageOps
 
-from contrastive_jax.errors import ImageError
-from contrastive_jax.errors import JobError
+from contrastive_jax.core.errors import ImageError
+from contrastive_jax.core.errors import JobError
 
 # What Pillow raises for a file it cannot identify (UnidentifiedImageError is an
 # OSError), cannot open, or finds malformed or cut short while decoding.

@@ -18,10 +18,11 @@ import jax.numpy as jnp
 import numpy as np
 from absl import logging
 
-from contrastive_jax import config_lib
-from contrastive_jax import input_pipeline
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
+from contrastive_jax.core import durations
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.methods import common
 
 
 class EvalModel(NamedTuple):
@@ -37,11 +38,6 @@ class EvalModel(NamedTuple):
   features: Callable
   logits: Optional[Callable]
   dataset: Callable
-
-
-def l2_normalize(x):
-  """Rows of x [..., D] scaled to unit L2 norm (all-zero rows stay zero)."""
-  return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
 
 
 def knn_vote(top_sims, top_labels, *, num_classes: int, temperature: float):
@@ -79,12 +75,12 @@ class Knn:
     self.name, self._model, self._mesh = name, model, mesh
     self._split, self._bank_split = cfg.split, cfg.bank_split
     self._local_batch = cfg.batch_size // jax.process_count()
-    batch = ts.batch_sharded(mesh)
-    self._embed = jax.jit(lambda v, x: l2_normalize(model.features(v, x)),
+    batch = mesh_lib.batch_sharded(mesh)
+    self._embed = jax.jit(lambda v, x: common.l2_normalize(model.features(v, x)),
                           out_shardings=batch)
     self._stack = jax.jit(lambda *xs: jnp.stack(xs),
-                          out_shardings=jax.sharding.NamedSharding(mesh, jax.P(None, ts.DATA_AXIS)))
-    axis = ts.DATA_AXIS
+                          out_shardings=jax.sharding.NamedSharding(mesh, jax.P(None, mesh_lib.DATA_AXIS)))
+    axis = mesh_lib.DATA_AXIS
 
     def score(q, q_labels, q_mask, bank, bank_labels, bank_mask):
       # Every device scores all queries against its own part of the bank,
@@ -111,7 +107,7 @@ class Knn:
   def _features(self, variables, split):
     """Yields (h sharded [B, D], labels, mask) for every batch of `split`."""
     ds = self._model.dataset(split, self._local_batch)
-    for batch in input_pipeline.device_batches(ds, ts.batch_sharded(self._mesh)):
+    for batch in input_pipeline.device_batches(ds, mesh_lib.batch_sharded(self._mesh)):
       yield self._embed(variables, batch["image"]), batch["label"], batch["mask"]
 
   def __call__(self, state) -> dict:
@@ -149,7 +145,7 @@ class Classifier:
     variables = self._model.variables(state)
     totals = 0
     ds = self._model.dataset(self._split, self._local_batch)
-    for batch in input_pipeline.device_batches(ds, ts.batch_sharded(self._mesh)):
+    for batch in input_pipeline.device_batches(ds, mesh_lib.batch_sharded(self._mesh)):
       totals = totals + self._counts(variables, batch)  # Stays on the device until the end.
     totals = np.asarray(jax.device_get(totals), np.float64)
     return {f"{self.name}_top{k}": totals[i] / totals[-1] for i, k in enumerate(self._ks)}
@@ -197,7 +193,7 @@ def build(evaluators, model: EvalModel, mesh, num_classes: int, steps_per_epoch:
   Raises:
     ConfigError: an `every` that is not a duration or is 0 steps.
   """
-  return [(config_lib.to_steps(cfg.every, f"evaluators.{name}.every", steps_per_epoch),
+  return [(durations.to_steps(cfg.every, f"evaluators.{name}.every", steps_per_epoch),
            KINDS[cfg.kind](name, cfg, model, mesh, num_classes))
           for name, cfg in evaluators.items()]
 

@@ -21,7 +21,7 @@ import os
 import google.auth
 import google.auth.exceptions
 
-from contrastive_jax.errors import JobError
+from contrastive_jax.core.errors import JobError
 
 
 def check_credentials(path: str, what: str):

@@ -5,7 +5,6 @@ train step, the host input pipeline and the evaluators' view of the model
 (the kNN monitor on h, the online probe's classifier). Every random draw is a
 function of (seed, step), so a resumed run continues bit for bit.
 """
-import functools
 from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
@@ -15,20 +14,22 @@ import ml_collections
 import numpy as np
 import optax
 
-from contrastive_jax import augment
-from contrastive_jax import config_lib
-from contrastive_jax import crops
-from contrastive_jax import data
-from contrastive_jax import evaluators
-from contrastive_jax import input_pipeline
-from contrastive_jax import models
-from contrastive_jax import optim
-from contrastive_jax import pictures
-from contrastive_jax import runner
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
+from contrastive_jax.core import durations
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core import pictures
+from contrastive_jax.data import augment
+from contrastive_jax.data import crops
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import sources
+from contrastive_jax.jobs import evaluators
+from contrastive_jax.jobs import runner
+from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import get_method
+from contrastive_jax.methods import optim
+from contrastive_jax.methods import run_keys
+from contrastive_jax import models
 
 # Fields that must match between a checkpoint and the job that resumes it: the
 # first ones fix the state's shapes, the others the data order, augmentations
@@ -70,7 +71,7 @@ def views(config):
           augment.ViewAugment.from_config(config.augment.view2, "augment.view2"))
 
 
-def online_probe(config, num_classes: int) -> ts.OnlineProbe:
+def online_probe(config, num_classes: int) -> common.OnlineProbe:
   """The online probe of a dataset with num_classes classes.
 
   A zero-initialised linear layer on h trained with Adam at
@@ -82,7 +83,7 @@ def online_probe(config, num_classes: int) -> ts.OnlineProbe:
   depend on which evaluators a resumed run declares.
   """
   head = nn.Dense(num_classes, kernel_init=nn.initializers.zeros)
-  return ts.OnlineProbe(head, optax.adam(config.online_probe.learning_rate))
+  return common.OnlineProbe(head, optax.adam(config.online_probe.learning_rate))
 
 
 class Run(NamedTuple):
@@ -91,7 +92,7 @@ class Run(NamedTuple):
   schedule: Callable
   init: Callable          # () -> TrainState at step 0, replicated on the mesh.
   train_step: Callable    # (state, batch) -> (state, metrics), jitted, state donated.
-  probe: Any              # ts.OnlineProbe or None.
+  probe: Any              # common.OnlineProbe or None.
 
 
 def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int = 0) -> Run:
@@ -106,7 +107,7 @@ def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int =
                             freeze=config.model.get("random_patch_projection", False))
   model = method.build_model(config)
   probe = online_probe(config, num_classes) if num_classes > 0 else None
-  init_rng, rng = jax.random.split(jax.random.PRNGKey(config.seed))
+  init_rng, rng = run_keys(config.seed)
 
   def init():
     state = method.init_state(config, model, tx, init_rng, rng)
@@ -117,7 +118,7 @@ def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int =
   train_step = jax.jit(method.make_train_step(config, model, tx, views(config), mesh, num_steps,
                                               probe),
                        donate_argnums=0)
-  return Run(model, schedule, jax.jit(init, out_shardings=ts.replicated(mesh)), train_step,
+  return Run(model, schedule, jax.jit(init, out_shardings=mesh_lib.replicated(mesh)), train_step,
              probe)
 
 
@@ -131,11 +132,11 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   """
   del saved_config, workdir  # Resuming needs nothing beyond the identity check.
   method = get_method(config.method)
-  source = data.get_source(config, {"train_split": config.train_split})
+  source = sources.get_source(config, {"train_split": config.train_split})
   evaluators.check_config(config.evaluators, source, jax.device_count())
   steps_per_epoch = runner.steps_per_epoch(source, config)
   method.check_config(config, source.num_examples(config.train_split, "train_split"))
-  num_steps = config_lib.to_steps(config.duration, "duration", steps_per_epoch)
+  num_steps = durations.to_steps(config.duration, "duration", steps_per_epoch)
   run = setup(config, mesh, steps_per_epoch, num_steps, source.num_classes or 0)
 
   encoder = run.model.encoder
@@ -149,12 +150,12 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
                                "probe": state.probe.get("params")},
       features=lambda variables, images: models.encode(encoder, variables["encoder"], images),
       logits=logits if run.probe else None,
-      dataset=eval_datasets(source, image_size=config.image_size,
+      dataset=input_pipeline.eval_datasets(source, image_size=config.image_size,
                             crop_fraction=config.eval_crop_fraction,
                             threads=config.data_threads, cache=config.cache))
   return runner.Task(config=config, init=run.init, train_step=run.train_step,
                      train_batches=input_pipeline.train_batches(
-                         source, config, ts.batch_sharded(mesh), image_size=config.image_size),
+                         source, config, mesh_lib.batch_sharded(mesh), image_size=config.image_size),
                      num_steps=num_steps,
                      steps_per_epoch=steps_per_epoch, global_batch=config.batch_size,
                      schedule=run.schedule, eval_model=eval_model,
@@ -165,7 +166,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
 def views_picture(view_settings, mesh, count: int = 16):
   """(state, batch) -> uint8 picture of both augmented views of the batch's first images.
 
-  The views are made by ts.augmented_views in the train step's own shard_map
+  The views are made by common.augmented_views in the train step's own shard_map
   layout, with the state's key and step, so they are exactly the pixels the
   train step sees (before the model's input normalisation). The picture has 4
   rows of `count` // 4 images, each image as its view 1 then view 2, captioned
@@ -175,12 +176,12 @@ def views_picture(view_settings, mesh, count: int = 16):
     ValueError (when called): a batch of fewer than `count` images.
   """
   def per_device(state, images):
-    return jnp.stack(ts.augmented_views(images, state.rng, state.step, view_settings), axis=1)
+    return jnp.stack(common.augmented_views(images, state.rng, state.step, view_settings), axis=1)
 
-  sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(), jax.P(ts.DATA_AXIS)),
-                          out_specs=jax.P(ts.DATA_AXIS))
+  sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(), jax.P(mesh_lib.DATA_AXIS)),
+                          out_specs=jax.P(mesh_lib.DATA_AXIS))
   first = jax.jit(lambda state, images: sharded(state, images)[:count],
-                  out_shardings=ts.replicated(mesh))
+                  out_shardings=mesh_lib.replicated(mesh))
 
   def picture(state, batch):
     if batch["image"].shape[0] < count:
@@ -195,14 +196,3 @@ def views_picture(view_settings, mesh, count: int = 16):
     return pictures.grid(rows, captions, cell=max(64, x.shape[2]))
 
   return picture
-
-
-def eval_datasets(source, *, image_size: int, crop_fraction: float, threads: int, cache: bool):
-  """(split, local_batch) -> eval tf.data (input_pipeline.eval_dataset), built once per
-  pair so that an in-memory cache persists across evaluations."""
-  @functools.lru_cache(maxsize=None)
-  def dataset(split, local_batch):
-    return input_pipeline.eval_dataset(source, split, local_batch=local_batch,
-                                       image_size=image_size, crop_fraction=crop_fraction,
-                                       threads=threads, cache=cache)
-  return dataset

@@ -23,14 +23,15 @@ import numpy as np
 from absl import logging
 from clu import periodic_actions
 
-from contrastive_jax import checkpointing
-from contrastive_jax import config_lib
-from contrastive_jax import evaluators as evaluators_lib
-from contrastive_jax import metrics as metrics_lib
-from contrastive_jax import pictures
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
-from contrastive_jax.errors import NonFiniteError
+from contrastive_jax.core import checkpointing
+from contrastive_jax.core import durations
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import NonFiniteError
+from contrastive_jax.core import files
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core import metrics as metrics_lib
+from contrastive_jax.core import pictures
+from contrastive_jax.jobs import evaluators as evaluators_lib
 
 
 class Task(NamedTuple):
@@ -76,9 +77,9 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int):
     if config[field] <= 0:
       raise ConfigError(field, config[field], "an integer > 0")
   for field in ("duration", "log_every", "checkpoint_every"):
-    config_lib.check_duration(config[field], field)
+    durations.check_duration(config[field], field)
   for name, evaluator in config.evaluators.items():
-    config_lib.check_duration(evaluator.get("every"), f"evaluators.{name}.every")
+    durations.check_duration(evaluator.get("every"), f"evaluators.{name}.every")
 
 
 def steps_per_epoch(source, config) -> int:
@@ -103,7 +104,7 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
     NonFiniteError: the loss or the state became NaN or infinite.
     JobError: a workdir that is a file.
   """
-  workdir = checkpointing.prepare_workdir(workdir)
+  workdir = files.prepare_workdir(workdir)
   job.check_config(config, jax.device_count())
   ckpt = checkpointing.Checkpointer(f"{workdir}/checkpoints", keep=config.keep_checkpoints)
   try:
@@ -111,7 +112,7 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
     if ckpt.latest_step() is not None:
       saved = ckpt.saved_config()
       ckpt.check_compatible(config, job.IDENTITY_FIELDS[:1])  # The same kind of job.
-    mesh = ts.make_mesh()
+    mesh = mesh_lib.make_mesh()
     task = job.build(config, mesh, saved, workdir)
     if saved is not None:  # Compared with what build() resolved (e.g. the probe's step).
       ckpt.check_compatible(task.config, job.IDENTITY_FIELDS)
@@ -123,8 +124,8 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
 def _loop(task: Task, workdir: str, ckpt, mesh):
   """Restores or initialises the state, then steps to task.num_steps (see run)."""
   config, spe = task.config, task.steps_per_epoch
-  log_every = config_lib.to_steps(config.log_every, "log_every", spe)
-  checkpoint_every = config_lib.to_steps(config.checkpoint_every, "checkpoint_every", spe)
+  log_every = durations.to_steps(config.log_every, "log_every", spe)
+  checkpoint_every = durations.to_steps(config.checkpoint_every, "checkpoint_every", spe)
   evals = evaluators_lib.build(config.evaluators, task.eval_model, mesh, task.num_classes, spe)
 
   resumed_step = ckpt.latest_step()
@@ -132,7 +133,7 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
     state = task.init()
   else:
     state = ckpt.restore(checkpointing.abstract_like(jax.eval_shape(task.init),
-                                                     ts.replicated(mesh)))
+                                                     mesh_lib.replicated(mesh)))
     logging.info("Resumed from %s at step %d.", ckpt.directory, resumed_step)
   start_step = int(state.step)
 

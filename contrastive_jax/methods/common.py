@@ -1,8 +1,10 @@
 """The train state pytree and the pieces every method's train step shares.
 
-Methods keep their loss and state update together in contrastive_jax/methods/;
-this module holds what is the same for all of them: the state's common
-fields, the device mesh, the two augmented views, and the optimizer update.
+Methods keep their loss and state update together in their own module; this
+one holds what is the same for several of them: the state's common fields,
+the PRNG streams, the two augmented views, the optimizer update, the health
+scalars, the online probe, the train step builder, the EMA, L2 normalisation
+and the gather over the global batch.
 """
 from typing import Any, NamedTuple
 
@@ -11,10 +13,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from contrastive_jax import augment
-
-DATA_AXIS = "data"
-
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.mesh import DATA_AXIS
+from contrastive_jax.data import augment
+from contrastive_jax import models
+from contrastive_jax.models import heads
 
 @flax.struct.dataclass
 class TrainState:
@@ -38,12 +41,6 @@ class TrainState:
   rng: jax.Array
   extra: Any = flax.struct.field(default_factory=dict)
   probe: Any = flax.struct.field(default_factory=dict)
-
-
-def make_mesh(devices=None) -> jax.sharding.Mesh:
-  """A 1-D mesh, axis DATA_AXIS, over `devices` (default: every device of every process)."""
-  devices = jax.devices() if devices is None else devices
-  return jax.make_mesh((len(devices),), (DATA_AXIS,), devices=devices)
 
 
 def init_variables(model, rng, image_size: int):
@@ -128,7 +125,7 @@ def projection_std(z, axis_name):
   Returns a float32 scalar, the same on every device.
   """
   z = jax.lax.stop_gradient(z.astype(jnp.float32))
-  z = z / jnp.maximum(jnp.linalg.norm(z, axis=1, keepdims=True), 1e-12)
+  z = l2_normalize(z)
   mean = jax.lax.pmean(jnp.mean(z, axis=0), axis_name)
   var = jax.lax.pmean(jnp.mean(jnp.square(z - mean), axis=0), axis_name)
   return jnp.mean(jnp.sqrt(var))
@@ -224,14 +221,7 @@ def build_train_step(per_device, tx, mesh, after_update=None, probe: OnlineProbe
   return train_step
 
 
-def replicated(mesh):
-  """The sharding of a value held whole on every device."""
-  return jax.sharding.NamedSharding(mesh, jax.P())
-
-
-def batch_sharded(mesh):
-  """The sharding of a batch split along axis 0 over the data axis."""
-  return jax.sharding.NamedSharding(mesh, jax.P(DATA_AXIS))
+MOMENTUM_SCHEDULES = ("constant", "cosine")
 
 
 def ema_momentum(base: float, step, total_steps: int, schedule: str):
@@ -256,3 +246,39 @@ def ema_update(target, online, momentum):
   """
   return jax.tree.map(lambda t, o: momentum * t + (1.0 - momentum) * jax.lax.stop_gradient(o),
                       target, online)
+
+
+def l2_normalize(x):
+  """Rows of x [..., D] scaled to unit L2 norm (all-zero rows stay zero), in x's dtype."""
+  return x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+
+
+def gather_global(x, axis_name):
+  """Inside shard_map: (every device's rows of x concatenated in device order [B, ...],
+  the index of this device's first row in them). With axis_name None: (x, 0)."""
+  if axis_name is None:
+    return x, 0
+  return (jax.lax.all_gather(x, axis_name, tiled=True),
+          jax.lax.axis_index(axis_name) * x.shape[0])
+
+
+def build_model_with_predictor(config) -> heads.ContrastiveModel:
+  """Encoder, projection head and predictor, every BN global over the data axis.
+
+  BYOL's online network (Grill et al. 2020, Sec. 3.1) and MoCo v3's query
+  network (Chen et al. 2021, Algorithm 1) have this shape.
+  """
+  return heads.ContrastiveModel(
+      encoder=models.build_encoder(config.model, bn_axis_name=DATA_AXIS),
+      projector=models.build_mlp(config.projector, config.model.dtype, DATA_AXIS),
+      predictor=models.build_mlp(config.predictor, config.model.dtype, DATA_AXIS))
+
+
+def check_heads_with_predictor(config, why: str):
+  """Raises ConfigError for a projector or predictor config that cannot be built, or a
+  predictor whose output size is not the projector's (`why` says what needs them equal)."""
+  models.check_mlp_config(config.projector, "projector")
+  models.check_mlp_config(config.predictor, "predictor")
+  if config.predictor.out_dim != config.projector.out_dim:
+    raise ConfigError("predictor.out_dim", config.predictor.out_dim,
+                      f"projector.out_dim ({config.projector.out_dim}): {why}")

@@ -15,8 +15,8 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from contrastive_jax import vit
-from contrastive_jax.errors import ConfigError
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.models import vit
 
 LR_SCALINGS = ("linear", "sqrt")
 SCHEDULES = ("cosine", "step")

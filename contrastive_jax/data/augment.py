@@ -29,7 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from contrastive_jax.errors import ConfigError
+from contrastive_jax.core.errors import ConfigError
 
 # ITU-R BT.601 luma weights, as in tf.image.rgb_to_grayscale and torchvision
 # (numpy: importing a module must not touch a device, or

@@ -8,19 +8,15 @@ while saving keeps its previous checkpoint. Every process calls save and
 restore together (multi-host).
 """
 import json
-import os
 import signal
 from typing import Optional
 
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
-import tensorflow as tf
 from absl import logging
 
-from contrastive_jax import gcs
-from contrastive_jax.errors import ConfigError
-from contrastive_jax.errors import JobError
+from contrastive_jax.core.errors import ConfigError
 
 
 def _get(d: dict, dotted: str):
@@ -145,27 +141,6 @@ class Checkpointer:
     if step not in steps:
       raise ConfigError(field, step, f"one of the saved steps {sorted(steps)}")
     return step
-
-
-def resolve_dir(path: str) -> str:
-  """An absolute local path, or a URL (gs://...) unchanged."""
-  return path if "://" in path else os.path.abspath(path)
-
-
-def prepare_workdir(path: Optional[str]) -> str:
-  """resolve_dir(path) for a job's --workdir, checked before anything is written.
-
-  Raises:
-    JobError: no path, a path that exists and is not a directory, or a gs://
-      path without Google Cloud credentials.
-  """
-  if not path:
-    raise JobError("--workdir is empty: give the directory for checkpoints and metrics")
-  path = resolve_dir(path)
-  gcs.check_credentials(path, "--workdir")
-  if tf.io.gfile.exists(path) and not tf.io.gfile.isdir(path):
-    raise JobError(f"--workdir={path}: must be a directory (or not exist yet); it is a file")
-  return path
 
 
 def abstract_like(state, sharding):

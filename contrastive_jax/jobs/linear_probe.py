@@ -8,7 +8,7 @@ pretraining run's initialisation of it, the baseline; downstream.py). The
 encoder stays frozen: eval-mode BN, no gradient, variables never written.
 Protocol: features h before the projection head, random crop-and-flip on
 train images, a linear classifier trained with the recipe of config.preset
-(config_lib.LINEAR_PROBE_PRESETS: 'auto' picks the linear evaluation of the
+(recipes.LINEAR_PROBE_PRESETS: 'auto' picks the linear evaluation of the
 checkpoint's method's reference, 'standardised' this project's probe, which
 standardises h with an affine-free BN so that one learning rate fits every
 encoder, the random baseline included); accuracy on every test image once
@@ -20,20 +20,22 @@ import jax.numpy as jnp
 import optax
 from absl import logging
 
-from contrastive_jax import config_lib
-from contrastive_jax import data
-from contrastive_jax import downstream
-from contrastive_jax import evaluators
-from contrastive_jax import input_pipeline
+from contrastive_jax.core import durations
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import sources
+from contrastive_jax.jobs import downstream
+from contrastive_jax.jobs import evaluators
+from contrastive_jax.jobs import runner
+from contrastive_jax.methods import common
+from contrastive_jax.methods import optim
 from contrastive_jax import models
-from contrastive_jax import optim
-from contrastive_jax import runner
-from contrastive_jax import train_state as ts
-from contrastive_jax.errors import ConfigError
+from contrastive_jax import recipes
 
 # Fields a resumed probe must share with its checkpoint.
 IDENTITY_FIELDS = downstream.IDENTITY_FIELDS + ("preset", "head")
-PRESETS = ("auto",) + tuple(config_lib.LINEAR_PROBE_PRESETS)
+PRESETS = ("auto",) + tuple(recipes.LINEAR_PROBE_PRESETS)
 METHOD_PRESETS = ("simclr", "moco", "mocov3", "byol")  # 'auto' runs the checkpoint's method's.
 # name -> (kernel init, bias init) of the linear layer.
 HEAD_INITS = {"zeros": (nn.initializers.zeros, nn.initializers.zeros),
@@ -66,7 +68,7 @@ def check_config(config, num_devices: int):
   if config.preset not in PRESETS:
     raise ConfigError("preset", config.preset, f"one of {list(PRESETS)}")
   for name in METHOD_PRESETS if config.preset == "auto" else (config.preset,):
-    filled = config_lib.fill_probe_preset(config, name)
+    filled = recipes.fill_probe_preset(config, name)
     downstream.check_config(filled, num_devices)
     if filled.head.init not in HEAD_INITS:
       raise ConfigError("head.init", filled.head.init, f"one of {sorted(HEAD_INITS)}")
@@ -90,7 +92,7 @@ def make_train_step(encoder, head, tx):
 
     (loss, (stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     top1 = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
-    state, health = ts.apply_gradients(state, grads, tx, batch_stats=stats)
+    state, health = common.apply_gradients(state, grads, tx, batch_stats=stats)
     return state, {"loss": loss, "train_top1": top1, **health}
 
   return jax.jit(train_step, donate_argnums=0)
@@ -110,7 +112,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   """
   del workdir  # The probe writes nothing but what the runner writes.
   config = config.copy_and_resolve_references()
-  source = data.get_source(config, {"train_split": config.train_split})
+  source = sources.get_source(config, {"train_split": config.train_split})
   if source.num_classes is None:
     raise ConfigError("dataset", config.dataset,
                       "a labelled dataset: the linear probe trains on labels")
@@ -118,11 +120,11 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   encoder = downstream.restore_encoder(config, mesh, saved_config)
   enc_vars = encoder.variables
   preset = encoder.pretrained.method if config.preset == "auto" else config.preset
-  config = config_lib.fill_probe_preset(config, preset)
+  config = recipes.fill_probe_preset(config, preset)
   config.preset = preset
   config.pretrain_step = encoder.step
   steps_per_epoch = runner.steps_per_epoch(source, config)
-  num_steps = config_lib.to_steps(config.duration, "duration", steps_per_epoch)
+  num_steps = durations.to_steps(config.duration, "duration", steps_per_epoch)
   schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, steps_per_epoch,
                                           num_steps)
   tx = optim.build_optimizer(config.optimizer, schedule)
@@ -131,7 +133,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   def init():
     variables = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, encoder.dim)),
                           train=False)
-    return ts.TrainState(step=jnp.zeros((), jnp.int32), params=variables["params"],
+    return common.TrainState(step=jnp.zeros((), jnp.int32), params=variables["params"],
                          batch_stats=variables.get("batch_stats", {}),
                          opt_state=tx.init(variables["params"]),
                          rng=jax.random.PRNGKey(config.seed))
@@ -151,10 +153,10 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
                                           "batch_stats": state.batch_stats}),
       features=lambda variables, images: models.encode(encoder.module, variables[0], images),
       logits=logits, dataset=downstream.eval_datasets(source, config, encoder))
-  return runner.Task(config=config, init=jax.jit(init, out_shardings=ts.replicated(mesh)),
+  return runner.Task(config=config, init=jax.jit(init, out_shardings=mesh_lib.replicated(mesh)),
                      train_step=lambda state, batch: step_fn(state, enc_vars, batch),
                      train_batches=input_pipeline.train_batches(
-                         source, config, ts.batch_sharded(mesh),
+                         source, config, mesh_lib.batch_sharded(mesh),
                          image_size=encoder.pretrained.image_size, num_views=1),
                      num_steps=num_steps,
                      steps_per_epoch=steps_per_epoch, global_batch=config.batch_size,

@@ -1,0 +1,1 @@
+"""What knows no model: errors, files and workdirs, checkpoints, metrics, pictures, gs://, the mesh."""

@@ -1,0 +1,133 @@
+"""ResNet-18/34/50 encoders (He et al. 2016) in Flax Linen.
+
+The output h (after global average pooling) is the representation used
+downstream. Parameters are float32; `dtype` sets the compute dtype of
+convolutions (bfloat16 on accelerators); h is returned in float32.
+Convolutions are initialised He-normal fan-out (torchvision: MoCo) or with
+variance scaling 1 fan-in truncated normal (TF's variance_scaling_initializer:
+SimCLR; Haiku's default: BYOL); the last BN scale of each residual block is
+zero (SimCLR, BYOL's code) or one (torchvision: MoCo).
+"""
+import functools
+from typing import Any, Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax.numpy as jnp
+
+# name -> (block type, blocks per stage); He et al. 2016, Table 1.
+RESNET_SPECS = {
+    "resnet18": ("basic", (2, 2, 2, 2)),
+    "resnet34": ("basic", (3, 4, 6, 3)),
+    "resnet50": ("bottleneck", (3, 4, 6, 3)),
+}
+STEMS = ("cifar", "imagenet")
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+CONV_INITS = {
+    "he_normal": nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
+    "variance_scaling": nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
+}
+def _residual_out(x, y, strides: int, conv, norm):
+  """relu(y + x), x projected by a strided 1x1 conv + BN where the shapes differ.
+
+  Called from a block's compact __call__, so the projection's layers belong to
+  that block.
+  """
+  if x.shape != y.shape:
+    x = norm()(conv(y.shape[-1], (1, 1), (strides, strides))(x))
+  return nn.relu(y + x)
+
+
+class BasicBlock(nn.Module):
+  """Two 3x3 convolutions with a residual connection (ResNet-18/34).
+
+  last_norm builds the block's last BN (zero-initialised scale or not).
+  """
+  features: int
+  strides: int
+  conv: Callable
+  norm: Callable
+  last_norm: Callable
+
+  @nn.compact
+  def __call__(self, x):
+    y = self.conv(self.features, (3, 3), (self.strides, self.strides))(x)
+    y = nn.relu(self.norm()(y))
+    y = self.conv(self.features, (3, 3))(y)
+    y = self.last_norm()(y)
+    return _residual_out(x, y, self.strides, self.conv, self.norm)
+
+
+class BottleneckBlock(nn.Module):
+  """1x1 -> 3x3 -> 1x1 convolutions with 4x expansion (ResNet-50)."""
+  features: int
+  strides: int
+  conv: Callable
+  norm: Callable
+  last_norm: Callable
+
+  @nn.compact
+  def __call__(self, x):
+    y = nn.relu(self.norm()(self.conv(self.features, (1, 1))(x)))
+    y = self.conv(self.features, (3, 3), (self.strides, self.strides))(y)
+    y = nn.relu(self.norm()(y))
+    y = self.conv(self.features * 4, (1, 1))(y)
+    y = self.last_norm()(y)
+    return _residual_out(x, y, self.strides, self.conv, self.norm)
+
+
+class ResNet(nn.Module):
+  """ResNet encoder (He et al. 2016) with a width multiplier.
+
+  Attributes:
+    depth_spec: (block type, blocks per stage), a value of RESNET_SPECS.
+    width: channel multiplier; stage widths are round(64 * 2**i * width).
+    stem: 'cifar' (3x3 stride-1 conv, no max-pool; SimCLR Appendix B.9) or
+      'imagenet' (7x7 stride-2 conv and 3x3 stride-2 max-pool).
+    dtype: compute dtype.
+    bn_axis_name: mesh axis over which BatchNorm statistics are averaged
+      (global BN); None for per-device statistics.
+    zero_init_residual: the last BN scale of each block starts at 0, so that
+      each block starts as the identity (Goyal et al. 2017; SimCLR's and
+      BYOL's code), or at 1 (torchvision's default: MoCo).
+    conv_init: a key of CONV_INITS.
+    input_mean, input_std: per-channel (R, G, B) statistics subtracted from
+      and divided into the [0, 1] input (MoCo and BYOL standardise with the
+      ImageNet statistics; (0, 0, 0) and (1, 1, 1) leave it as SimCLR does).
+  """
+  depth_spec: tuple
+  width: float = 1.0
+  stem: str = "imagenet"
+  dtype: Any = jnp.float32
+  bn_axis_name: Optional[str] = None
+  zero_init_residual: bool = True
+  conv_init: str = "he_normal"
+  input_mean: Sequence[float] = (0.0, 0.0, 0.0)
+  input_std: Sequence[float] = (1.0, 1.0, 1.0)
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    """Maps images [N, H, W, 3] (float, values in [0, 1]) to h [N, C] float32."""
+    block_type, stage_sizes = self.depth_spec
+    block_cls = BasicBlock if block_type == "basic" else BottleneckBlock
+    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype,
+                             kernel_init=CONV_INITS[self.conv_init])
+    norm = functools.partial(nn.BatchNorm, use_running_average=not train,
+                             momentum=0.9, epsilon=1e-5, dtype=self.dtype,
+                             axis_name=self.bn_axis_name if train else None)
+    last_norm = functools.partial(norm, scale_init=nn.initializers.zeros
+                                  if self.zero_init_residual else nn.initializers.ones)
+    base = max(1, round(64 * self.width))
+    x = (x - jnp.asarray(self.input_mean, jnp.float32)) / jnp.asarray(self.input_std, jnp.float32)
+    x = x.astype(self.dtype)
+    if self.stem == "cifar":
+      x = conv(base, (3, 3), name="stem_conv")(x)
+      x = nn.relu(norm(name="stem_bn")(x))
+    else:
+      x = conv(base, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="stem_conv")(x)
+      x = nn.relu(norm(name="stem_bn")(x))
+      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+    for i, num_blocks in enumerate(stage_sizes):
+      for j in range(num_blocks):
+        strides = 2 if i > 0 and j == 0 else 1
+        x = block_cls(base * 2**i, strides, conv, norm, last_norm)(x)
+    return jnp.mean(x, axis=(1, 2)).astype(jnp.float32)
