@@ -30,7 +30,7 @@ from contrastive_jax.jobs import neighbours
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.jobs import runner
 
-# Training jobs (IDENTITY_FIELDS, check_config, build) run in runner.run's loop;
+# Training jobs (check_config, build) run in runner.run's loop;
 # the others (no build) are not training loops and run themselves: job.run(config, workdir).
 JOBS = {"pretrain": pretrain, "linear_probe": linear_probe, "finetune": finetune,
         "embed": embed, "neighbours": neighbours}

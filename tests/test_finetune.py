@@ -13,6 +13,7 @@ from helpers import TFDS_DIR, load_config, tiny_config
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
+from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
@@ -226,17 +227,16 @@ def test_the_subset_file_lists_the_images_and_survives_a_resume(finetuned):
     assert f.read() == text
 
 
-def test_resume_refuses_another_subset_or_another_job(finetuned, pretrained):
+def test_resume_refuses_another_config_or_another_job(finetuned, pretrained):
   config, workdir, _, _, _ = finetuned
-  ckpt = checkpointing.Checkpointer(str(workdir / "checkpoints"), read_only=True)
-  with pytest.raises(ConfigError, match="config.label_fraction=0.25: must be 0.5"):
-    ckpt.check_compatible(finetune_config(pretrained, label_fraction=0.25),
-                          finetune.IDENTITY_FIELDS)
+  other = ml_collections.ConfigDict(config.to_dict())
+  other.optimizer.base_lr = 0.5
+  with pytest.raises(ResumeError, match=r"^config.optimizer.base_lr=0.5 \(the checkpoint's: "):
+    runner.run(finetune, other, str(workdir))
   probe = load_config("linear_probe")
   probe.pretrain_workdir = pretrained
   with pytest.raises(ConfigError, match="config.job='linear_probe': must be 'finetune'"):
-    ckpt.check_compatible(probe, linear_probe.IDENTITY_FIELDS)
-  ckpt.close()
+    runner.run(linear_probe, probe, str(workdir))
 
 
 class _Unlabeled(sources.TfdsSource):

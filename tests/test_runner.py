@@ -2,10 +2,12 @@
 epochs, the non-finite stop, bad configs and workdirs."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 
 import jax
+import ml_collections
 import numpy as np
 import pytest
 from PIL import Image
@@ -13,9 +15,11 @@ from helpers import CONFIG_DIR, TFDS_DIR, checkpoints_are_finite, tiny_config
 from helpers import sigterm_after_first_train_batch
 
 from contrastive_jax.core import checkpointing
+from contrastive_jax.core.errors import ABSENT
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import NonFiniteError
+from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import metrics as metrics_lib
 from contrastive_jax.core import pictures
@@ -158,14 +162,36 @@ def test_bad_config_fails_before_compute_naming_the_field(tmp_path, field, value
   assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
-def test_workdir_from_another_model_is_refused(tmp_path):
+def test_resume_refuses_every_changed_field_but_those_that_may_change(tmp_path):
   config = tiny_config()
   del config.evaluators["online_probe"]
-  config.duration = "1 steps"
-  runner.run(pretrain, config, str(tmp_path))
-  config.model.width = 0.125
-  with pytest.raises(ConfigError, match=r"config.model.width=0.125: must be 0.0625"):
-    runner.run(pretrain, config, str(tmp_path))
+  config.duration = "2 steps"
+  config.checkpoint_every = "1 steps"
+  straight, _ = runner.run(pretrain, config, str(tmp_path))
+  # A field the checkpoint's config lacks (one added to the model config since) and a
+  # changed one are both named, with both values; nothing is computed.
+  changed = ml_collections.ConfigDict(config.to_dict())
+  changed.model.width = 0.125
+  changed.model.new_field = "x"
+  with pytest.raises(ResumeError) as error:
+    runner.run(pretrain, changed, str(tmp_path))
+  assert error.value.differences == [("model.new_field", ABSENT, "x"),
+                                     ("model.width", 0.0625, 0.125)]
+  assert str(error.value).startswith(
+      "config.model.new_field='x' (the checkpoint's: '<absent>'); config.model.width=0.125 "
+      "(the checkpoint's: 0.0625): a resumed run must keep its checkpoint's config")
+  # Fields that may change on resume: the run goes on from step 1 to the same state.
+  shutil.rmtree(tmp_path / "checkpoints" / "2")
+  changed = ml_collections.ConfigDict(config.to_dict())
+  changed.log_every = "1 steps"
+  changed.keep_checkpoints = 1
+  changed.data_threads = 1
+  changed.evaluators.knn.k = 3
+  assert all(field in runner.MAY_CHANGE_ON_RESUME
+             for field in ("log_every", "keep_checkpoints", "data_threads", "evaluators"))
+  resumed, results = runner.run(pretrain, changed, str(tmp_path))
+  assert int(resumed.step) == 2 and "knn_top1" in results
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(straight))
 
 
 def test_workdir_that_is_a_file_ends_in_one_line(tmp_path):

@@ -9,20 +9,42 @@ restore together (multi-host).
 """
 import json
 import signal
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
 from absl import logging
 
+from contrastive_jax.core.errors import ABSENT
 from contrastive_jax.core.errors import ConfigError
 
 
-def _get(d: dict, dotted: str):
-  for part in dotted.split("."):
-    d = d.get(part) if isinstance(d, dict) else None
-  return d
+def _leaves(tree: dict, prefix: str = "") -> dict:
+  """{dotted path: value} of a nested dict's leaves (an empty dict is a leaf)."""
+  if not isinstance(tree, dict) or not tree:
+    return {prefix: tree}
+  out = {}
+  for key, value in tree.items():
+    out.update(_leaves(value, f"{prefix}.{key}" if prefix else key))
+  return out
+
+
+def config_differences(saved: dict, config: ml_collections.ConfigDict,
+                       may_change: Sequence[str]) -> list:
+  """[(dotted field, saved value, config's value)] of every leaf where they differ, sorted.
+
+  saved: a config as a checkpoint holds it (JSON: tuples read back as lists);
+  config is compared as it would be saved. A field under one of may_change
+  (dotted prefixes, e.g. 'evaluators') is left out; a field only one side has
+  differs, with errors.ABSENT as the other side's value.
+  """
+  current = _leaves(json.loads(json.dumps(config.to_dict())))
+  saved = _leaves(saved)
+  free = lambda field: any(field == p or field.startswith(p + ".") for p in may_change)
+  return [(field, saved.get(field, ABSENT), current.get(field, ABSENT))
+          for field in sorted(set(saved) | set(current))
+          if not free(field) and saved.get(field, ABSENT) != current.get(field, ABSENT)]
 
 
 class Checkpointer:
@@ -61,24 +83,6 @@ class Checkpointer:
     step = self.resolve_step(step)
     saved = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
     return ml_collections.ConfigDict(saved.config)
-
-  def check_compatible(self, config, fields, step: Optional[int] = None):
-    """Raises ConfigError if a field of `fields` differs from checkpoint `step`'s.
-
-    fields[0] must be a field that only this kind of job has (its absence
-    means another kind of job wrote the checkpoint).
-    """
-    saved = self.saved_config(step).to_dict()
-    current = json.loads(json.dumps(config.to_dict()))  # As saved: tuples become lists.
-    if _get(saved, fields[0]) is None:
-      raise ConfigError(fields[0], _get(current, fields[0]),
-                        f"a field of the checkpoints in {self.directory}, which another kind "
-                        "of job wrote (pretraining, linear probe, fine-tuning): use a new workdir")
-    for field in fields:
-      if _get(saved, field) != _get(current, field):
-        raise ConfigError(field, _get(current, field),
-                          f"{_get(saved, field)!r}, the value of the checkpoint in "
-                          f"{self.directory} (use a new workdir for a different {field})")
 
   def restore(self, abstract_state, step: Optional[int] = None):
     """Restores checkpoint `step` (default: latest) onto abstract_state's shardings.

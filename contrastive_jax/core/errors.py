@@ -1,6 +1,9 @@
 """Expected failures: each ends a job with one line and a non-zero exit (main.py)."""
 
 
+ABSENT = "<absent>"  # How ResumeError shows a field one config has and the other lacks.
+
+
 class JobError(Exception):
   """A failure the user can act on; its message is the whole report (no traceback)."""
 
@@ -16,6 +19,25 @@ class ConfigError(JobError, ValueError):
   def __init__(self, field: str, value, allowed: str):
     self.field, self.value, self.allowed = field, value, allowed
     super().__init__(f"config.{field}={value!r}: must be {allowed}")
+
+
+class ResumeError(ConfigError):
+  """A resumed job's config differs from its checkpoint's in fields that must stay the same.
+
+  Attributes:
+    differences: [(dotted field, the checkpoint's value, this run's value)],
+      sorted by field; ABSENT stands for a field one of the two configs lacks.
+  """
+
+  def __init__(self, directory: str, differences, may_change):
+    self.differences = differences
+    self.field, self.value, self.allowed = differences[0][0], differences[0][2], None
+    listed = "; ".join(f"config.{field}={now!r} (the checkpoint's: {saved!r})"
+                       for field, saved, now in differences)
+    JobError.__init__(
+        self, f"{listed}: a resumed run must keep its checkpoint's config (in {directory}) "
+        f"except {', '.join(may_change)}. Use a new workdir for a different run, or the "
+        "checkpoint's values to resume it")
 
 
 class NonFiniteError(JobError):

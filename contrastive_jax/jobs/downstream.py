@@ -30,13 +30,6 @@ from contrastive_jax.methods import initial_encoder_variables
 from contrastive_jax.methods import optim
 from contrastive_jax import models
 
-# Fields a resumed downstream job must share with its checkpoint. The first
-# exists in no pretraining config; 'job' tells a probe from a fine-tune.
-IDENTITY_FIELDS = ("pretrain_workdir", "job", "pretrain_step", "random_init", "data_source",
-                   "dataset", "train_split", "crop_sampler", "crop_area_min", "crop_resize",
-                   "batch_size", "seed", "duration", "optimizer", "shuffle_buffer")
-
-
 class Encoder(NamedTuple):
   """A restored encoder.
 

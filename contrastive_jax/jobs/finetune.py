@@ -46,9 +46,6 @@ from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import optim
 from contrastive_jax import models
 
-# Fields a resumed fine-tune must share with its checkpoint; the first exists
-# only in fine-tuning configs.
-IDENTITY_FIELDS = ("label_fraction", "label_seed") + downstream.IDENTITY_FIELDS
 SUBSET_FILE = "labelled_subset.csv"
 
 

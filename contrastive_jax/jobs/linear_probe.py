@@ -33,8 +33,6 @@ from contrastive_jax.methods import optim
 from contrastive_jax import models
 from contrastive_jax import recipes
 
-# Fields a resumed probe must share with its checkpoint.
-IDENTITY_FIELDS = downstream.IDENTITY_FIELDS + ("preset", "head")
 PRESETS = ("auto",) + tuple(recipes.LINEAR_PROBE_PRESETS)
 METHOD_PRESETS = ("simclr", "moco", "mocov3", "byol")  # 'auto' runs the checkpoint's method's.
 # name -> (kernel init, bias init) of the linear layer.

@@ -31,20 +31,6 @@ from contrastive_jax.methods import optim
 from contrastive_jax.methods import run_keys
 from contrastive_jax import models
 
-# Fields that must match between a checkpoint and the job that resumes it: the
-# first ones fix the state's shapes, the others the data order, augmentations
-# and schedules that make a resumed run bit-identical to an uninterrupted one.
-# The first field exists only in pretraining configs.
-IDENTITY_FIELDS = ("method", "model.name", "model.width", "model.stem", "model.dtype",
-                   "model.zero_init_residual", "model.conv_init", "model.input_mean",
-                   "model.input_std", "model.depth", "model.patch_size",
-                   "model.random_patch_projection",
-                   "projector", "predictor", "moco", "byol", "temperature",
-                   "optimizer", "augment", "data_source", "dataset", "train_split", "image_size",
-                   "crop_sampler", "crop_area_min", "crop_resize", "batch_size", "seed",
-                   "duration", "shuffle_buffer", "online_probe")
-
-
 def check_config(config: ml_collections.ConfigDict, num_devices: int):
   """Raises ConfigError, naming the field, for a config that cannot run.
 

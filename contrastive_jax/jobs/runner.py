@@ -1,12 +1,11 @@
 """The loop every job shares: pretraining, the linear probe, fine-tuning, and those to come.
 
 A job module (pretrain.py, linear_probe.py, finetune.py) provides
-IDENTITY_FIELDS (config fields a resumed run must share with its checkpoint;
-the first one exists only in that job's configs), check_config(config,
-num_devices) and build(config, mesh, saved_config, workdir) -> Task (workdir
-for files of the job's own; saved_config is the checkpoint's config when
-resuming, else None); run() does the rest, written once: resume from the
-workdir's latest checkpoint, step, log, stop on a non-finite loss, run the
+check_config(config, num_devices) and build(config, mesh, saved_config,
+workdir) -> Task (workdir for files of the job's own; saved_config is the
+checkpoint's config when resuming, else None); run() does the rest, written
+once: resume from the workdir's latest checkpoint (whose config must equal the
+run's but for MAY_CHANGE_ON_RESUME), step, log, stop on a non-finite loss, run the
 config's evaluators at their intervals and at the end, checkpoint, and stop
 cleanly on preemption (one process: SIGTERM; several: JAX's distributed
 preemption sync, so every host stops at the same step). Every exit path,
@@ -27,11 +26,20 @@ from contrastive_jax.core import checkpointing
 from contrastive_jax.core import durations
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import NonFiniteError
+from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import metrics as metrics_lib
 from contrastive_jax.core import pictures
 from contrastive_jax.jobs import evaluators as evaluators_lib
+
+
+# Config fields (dotted prefixes) a resumed run may change: they decide when and
+# how it logs, evaluates and checkpoints, and how fast it reads its data, never
+# what it computes. Every other field must equal the checkpoint's, so that the
+# resumed run continues bit for bit.
+MAY_CHANGE_ON_RESUME = ("log_every", "checkpoint_every", "keep_checkpoints", "evaluators",
+                        "data_threads", "data_dir", "cache")
 
 
 class Task(NamedTuple):
@@ -111,11 +119,17 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
     saved = None
     if ckpt.latest_step() is not None:
       saved = ckpt.saved_config()
-      ckpt.check_compatible(config, job.IDENTITY_FIELDS[:1])  # The same kind of job.
+      if saved.get("job") != config.job:
+        raise ConfigError("job", config.job,
+                          f"{saved.get('job')!r}, the job that wrote the checkpoints in "
+                          f"{ckpt.directory}: use a new workdir")
     mesh = mesh_lib.make_mesh()
     task = job.build(config, mesh, saved, workdir)
-    if saved is not None:  # Compared with what build() resolved (e.g. the probe's step).
-      ckpt.check_compatible(task.config, job.IDENTITY_FIELDS)
+    if saved is not None:  # Compared with what build() resolved (e.g. the probe's preset).
+      differences = checkpointing.config_differences(saved.to_dict(), task.config,
+                                                     MAY_CHANGE_ON_RESUME)
+      if differences:
+        raise ResumeError(ckpt.directory, differences, MAY_CHANGE_ON_RESUME)
     return _loop(task, workdir, ckpt, mesh)
   finally:
     ckpt.close()  # Waits for pending writes on every exit path.
