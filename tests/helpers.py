@@ -56,7 +56,7 @@ def tiny_config(method: str = "simclr", variant: str = "runlocal"):
 
 def sigterm_after_first_train_batch(monkeypatch):
   """Sends SIGTERM while the loop runs step 2, so the job stops after it."""
-  from contrastive_jax import input_pipeline  # pylint: disable=g-import-not-at-top
+  from contrastive_jax.data import input_pipeline  # pylint: disable=g-import-not-at-top
   original = input_pipeline.device_batches
 
   def device_batches(ds, sharding, prefetch=2):
