@@ -1,8 +1,11 @@
-"""Host pipeline on the real CIFAR-10 in ../shared."""
+"""Host pipeline and data sources on the real CIFAR-10 in ../shared."""
+import inspect
+
 import ml_collections
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
+from PIL import Image
 from helpers import TFDS_DIR
 
 from contrastive_jax.core.errors import ConfigError
@@ -93,3 +96,22 @@ def test_source_knows_sizes_and_classes(cifar):
   assert source.num_examples("train", "f") == 50_000
   assert source.num_examples("test[:37]", "f") == 37
   assert sum(source.process_counts("test[:37]")) == 37
+
+
+def test_every_source_has_the_source_interface(cifar, tmp_path):
+  for kind in (sources.TfdsSource, sources.FolderSource, sources.LabelledSubset):
+    for method in ("num_examples", "process_counts", "read"):
+      assert (inspect.signature(getattr(kind, method))
+              == inspect.signature(getattr(sources.Source, method))), (kind, method)
+  for i in range(2):
+    Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(tmp_path / f"{i}.png")
+  folder = sources.FolderSource(str(tmp_path), max_pixels=10_000, shorter_side=8)
+  subset = sources.LabelledSubset(cifar[0], "test[:100]", 0.1, seed=0)
+  for source in (cifar[0], folder, subset):
+    assert isinstance(source, sources.Source)
+  # Names read with the images are the subset's own ids, in its order.
+  named = list(tfds.as_numpy(subset.read("test[:100]", drop_remainder=False, names=True)))
+  assert [name.decode() for _, _, name in named] == list(subset.ids)
+  assert [int(label) for _, label, _ in named] == list(subset.labels)
+  assert [name.decode() for _, _, name in tfds.as_numpy(
+      folder.read(folder.SPLIT, drop_remainder=False, names=True))] == folder.files

@@ -12,7 +12,7 @@ import functools
 import hashlib
 import operator
 import os
-from typing import Optional
+from typing import Optional, Protocol, runtime_checkable
 
 import jax
 import numpy as np
@@ -28,6 +28,42 @@ from contrastive_jax.data import images as images_lib
 # Features that name an example, first found first: the source file of a prepared
 # image folder, TFDS's own per-example id (e.g. cifar10's 'train_16399').
 ID_FEATURES = ("file_name", "id")
+
+
+@runtime_checkable
+class Source(Protocol):
+  """What every data source provides (TfdsSource, FolderSource, LabelledSubset).
+
+  A new kind of source implements this (and is registered in SOURCES when a
+  config's data_source names it); tests/test_input_pipeline.py checks that
+  each source's methods have exactly these signatures.
+
+  Attributes:
+    name: what the source reads (a TFDS name, a folder), for messages.
+    num_classes: the number of classes, or None for unlabeled images.
+    class_names: the classes' names in label order, or None.
+  """
+  name: str
+  num_classes: Optional[int]
+  class_names: Optional[list]
+
+  def num_examples(self, split: str, field: str) -> int:
+    """Examples in `split`. Raises ConfigError naming `field` for an unknown or empty split."""
+
+  def process_counts(self, split: str, drop_remainder: bool = False) -> list:
+    """Examples each process reads of `split` with read(drop_remainder=...), by process index."""
+
+  def read(self, split: str, *, drop_remainder: bool, decode: bool = True,
+           names: bool = False) -> tf.data.Dataset:
+    """This process's part of `split` as (image, label[, name]), in a fixed order.
+
+    image: uint8 [H, W, 3], or its encoded bytes with decode=False; label:
+    int32 scalar, -1 if unlabeled; name (names=True): string scalar naming
+    the example. drop_remainder=True gives every process the same count
+    (training); False keeps every example (evaluation). The processes' parts
+    are contiguous and in process order: together they are the split in order.
+    Raises ValueError for an option the source cannot serve (named in the message).
+    """
 
 
 class TfdsSource:
@@ -79,7 +115,7 @@ class TfdsSource:
     return self._num_classes
 
   def num_examples(self, split: str, field: str) -> int:
-    """Examples in `split` (a split name or a TFDS slice such as 'train[:10%]').
+    """Source.num_examples of a split name or a TFDS slice such as 'train[:10%]'.
 
     Raises:
       ConfigError: an unknown or empty split, naming `field`.
@@ -94,28 +130,21 @@ class TfdsSource:
                         "'train[:1000]')")
     return count
 
-  def process_counts(self, split: str, drop_remainder: bool = False):
-    """Examples each process reads of `split` with read(drop_remainder=...), by process."""
+  def process_counts(self, split: str, drop_remainder: bool = False) -> list:
+    """Source.process_counts."""
     return [self._builder.info.splits[s].num_examples
             for s in tfds.even_splits(split, n=jax.process_count(),
                                       drop_remainder=drop_remainder)]
 
-  def read(self, split: str, *, drop_remainder: bool, decode: bool = True, names: bool = False,
-           whole: bool = False) -> tf.data.Dataset:
-    """This process's part of `split` as (image, label) pairs, in a fixed order.
+  def read(self, split: str, *, drop_remainder: bool, decode: bool = True,
+           names: bool = False) -> tf.data.Dataset:
+    """Source.read; encoded images (decode=False) are for tf.io.decode_image later.
 
-    image: uint8 [H, W, 3] (or the encoded bytes when decode=False, for
-    tf.io.decode_image later); label: int32 scalar (-1 if unlabeled).
-    drop_remainder=True gives every process the same count (training);
-    False keeps every example (evaluation). The processes' parts are
-    contiguous and in process order: together they are the split in order.
-    names=True adds a third element, the example's name (string scalar): the
-    first of ID_FEATURES the dataset has ('file_name' for prepared image
-    folders), else its TFDS record id. whole=True reads the whole split on
-    this process.
+    A name is the first of ID_FEATURES the dataset has ('file_name' for
+    prepared image folders), else its TFDS record id.
     """
-    return self._read(split if whole else tfds.split_for_jax_process(
-        split, drop_remainder=drop_remainder), decode, names)
+    return self._read(tfds.split_for_jax_process(split, drop_remainder=drop_remainder),
+                      decode, names)
 
   def read_range(self, split: str, start: int, stop: int, *, decode: bool = True):
     """Examples start to stop - 1 of `split` in read order (that of ids_and_labels), as read().
@@ -177,7 +206,7 @@ class TfdsSource:
     rows wanted.
     """
     wanted, found = set(rows), {}
-    ds = self.read(split, drop_remainder=False, decode=False, whole=True).take(max(wanted) + 1)
+    ds = self._read(split, decode=False).take(max(wanted) + 1)
     for row, (encoded, _) in enumerate(ds.as_numpy_iterator()):
       if row in wanted:
         found[row] = tf.io.decode_image(encoded, channels=3, expand_animations=False).numpy()
@@ -217,26 +246,30 @@ class FolderSource:
     self.unreadable = []
 
   def num_examples(self, split: str, field: str) -> int:
-    del split, field  # A folder has one split.
+    """Source.num_examples: the number of files (a folder has one split, never empty)."""
+    del split, field
     return len(self.files)
 
-  def process_counts(self, split: str):
-    del split
+  def process_counts(self, split: str, drop_remainder: bool = False) -> list:
+    """Source.process_counts: the files in process_count() contiguous parts (none dropped)."""
+    del split, drop_remainder
     return [len(part) for part in np.array_split(np.arange(len(self.files)), jax.process_count())]
 
   def _load(self, path: str) -> np.ndarray:
     return images_lib.load_image(path, max_pixels=self._max_pixels,
                                  shorter_side=self._shorter_side)
 
-  def read(self, split: str, *, drop_remainder: bool, names: bool = False) -> tf.data.Dataset:
-    """This process's contiguous part of the files (image, label -1[, path]), in order.
+  def read(self, split: str, *, drop_remainder: bool, decode: bool = True,
+           names: bool = False) -> tf.data.Dataset:
+    """Source.read: this process's contiguous part of the files (image, -1[, path]), in order.
 
-    As TfdsSource.read, for evaluation only (drop_remainder must be False).
-    Files that cannot be decoded are skipped and listed in `unreadable`,
-    which each pass over the dataset rebuilds.
+    For evaluation only: decoded images, drop_remainder False (ValueError
+    otherwise). Files that cannot be decoded are skipped and listed in
+    `unreadable`, which each pass over the dataset rebuilds.
     """
-    if drop_remainder:
-      raise ValueError("a FolderSource is read for evaluation only (drop_remainder=False)")
+    if drop_remainder or not decode:
+      raise ValueError("a FolderSource is read for evaluation only: decode=True, "
+                       "drop_remainder=False")
     counts = self.process_counts(split)
     start = sum(counts[:jax.process_index()])
     files = self.files[start:start + counts[jax.process_index()]]
@@ -319,30 +352,39 @@ class LabelledSubset:
     self._indices = select_labelled(ids, labels, fraction, seed)
     self.ids, self.labels = ids[self._indices], labels[self._indices]
     self.name, self.num_classes = source.name, source.num_classes
+    self.class_names = source.class_names
     self._source, self._split = source, split
 
   def num_examples(self, split: str, field: str) -> int:
-    del field  # The subset is never empty (select_labelled).
+    """Source.num_examples: the subset's size (never empty: select_labelled)."""
+    del field
     self._check(split)
     return len(self._indices)
 
-  def process_counts(self, split: str, drop_remainder: bool = False):
-    """Examples each process reads (drop_remainder is ignored: nothing is dropped)."""
+  def process_counts(self, split: str, drop_remainder: bool = False) -> list:
+    """Source.process_counts (drop_remainder is ignored: nothing is dropped)."""
     del drop_remainder
     self._check(split)
     return [len(part) for part in np.array_split(self._indices, jax.process_count())]
 
-  def read(self, split: str, *, drop_remainder: bool, decode: bool = True) -> tf.data.Dataset:
-    """This process's part of the subset as (image, label) pairs, in read order (see TfdsSource)."""
+  def read(self, split: str, *, drop_remainder: bool, decode: bool = True,
+           names: bool = False) -> tf.data.Dataset:
+    """Source.read of this process's part of the subset, in read order; names are its ids."""
     del drop_remainder
     self._check(split)
-    part = np.array_split(self._indices, jax.process_count())[jax.process_index()]
+    positions = np.array_split(np.arange(len(self._indices)),
+                               jax.process_count())[jax.process_index()]
+    part = self._indices[positions]
     start, stop = int(part[0]), int(part[-1]) + 1
     keep = np.zeros(stop - start, bool)
     keep[part - start] = True
     ds = tf.data.Dataset.zip(self._source.read_range(split, start, stop, decode=decode),
                              tf.data.Dataset.from_tensor_slices(keep))
-    return ds.filter(lambda _, kept: kept).map(lambda example, unused_kept: example)
+    ds = ds.filter(lambda _, kept: kept).map(lambda example, unused_kept: example)
+    if names:
+      ds = tf.data.Dataset.zip(ds, tf.data.Dataset.from_tensor_slices(
+          self.ids[positions].astype(str))).map(lambda example, name: (*example, name))
+    return ds
 
   def _check(self, split):
     if split != self._split:
