@@ -37,7 +37,7 @@ def get_config(variant: str = ""):
   recipes.crop(config, "torchvision", 0.08, "pil_bicubic")
   config.augment = recipes.byol_views("torchvision", "multiply", blur=False)
   config.optimizer = recipes.optimizer("larc", base_lr=1.0, weight_decay=1e-5,
-                                          trust_coefficient=0.02)
+                                       trust_coefficient=0.02)
   if variant == "runlocal":
     # LARC's eta 0.02 (2% steps per layer) is tuned for 1000 epochs: in 1500 steps of
     # the width-0.25 network the kNN monitor fell (0.2904 at step 0, 0.2403 at step
@@ -57,7 +57,7 @@ def get_config(variant: str = ""):
     recipes.crop(config, "byol", 0.08, "tf_bicubic")
     config.augment = recipes.byol_views()
     config.optimizer = recipes.optimizer("lars", base_lr=1.0, weight_decay=1.5e-6,
-                                            warmup_epochs=1)
+                                         warmup_epochs=1)
   elif variant:
     raise ValueError(f"Unknown variant {variant!r} of byol_cifar10; known: 'runlocal'.")
   return config

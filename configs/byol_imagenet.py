@@ -32,7 +32,7 @@ def get_config(variant: str = ""):
   epochs = EPOCHS[variant]
   base_lr, weight_decay, tau_base = PRESETS[epochs]
   config = recipes.imagenet(recipes.base_config(), batch_size=4096, num_epochs=epochs,
-                               reference="byol")
+                            reference="byol")
   config.method = "byol"
   config.projector = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")
   config.predictor = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")

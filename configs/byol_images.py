@@ -19,7 +19,7 @@ from contrastive_jax import recipes
 
 def get_config(variant: str = ""):
   config = recipes.images(recipes.base_config(), batch_size=256, num_epochs=200,
-                              reference="byol")
+                          reference="byol")
   config.method = "byol"
   config.projector = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")
   config.predictor = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")

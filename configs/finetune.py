@@ -38,7 +38,7 @@ def get_config(variant: str = ""):
   config.batch_size = 64
   config.duration = "60 epochs"
   config.optimizer = recipes.optimizer("sgd", base_lr=0.05, weight_decay=0.0, warmup_epochs=0,
-                                          nesterov=True)
+                                       nesterov=True)
   config.log_every = "100 steps"
   config.checkpoint_every = "1000 steps"
   config.keep_checkpoints = 2

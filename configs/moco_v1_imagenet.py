@@ -15,7 +15,7 @@ from contrastive_jax import recipes
 
 def get_config(variant: str = ""):
   config = recipes.imagenet(recipes.base_config(), batch_size=256, num_epochs=200,
-                               reference="torchvision")
+                            reference="torchvision")
   config.method = "moco"
   config.projector = dict(hidden_dims=(), out_dim=128, use_bn=False, init="torch")
   config.temperature = 0.07
@@ -24,8 +24,8 @@ def get_config(variant: str = ""):
   recipes.crop(config, "torchvision", 0.2, "pil_bilinear")
   config.augment = dict(view1=recipes.moco_v1_view(), view2=recipes.moco_v1_view())
   config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
-                                          warmup_epochs=0, schedule="step",
-                                          decay_epochs=(120, 160), weight_decay_mask="all")
+                                       warmup_epochs=0, schedule="step",
+                                       decay_epochs=(120, 160), weight_decay_mask="all")
   if variant:
     raise ValueError(f"Unknown variant {variant!r} of moco_v1_imagenet; it has none.")
   return config

@@ -37,7 +37,7 @@ def get_config(variant: str = ""):
   recipes.crop(config, "torchvision", 0.08, "pil_bilinear")
   config.augment = dict(view1=recipes.moco_v2_view(0.0), view2=recipes.moco_v2_view(0.0))
   config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=5e-4,
-                                          warmup_epochs=0, weight_decay_mask="all")
+                                       warmup_epochs=0, weight_decay_mask="all")
   if variant == "runlocal":
     recipes.runlocal(config)
     config.moco.bn_group_size = 32

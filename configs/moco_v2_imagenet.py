@@ -25,7 +25,7 @@ def get_config(variant: str = ""):
     raise ValueError(f"Unknown variant {variant!r} of moco_v2_imagenet; known: '200ep', "
                      "'800ep'.")
   config = recipes.imagenet(recipes.base_config(), batch_size=256,
-                               num_epochs=EPOCHS[variant], reference="torchvision")
+                            num_epochs=EPOCHS[variant], reference="torchvision")
   config.method = "moco"
   config.projector = dict(hidden_dims=(2048,), out_dim=128, use_bn=False, init="torch")
   config.temperature = 0.2
@@ -34,5 +34,5 @@ def get_config(variant: str = ""):
   recipes.crop(config, "torchvision", 0.2, "pil_bilinear")
   config.augment = dict(view1=recipes.moco_v2_view(0.5), view2=recipes.moco_v2_view(0.5))
   config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
-                                          warmup_epochs=0, weight_decay_mask="all")
+                                       warmup_epochs=0, weight_decay_mask="all")
   return config

@@ -20,7 +20,7 @@ from contrastive_jax import recipes
 
 def get_config(variant: str = ""):
   config = recipes.images(recipes.base_config(), batch_size=256, num_epochs=200,
-                              reference="torchvision")
+                          reference="torchvision")
   config.method = "moco"
   config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=False, init="torch")
   config.temperature = 0.2
@@ -29,7 +29,7 @@ def get_config(variant: str = ""):
   recipes.crop(config, "torchvision", 0.2, "pil_bilinear")
   config.augment = dict(view1=recipes.moco_v2_view(0.5), view2=recipes.moco_v2_view(0.5))
   config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
-                                          warmup_epochs=0, weight_decay_mask="all")
+                                       warmup_epochs=0, weight_decay_mask="all")
   if variant == "runlocal":
     recipes.runlocal_images(config, steps=400)
     config.projector.hidden_dims = (128,)

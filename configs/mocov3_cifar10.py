@@ -52,7 +52,7 @@ def get_config(variant: str = ""):
   recipes.crop(config, "torchvision", 0.08, "pil_bicubic")
   config.augment = recipes.byol_views("torchvision", "multiply", blur=False)
   config.optimizer = recipes.optimizer("larc", base_lr=0.3, weight_decay=1e-6,
-                                          trust_coefficient=0.02)
+                                       trust_coefficient=0.02)
   if variant in ("runlocal", "runlocal_vit"):
     recipes.runlocal(config)
     for mlp in (config.projector, config.predictor):
@@ -63,7 +63,7 @@ def get_config(variant: str = ""):
     config.model = recipes.vit_model("vit_tiny", 8, "float32", random_patch_projection=True)
     config.model.update(width=0.5, depth=4, input_mean=mean, input_std=std)
     config.optimizer = recipes.optimizer("adamw", base_lr=1e-3, weight_decay=0.1,
-                                            warmup_epochs=0.5)
+                                         warmup_epochs=0.5)
     config.duration = "800 steps"
     for evaluator in config.evaluators.values():
       evaluator.every = "400 steps"

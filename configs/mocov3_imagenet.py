@@ -63,11 +63,11 @@ def get_config(variant: str = ""):
     return config
   recipes.imagenet(config, batch_size=4096, num_epochs=300, reference="torchvision")
   config.model = recipes.vit_model(VITS[variant], 16, "bfloat16",
-                                      random_patch_projection=True)
+                                   random_patch_projection=True)
   config.projector = mlp((4096, 4096), last_bn=True)
   config.temperature = 0.2
   config.moco = dict(momentum=0.99, momentum_schedule="cosine")
   recipes.crop(config, "torchvision", 0.08, "pil_bilinear")
   config.optimizer = recipes.optimizer("adamw", base_lr=1.5e-4, weight_decay=0.1,
-                                          warmup_epochs=40)
+                                       warmup_epochs=40)
   return config

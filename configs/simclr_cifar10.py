@@ -34,7 +34,7 @@ def get_config(variant: str = ""):
   config.augment = dict(view1=recipes.simclr_view(0.5, 0.0),
                         view2=recipes.simclr_view(0.5, 0.0))
   config.optimizer = recipes.optimizer("lars", base_lr=1.0, weight_decay=1e-6,
-                                          lr_before_momentum=True)
+                                       lr_before_momentum=True)
   if variant == "runlocal":
     recipes.runlocal(config)
     config.projector.hidden_dims = (128,)

@@ -27,7 +27,7 @@ def get_config(variant: str = ""):
   if variant not in EPOCHS:
     raise ValueError(f"Unknown variant {variant!r} of simclr_imagenet; known: '100ep', '1000ep'.")
   config = recipes.imagenet(recipes.base_config(), batch_size=4096,
-                               num_epochs=EPOCHS[variant], reference="simclr")
+                            num_epochs=EPOCHS[variant], reference="simclr")
   config.method = "simclr"
   config.projector = dict(hidden_dims=(2048,), out_dim=128, use_bn=True, final_bn=True,
                           init="normal_0.01")
@@ -36,5 +36,5 @@ def get_config(variant: str = ""):
   config.augment = dict(view1=recipes.simclr_view(1.0, 0.5),
                         view2=recipes.simclr_view(1.0, 0.5))
   config.optimizer = recipes.optimizer("lars", base_lr=0.3, weight_decay=1e-6,
-                                          lr_before_momentum=True)
+                                       lr_before_momentum=True)
   return config

@@ -19,7 +19,7 @@ from contrastive_jax import recipes
 
 def get_config(variant: str = ""):
   config = recipes.images(recipes.base_config(), batch_size=256, num_epochs=200,
-                              reference="simclr")
+                          reference="simclr")
   config.method = "simclr"
   config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=True, final_bn=True,
                           init="normal_0.01")
@@ -28,7 +28,7 @@ def get_config(variant: str = ""):
   config.augment = dict(view1=recipes.simclr_view(1.0, 0.5),
                         view2=recipes.simclr_view(1.0, 0.5))
   config.optimizer = recipes.optimizer("lars", base_lr=0.075, weight_decay=1e-6,
-                                          lr_scaling="sqrt", lr_before_momentum=True)
+                                       lr_scaling="sqrt", lr_before_momentum=True)
   if variant == "runlocal":
     recipes.runlocal_images(config, steps=400)
     config.projector.hidden_dims = (128,)

@@ -135,9 +135,9 @@ def probe_run(mesh, pretrained, out: dict):
     variables = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, feature_dim)),
                           train=False)
     return common.TrainState(step=jnp.zeros((), jnp.int32), params=variables["params"],
-                         batch_stats=variables["batch_stats"],
-                         opt_state=tx.init(variables["params"]),
-                         rng=jax.random.PRNGKey(config.seed))
+                             batch_stats=variables["batch_stats"],
+                             opt_state=tx.init(variables["params"]),
+                             rng=jax.random.PRNGKey(config.seed))
 
   state = jax.jit(init, out_shardings=mesh_lib.replicated(mesh))()
   train_step = linear_probe.make_train_step(encoder, head, tx)

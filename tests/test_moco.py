@@ -153,7 +153,7 @@ def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
   # group g holding the images at shuffled positions g, g + 2, ...
   # (order[g::2]), in train mode, with each group's own BN statistics.
   model = heads.ContrastiveModel(encoder=models.build_encoder(config.model),
-                                  projector=models.build_mlp(config.projector, "float32"))
+                                 projector=models.build_mlp(config.projector, "float32"))
   x = images[0][:, 1] / np.float32(255)
 
   def keys(order):

@@ -79,7 +79,7 @@ def test_nesterov_sgd_steps():
   # Constant gradient 1, lr 1, momentum 0.9: v_t = 0.9 v_{t-1} + g; the Nesterov
   # step is -(g + 0.9 v_t): -1.9, then -2.71 (plain momentum: -1, then -1.9).
   cfg = ml_collections.ConfigDict(recipes.optimizer("sgd", base_lr=1.0, weight_decay=0.0,
-                                                       nesterov=True))
+                                                    nesterov=True))
   tx = optim.build_optimizer(cfg, lambda step: 1.0)
   params = {"kernel": jnp.zeros(3)}
   state = tx.init(params)

@@ -57,7 +57,7 @@ def open_source(config, *, shorter_side: int):
   """
   if config.folder:
     source = sources.FolderSource(config.folder, max_pixels=config.max_pixels,
-                               shorter_side=shorter_side)
+                                  shorter_side=shorter_side)
     return source, source.SPLIT
   return sources.get_source(config, {"split": config.split}), config.split
 

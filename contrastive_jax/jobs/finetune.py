@@ -136,7 +136,7 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
                       "a labelled dataset: fine-tuning trains on labels")
   evaluators.check_config(config.evaluators, source, jax.device_count())
   subset = sources.LabelledSubset(source, config.train_split, config.label_fraction,
-                               config.label_seed)
+                                  config.label_seed)
   size = subset.num_examples(config.train_split, "train_split")
   if size < config.batch_size:
     raise ConfigError("batch_size", config.batch_size,
@@ -158,8 +158,8 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
               "head": head.init(jax.random.PRNGKey(config.seed),
                                 jnp.zeros((1, encoder.dim)))["params"]}
     return common.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                         batch_stats={ENCODER: enc_vars["batch_stats"]},
-                         opt_state=tx.init(params), rng=jax.random.PRNGKey(config.seed))
+                             batch_stats={ENCODER: enc_vars["batch_stats"]},
+                             opt_state=tx.init(params), rng=jax.random.PRNGKey(config.seed))
 
   def features(variables, images):
     return models.encode(encoder.module, encoder_variables(variables), images)

@@ -150,7 +150,7 @@ def _queries(config, index: index_lib.Index):
       try:
         image = images.load_image(item, max_pixels=config.max_pixels,
                                   shorter_side=index_lib.shorter_side(index.image_size,
-                                                                  index.crop_fraction))
+                                                                      index.crop_fraction))
       except ImageError as e:
         raise ConfigError("queries", item, f"an image file that can be read: {e.reason}") from None
       found.append((item, None, _crop(image, index.image_size, index.crop_fraction)))

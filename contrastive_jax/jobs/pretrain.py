@@ -90,7 +90,7 @@ def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int =
   schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size,
                                           steps_per_epoch, num_steps)
   tx = optim.build_optimizer(config.optimizer, schedule,
-                            freeze=config.model.get("random_patch_projection", False))
+                             freeze=config.model.get("random_patch_projection", False))
   model = method.build_model(config)
   probe = online_probe(config, num_classes) if num_classes > 0 else None
   init_rng, rng = run_keys(config.seed)
@@ -137,8 +137,8 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
       features=lambda variables, images: models.encode(encoder, variables["encoder"], images),
       logits=logits if run.probe else None,
       dataset=input_pipeline.eval_datasets(source, image_size=config.image_size,
-                            crop_fraction=config.eval_crop_fraction,
-                            threads=config.data_threads, cache=config.cache))
+                                           crop_fraction=config.eval_crop_fraction,
+                                           threads=config.data_threads, cache=config.cache))
   return runner.Task(config=config, init=run.init, train_step=run.train_step,
                      train_batches=input_pipeline.train_batches(
                          source, config, mesh_lib.batch_sharded(mesh), image_size=config.image_size),

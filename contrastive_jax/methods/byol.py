@@ -80,7 +80,7 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   extra = {"target_params": _target_part(target_params),
            "target_batch_stats": _target_part(target_stats)}
   return common.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
-                       opt_state=tx.init(params), rng=rng, extra=extra)
+                           opt_state=tx.init(params), rng=rng, extra=extra)
 
 
 def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
@@ -99,7 +99,7 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
 
     def loss_fn(params):
       (h1, online_z1, p1), (_, _, p2), stats = common.apply_per_view(model, params,
-                                                                 state.batch_stats, x1, x2)
+                                                                     state.batch_stats, x1, x2)
       return byol_loss(p1, p2, z1, z2, mesh_lib.DATA_AXIS), (stats, {"h": h1, "z": online_z1})
 
     (loss, (stats, outputs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)

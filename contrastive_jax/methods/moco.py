@@ -115,7 +115,7 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   extra = {"key_params": params, "key_batch_stats": batch_stats, "queue": common.l2_normalize(queue),
            "queue_ptr": jnp.zeros((), jnp.int32)}
   return common.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
-                       opt_state=tx.init(params), rng=rng, extra=extra)
+                           opt_state=tx.init(params), rng=rng, extra=extra)
 
 
 def grouped_apply(model, params, batch_stats, x, groups: int):

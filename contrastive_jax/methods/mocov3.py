@@ -99,7 +99,7 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   params, batch_stats = common.init_variables(model, init_rng, config.image_size)
   extra = {"key_params": _momentum_part(params), "key_batch_stats": _momentum_part(batch_stats)}
   return common.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
-                       opt_state=tx.init(params), rng=rng, extra=extra)
+                           opt_state=tx.init(params), rng=rng, extra=extra)
 
 
 def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
@@ -116,15 +116,15 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
     x1, x2 = common.augmented_views(images, state.rng, state.step, views)
     extra = state.extra
     momentum = common.ema_momentum(config.moco.momentum, state.step, num_steps,
-                               config.moco.momentum_schedule)
+                                   config.moco.momentum_schedule)
     key_params = common.ema_update(extra["key_params"], _momentum_part(state.params), momentum)
     (_, k1), (_, k2), key_stats = common.apply_per_view(key_model, key_params,
-                                                    extra["key_batch_stats"], x1, x2)
+                                                        extra["key_batch_stats"], x1, x2)
     k1, k2 = jax.lax.stop_gradient((k1, k2))
 
     def loss_fn(params):
       (h1, z1, q1), (_, _, q2), stats = common.apply_per_view(model, params, state.batch_stats,
-                                                          x1, x2)
+                                                              x1, x2)
       loss12, top1_12 = contrastive_loss(q1, k2, config.temperature, mesh_lib.DATA_AXIS)
       loss21, top1_21 = contrastive_loss(q2, k1, config.temperature, mesh_lib.DATA_AXIS)
       return loss12 + loss21, (stats, (top1_12 + top1_21) / 2, {"h": h1, "z": z1})

@@ -87,7 +87,7 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   """The state at step 0: parameters drawn with init_rng; rng is the base key."""
   params, batch_stats = common.init_variables(model, init_rng, config.image_size)
   return common.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
-                       opt_state=tx.init(params), rng=rng)
+                           opt_state=tx.init(params), rng=rng)
 
 
 def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
