@@ -11,6 +11,7 @@ import os
 import re
 import signal
 import subprocess
+import sys
 import time
 
 import pytest
@@ -44,7 +45,8 @@ class Pod:
   def __init__(self, root):
     self.root = root
     self.env = dict(os.environ, PATH=f"{FAKE_GCLOUD}{os.pathsep}{os.environ['PATH']}",
-                    FAKE_GCLOUD_ROOT=str(root), FAKE_GCLOUD_TPU=TPU, FAKE_GCLOUD_ZONE=ZONE)
+                    FAKE_GCLOUD_ROOT=str(root), FAKE_GCLOUD_TPU=TPU, FAKE_GCLOUD_ZONE=ZONE,
+                    FAKE_GCLOUD_PYTHON=sys.executable)  # The workers use this python's packages.
     self.env.pop("GCLOUD", None)
 
   def launch(self, command, *args, tpu=TPU, expect=0, env=None):
