@@ -13,7 +13,7 @@ the same images).
 Recipe: SimCLR's fine-tuning on 1% and 10% of the labels (Chen et al. 2020,
 Appendix B.5): SGD with Nesterov momentum 0.9, lr 0.05 x B/256, no warm-up,
 cosine decay, no weight decay, SimCLR's random crop (TensorFlow's
-bounding-box sampler, area 0.08 to 1, bicubic; crops.py) and flip only,
+bounding-box sampler, area 0.08 to 1, bicubic; data/crops.py) and flip only,
 60 epochs for 1% of the labels and 30 for 10% (--config.duration='30
 epochs'); BN in train mode. The batch is 64 here (SimCLR: 4096 on 12.8k
 ImageNet images), so that an epoch of 1% (500 images) is several steps.

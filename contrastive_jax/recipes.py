@@ -38,7 +38,7 @@ def data_fields(config):
 
 
 def pretrained_encoder_fields(config):
-  """Sets the fields that say which encoder a downstream job starts from (downstream.py)."""
+  """Sets the fields that say which encoder a downstream job starts from (jobs/downstream.py)."""
   config.pretrain_workdir = config_dict.placeholder(str)  # The pretraining job's --workdir.
   config.pretrain_step = -1  # -1: the latest checkpoint.
   config.random_init = False  # True: the pretraining run's encoder at initialisation (baseline).
@@ -173,11 +173,11 @@ def runlocal(config):
 
 
 def optimizer(name: str, base_lr: float, weight_decay: float, **overrides) -> dict:
-  """An optimizer config (optim.py): warm-up then cosine by default, linear lr scaling.
+  """An optimizer config (methods/optim.py): warm-up then cosine by default, linear lr scaling.
 
   schedule 'step' multiplies the lr by decay_factor at each of decay_epochs;
   weight_decay_mask, lr_before_momentum and nesterov choose the reference's
-  variant (optim.py's docstring).
+  variant (methods/optim.py docstring).
   """
   config = dict(name=name, base_lr=base_lr, lr_scaling="linear", weight_decay=weight_decay,
                 weight_decay_mask="kernels", momentum=0.9, nesterov=False,

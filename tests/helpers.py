@@ -26,7 +26,7 @@ def tiny_config(method: str = "simclr", variant: str = "runlocal"):
 
   The ViT's config also leaves out the photometric augmentations (crops and flips
   stay): they would compile to more than the tiny ViT's whole step, and their code is
-  every method's (ts.augmented_views), tested on the ResNet configs.
+  every method's (common.augmented_views), tested on the ResNet configs.
   """
   config = load_config(f"{method}_cifar10", variant)
   if method == "moco_v2":

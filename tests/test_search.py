@@ -126,7 +126,7 @@ def test_embeddings_are_unit_h_of_every_image_in_split_order(pretrained, index):
   want = evaluators.l2_normalize(models.encode(encoder, jax.device_get(variables), images))
   np.testing.assert_allclose(saved.embeddings, want, atol=1e-5)
   assert [r["label"] for r in saved.rows] == labels
-  # cifar10's own 'id' feature names its examples (data.ID_FEATURES).
+  # cifar10's own 'id' feature names its examples (sources.ID_FEATURES).
   ids = tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split=f"test[:{NUM}]")
   assert [r["name"] for r in saved.rows] == [x["id"].decode() for x in tfds.as_numpy(ids)]
   # An index is never overwritten.

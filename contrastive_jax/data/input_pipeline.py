@@ -1,4 +1,4 @@
-"""Host input pipeline: tf.data over a data source (data.py), one part per process.
+"""Host input pipeline: tf.data over a data source (sources.py), one part per process.
 
 Training examples are two random-resized-crop-and-flip views of one image
 (crops.py: each reference's crop sampler), as uint8 so that host-to-device
