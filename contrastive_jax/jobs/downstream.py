@@ -23,6 +23,8 @@ from contrastive_jax.core import gcs
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import crops
 from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import sources
+from contrastive_jax.jobs import evaluators
 from contrastive_jax.jobs import runner
 from contrastive_jax.methods import ENCODER
 from contrastive_jax.methods import encoder_variables
@@ -51,6 +53,20 @@ def check_config(config, num_devices: int):
   runner.check_config(config, num_devices)
   crops.check_config(config)
   optim.check_optimizer_config(config.optimizer)
+
+
+def labelled_source(config, job: str):
+  """The data source of config.train_split, checked with the config's evaluators.
+
+  Raises:
+    ConfigError: see sources.get_source and evaluators.check_config; an
+      unlabeled dataset (`job`, e.g. 'the linear probe', trains on labels).
+  """
+  source = sources.get_source(config, {"train_split": config.train_split})
+  if source.num_classes is None:
+    raise ConfigError("dataset", config.dataset, f"a labelled dataset: {job} trains on labels")
+  evaluators.check_config(config.evaluators, source, jax.device_count())
+  return source
 
 
 def restore_encoder(config, mesh, saved_config=None) -> Encoder:

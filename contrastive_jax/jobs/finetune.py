@@ -130,11 +130,7 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
     JobError: see record_subset.
   """
   config = config.copy_and_resolve_references()
-  source = sources.get_source(config, {"train_split": config.train_split})
-  if source.num_classes is None:
-    raise ConfigError("dataset", config.dataset,
-                      "a labelled dataset: fine-tuning trains on labels")
-  evaluators.check_config(config.evaluators, source, jax.device_count())
+  source = downstream.labelled_source(config, "fine-tuning")
   subset = sources.LabelledSubset(source, config.train_split, config.label_fraction,
                                   config.label_seed)
   size = subset.num_examples(config.train_split, "train_split")

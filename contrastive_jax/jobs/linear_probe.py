@@ -24,7 +24,6 @@ from contrastive_jax.core import durations
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import input_pipeline
-from contrastive_jax.data import sources
 from contrastive_jax.jobs import downstream
 from contrastive_jax.jobs import evaluators
 from contrastive_jax.jobs import runner
@@ -110,11 +109,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   """
   del workdir  # The probe writes nothing but what the runner writes.
   config = config.copy_and_resolve_references()
-  source = sources.get_source(config, {"train_split": config.train_split})
-  if source.num_classes is None:
-    raise ConfigError("dataset", config.dataset,
-                      "a labelled dataset: the linear probe trains on labels")
-  evaluators.check_config(config.evaluators, source, jax.device_count())
+  source = downstream.labelled_source(config, "the linear probe")
   encoder = downstream.restore_encoder(config, mesh, saved_config)
   enc_vars = encoder.variables
   preset = encoder.pretrained.method if config.preset == "auto" else config.preset
