@@ -121,8 +121,8 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
       saved = ckpt.saved_config()
       if saved.get("job") != config.job:
         raise ConfigError("job", config.job,
-                          f"{saved.get('job')!r}, the job that wrote the checkpoints in "
-                          f"{ckpt.directory}: use a new workdir")
+                          f"{saved.get('job')!r}: another kind of job wrote the checkpoints "
+                          f"in {ckpt.directory}; use a new workdir")
     mesh = mesh_lib.make_mesh()
     task = job.build(config, mesh, saved, workdir)
     if saved is not None:  # Compared with what build() resolved (e.g. the probe's preset).
