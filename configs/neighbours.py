@@ -11,10 +11,13 @@ Queries (comma-separated): image files or names of the index's rows
 import ml_collections
 from ml_collections import config_dict
 
+from contrastive_jax import recipes
+
+VARIANTS = ()
+
 
 def get_config(variant: str = ""):
-  if variant:
-    raise ValueError(f"configs/neighbours.py has no variants; got {variant!r}.")
+  recipes.check_variant(variant, VARIANTS)
   config = ml_collections.ConfigDict()
   config.job = "neighbours"
   config.index_workdir = config_dict.placeholder(str)  # The embed job's --workdir.

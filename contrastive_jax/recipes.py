@@ -6,7 +6,20 @@ reference's recipe; the docstrings name the reference and the code there.
 import ml_collections
 from ml_collections import config_dict
 
+from contrastive_jax.core.errors import VariantError
 from contrastive_jax import models
+
+
+def check_variant(variant: str, known) -> None:
+  """Raises VariantError unless variant is '' (the config's default) or one of known.
+
+  Every file in configs/ names its variants in a module-level VARIANTS and
+  calls this first in get_config(variant), so that a misspelled
+  --config=FILE:VARIANT ends in one line naming the file's variants and the
+  closest one (main.py).
+  """
+  if variant and variant not in known:
+    raise VariantError(variant, known)
 
 
 def simclr_view(strength: float, blur_prob: float, brightness_op: str = "add") -> dict:
