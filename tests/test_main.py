@@ -5,6 +5,7 @@ import os
 import subprocess
 import sys
 
+import ml_collections
 import pytest
 from helpers import CONFIG_DIR, subprocess_env
 
@@ -14,6 +15,21 @@ from contrastive_jax import main
 
 SIMCLR = os.path.join(CONFIG_DIR, "simclr_cifar10.py")
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
+# The config fields that count things (or are pixels, seeds, steps): the only int fields.
+INTEGER_FIELDS = {"batch_size", "bn_group_size", "cell", "chunk_size", "data_threads", "depth",
+                  "hidden_dims", "image_size", "k", "keep_checkpoints", "label_seed",
+                  "max_pixels", "out_dim", "patch_size", "pretrain_step", "queue_size", "seed",
+                  "shuffle_buffer"}
+
+
+def _int_fields(config, prefix=""):
+  """Dotted names of config's fields typed int or holding a tuple of ints (placeholders too)."""
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      yield from _int_fields(value, f"{prefix}{key}.")
+    elif config.get_type(key) is int or (isinstance(value, tuple) and value and
+                                         all(type(v) is int for v in value)):
+      yield prefix + key
 
 
 def _module(path):
@@ -85,3 +101,17 @@ def test_every_config_declares_its_variants_and_refuses_others():
   with pytest.raises(JobError, match=r"embed.py:runlocal: no variant 'runlocal' \(the config "
                      r"has none\)$"):
     main.check_config_flags(["main", f"--config={CONFIG_DIR}/embed.py:runlocal"])
+
+
+def test_only_counts_are_integer_fields_so_fractions_parse():
+  # Epochs, rates, fractions, probabilities, widths: floats, so that an override such as
+  # --config.optimizer.warmup_epochs=0.5 parses (a ConfigDict field keeps its first type).
+  for path in CONFIG_FILES:
+    module = _module(path)
+    for variant in ("", *module.VARIANTS):
+      config = module.get_config(variant)
+      assert [f for f in _int_fields(config) if f.split(".")[-1] not in INTEGER_FIELDS] == [], (
+          path, variant)
+      if "optimizer" in config:
+        assert config.optimizer.get_type("warmup_epochs") is float
+        assert all(isinstance(e, float) for e in config.optimizer.decay_epochs or ())
