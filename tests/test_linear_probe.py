@@ -83,12 +83,15 @@ def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path)
   # Resuming the finished probe reports the same numbers.
   assert runner.run(linear_probe, probe_config(pretrained), str(tmp_path))[1] == result
   # Resuming with another recipe is refused, not silently mixed.
-  with pytest.raises(ConfigError, match="config.batch_size=32: must be 16"):
+  with pytest.raises(ConfigError, match=r"config.batch_size=32 \(the checkpoint's: 16\): a "
+                     "resumed run must keep its checkpoint's config"):
     runner.run(linear_probe, probe_config(pretrained, batch_size=32), str(tmp_path))
   # So is a probe into a pretraining workdir, and pretraining into a probe's.
-  with pytest.raises(ConfigError, match="another kind of job"):
+  with pytest.raises(ConfigError, match="config.job='linear_probe': must be 'pretrain', the job "
+                     "that wrote the checkpoints in"):
     runner.run(linear_probe, probe_config(pretrained), pretrained)
-  with pytest.raises(ConfigError, match="another kind of job"):
+  with pytest.raises(ConfigError, match="config.job='pretrain': must be 'linear_probe', the job "
+                     "that wrote the checkpoints in"):
     runner.run(pretrain, tiny_config(), str(tmp_path))
 
 
