@@ -22,8 +22,11 @@ reference's own LARS (lr 1.0 x B/256, weight decay 1.5e-6, trust coefficient
 """
 from contrastive_jax import recipes
 
+VARIANTS = ("runlocal",)
+
 
 def get_config(variant: str = ""):
+  recipes.check_variant(variant, VARIANTS)
   config = recipes.base_config()
   config.method = "byol"
   config.batch_size = 256
@@ -58,6 +61,4 @@ def get_config(variant: str = ""):
     config.augment = recipes.byol_views()
     config.optimizer = recipes.optimizer("lars", base_lr=1.0, weight_decay=1.5e-6,
                                          warmup_epochs=1)
-  elif variant:
-    raise ValueError(f"Unknown variant {variant!r} of byol_cifar10; known: 'runlocal'.")
   return config

@@ -24,11 +24,11 @@ from contrastive_jax import recipes
 # epochs -> (base lr, weight decay, tau_base): byol/configs/byol.py's presets.
 PRESETS = {300: (0.3, 1e-6, 0.99), 1000: (0.2, 1.5e-6, 0.996)}
 EPOCHS = {"": 1000, "300ep": 300, "1000ep": 1000}
+VARIANTS = ("300ep", "1000ep")
 
 
 def get_config(variant: str = ""):
-  if variant not in EPOCHS:
-    raise ValueError(f"Unknown variant {variant!r} of byol_imagenet; known: '300ep', '1000ep'.")
+  recipes.check_variant(variant, VARIANTS)
   epochs = EPOCHS[variant]
   base_lr, weight_decay, tau_base = PRESETS[epochs]
   config = recipes.imagenet(recipes.base_config(), batch_size=4096, num_epochs=epochs,

@@ -16,8 +16,11 @@ minutes on a 2-core CPU (recipes.runlocal_images).
 """
 from contrastive_jax import recipes
 
+VARIANTS = ("runlocal",)
+
 
 def get_config(variant: str = ""):
+  recipes.check_variant(variant, VARIANTS)
   config = recipes.images(recipes.base_config(), batch_size=256, num_epochs=200,
                           reference="byol")
   config.method = "byol"
@@ -34,6 +37,4 @@ def get_config(variant: str = ""):
     config.predictor.hidden_dims = (512,)
     config.predictor.out_dim = 128
     config.optimizer.base_lr = 1.0
-  elif variant:
-    raise ValueError(f"Unknown variant {variant!r} of byol_images; known: 'runlocal'.")
   return config

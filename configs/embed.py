@@ -12,10 +12,13 @@ image size and centre crop come from the checkpoint's own config.
 import ml_collections
 from ml_collections import config_dict
 
+from contrastive_jax import recipes
+
+VARIANTS = ()
+
 
 def get_config(variant: str = ""):
-  if variant:
-    raise ValueError(f"configs/embed.py has no variants; got {variant!r}.")
+  recipes.check_variant(variant, VARIANTS)
   config = ml_collections.ConfigDict()
   config.job = "embed"
   config.pretrain_workdir = config_dict.placeholder(str)

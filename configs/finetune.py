@@ -27,8 +27,11 @@ import ml_collections
 
 from contrastive_jax import recipes
 
+VARIANTS = ("runlocal",)
+
 
 def get_config(variant: str = ""):
+  recipes.check_variant(variant, VARIANTS)
   config = recipes.data_fields(ml_collections.ConfigDict())
   config.job = "finetune"
   recipes.pretrained_encoder_fields(config)
@@ -48,6 +51,4 @@ def get_config(variant: str = ""):
     config.log_every = "20 steps"
     config.checkpoint_every = "200 steps"
     config.evaluators.finetune.every = "20 epochs"  # Each pass over the test split costs ~10 s.
-  elif variant:
-    raise ValueError(f"Unknown variant {variant!r} of finetune; known: 'runlocal'.")
   return config

@@ -29,8 +29,11 @@ from ml_collections import config_dict
 
 from contrastive_jax import recipes
 
+VARIANTS = ("runlocal",)
+
 
 def get_config(variant: str = ""):
+  recipes.check_variant(variant, VARIANTS)
   config = recipes.data_fields(ml_collections.ConfigDict())
   config.job = "linear_probe"
   recipes.pretrained_encoder_fields(config)
@@ -55,6 +58,4 @@ def get_config(variant: str = ""):
     config.duration = "1000 steps"
     config.log_every = "50 steps"
     config.checkpoint_every = "250 steps"
-  elif variant:
-    raise ValueError(f"Unknown variant {variant!r} of linear_probe; known: 'runlocal'.")
   return config

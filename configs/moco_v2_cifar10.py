@@ -21,8 +21,11 @@ with BN groups of 32 to keep 8 groups at batch 256.
 """
 from contrastive_jax import recipes
 
+VARIANTS = ("runlocal",)
+
 
 def get_config(variant: str = ""):
+  recipes.check_variant(variant, VARIANTS)
   config = recipes.base_config()
   config.method = "moco"
   config.batch_size = 512
@@ -41,6 +44,4 @@ def get_config(variant: str = ""):
   if variant == "runlocal":
     recipes.runlocal(config)
     config.moco.bn_group_size = 32
-  elif variant:
-    raise ValueError(f"Unknown variant {variant!r} of moco_v2_cifar10; known: 'runlocal'.")
   return config

@@ -18,12 +18,11 @@ grayscale p 0.2, Gaussian blur p 0.5, flip; bfloat16.
 from contrastive_jax import recipes
 
 EPOCHS = {"": 200, "200ep": 200, "800ep": 800}
+VARIANTS = ("200ep", "800ep")
 
 
 def get_config(variant: str = ""):
-  if variant not in EPOCHS:
-    raise ValueError(f"Unknown variant {variant!r} of moco_v2_imagenet; known: '200ep', "
-                     "'800ep'.")
+  recipes.check_variant(variant, VARIANTS)
   config = recipes.imagenet(recipes.base_config(), batch_size=256,
                             num_epochs=EPOCHS[variant], reference="torchvision")
   config.method = "moco"

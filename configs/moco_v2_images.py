@@ -17,8 +17,11 @@ sized for about 10 minutes on a 2-core CPU (recipes.runlocal_images).
 """
 from contrastive_jax import recipes
 
+VARIANTS = ("runlocal",)
+
 
 def get_config(variant: str = ""):
+  recipes.check_variant(variant, VARIANTS)
   config = recipes.images(recipes.base_config(), batch_size=256, num_epochs=200,
                           reference="torchvision")
   config.method = "moco"
@@ -35,6 +38,4 @@ def get_config(variant: str = ""):
     config.projector.hidden_dims = (128,)
     config.optimizer.base_lr = 0.06
     config.moco.bn_group_size = 16  # 8 groups at batch 128, as at full size.
-  elif variant:
-    raise ValueError(f"Unknown variant {variant!r} of moco_v2_images; known: 'runlocal'.")
   return config

@@ -35,8 +35,11 @@ leave no room for a long warm-up.
 """
 from contrastive_jax import recipes
 
+VARIANTS = ("runlocal", "runlocal_vit")
+
 
 def get_config(variant: str = ""):
+  recipes.check_variant(variant, VARIANTS)
   config = recipes.base_config()
   config.method = "mocov3"
   config.batch_size = 256
@@ -67,7 +70,4 @@ def get_config(variant: str = ""):
     config.duration = "800 steps"
     for evaluator in config.evaluators.values():
       evaluator.every = "400 steps"
-  elif variant not in ("", "runlocal"):
-    raise ValueError(f"Unknown variant {variant!r} of mocov3_cifar10; known: 'runlocal', "
-                     "'runlocal_vit'.")
   return config

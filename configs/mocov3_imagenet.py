@@ -34,6 +34,7 @@ from contrastive_jax import recipes
 RESNET50 = {"resnet50": (0.6, 1e-6, 0.99, 100), "resnet50_300ep": (0.3, 1e-6, 0.99, 300),
             "resnet50_1000ep": (0.3, 1.5e-6, 0.996, 1000)}
 VITS = {"": "vit_base", "vit_base": "vit_base", "vit_small": "vit_small"}
+VARIANTS = ("vit_base", "vit_small", *RESNET50)
 
 
 def mlp(hidden_dims, last_bn: bool) -> dict:
@@ -44,9 +45,7 @@ def mlp(hidden_dims, last_bn: bool) -> dict:
 
 
 def get_config(variant: str = ""):
-  if variant not in VITS and variant not in RESNET50:
-    raise ValueError(f"Unknown variant {variant!r} of mocov3_imagenet; known: "
-                     f"{sorted(k for k in VITS if k) + sorted(RESNET50)}.")
+  recipes.check_variant(variant, VARIANTS)
   config = recipes.base_config()
   config.method = "mocov3"
   config.predictor = mlp((4096,), last_bn=False)

@@ -5,20 +5,26 @@
   python -m contrastive_jax.main --config=configs/neighbours.py --workdir=DIR \
       --config.index_workdir=EMBED_DIR --config.query_rows=0,50,100
 
-Queries (comma-separated): image files or names of the index's rows
-(index.jsonl), and row numbers of the index in query_rows.
+Queries: image files or names of the index's rows (index.jsonl), comma-separated in
+queries or one per line in the text file queries_file (for names that have a comma:
+each line is taken as it is, blank lines skipped), and row numbers of the index in
+query_rows. Rows come first, then queries, then queries_file.
 """
 import ml_collections
 from ml_collections import config_dict
 
+from contrastive_jax import recipes
+
+VARIANTS = ()
+
 
 def get_config(variant: str = ""):
-  if variant:
-    raise ValueError(f"configs/neighbours.py has no variants; got {variant!r}.")
+  recipes.check_variant(variant, VARIANTS)
   config = ml_collections.ConfigDict()
   config.job = "neighbours"
   config.index_workdir = config_dict.placeholder(str)  # The embed job's --workdir.
   config.queries = ""
+  config.queries_file = ""  # A text file of queries, one per line.
   config.query_rows = ""
   config.k = 8
   config.chunk_size = 65536  # Index rows scored per device step.

@@ -20,8 +20,11 @@ Variants: `configs/simclr_cifar10.py:runlocal` is the same job shrunk for a
 """
 from contrastive_jax import recipes
 
+VARIANTS = ("runlocal",)
+
 
 def get_config(variant: str = ""):
+  recipes.check_variant(variant, VARIANTS)
   config = recipes.base_config()
   config.method = "simclr"
   config.batch_size = 512
@@ -38,6 +41,4 @@ def get_config(variant: str = ""):
   if variant == "runlocal":
     recipes.runlocal(config)
     config.projector.hidden_dims = (128,)
-  elif variant:
-    raise ValueError(f"Unknown variant {variant!r} of simclr_cifar10; known: 'runlocal'.")
   return config

@@ -21,11 +21,11 @@ brightness, blur p 0.5 (kernel 10% of the side, zero-padded), bfloat16.
 from contrastive_jax import recipes
 
 EPOCHS = {"": 100, "100ep": 100, "1000ep": 1000}
+VARIANTS = ("100ep", "1000ep")
 
 
 def get_config(variant: str = ""):
-  if variant not in EPOCHS:
-    raise ValueError(f"Unknown variant {variant!r} of simclr_imagenet; known: '100ep', '1000ep'.")
+  recipes.check_variant(variant, VARIANTS)
   config = recipes.imagenet(recipes.base_config(), batch_size=4096,
                             num_epochs=EPOCHS[variant], reference="simclr")
   config.method = "simclr"

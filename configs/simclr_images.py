@@ -16,8 +16,11 @@ sized for about 10 minutes on a 2-core CPU (recipes.runlocal_images).
 """
 from contrastive_jax import recipes
 
+VARIANTS = ("runlocal",)
+
 
 def get_config(variant: str = ""):
+  recipes.check_variant(variant, VARIANTS)
   config = recipes.images(recipes.base_config(), batch_size=256, num_epochs=200,
                           reference="simclr")
   config.method = "simclr"
@@ -32,6 +35,4 @@ def get_config(variant: str = ""):
   if variant == "runlocal":
     recipes.runlocal_images(config, steps=400)
     config.projector.hidden_dims = (128,)
-  elif variant:
-    raise ValueError(f"Unknown variant {variant!r} of simclr_images; known: 'runlocal'.")
   return config

@@ -4,24 +4,31 @@ Runs the job the config names (config.job: 'pretrain', 'linear_probe',
 'finetune', 'embed' or 'neighbours').
 Every config field can be overridden on the command line, e.g.
 --config.batch_size=512 or --config=configs/simclr_cifar10.py:runlocal. A
-workdir that holds a checkpoint resumes from it. Expected failures (a config
-that cannot run, a diverged run, a bad workdir) end with one line on stderr
-and exit status 1, and so does a multi-host process whose computation fails
+workdir that holds a checkpoint resumes from it. Expected failures (a flag
+that cannot be parsed: a missing config file, an unknown variant or field; a
+config that cannot run, a diverged run, a bad workdir) end with one line on
+stderr and exit status 1, and so does a multi-host process whose computation fails
 because another process died (see _exit_after_peer_failure). Job modules
 define no flags; this one defines them all.
 """
+import importlib.machinery
+import importlib.util
 import os
+import re
 import sys
 
 from absl import app
 from absl import flags
 from absl import logging
+import ml_collections
 from ml_collections import config_flags
 
 import jax
 
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
+from contrastive_jax.core.errors import VariantError
+from contrastive_jax.core.errors import closest
 from contrastive_jax.core import metrics
 from contrastive_jax.jobs import embed
 from contrastive_jax.jobs import finetune
@@ -83,6 +90,102 @@ def run_job(config, workdir: str):
   return job.run(config, workdir)
 
 
+_CONFIG_ARG = re.compile(r"^--?config(?:=(.*))?$")  # --config=FILE[:VARIANT] or --config FILE...
+_OVERRIDE_ARG = re.compile(r"^--?(?:no)?config\.([^=]*)")  # --config.FIELD=VALUE, --noconfig.FIELD
+
+
+def check_config_flags(argv):
+  """Checks what absl's and ml_collections' parsing would end in a traceback for.
+
+  A --config file that does not exist, a variant the file does not have
+  (recipes.check_variant), a --config.FIELD override naming no field of the
+  config: each raises JobError naming the flag as given and the closest
+  valid file, variant or field. Runs the config file's get_config itself;
+  any other flag is left to absl.
+
+  Raises:
+    JobError: as above.
+  """
+  argv = flags.FLAGS.read_flags_from_files(argv, force_gnu=False)  # Expands --flagfile.
+  value = None
+  for i, arg in enumerate(argv[1:], 1):
+    match = _CONFIG_ARG.match(arg)
+    if match:
+      value = match.group(1)
+      if value is None:  # --config FILE
+        value = argv[i + 1] if i + 1 < len(argv) else None
+  if value is None:
+    return  # absl says that --config is required.
+  config = _load_config(value)
+  for arg in argv[1:]:
+    match = _OVERRIDE_ARG.match(arg)
+    if match:
+      _check_field(config, match.group(1), arg, value)
+
+
+def _load_config(value: str) -> ml_collections.ConfigDict:
+  """get_config(VARIANT) of --config's FILE[:VARIANT], as ml_collections calls it.
+
+  Raises:
+    JobError: no such file (naming the closest in its folder), or no such variant.
+  """
+  path, *variant = value.split(":", 1)
+  if not os.path.isfile(path):
+    folder = os.path.dirname(path)
+    names = ([n for n in os.listdir(folder or ".") if n.endswith(".py")]
+             if os.path.isdir(folder or ".") else [])
+    guess = closest(os.path.basename(path), names)
+    hint = (f"; did you mean {os.path.join(folder, guess)!r}?" if guess else
+            f" (the config files in {folder or '.'}: {', '.join(sorted(names))})" if names else
+            "")
+    raise JobError(f"--config={value}: no such file{hint}")
+  loader = importlib.machinery.SourceFileLoader("contrastive_jax_checked_config", path)
+  module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+  loader.exec_module(module)
+  try:
+    return module.get_config(*variant)
+  except VariantError as e:
+    raise JobError(f"--config={value}: {e}") from None
+
+
+def _check_field(config, field: str, arg: str, value: str):
+  """Raises JobError unless field (dotted) names a field of config.
+
+  The guess is the name most like the rest of field under the deepest group
+  of fields it reaches (e.g. optimizer.warmup_epoch: optimizer's warmup_epochs).
+  """
+  parts = field.split(".")
+  group, depth = config, 0
+  while depth < len(parts) - 1 and isinstance(group.get(parts[depth]),
+                                               ml_collections.ConfigDict):
+    group, depth = group[parts[depth]], depth + 1
+  if depth == len(parts) - 1 and parts[-1] in group:
+    return
+  prefix = "".join(part + "." for part in parts[:depth])
+  guess = closest(".".join(parts[depth:]), _field_names(group))
+  hint = (f"; did you mean {prefix + guess!r}?" if guess else
+          f" (the fields of {('config.' + prefix)[:-1]}: {', '.join(sorted(group.keys()))})")
+  raise JobError(f"{arg}: no field {field!r} in --config={value}{hint}")
+
+
+def _field_names(config, prefix: str = ""):
+  """The dotted name of every field of config, groups of fields included."""
+  for key, item in config.items():
+    yield prefix + key
+    if isinstance(item, ml_collections.ConfigDict):
+      yield from _field_names(item, f"{prefix}{key}.")
+
+
+def parse_flags(argv):
+  """absl's flag parsing (app.run's flags_parser); a flag that cannot be parsed ends the
+  process with one line on stderr and exit status 1."""
+  try:
+    check_config_flags(argv)
+    return flags.FLAGS(argv)
+  except (flags.Error, JobError) as e:
+    sys.exit(f"error: {e}")
+
+
 def _distributed_args() -> dict:
   """The jax.distributed.initialize() arguments given on the command line."""
   given = {"coordinator_address": _COORDINATOR_ADDRESS.value,
@@ -138,4 +241,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

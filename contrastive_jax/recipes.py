@@ -6,7 +6,20 @@ reference's recipe; the docstrings name the reference and the code there.
 import ml_collections
 from ml_collections import config_dict
 
+from contrastive_jax.core.errors import VariantError
 from contrastive_jax import models
+
+
+def check_variant(variant: str, known) -> None:
+  """Raises VariantError unless variant is '' (the config's default) or one of known.
+
+  Every file in configs/ names its variants in a module-level VARIANTS and
+  calls this first in get_config(variant), so that a misspelled
+  --config=FILE:VARIANT ends in one line naming the file's variants and the
+  closest one (main.py).
+  """
+  if variant and variant not in known:
+    raise VariantError(variant, known)
 
 
 def simclr_view(strength: float, blur_prob: float, brightness_op: str = "add") -> dict:
@@ -164,7 +177,7 @@ def runlocal(config):
   config.duration = "1500 steps"
   config.model.width = 0.25
   config.model.stem = "imagenet"
-  config.optimizer.warmup_epochs = 1
+  config.optimizer.warmup_epochs = 1.0
   config.log_every = "20 steps"
   config.checkpoint_every = "200 steps"
   for evaluator in config.evaluators.values():
@@ -177,13 +190,19 @@ def optimizer(name: str, base_lr: float, weight_decay: float, **overrides) -> di
 
   schedule 'step' multiplies the lr by decay_factor at each of decay_epochs;
   weight_decay_mask, lr_before_momentum and nesterov choose the reference's
-  variant (methods/optim.py docstring).
+  variant (methods/optim.py docstring). Rates, factors and epochs are floats whatever the
+  caller wrote (warmup_epochs=0 is 0.0): a ConfigDict field keeps the type of its first value,
+  and --config.optimizer.warmup_epochs=0.5 must parse in every config.
   """
   config = dict(name=name, base_lr=base_lr, lr_scaling="linear", weight_decay=weight_decay,
                 weight_decay_mask="kernels", momentum=0.9, nesterov=False,
-                lr_before_momentum=False, trust_coefficient=0.001, warmup_epochs=10,
+                lr_before_momentum=False, trust_coefficient=0.001, warmup_epochs=10.0,
                 schedule="cosine", decay_epochs=(), decay_factor=0.1)
   config.update(overrides)
+  for key in ("base_lr", "weight_decay", "momentum", "trust_coefficient", "warmup_epochs",
+              "decay_factor"):
+    config[key] = float(config[key])
+  config["decay_epochs"] = tuple(float(epoch) for epoch in config["decay_epochs"])
   return config
 
 
@@ -327,7 +346,7 @@ def runlocal_images(config, *, steps: int):
   config.duration = f"{steps} steps"
   config.model.width = 0.25
   config.cache = True
-  config.optimizer.warmup_epochs = 1
+  config.optimizer.warmup_epochs = 1.0
   config.log_every = "10 steps"
   config.checkpoint_every = f"{steps // 4} steps"
   for evaluator in config.evaluators.values():

@@ -1,14 +1,19 @@
 """Linear probe: restores only the encoder of any method's checkpoint, keeps it frozen."""
 import json
 import os
+import subprocess
+import sys
 
 import jax
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
-from helpers import TFDS_DIR, checkpoints_are_finite, load_config, tiny_config
+from helpers import CONFIG_DIR, TFDS_DIR, checkpoints_are_finite, load_config, subprocess_env
+from helpers import tiny_config
 
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import NonFiniteError
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.jobs import downstream
@@ -81,9 +86,11 @@ def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path)
   with pytest.raises(ConfigError, match=r"^config.batch_size=32 \(the checkpoint.s: 16\)"):
     runner.run(linear_probe, probe_config(pretrained, batch_size=32), str(tmp_path))
   # So is a probe into a pretraining workdir, and pretraining into a probe's.
-  with pytest.raises(ConfigError, match="another kind of job"):
+  with pytest.raises(ConfigError, match="config.job='linear_probe': must be 'pretrain', the job "
+                     "that wrote the checkpoints in"):
     runner.run(linear_probe, probe_config(pretrained), pretrained)
-  with pytest.raises(ConfigError, match="another kind of job"):
+  with pytest.raises(ConfigError, match="config.job='pretrain': must be 'linear_probe', the job "
+                     "that wrote the checkpoints in"):
     runner.run(pretrain, tiny_config(), str(tmp_path))
 
 
@@ -129,6 +136,35 @@ def test_bad_probe_inputs(pretrained, tmp_path):
   config.evaluators.linear_probe.every = "0 steps"
   with pytest.raises(ConfigError, match="config.evaluators.linear_probe.every='0 steps'"):
     runner.run(linear_probe, config, str(tmp_path))
+
+
+def test_checkpoints_of_another_tool_end_in_one_line_naming_pretrain_workdir(tmp_path):
+  # An Orbax checkpoint without our 'config' item, and a bare numbered step folder.
+  orbax_dir, numbered_dir = tmp_path / "orbax", tmp_path / "numbered"
+  manager = ocp.CheckpointManager(str(orbax_dir / "checkpoints"), item_names=("state",))
+  manager.save(3, args=ocp.args.Composite(state=ocp.args.StandardSave({"w": np.zeros(2)})))
+  manager.wait_until_finished()
+  manager.close()
+  (numbered_dir / "checkpoints" / "5").mkdir(parents=True)
+  for workdir, step in ((orbax_dir, 3), (numbered_dir, 5)):
+    with pytest.raises(ConfigError, match=(
+        f"config.pretrain_workdir='{workdir}': must be a pretraining workdir of contrastive_jax; "
+        f"{workdir}/checkpoints/{step} is not a checkpoint of contrastive_jax")):
+      downstream.restore_encoder(probe_config(str(workdir)), mesh_lib.make_mesh())
+  # A job's own workdir holding them: one line too, before anything is built.
+  with pytest.raises(JobError, match=f"{numbered_dir}/checkpoints/5 is not a checkpoint"):
+    runner.run(pretrain, tiny_config(), str(numbered_dir))
+  # Through the entry point: one line on stderr, exit status 1.
+  out = subprocess.run(
+      [sys.executable, "-m", "contrastive_jax.main", f"--config={CONFIG_DIR}/linear_probe.py",
+       f"--config.pretrain_workdir={orbax_dir}", f"--config.data_dir={TFDS_DIR}",
+       f"--workdir={tmp_path / 'probe'}"],
+      capture_output=True, text=True, timeout=300, env=subprocess_env())
+  assert out.returncode == 1 and "Traceback" not in out.stderr
+  assert out.stderr.strip().splitlines()[-1] == (
+      f"error: config.pretrain_workdir='{orbax_dir}': must be a pretraining workdir of "
+      f"contrastive_jax; {orbax_dir}/checkpoints/3 is not a checkpoint of contrastive_jax (it "
+      "has no 'config' item)")
 
 
 # Each reference's linear evaluation, from its own code (recipes.LINEAR_PROBE_PRESETS

@@ -3,6 +3,9 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+from absl import flags
+from helpers import CONFIG_DIR
+from ml_collections import config_flags
 
 from contrastive_jax.methods import common
 from contrastive_jax.methods import optim
@@ -88,3 +91,28 @@ def test_nesterov_sgd_steps():
     updates, state = tx.update({"kernel": jnp.ones(3)}, state, params)
     steps.append(updates["kernel"])
   np.testing.assert_allclose(steps, [[-1.9] * 3, [-2.71] * 3], rtol=1e-6)
+
+
+def test_half_an_epoch_of_warmup_parses_and_warms_up_for_half_an_epoch():
+  argv = ["main", f"--config={CONFIG_DIR}/simclr_cifar10.py",
+          "--config.optimizer.warmup_epochs=0.5"]
+  flag_values = flags.FlagValues()
+  config = config_flags.DEFINE_config_file("config", flag_values=flag_values, sys_argv=argv)
+  flag_values(argv)
+  cfg = config.value.optimizer
+  assert cfg.warmup_epochs == 0.5
+  sched = optim.learning_rate_schedule(cfg, 512, steps_per_epoch=98, total_steps=980)
+  # Peak 1.0 x 512 / 256 = 2, reached at step 49 after a linear rise.
+  np.testing.assert_allclose([sched(0), sched(24), sched(49), sched(50)],
+                             [0.0, 2.0 * 24 / 49, 2.0, 2.0 * (1 + np.cos(np.pi / 931)) / 2],
+                             rtol=1e-6)
+
+
+def test_whole_warmup_epochs_give_the_same_steps_as_integers_did():
+  for epochs in (0, 1, 10, 40):
+    for steps_per_epoch in (1, 97, 390):
+      cfg = _opt_config(warmup_epochs=epochs)
+      assert isinstance(cfg.warmup_epochs, float)
+      sched = optim.learning_rate_schedule(cfg, 256, steps_per_epoch, total_steps=100_000)
+      warmup = epochs * steps_per_epoch
+      assert sched(warmup) == 1.0 and (warmup == 0 or sched(warmup - 1) < 1.0)

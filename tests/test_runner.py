@@ -73,25 +73,40 @@ def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, method):
 
 def check_views_picture(config, path):
   """The step-0 picture shows view v of batch row i as augment_image of the host crop with
-  the key of its device and position: the train step's own pixels."""
+  the key of its device and position: the train step's own pixels; the first
+  n = min(16, batch) rows of the batch, in 4 rows of n / 4 images."""
   picture = np.asarray(Image.open(path))
   mesh = mesh_lib.make_mesh()
   batch = next(input_pipeline.train_batches(
       sources.get_source(config, {}), config, mesh_lib.batch_sharded(mesh),
       image_size=config.image_size)(0))
-  crops = np.asarray(batch["image"])                      # [16, 2, S, S, 3] uint8
+  crops = np.asarray(batch["image"])                      # [B, 2, S, S, 3] uint8
   rng = jax.random.split(jax.random.PRNGKey(config.seed))[1]
   per_device = config.batch_size // jax.device_count()
   cell = max(64, config.image_size)
   pad, caption = pictures._PAD, pictures._CAPTION_HEIGHT
-  for i in (0, 5, 15):  # Rows of devices 0, 2 and 7.
+  n = min(16, config.batch_size)
+  per_row = n // 4
+  assert picture.shape == (4 * (cell + caption + pad) + pad, 2 * per_row * (cell + pad) + pad, 3)
+  for i in (0, n // 3, n - 1):  # Batch 16: rows of devices 0, 2 and 7; batch 8: 0, 2 and 7.
     for v, view in enumerate(pretrain.views(config)):
       key = jax.random.split(common.view_key(rng, 0, i // per_device, v), per_device)[i % per_device]
       x = np.asarray(augment.augment_image(crops[i, v], key, view))
       expected = Image.fromarray(np.round(np.clip(x, 0, 1) * 255).astype(np.uint8))
       expected = np.asarray(expected.resize((cell, cell), Image.BILINEAR))
-      top, left = pad + (i // 4) * (cell + caption + pad), pad + (2 * (i % 4) + v) * (cell + pad)
+      top = pad + (i // per_row) * (cell + caption + pad)
+      left = pad + (2 * (i % per_row) + v) * (cell + pad)
       np.testing.assert_array_equal(picture[top:top + cell, left:left + cell], expected)
+
+
+def test_batch_of_8_pictures_its_8_images_and_trains(tmp_path):
+  config = tiny_config()
+  config.batch_size = 8  # One image per device.
+  config.duration = "1 steps"
+  config.evaluators = {}
+  state, _ = runner.run(pretrain, config, str(tmp_path))
+  assert int(state.step) == 1
+  check_views_picture(config, str(tmp_path / "augmented_views.png"))
 
 
 def test_batch_size_override_keeps_evaluation_intervals_in_epochs(tmp_path):

@@ -1,6 +1,7 @@
 """Embeddings and search by image: the embed and neighbours jobs, the chunked top-k."""
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -159,6 +160,39 @@ def test_neighbours_of_rows_names_and_files_find_themselves(index, tmp_path):
     left = pad + column * (32 + pad)
     np.testing.assert_array_equal(picture[top:top + 32, left:left + 32], images[5])
   assert any(name.startswith("events.out.tfevents") for name in os.listdir(workdir))
+
+
+def test_a_file_whose_name_has_a_comma_is_a_query_of_the_queries_file(index, tmp_path):
+  images, _ = _cifar_test()
+  comma_file = tmp_path / "photo 7, copy.png"
+  Image.fromarray(images[7]).save(comma_file)
+  names = [row["name"] for row in index_lib.load_index(index).rows]
+  listed = tmp_path / "queries.txt"
+  # Lines as they are (the comma and spaces kept), blank lines skipped, CRLF endings too.
+  listed.write_text(f"{comma_file}\r\n\n{names[5]}\n", newline="")
+  results = neighbours.run(neighbours_config(index, queries=names[2], queries_file=str(listed)),
+                           str(tmp_path / "out"))
+  assert [q["query"] for q in results["queries"]] == [names[2], str(comma_file), names[5]]
+  assert [q["neighbours"][0]["row"] for q in results["queries"]] == [2, 7, 5]
+  assert results["queries"][1]["neighbours"][0]["score"] == pytest.approx(1.0, abs=1e-5)
+  # The same name in config.queries is split at its comma: one line says where it goes.
+  with pytest.raises(ConfigError, match=(
+      f"config.queries='{re.escape(str(tmp_path))}/photo 7': must be an image file or the name "
+      "of a row .*"
+      r"\(a query whose name has a comma goes in config.queries_file, one per line\)$")):
+    neighbours.run(neighbours_config(index, queries=str(comma_file)), str(tmp_path / "out2"))
+  listed.write_text(f"{names[5]}\nmissing.jpg\n")
+  for config, match in [
+      (neighbours_config(index, queries_file=str(listed)),
+       f"config.queries_file='{re.escape(str(listed))}': must be a file of queries, one per "
+       "line; line 2 "
+       "\\('missing.jpg'\\) must be an image file or the name of a row"),
+      (neighbours_config(index, queries_file=str(tmp_path / "nowhere.txt")),
+       "config.queries_file=.*nowhere.txt': must be a UTF-8 text file of queries, one per line"),
+  ]:
+    with pytest.raises(ConfigError, match=match):
+      neighbours.run(config, str(tmp_path / "out2"))
+  assert not os.path.exists(tmp_path / "out2" / neighbours.RESULTS)
 
 
 def test_folder_of_files_embeds_like_the_dataset_and_lists_what_it_cannot_read(pretrained, index,

@@ -18,6 +18,7 @@ from absl import logging
 
 from contrastive_jax.core.errors import ABSENT
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
 
 
 def _leaves(tree: dict, prefix: str = "") -> dict:
@@ -79,9 +80,15 @@ class Checkpointer:
 
     Raises:
       ConfigError: no checkpoint, or no checkpoint at that step (lists those that exist).
+      JobError: a step directory without the 'config' item: not a checkpoint of this
+        project (another tool's Orbax checkpoint, or any numbered folder).
     """
     step = self.resolve_step(step)
-    saved = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    try:
+      saved = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    except KeyError:  # Orbax: 'Item "config" was not found in the checkpoint'.
+      raise JobError(f"{self.directory}/{step} is not a checkpoint of contrastive_jax (it has "
+                     "no 'config' item)") from None
     return ml_collections.ConfigDict(saved.config)
 
   def restore(self, abstract_state, step: Optional[int] = None):

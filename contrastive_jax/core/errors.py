@@ -1,4 +1,6 @@
 """Expected failures: each ends a job with one line and a non-zero exit (main.py)."""
+import difflib
+from typing import Iterable, Optional
 
 
 ABSENT = "<absent>"  # How ResumeError shows a field one config has and the other lacks.
@@ -55,3 +57,26 @@ class ImageError(JobError):
   def __init__(self, path: str, reason: str):
     self.path, self.reason = path, reason
     super().__init__(f"{path}: {reason}")
+
+
+class VariantError(JobError):
+  """A config file's get_config(variant) called with a variant the file does not have.
+
+  Attributes:
+    variant: as given.
+    known: the file's variants ('', the default, is always allowed too).
+  """
+
+  def __init__(self, variant: str, known: Iterable[str]):
+    self.variant, self.known = variant, tuple(known)
+    listed = (f"the config's variants: {', '.join(map(repr, self.known))}" if self.known
+              else "the config has none")
+    guess = closest(variant, self.known)
+    hint = f"; did you mean {guess!r}?" if guess else ""
+    super().__init__(f"no variant {variant!r} ({listed}){hint}")
+
+
+def closest(name: str, candidates: Iterable[str]) -> Optional[str]:
+  """The candidate most like name (difflib's ratio of at least 0.6), or None."""
+  matches = difflib.get_close_matches(name, list(candidates), n=1)
+  return matches[0] if matches else None

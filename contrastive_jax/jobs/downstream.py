@@ -18,6 +18,7 @@ import tensorflow as tf
 
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import files
 from contrastive_jax.core import gcs
 from contrastive_jax.core import mesh as mesh_lib
@@ -77,9 +78,10 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
   "the latest" pretraining checkpoint keeps the step it started with.
 
   Raises:
-    ConfigError: pretrain_workdir with no checkpoint, a pretrain_step that was
-      not saved (the saved ones are listed), checkpoints of another kind of
-      job, or a model_name that differs from the checkpoint's model.
+    ConfigError: pretrain_workdir with no checkpoint or with checkpoints of
+      another tool, a pretrain_step that was not saved (the saved ones are
+      listed), checkpoints of another kind of job, or a model_name that
+      differs from the checkpoint's model.
     JobError: a gs:// pretrain_workdir without Google Cloud credentials.
   """
   gcs.check_credentials(config.pretrain_workdir or "", "config.pretrain_workdir")
@@ -94,7 +96,11 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
   ckpt = checkpointing.Checkpointer(directory, read_only=True)
   try:
     step = ckpt.resolve_step(None if pretrain_step < 0 else pretrain_step, "pretrain_step")
-    saved = ckpt.saved_config(step)
+    try:
+      saved = ckpt.saved_config(step)
+    except JobError as e:
+      raise ConfigError("pretrain_workdir", config.pretrain_workdir,
+                        f"a pretraining workdir of contrastive_jax; {e}") from None
     if "method" not in saved:
       raise ConfigError("pretrain_workdir", config.pretrain_workdir,
                         "a pretraining workdir; its checkpoints were written by another kind "

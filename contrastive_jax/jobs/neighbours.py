@@ -6,9 +6,14 @@
       --config.index_workdir=EMBED_DIR --config.query_rows=0,50,100
 
 A query is a row number of the index (config.query_rows), the name of a
-row (config.queries), or an image file (config.queries; decoded, cropped and
-embedded with the index's encoder as the embed job does a folder's files);
-rows come first, then config.queries in their order. For each, the k rows of the index with the
+row or an image file (decoded, cropped and embedded with the index's encoder
+as the embed job does a folder's files). config.queries holds names and files
+separated by commas; a name that has a comma goes in config.queries_file, a
+text file (UTF-8) of queries, one per line, each line taken as it is (spaces
+included; blank lines skipped), as tar -T and rsync --files-from read theirs.
+Relative paths are relative to the working directory, as in config.queries.
+Rows come first, then config.queries, then config.queries_file, in their order.
+For each, the k rows of the index with the
 largest cosine similarity, best first; a query that is in the index finds
 itself first, with score 1. Writes to the workdir (process 0):
 
@@ -105,15 +110,46 @@ def _split(value: str) -> list:
   return [item.strip() for item in value.split(",") if item.strip()]
 
 
+def _named_queries(config) -> list:
+  """[(query, line)]: config.queries' comma-separated items (line None), then the lines of
+  config.queries_file (line: its number, from 1), blank lines left out.
+
+  Raises:
+    ConfigError: a queries_file that does not exist or is not UTF-8 text.
+  """
+  found = [(item, None) for item in _split(config.queries)]
+  if config.queries_file:
+    try:
+      with open(config.queries_file, encoding="utf-8", newline="") as f:
+        text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+      raise ConfigError("queries_file", config.queries_file,
+                        f"a UTF-8 text file of queries, one per line ({e})") from None
+    lines = [line.removesuffix("\r") for line in text.split("\n")]
+    found += [(line, number) for number, line in enumerate(lines, 1) if line]
+  return found
+
+
+def _query_error(config, query: str, line, allowed: str) -> ConfigError:
+  """The ConfigError for one query: naming config.queries and it, or config.queries_file
+  and its line."""
+  if line is not None:
+    return ConfigError("queries_file", config.queries_file,
+                       f"a file of queries, one per line; line {line} ({query!r}) must be "
+                       f"{allowed}")
+  return ConfigError("queries", query, allowed)
+
+
 def check_config(config):
-  """Raises ConfigError for fields that cannot run, before anything is read."""
+  """Raises ConfigError for fields that cannot run, before any image is read."""
   for field in ("k", "chunk_size", "cell", "max_pixels"):
     if config[field] <= 0:
       raise ConfigError(field, config[field], "an integer > 0")
-  if not _split(config.queries) and not _split(config.query_rows):
+  if not _named_queries(config) and not _split(config.query_rows):
     raise ConfigError("queries", config.queries,
                       "at least one query: image files or names of index rows, "
-                      "comma-separated (or config.query_rows: row numbers)")
+                      "comma-separated (or config.queries_file: one per line; "
+                      "config.query_rows: row numbers)")
   if not config.index_workdir or not index_lib.is_index(
       files.resolve_dir(config.index_workdir)):
     raise ConfigError("index_workdir", config.index_workdir,
@@ -129,7 +165,8 @@ def _queries(config, index: index_lib.Index):
 
   Raises:
     ConfigError: a row outside the index; a query that is neither a name in
-      the index nor a file; a file that cannot be decoded (naming it and why).
+      the index nor a file; a file that cannot be decoded (naming it, and its
+      line of queries_file, and why).
   """
   num_rows = len(index.rows)
   found = []
@@ -140,19 +177,22 @@ def _queries(config, index: index_lib.Index):
                         "is not)")
     found.append((item, int(item), None))
   by_name = {row["name"]: i for i, row in enumerate(index.rows)}
-  for item in _split(config.queries):
+  for item, line in _named_queries(config):
     if item in by_name:
       found.append((item, by_name[item], None))
     elif not os.path.isfile(item):
-      raise ConfigError("queries", item, "an image file or the name of a row of the index "
-                        f"(see {index_lib.INDEX}); there is no such file or name")
+      hint = (" (a query whose name has a comma goes in config.queries_file, one per line)"
+              if line is None and "," in config.queries else "")
+      raise _query_error(config, item, line, "an image file or the name of a row of the index "
+                         f"(see {index_lib.INDEX}); there is no such file or name{hint}")
     else:
       try:
         image = images.load_image(item, max_pixels=config.max_pixels,
                                   shorter_side=index_lib.shorter_side(index.image_size,
                                                                       index.crop_fraction))
       except ImageError as e:
-        raise ConfigError("queries", item, f"an image file that can be read: {e.reason}") from None
+        raise _query_error(config, item, line,
+                           f"an image file that can be read: {e.reason}") from None
       found.append((item, None, _crop(image, index.image_size, index.crop_fraction)))
   return found
 

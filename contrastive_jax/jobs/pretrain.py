@@ -154,12 +154,10 @@ def views_picture(view_settings, mesh, count: int = 16):
 
   The views are made by common.augmented_views in the train step's own shard_map
   layout, with the state's key and step, so they are exactly the pixels the
-  train step sees (before the model's input normalisation). The picture has 4
-  rows of `count` // 4 images, each image as its view 1 then view 2, captioned
-  '<row in batch>: 1' and '<row in batch>: 2'; cells are at least 64 px.
-
-  Raises:
-    ValueError (when called): a batch of fewer than `count` images.
+  train step sees (before the model's input normalisation). The picture shows
+  the first n = min(count, batch) images in rows of ceil(n / 4), so at most 4
+  rows (a batch of 8: 4 rows of 2), each image as its view 1 then view 2,
+  captioned '<row in batch>: 1' and '<row in batch>: 2'; cells are at least 64 px.
   """
   def per_device(state, images):
     return jnp.stack(common.augmented_views(images, state.rng, state.step, view_settings), axis=1)
@@ -170,15 +168,13 @@ def views_picture(view_settings, mesh, count: int = 16):
                   out_shardings=mesh_lib.replicated(mesh))
 
   def picture(state, batch):
-    if batch["image"].shape[0] < count:
-      raise ValueError(f"views_picture needs a batch of >= {count} images")
-    x = np.asarray(jax.device_get(first(state, batch["image"])))  # [count, 2, S, S, 3]
+    x = np.asarray(jax.device_get(first(state, batch["image"])))  # [n, 2, S, S, 3]
     x = np.round(np.clip(x, 0.0, 1.0) * 255).astype(np.uint8)
-    per_row = count // 4
-    rows = [[x[i, v] for i in range(r * per_row, (r + 1) * per_row) for v in range(2)]
-            for r in range(4)]
-    captions = [[f"{i}: {v + 1}" for i in range(r * per_row, (r + 1) * per_row)
-                 for v in range(2)] for r in range(4)]
-    return pictures.grid(rows, captions, cell=max(64, x.shape[2]))
+    n = len(x)
+    per_row = -(-n // 4)
+    rows = [range(start, min(start + per_row, n)) for start in range(0, n, per_row)]
+    return pictures.grid([[x[i, v] for i in row for v in range(2)] for row in rows],
+                         [[f"{i}: {v + 1}" for i in row for v in range(2)] for row in rows],
+                         cell=max(64, x.shape[2]))
 
   return picture

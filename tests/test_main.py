@@ -1,0 +1,117 @@
+"""The entry point's flag parsing: a bad --config file, variant or field ends in one line."""
+import glob
+import importlib.util
+import os
+import subprocess
+import sys
+
+import ml_collections
+import pytest
+from helpers import CONFIG_DIR, subprocess_env
+
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core.errors import VariantError
+from contrastive_jax import main
+
+SIMCLR = os.path.join(CONFIG_DIR, "simclr_cifar10.py")
+CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
+# The config fields that count things (or are pixels, seeds, steps): the only int fields.
+INTEGER_FIELDS = {"batch_size", "bn_group_size", "cell", "chunk_size", "data_threads", "depth",
+                  "hidden_dims", "image_size", "k", "keep_checkpoints", "label_seed",
+                  "max_pixels", "out_dim", "patch_size", "pretrain_step", "queue_size", "seed",
+                  "shuffle_buffer"}
+
+
+def _int_fields(config, prefix=""):
+  """Dotted names of config's fields typed int or holding a tuple of ints (placeholders too)."""
+  for key, value in config.items():
+    if isinstance(value, ml_collections.ConfigDict):
+      yield from _int_fields(value, f"{prefix}{key}.")
+    elif config.get_type(key) is int or (isinstance(value, tuple) and value and
+                                         all(type(v) is int for v in value)):
+      yield prefix + key
+
+
+def _module(path):
+  spec = importlib.util.spec_from_file_location(os.path.basename(path)[:-3], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
+@pytest.mark.parametrize("args, line", [
+    ([f"--config={SIMCLR}", "--config.batchsize=64"],
+     f"error: --config.batchsize=64: no field 'batchsize' in --config={SIMCLR}; "
+     "did you mean 'batch_size'?"),
+    ([f"--config={SIMCLR}:runlocl"],
+     f"error: --config={SIMCLR}:runlocl: no variant 'runlocl' (the config's variants: "
+     "'runlocal'); did you mean 'runlocal'?"),
+    ([f"--config={CONFIG_DIR}/simclr_cifar.py"],
+     f"error: --config={CONFIG_DIR}/simclr_cifar.py: no such file; did you mean "
+     f"'{CONFIG_DIR}/simclr_cifar10.py'?"),
+    ([f"--config={CONFIG_DIR}/nope.py"],
+     f"error: --config={CONFIG_DIR}/nope.py: no such file (the config files in {CONFIG_DIR}: "
+     + ", ".join(os.path.basename(f) for f in CONFIG_FILES) + ")"),
+    ([f"--config={SIMCLR}", "--config.batch_size=abc"],
+     "error: flag --config.batch_size=abc: invalid literal for int() with base 10: 'abc'"),
+])
+def test_bad_config_flags_end_in_one_line(tmp_path, args, line):
+  out = subprocess.run([sys.executable, "-m", "contrastive_jax.main", *args,
+                        f"--workdir={tmp_path / 'run'}"],
+                       capture_output=True, text=True, timeout=300, env=subprocess_env())
+  assert out.returncode == 1, out.stderr
+  assert out.stderr.strip().splitlines()[-1] == line
+  assert "Traceback" not in out.stderr and not os.path.exists(tmp_path / "run")
+
+
+@pytest.mark.parametrize("override, message", [
+    # The guess is looked for under the deepest group the name reaches, at any depth.
+    ("--config.optimizer.warmup_epoch=1", "did you mean 'optimizer.warmup_epochs'?"),
+    ("--config.warmup_epochs=1", "did you mean 'optimizer.warmup_epochs'?"),
+    ("--config.optimiser.warmup_epochs=1", "did you mean 'optimizer.warmup_epochs'?"),
+    ("--config.evaluators.knn.kk=1", "did you mean 'evaluators.knn.k'?"),
+    ("--config.batch_size.x=1", "did you mean 'batch_size'?"),
+    # Nothing close: the group's fields are listed.
+    ("--config.optimizer.xyzzy=1", "no field 'optimizer.xyzzy' in --config=.* \\(the fields of "
+     "config.optimizer: base_lr, decay_epochs, .*, weight_decay_mask\\)$"),
+    ("--noconfig.xyzzy", "^--noconfig.xyzzy: no field 'xyzzy' .*\\(the fields of config: augment, "),
+])
+def test_misspelled_field_names_its_closest(override, message):
+  with pytest.raises(JobError, match=message):
+    main.check_config_flags(["main", f"--config={SIMCLR}", override])
+
+
+def test_valid_flags_pass_the_check():
+  for argv in (["main", "--config", SIMCLR, "--config.evaluators.knn.k=3", "--noconfig.cache",
+                "--config.evaluators={}", "--config.evaluators.knn", "3"],
+               ["main", f"--config={CONFIG_DIR}/mocov3_cifar10.py:runlocal_vit",
+                "--config.model.depth=2"],
+               ["main", "--workdir=x"]):  # No --config: absl says it is required.
+    main.check_config_flags(argv)
+
+
+def test_every_config_declares_its_variants_and_refuses_others():
+  for path in CONFIG_FILES:
+    module = _module(path)
+    for variant in ("", *module.VARIANTS):
+      assert module.get_config(variant).job, (path, variant)
+    with pytest.raises(VariantError) as error:
+      module.get_config("runlocl")
+    assert error.value.known == tuple(module.VARIANTS)
+  with pytest.raises(JobError, match=r"embed.py:runlocal: no variant 'runlocal' \(the config "
+                     r"has none\)$"):
+    main.check_config_flags(["main", f"--config={CONFIG_DIR}/embed.py:runlocal"])
+
+
+def test_only_counts_are_integer_fields_so_fractions_parse():
+  # Epochs, rates, fractions, probabilities, widths: floats, so that an override such as
+  # --config.optimizer.warmup_epochs=0.5 parses (a ConfigDict field keeps its first type).
+  for path in CONFIG_FILES:
+    module = _module(path)
+    for variant in ("", *module.VARIANTS):
+      config = module.get_config(variant)
+      assert [f for f in _int_fields(config) if f.split(".")[-1] not in INTEGER_FIELDS] == [], (
+          path, variant)
+      if "optimizer" in config:
+        assert config.optimizer.get_type("warmup_epochs") is float
+        assert all(isinstance(e, float) for e in config.optimizer.decay_epochs or ())
