@@ -19,9 +19,9 @@ from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import pictures
 from contrastive_jax.jobs import downstream
 from contrastive_jax.jobs import embed
-from contrastive_jax.jobs import evaluators
 from contrastive_jax.jobs import index as index_lib
 from contrastive_jax.jobs import neighbours
+from contrastive_jax.methods import common
 from contrastive_jax import main
 from contrastive_jax import models
 
@@ -123,7 +123,7 @@ def test_embeddings_are_unit_h_of_every_image_in_split_order(pretrained, index):
   encoder, variables, _, step, _ = downstream.restore_encoder(embed_config(pretrained),
                                                               mesh_lib.make_mesh())
   assert step == 0 and saved.config.pretrain_step == 0
-  want = evaluators.l2_normalize(models.encode(encoder, jax.device_get(variables), images))
+  want = common.l2_normalize(models.encode(encoder, jax.device_get(variables), images))
   np.testing.assert_allclose(saved.embeddings, want, atol=1e-5)
   assert [r["label"] for r in saved.rows] == labels
   # cifar10's own 'id' feature names its examples (data.ID_FEATURES).
