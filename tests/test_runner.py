@@ -210,14 +210,17 @@ def test_workdir_that_is_a_file_ends_in_one_line(tmp_path):
   assert "Traceback" not in out.stderr
 
 
-def test_resumed_run_drops_metrics_of_steps_it_will_redo(tmp_path):
+def test_resumed_run_drops_metrics_of_steps_it_will_redo(tmp_path, caplog):
   with open(tmp_path / "metrics.jsonl", "w") as f:
     for step in range(6):
       f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
+    f.write('{"step": 6, "loss": 1.')  # Cut short by a kill or a full disk.
   writer = metrics_lib.create_writer(str(tmp_path), resumed_step=3)
   writer.write_scalars(4, {"loss": 2.0})
   writer.close()
   assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [
       (0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
+  assert "metrics.jsonl: dropped line 7, '{\"step\": 6, \"loss\": 1.': not a whole record" in (
+      caplog.text)
   metrics_lib.create_writer(str(tmp_path), resumed_step=None).close()  # A fresh start.
   assert read_metrics(tmp_path) == []

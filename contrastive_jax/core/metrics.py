@@ -14,6 +14,8 @@ from absl import logging
 from clu import metric_writers
 from clu.metric_writers import interface
 
+from contrastive_jax.core import files
+
 # How often metrics.jsonl on gs:// is uploaded, besides at every checkpoint and at the end.
 GCS_FLUSH_SECS = 60.0
 
@@ -82,7 +84,9 @@ def create_writer(workdir: str, resumed_step: Optional[int]) -> interface.Metric
   WORKDIR may be a local path or gs://. metrics.jsonl keeps only the records
   up to resumed_step, the step of the checkpoint the job resumed from (None
   for a fresh start: none are kept); a job killed between two checkpoints wrote
-  the later ones and will write them again. Locally each record is flushed at
+  the later ones and will write them again. A record cut short (the last
+  line, when a kill or a full disk stopped its write) is dropped with a
+  warning; the file is rewritten atomically. Locally each record is flushed at
   once; on gs:// every GCS_FLUSH_SECS (see JsonlWriter), and the runner
   flushes the writer at every checkpoint.
   """
@@ -91,14 +95,32 @@ def create_writer(workdir: str, resumed_step: Optional[int]) -> interface.Metric
   tf.io.gfile.makedirs(workdir)
   path = f"{workdir}/metrics.jsonl"
   if tf.io.gfile.exists(path):
-    with tf.io.gfile.GFile(path) as f:
-      kept = [line for line in f
-              if resumed_step is not None and json.loads(line)["step"] <= resumed_step]
-    with tf.io.gfile.GFile(path, "w") as f:
-      f.write("".join(kept))
+    kept = []
+    if resumed_step is not None:
+      with tf.io.gfile.GFile(path) as f:
+        kept = [line for line in _whole_records(path, f.read())
+                if json.loads(line)["step"] <= resumed_step]
+    files.write_atomic(path, "".join(kept))
   return metric_writers.MultiWriter([
       metric_writers.create_default_writer(workdir, asynchronous=False),
       JsonlWriter(path, flush_every_secs=GCS_FLUSH_SECS if workdir.startswith("gs://") else 0.0)])
+
+
+def _whole_records(path: str, text: str) -> list:
+  """The lines of text that are whole JSON records; logs a warning for each other one."""
+  whole = []
+  for number, line in enumerate(text.splitlines(keepends=True), 1):
+    try:
+      json.loads(line)
+    except ValueError:
+      pass
+    else:
+      if line.endswith("\n"):
+        whole.append(line)
+        continue
+    logging.warning("%s: dropped line %d, %r: not a whole record (a write cut short when the "
+                    "job stopped).", path, number, line[:80])
+  return whole
 
 
 class _QuietLibraries(std_logging.Filter):
