@@ -116,6 +116,7 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
   job.check_config(config, jax.device_count())
   ckpt = checkpointing.Checkpointer(f"{workdir}/checkpoints", keep=config.keep_checkpoints)
   try:
+    ckpt.discard_incomplete()  # It could not resume them, and saves may need their steps.
     saved = None
     if ckpt.latest_step() is not None:
       saved = ckpt.saved_config()
