@@ -106,34 +106,38 @@ def steps_per_epoch(source, config) -> int:
 def run(job, config: ml_collections.ConfigDict, workdir: str):
   """Runs `job` with `config` in `workdir`; returns (final state, last evaluation results).
 
+  Holds the workdir's lock (files.workdir_lock) from the config check to the
+  end, and waits for pending checkpoint writes on every exit path.
+
   Raises:
     ConfigError: before any compute, for a config, dataset or checkpoint
       that cannot run.
     NonFiniteError: the loss or the state became NaN or infinite.
-    JobError: a workdir that is a file.
+    JobError: a workdir that is a file, or that another job is running in.
   """
   workdir = files.prepare_workdir(workdir)
   job.check_config(config, jax.device_count())
-  ckpt = checkpointing.Checkpointer(f"{workdir}/checkpoints", keep=config.keep_checkpoints)
-  try:
-    ckpt.discard_incomplete()  # It could not resume them, and saves may need their steps.
-    saved = None
-    if ckpt.latest_step() is not None:
-      saved = ckpt.saved_config()
-      if saved.get("job") != config.job:
-        raise ConfigError("job", config.job,
-                          f"{saved.get('job')!r}, the job that wrote the checkpoints in "
-                          f"{ckpt.directory}: use a new workdir")
-    mesh = mesh_lib.make_mesh()
-    task = job.build(config, mesh, saved, workdir)
-    if saved is not None:  # Compared with what build() resolved (e.g. the probe's preset).
-      differences = checkpointing.config_differences(saved.to_dict(), task.config,
-                                                     MAY_CHANGE_ON_RESUME)
-      if differences:
-        raise ResumeError(ckpt.directory, differences, MAY_CHANGE_ON_RESUME)
-    return _loop(task, workdir, ckpt, mesh)
-  finally:
-    ckpt.close()  # Waits for pending writes on every exit path.
+  with files.workdir_lock(workdir):
+    ckpt = checkpointing.Checkpointer(f"{workdir}/checkpoints", keep=config.keep_checkpoints)
+    try:
+      ckpt.discard_incomplete()  # It could not resume them, and saves may need their steps.
+      saved = None
+      if ckpt.latest_step() is not None:
+        saved = ckpt.saved_config()
+        if saved.get("job") != config.job:
+          raise ConfigError("job", config.job,
+                            f"{saved.get('job')!r}, the job that wrote the checkpoints in "
+                            f"{ckpt.directory}: use a new workdir")
+      mesh = mesh_lib.make_mesh()
+      task = job.build(config, mesh, saved, workdir)
+      if saved is not None:  # Compared with what build() resolved (e.g. the probe's preset).
+        differences = checkpointing.config_differences(saved.to_dict(), task.config,
+                                                       MAY_CHANGE_ON_RESUME)
+        if differences:
+          raise ResumeError(ckpt.directory, differences, MAY_CHANGE_ON_RESUME)
+      return _loop(task, workdir, ckpt, mesh)
+    finally:
+      ckpt.close()  # Waits for pending writes on every exit path.
 
 
 def _loop(task: Task, workdir: str, ckpt, mesh):

@@ -1,0 +1,95 @@
+"""Jobs stopped from outside, through the entry point in subprocesses: a second job on the
+same workdir ends in one line, and a killed one leaves no lock."""
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+from helpers import CONFIG_DIR, TFDS_DIR, subprocess_env
+
+from contrastive_jax.core import checkpointing
+from contrastive_jax.core import files
+
+
+def command(workdir, *overrides):
+  """main.py on the tiny SimCLR (1 CPU device, no evaluator), logging every step."""
+  return [sys.executable, "-m", "contrastive_jax.main",
+          f"--config={CONFIG_DIR}/simclr_cifar10.py:runlocal", f"--workdir={workdir}",
+          f"--config.data_dir={TFDS_DIR}", "--config.train_split=train[:256]",
+          "--config.batch_size=16", "--config.model.width=0.0625", "--config.log_every=1 steps",
+          "--config.evaluators={}", "--config.shuffle_buffer=256", "--config.data_threads=1",
+          *overrides]
+
+
+def start(args, log):
+  """Popen of args with stdout and stderr to the file `log` (a pipe could fill and stall it)."""
+  with open(log, "w") as f:
+    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f,
+                            env=subprocess_env(fast_compile=True))
+
+
+def wait_for(condition, proc, log, timeout=300):
+  deadline = time.time() + timeout
+  while not condition():
+    assert proc.poll() is None and time.time() < deadline, log.read_text()[-3000:]
+    time.sleep(0.2)
+
+
+def metric_steps(workdir):
+  path = os.path.join(workdir, "metrics.jsonl")
+  if not os.path.exists(path):
+    return []
+  with open(path) as f:
+    return [json.loads(line)["step"] for line in f if line.endswith("\n")]
+
+
+def last_line(stderr: str) -> str:
+  assert "Traceback" not in stderr, stderr[-3000:]
+  return stderr.strip().splitlines()[-1]
+
+
+def test_second_job_on_a_workdir_is_refused_while_the_first_runs(tmp_path):
+  workdir, log = tmp_path / "run", tmp_path / "first.log"
+  first = start(command(workdir, "--config.duration=100000 steps",
+                        "--config.checkpoint_every=1000 steps"), log)
+  try:
+    wait_for(lambda: len(metric_steps(workdir)) >= 2, first, log)
+    # The same command again while the first job trains: refused before it writes anything.
+    second = subprocess.run(command(workdir, "--config.duration=100000 steps",
+                                    "--config.checkpoint_every=1000 steps"),
+                            capture_output=True, text=True, timeout=300,
+                            env=subprocess_env(fast_compile=True))
+    assert second.returncode == 1
+    assert last_line(second.stderr).startswith(
+        f"error: --workdir={workdir}: another job is running in it (pid {first.pid} on host "), (
+            second.stderr[-2000:])
+    assert first.poll() is None
+    first.send_signal(signal.SIGTERM)
+    first.wait(timeout=120)
+  finally:
+    first.kill()
+    first.wait()
+  stderr = log.read_text()
+  assert first.returncode == 0, stderr[-3000:]
+  step = int(re.search(r"Stopped at step (\d+) after a preemption request", stderr)[1])
+  directory = f"{workdir}/checkpoints"
+  assert checkpointing.Checkpointer(directory, read_only=True).complete_steps() == [step]
+  assert metric_steps(workdir) == list(range(1, step + 1))  # Each once: the second wrote none.
+
+
+def test_a_killed_job_leaves_no_lock(tmp_path):
+  workdir, log = tmp_path / "run", tmp_path / "job.log"
+  job = start(command(workdir, "--config.duration=100000 steps"), log)
+  try:
+    lock = workdir / files.LOCK
+    wait_for(lambda: lock.exists() and f"pid {job.pid} " in lock.read_text(), job, log)
+    job.send_signal(signal.SIGKILL)
+    job.wait(timeout=60)
+  finally:
+    job.kill()
+    job.wait()
+  with files.workdir_lock(str(workdir)):  # The kernel released the dead job's lock.
+    assert lock.read_text().startswith(f"pid {os.getpid()} on host ")
