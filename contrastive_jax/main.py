@@ -6,7 +6,8 @@ Every config field can be overridden on the command line, e.g.
 --config.batch_size=512 or --config=configs/simclr_cifar10.py:runlocal. A
 workdir that holds a checkpoint resumes from it. Expected failures (a config
 that cannot run, a diverged run, a bad workdir) end with one line on stderr
-and exit status 1, and so does a multi-host process whose computation fails
+and exit status 1, and so do a full disk (a training job's line names its
+newest checkpoint) and a multi-host process whose computation fails
 because another process died (see _exit_after_peer_failure). Job modules
 define no flags; this one defines them all.
 """
@@ -22,6 +23,7 @@ import jax
 
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
+from contrastive_jax.core import files
 from contrastive_jax.core import metrics
 from contrastive_jax.jobs import embed
 from contrastive_jax.jobs import finetune
@@ -135,6 +137,11 @@ def main(argv):
     if jax.process_count() == 1:
       raise
     _exit_after_peer_failure(e)
+  except Exception as e:  # pylint: disable=broad-except
+    if not files.is_disk_full(e):
+      raise
+    sys.exit(f"error: no space left on device while writing to {_WORKDIR.value}; free "
+             "space and start the same command again")
 
 
 if __name__ == "__main__":

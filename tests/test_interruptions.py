@@ -1,5 +1,5 @@
 """Jobs stopped from outside, through the entry point in subprocesses: a second job on the
-same workdir ends in one line, and a killed one leaves no lock."""
+same workdir, Ctrl-C, kill -9 and a full disk each end in one line, and nothing is lost."""
 import json
 import os
 import re
@@ -8,6 +8,7 @@ import subprocess
 import sys
 import time
 
+import pytest
 from helpers import CONFIG_DIR, TFDS_DIR, subprocess_env
 
 from contrastive_jax.core import checkpointing
@@ -93,3 +94,47 @@ def test_a_killed_job_leaves_no_lock(tmp_path):
     job.wait()
   with files.workdir_lock(str(workdir)):  # The kernel released the dead job's lock.
     assert lock.read_text().startswith(f"pid {os.getpid()} on host ")
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 2.5 MB tmpfs (room for 2 or 3 checkpoints of the tiny model) at tmp_path/disk."""
+  mount = tmp_path / "disk"
+  mount.mkdir()
+  made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(mount)],
+                        capture_output=True, text=True)
+  if made.returncode:
+    pytest.skip(f"cannot mount a tmpfs here (root needed): {made.stderr.strip()}")
+  try:
+    yield mount
+  finally:
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+def test_full_disk_ends_in_one_line_and_the_same_command_resumes(small_disk):
+  workdir = small_disk / "run"
+  args = command(workdir, "--config.duration=20 steps", "--config.checkpoint_every=1 steps",
+                 "--config.keep_checkpoints=20")
+  env = subprocess_env(fast_compile=True)
+  full = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+  assert full.returncode == 1, full.stderr[-3000:]
+  directory = f"{workdir}/checkpoints"
+  stopped = re.fullmatch(rf"error: no space left on device while writing to {workdir}: the "
+                         rf"newest checkpoint is step (\d+) \(in {directory}\); free space and "
+                         "start the same command again to resume", last_line(full.stderr))
+  assert stopped, full.stderr[-3000:]
+  step = int(stopped[1])
+  assert checkpointing.Checkpointer(directory, read_only=True).complete_steps() == list(
+      range(1, step + 1))
+  # An atomic write that finds the disk full leaves neither the file nor a partial copy.
+  with pytest.raises(Exception) as error:
+    files.write_atomic(f"{workdir}/big", b"x" * 4_000_000)
+  assert files.is_disk_full(error.value)
+  assert not {"big", "big.tmp"} & set(os.listdir(workdir))
+
+  subprocess.run(["mount", "-o", "remount,size=64m", str(small_disk)], check=True)
+  resumed = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
+  assert resumed.returncode == 0, resumed.stderr[-3000:]
+  assert f"Resumed from {directory} at step {step}." in resumed.stderr
+  assert sorted(os.listdir(directory), key=int) == [str(s) for s in range(1, 21)]  # No temp left.
+  assert metric_steps(workdir) == list(range(1, 21))

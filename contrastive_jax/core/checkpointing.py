@@ -65,10 +65,14 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, *, keep: int = 3, read_only: bool = False):
+    # A writer also removes the temporary folders of saves that never completed (a
+    # killed job, a full disk); the workdir lock (files.workdir_lock) keeps them
+    # from being another running job's.
     self._manager = ocp.CheckpointManager(
         directory, item_names=("state", "config"),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                             read_only=read_only))
+                                             read_only=read_only,
+                                             cleanup_tmp_directories=not read_only))
     self._warned = set()
 
   @property
@@ -183,9 +187,11 @@ class Checkpointer:
     return jax.process_count() > 1 and self._manager.reached_preemption(step)
 
   def close(self):
-    """Waits for pending writes, then releases the manager."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for pending writes, then releases the manager (also when a write failed)."""
+    try:
+      self._manager.wait_until_finished()
+    finally:
+      self._manager.close()
 
   def resolve_step(self, step: Optional[int], field: str = "step") -> int:
     """`step` if saved and complete; the newest complete step if None.

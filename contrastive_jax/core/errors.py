@@ -55,3 +55,7 @@ class ImageError(JobError):
   def __init__(self, path: str, reason: str):
     self.path, self.reason = path, reason
     super().__init__(f"{path}: {reason}")
+
+
+class NoSpaceError(JobError):
+  """The disk (or quota) of the workdir is full; the message says what is kept."""

@@ -4,6 +4,7 @@ Every path goes through tf.io.gfile, so a workdir may be a local directory or
 a gs:// URL alike.
 """
 import contextlib
+import errno
 import fcntl
 import os
 import socket
@@ -48,9 +49,16 @@ def write_atomic(path: str, content: Union[bytes, str]):
   a job killed while writing leaves the previous file (or none) in place.
   """
   tmp = path + ".tmp"
-  with tf.io.gfile.GFile(tmp, "wb") as f:
-    f.write(content.encode() if isinstance(content, str) else content)
-  tf.io.gfile.rename(tmp, path, overwrite=True)
+  try:
+    with tf.io.gfile.GFile(tmp, "wb") as f:
+      f.write(content.encode() if isinstance(content, str) else content)
+    tf.io.gfile.rename(tmp, path, overwrite=True)
+  except BaseException:  # A full disk, say: leave no partial .tmp behind.
+    try:
+      tf.io.gfile.remove(tmp)
+    except tf.errors.OpError:  # Never written, or unreachable: the first error tells.
+      pass
+    raise
 
 
 @contextlib.contextmanager
@@ -107,3 +115,20 @@ def workdir_lock(workdir: str):
   finally:
     if handle is not None:
       handle.close()  # Releases the lock.
+
+
+def is_disk_full(error: BaseException) -> bool:
+  """Whether error, or an exception it was raised from or while handling, is a full disk.
+
+  Recognises OSError ENOSPC and the messages of tf.io.gfile
+  (ResourceExhaustedError '...; No space left on device') and of Orbax's
+  TensorStore writes ('RESOURCE_EXHAUSTED: ... No space left on device').
+  """
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or (
+        "No space left on device" in str(error)):
+      return True
+    error = error.__cause__ or error.__context__
+  return False

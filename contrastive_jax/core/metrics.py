@@ -4,6 +4,7 @@ Only process 0 writes files; other processes log to the console only.
 """
 import json
 import logging as std_logging
+import sys
 import time
 from typing import Optional
 
@@ -124,13 +125,42 @@ def _whole_records(path: str, text: str) -> list:
 
 
 class _QuietLibraries(std_logging.Filter):
-  """Drops INFO records of Orbax and TFDS, which log every checkpoint file they touch."""
+  """Drops INFO records of Orbax and TFDS, and the duplicate reports of a failed save.
+
+  Orbax and TFDS log every checkpoint file they touch. When a save fails (a
+  full disk, say), each of Orbax's background threads logs the error with a
+  traceback, and asyncio logs its tasks' again, some at exit; the main thread
+  raises the same error and reports it once (main.py: one line for an
+  expected failure, a traceback otherwise). Of Orbax's records only the
+  message is kept; asyncio's about Orbax's tasks are dropped.
+  """
 
   def filter(self, record):
+    if record.name == "asyncio" and "orbax" in record.getMessage():
+      return False
+    if record.exc_info and "orbax" in record.pathname:
+      record.exc_info = record.exc_text = None
     return record.levelno >= std_logging.WARNING or not any(
         lib in record.pathname for lib in ("orbax", "tensorflow_datasets"))
 
 
+def _drop_closed_loop_callbacks(unraisable, previous=sys.unraisablehook):
+  """sys.unraisablehook without the 'Event loop is closed' errors of abandoned writes.
+
+  After a failed save, TensorStore still completes the writes Orbax stopped
+  waiting for, and their callbacks find Orbax's event loop closed: one
+  traceback each, printed from TensorStore's threads (the save's error itself
+  is reported by the main thread). Everything else goes to `previous`.
+  """
+  if not (isinstance(unraisable.exc_value, RuntimeError)
+          and str(unraisable.exc_value) == "Event loop is closed"):
+    previous(unraisable)
+
+
 def quiet_library_logs():
-  """Keeps the console to this project's progress lines and the libraries' warnings."""
+  """Keeps the console to this project's progress lines and the libraries' warnings.
+
+  See _QuietLibraries and _drop_closed_loop_callbacks for what is left out.
+  """
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  sys.unraisablehook = _drop_closed_loop_callbacks

@@ -12,6 +12,7 @@ preemption sync, so every host stops at the same step). Every exit path,
 errors included, waits for pending checkpoint writes; nothing non-finite is
 ever saved.
 """
+import contextlib
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
@@ -25,6 +26,8 @@ from clu import periodic_actions
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import durations
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core.errors import NoSpaceError
 from contrastive_jax.core.errors import NonFiniteError
 from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.core import files
@@ -113,13 +116,14 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
     ConfigError: before any compute, for a config, dataset or checkpoint
       that cannot run.
     NonFiniteError: the loss or the state became NaN or infinite.
+    NoSpaceError: the disk filled up while writing to the workdir.
     JobError: a workdir that is a file, or that another job is running in.
   """
   workdir = files.prepare_workdir(workdir)
   job.check_config(config, jax.device_count())
   with files.workdir_lock(workdir):
     ckpt = checkpointing.Checkpointer(f"{workdir}/checkpoints", keep=config.keep_checkpoints)
-    try:
+    with _closing(ckpt, workdir):
       ckpt.discard_incomplete()  # It could not resume them, and saves may need their steps.
       saved = None
       if ckpt.latest_step() is not None:
@@ -136,8 +140,43 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
         if differences:
           raise ResumeError(ckpt.directory, differences, MAY_CHANGE_ON_RESUME)
       return _loop(task, workdir, ckpt, mesh)
-    finally:
-      ckpt.close()  # Waits for pending writes on every exit path.
+
+
+@contextlib.contextmanager
+def _closing(ckpt, workdir: str):
+  """Closes ckpt on exit (waiting for pending writes); a full disk becomes a JobError.
+
+  A full disk can surface in the body or only when the pending writes are
+  waited for; either way the job ends in NoSpaceError (unless it is already
+  ending in another JobError), naming the newest complete checkpoint.
+  """
+  error = None
+  try:
+    yield
+  except BaseException as e:  # pylint: disable=broad-except
+    error = e
+  try:
+    ckpt.close()
+  except Exception as e:  # pylint: disable=broad-except
+    if error is None or (files.is_disk_full(e) and not isinstance(error, JobError)):
+      error = e
+    else:
+      logging.error("Waiting for pending checkpoint writes also failed: %s", e)
+  if error is None:
+    return
+  if not isinstance(error, JobError) and files.is_disk_full(error):
+    raise NoSpaceError(f"no space left on device while writing to {workdir}: "
+                       f"{_newest(ckpt, 'free space and start the same command again')}"
+                       ) from error
+  raise error
+
+
+def _newest(ckpt, then: str = "start the same command again") -> str:
+  """What a stopped job keeps and how to go on, in words (once pending writes are complete)."""
+  latest = ckpt.latest_step()
+  if latest is None:
+    return f"no checkpoint was saved yet; {then} to start over"
+  return f"the newest checkpoint is step {latest} (in {ckpt.directory}); {then} to resume"
 
 
 def _loop(task: Task, workdir: str, ckpt, mesh):
