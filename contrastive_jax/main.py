@@ -6,8 +6,8 @@ Every config field can be overridden on the command line, e.g.
 --config.batch_size=512 or --config=configs/simclr_cifar10.py:runlocal. A
 workdir that holds a checkpoint resumes from it. Expected failures (a config
 that cannot run, a diverged run, a bad workdir) end with one line on stderr
-and exit status 1, and so do a full disk (a training job's line names its
-newest checkpoint) and a multi-host process whose computation fails
+and exit status 1, and so do Ctrl-C, a full disk (a training job's line names
+its newest checkpoint) and a multi-host process whose computation fails
 because another process died (see _exit_after_peer_failure). Job modules
 define no flags; this one defines them all.
 """
@@ -133,6 +133,8 @@ def main(argv):
     run_job(_CONFIG.value, _WORKDIR.value)
   except JobError as e:
     sys.exit(f"error: {e}")
+  except KeyboardInterrupt:  # Training jobs say more (runner: errors.Interrupted).
+    sys.exit("error: interrupted (Ctrl-C) before the job finished")
   except jax.errors.JaxRuntimeError as e:
     if jax.process_count() == 1:
       raise

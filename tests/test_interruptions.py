@@ -52,7 +52,7 @@ def last_line(stderr: str) -> str:
   return stderr.strip().splitlines()[-1]
 
 
-def test_second_job_on_a_workdir_is_refused_while_the_first_runs(tmp_path):
+def test_second_job_is_refused_and_ctrl_c_checkpoints_and_stops(tmp_path):
   workdir, log = tmp_path / "run", tmp_path / "first.log"
   first = start(command(workdir, "--config.duration=100000 steps",
                         "--config.checkpoint_every=1000 steps"), log)
@@ -68,15 +68,20 @@ def test_second_job_on_a_workdir_is_refused_while_the_first_runs(tmp_path):
         f"error: --workdir={workdir}: another job is running in it (pid {first.pid} on host "), (
             second.stderr[-2000:])
     assert first.poll() is None
-    first.send_signal(signal.SIGTERM)
+    first.send_signal(signal.SIGINT)
     first.wait(timeout=120)
   finally:
     first.kill()
     first.wait()
   stderr = log.read_text()
-  assert first.returncode == 0, stderr[-3000:]
-  step = int(re.search(r"Stopped at step (\d+) after a preemption request", stderr)[1])
+  assert first.returncode == 1, stderr[-3000:]
   directory = f"{workdir}/checkpoints"
+  stopped = re.fullmatch(rf"error: interrupted at step (\d+): the newest checkpoint is step "
+                         rf"(\d+) \(in {directory}\); start the same command again to resume",
+                         last_line(stderr))
+  assert stopped and stopped[1] == stopped[2], stderr[-3000:]
+  step = int(stopped[1])
+  assert "Ctrl-C: saving a checkpoint after this step" in stderr
   assert checkpointing.Checkpointer(directory, read_only=True).complete_steps() == [step]
   assert metric_steps(workdir) == list(range(1, step + 1))  # Each once: the second wrote none.
 

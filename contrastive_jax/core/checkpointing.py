@@ -220,27 +220,45 @@ def abstract_like(state, sharding):
 
 
 class Preemption:
-  """Remembers a SIGTERM so the loop can checkpoint and stop at a step boundary.
+  """Remembers a SIGTERM or a first Ctrl-C so the loop can checkpoint and stop between steps.
 
-  A context manager: the previous SIGTERM handler is restored on exit. Only a
-  single-process job installs it: on several hosts each one gets the signal
-  at a different step, so they agree through Checkpointer.reached_preemption
-  (JAX's distributed preemption sync) instead, and all stop at the same step.
+  A context manager: the previous SIGTERM and SIGINT handlers are restored on
+  exit. After the first Ctrl-C (SIGINT) a second one raises KeyboardInterrupt
+  at once, as usual. Only a single-process job installs the handlers: on
+  several hosts each one gets SIGTERM at a different step, so they agree
+  through Checkpointer.reached_preemption (JAX's distributed preemption sync)
+  instead, and all stop at the same step; Ctrl-C there raises
+  KeyboardInterrupt in the process that gets it.
+
+  Attributes:
+    requested: a stop was asked for (either signal).
+    interrupted: by Ctrl-C (the job then ends in errors.Interrupted, while
+      a preempted job ends normally).
   """
 
   def __init__(self):
-    self.requested = False
-    self._previous = None
+    self.requested = self.interrupted = False
+    self._previous = {}
 
   def __enter__(self):
     if jax.process_count() == 1:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+      self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
+      # Not where SIGINT is ignored (a job started in the background by a script).
+      if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._handle)
     return self
 
   def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for signum, handler in self._previous.items():
+      if handler is not None:  # None: a handler not set from Python, which cannot be restored.
+        signal.signal(signum, handler)
 
   def _handle(self, signum, frame):
-    logging.warning("SIGTERM: saving a checkpoint after this step, then stopping.")
+    if signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, signal.default_int_handler)
+      logging.warning("Ctrl-C: saving a checkpoint after this step, then stopping. Ctrl-C "
+                      "again stops at once, keeping the newest complete checkpoint.")
+      self.interrupted = True
+    else:
+      logging.warning("SIGTERM: saving a checkpoint after this step, then stopping.")
     self.requested = True

@@ -57,5 +57,9 @@ class ImageError(JobError):
     super().__init__(f"{path}: {reason}")
 
 
+class Interrupted(JobError):
+  """Ctrl-C (SIGINT) stopped the job; the message says at which step and what is kept."""
+
+
 class NoSpaceError(JobError):
   """The disk (or quota) of the workdir is full; the message says what is kept."""

@@ -26,6 +26,7 @@ from clu import periodic_actions
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import durations
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import Interrupted
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import NoSpaceError
 from contrastive_jax.core.errors import NonFiniteError
@@ -116,6 +117,8 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
     ConfigError: before any compute, for a config, dataset or checkpoint
       that cannot run.
     NonFiniteError: the loss or the state became NaN or infinite.
+    Interrupted: Ctrl-C; the first one saves a checkpoint after the
+      current step (as SIGTERM does), a second one stops at once.
     NoSpaceError: the disk filled up while writing to the workdir.
     JobError: a workdir that is a file, or that another job is running in.
   """
@@ -144,11 +147,13 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
 
 @contextlib.contextmanager
 def _closing(ckpt, workdir: str):
-  """Closes ckpt on exit (waiting for pending writes); a full disk becomes a JobError.
+  """Closes ckpt on exit (waiting for pending writes); a full disk or Ctrl-C becomes a JobError.
 
   A full disk can surface in the body or only when the pending writes are
   waited for; either way the job ends in NoSpaceError (unless it is already
-  ending in another JobError), naming the newest complete checkpoint.
+  ending in another JobError), naming the newest complete checkpoint. A
+  KeyboardInterrupt that _loop did not turn into Interrupted (one before the
+  training loop, or while _loop waited for the writes) becomes Interrupted.
   """
   error = None
   try:
@@ -164,11 +169,19 @@ def _closing(ckpt, workdir: str):
       logging.error("Waiting for pending checkpoint writes also failed: %s", e)
   if error is None:
     return
+  if isinstance(error, KeyboardInterrupt):
+    raise Interrupted(f"interrupted: {_newest(ckpt)}") from None
   if not isinstance(error, JobError) and files.is_disk_full(error):
     raise NoSpaceError(f"no space left on device while writing to {workdir}: "
                        f"{_newest(ckpt, 'free space and start the same command again')}"
                        ) from error
   raise error
+
+
+def _interrupted(step: int, ckpt) -> Interrupted:
+  """The error that ends a job interrupted at `step`, once pending checkpoint writes are done."""
+  ckpt.wait()
+  return Interrupted(f"interrupted at step {step}: {_newest(ckpt)}")
 
 
 def _newest(ckpt, then: str = "start the same command again") -> str:
@@ -208,7 +221,7 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
 
   batches = task.train_batches(start_step)
   writer = metrics_lib.create_writer(workdir, resumed_step=resumed_step)
-  results = {}
+  results, step = {}, start_step
   try:
     with checkpointing.Preemption() as preemption:
       if start_step == 0:
@@ -255,9 +268,13 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
           writer.write_scalars(step, scalars)
         if save:  # A resumed run keeps the records up to its checkpoint: store them now.
           writer.flush()
+        if stop and preemption.interrupted:
+          raise _interrupted(step, ckpt)
         if stop:
           logging.warning("Stopped at step %d after a preemption request.", step)
           break
+  except KeyboardInterrupt:  # A second Ctrl-C, or one on a multi-host job.
+    raise _interrupted(step, ckpt) from None
   finally:
     writer.close()
   return state, results
