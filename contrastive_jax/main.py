@@ -7,7 +7,8 @@ Every config field can be overridden on the command line, e.g.
 workdir that holds a checkpoint resumes from it. Expected failures (a flag
 that cannot be parsed: a missing config file, an unknown variant or field; a
 config that cannot run, a diverged run, a bad workdir) end with one line on
-stderr and exit status 1, and so does a multi-host process whose computation fails
+stderr and exit status 1, and so do Ctrl-C, a full disk (a training job's line
+names its newest checkpoint) and a multi-host process whose computation fails
 because another process died (see _exit_after_peer_failure). Job modules
 define no flags; this one defines them all.
 """
@@ -29,6 +30,7 @@ from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import VariantError
 from contrastive_jax.core.errors import closest
+from contrastive_jax.core import files
 from contrastive_jax.core import metrics
 from contrastive_jax.jobs import embed
 from contrastive_jax.jobs import finetune
@@ -234,10 +236,17 @@ def main(argv):
     run_job(_CONFIG.value, _WORKDIR.value)
   except JobError as e:
     sys.exit(f"error: {e}")
+  except KeyboardInterrupt:  # Training jobs say more (runner: errors.Interrupted).
+    sys.exit("error: interrupted (Ctrl-C) before the job finished")
   except jax.errors.JaxRuntimeError as e:
     if jax.process_count() == 1:
       raise
     _exit_after_peer_failure(e)
+  except Exception as e:  # pylint: disable=broad-except
+    if not files.is_disk_full(e):
+      raise
+    sys.exit(f"error: no space left on device while writing to {_WORKDIR.value}; free "
+             "space and start the same command again")
 
 
 if __name__ == "__main__":

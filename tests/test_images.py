@@ -6,7 +6,10 @@ converted and damaged here; every expected pixel comes from numpy.
 import glob
 import os
 import shutil
+import signal
 import struct
+import subprocess
+import sys
 import zlib
 
 from absl import flags
@@ -29,6 +32,7 @@ from contrastive_jax.jobs import pretrain
 from contrastive_jax.jobs import runner
 from helpers import SHARED
 from helpers import load_config
+from helpers import subprocess_env
 from helpers import tiny_config
 
 PHOTOS = sorted(glob.glob(os.path.join(SHARED, "images", "clothing", "train", "*", "*.jpg")))
@@ -372,3 +376,58 @@ def test_command_line_error_is_one_line(tmp_path, monkeypatch):
     with pytest.raises(SystemExit) as e:
       prepare_images.main(["prepare_images"])
   assert e.value.code == f"error: --src='{tmp_path}/nowhere': does not exist"
+
+
+# prepare_images' command line, each image decoded slowly: time to press Ctrl-C mid-way.
+_SLOW_PREPARE = """
+import time
+from absl import app
+from contrastive_jax.data import images, prepare_images
+load_image = images.load_image
+def slow_load_image(*args, **kwargs):
+  print("decoding", flush=True)
+  time.sleep(0.5)
+  return load_image(*args, **kwargs)
+images.load_image = slow_load_image
+app.run(prepare_images.main)
+"""
+
+
+def test_ctrl_c_replaces_nothing_and_leaves_no_temporary_folder(prepared, tmp_path):
+  src, prepared_dir, _ = prepared
+  data_dir = tmp_path / "tfds"
+  shutil.copytree(prepared_dir, data_dir)
+
+  def files_and_contents():
+    found = {}
+    for directory, _, names in os.walk(data_dir):
+      for name in names:
+        with open(os.path.join(directory, name), "rb") as f:
+          found[os.path.relpath(os.path.join(directory, name), data_dir)] = f.read()
+    return found
+
+  before = files_and_contents()
+  log = tmp_path / "stderr"
+  with open(log, "w") as stderr:  # Other options: it would replace the dataset.
+    proc = subprocess.Popen([sys.executable, "-c", _SLOW_PREPARE, f"--src={src}", "--name=mini",
+                             f"--data_dir={data_dir}", "--image_size=48", "--overwrite"],
+                            stdout=subprocess.PIPE, stderr=stderr, text=True,
+                            env=subprocess_env())
+  try:
+    for line in proc.stdout:  # TFDS prints its progress there too.
+      if line == "decoding\n":
+        break
+    else:
+      pytest.fail(f"prepare_images ended before decoding: {log.read_text()[-3000:]}")
+    assert any(name.startswith(".mini.preparing.") for name in os.listdir(data_dir))
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=60)
+  finally:
+    proc.kill()
+    proc.wait()
+  stderr = log.read_text()
+  assert proc.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
+  assert stderr.strip().splitlines()[-1] == (
+      f"error: interrupted (Ctrl-C): nothing was replaced: {data_dir}/mini is as it was, and no "
+      "partly written copy is left")
+  assert files_and_contents() == before  # No temporary folder either.

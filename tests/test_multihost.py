@@ -11,6 +11,7 @@ import pytest
 from helpers import CONFIG_DIR, TFDS_DIR, free_port, subprocess_env, tiny_config
 
 from contrastive_jax.core import checkpointing
+from contrastive_jax.core import files
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.jobs import runner
 
@@ -45,6 +46,18 @@ def test_two_host_run_agrees_and_only_process_zero_writes_metrics(tmp_path):
   assert results[0][1] == "3"
   assert _steps(tmp_path) == [0, 1, 2, 3]  # Written once, by process 0.
   assert os.path.isdir(tmp_path / "checkpoints" / "3")
+
+
+def test_both_processes_stop_when_another_job_holds_the_workdir(tmp_path):
+  with files.workdir_lock(str(tmp_path)):  # Process 0 takes the lock, and tells process 1.
+    procs = _start(tmp_path, "pretrain")
+    outputs = [p.communicate(timeout=300)[0] for p in procs]
+  assert [p.returncode for p in procs] == [1, 1], outputs[0][-3000:]
+  assert (f"JobError: --workdir={tmp_path}: another job is running in it (pid {os.getpid()} on "
+          "host ") in outputs[0]
+  assert (f"JobError: --workdir={tmp_path}: process 0 found another job running in it"
+          in outputs[1]), outputs[1][-3000:]
+  assert sorted(os.listdir(tmp_path)) == [files.LOCK]
 
 
 @pytest.fixture(scope="module")

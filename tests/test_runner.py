@@ -177,7 +177,7 @@ def test_bad_config_fails_before_compute_naming_the_field(tmp_path, field, value
   assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
-def test_resume_refuses_every_changed_field_but_those_that_may_change(tmp_path):
+def test_resume_refuses_every_changed_field_but_those_that_may_change(tmp_path, caplog):
   config = tiny_config()
   del config.evaluators["online_probe"]
   config.duration = "2 steps"
@@ -195,8 +195,13 @@ def test_resume_refuses_every_changed_field_but_those_that_may_change(tmp_path):
   assert str(error.value).startswith(
       "config.model.new_field='x' (the checkpoint's: '<absent>'); config.model.width=0.125 "
       "(the checkpoint's: 0.0625): a resumed run must keep its checkpoint's config")
-  # Fields that may change on resume: the run goes on from step 1 to the same state.
-  shutil.rmtree(tmp_path / "checkpoints" / "2")
+  # Fields that may change on resume: the run goes on from step 1 to the same state. Step 2
+  # loses its state item (a checkpoint partly deleted), and metrics.jsonl ends in a record
+  # cut short: the run falls back to step 1, deletes step 2 and saves it again, and drops
+  # the partial record.
+  shutil.rmtree(tmp_path / "checkpoints" / "2" / "state")
+  with open(tmp_path / "metrics.jsonl", "a") as f:
+    f.write('{"step": 3, "lo')
   changed = ml_collections.ConfigDict(config.to_dict())
   changed.log_every = "1 steps"
   changed.keep_checkpoints = 1
@@ -207,6 +212,11 @@ def test_resume_refuses_every_changed_field_but_those_that_may_change(tmp_path):
   resumed, results = runner.run(pretrain, changed, str(tmp_path))
   assert int(resumed.step) == 2 and "knn_top1" in results
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(straight))
+  assert "Deleting checkpoint step 2 in" in caplog.text
+  assert "dropped line 4, '{\"step\": 3, \"lo'" in caplog.text
+  assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
+  # Step 2 saved again; keep_checkpoints=1 removed step 1.
+  assert checkpointing.Checkpointer(str(tmp_path / "checkpoints")).complete_steps() == [2]
 
 
 def test_workdir_that_is_a_file_ends_in_one_line(tmp_path):
@@ -225,14 +235,46 @@ def test_workdir_that_is_a_file_ends_in_one_line(tmp_path):
   assert "Traceback" not in out.stderr
 
 
-def test_resumed_run_drops_metrics_of_steps_it_will_redo(tmp_path):
+def test_resumed_run_drops_metrics_of_steps_it_will_redo(tmp_path, caplog):
   with open(tmp_path / "metrics.jsonl", "w") as f:
     for step in range(6):
       f.write(json.dumps({"step": step, "loss": 1.0}) + "\n")
+    f.write('{"step": 6, "loss": 1.')  # Cut short by a kill or a full disk.
   writer = metrics_lib.create_writer(str(tmp_path), resumed_step=3)
   writer.write_scalars(4, {"loss": 2.0})
   writer.close()
   assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [
       (0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
+  assert "metrics.jsonl: dropped line 7, '{\"step\": 6, \"loss\": 1.': not a whole record" in (
+      caplog.text)
   metrics_lib.create_writer(str(tmp_path), resumed_step=None).close()  # A fresh start.
   assert read_metrics(tmp_path) == []
+
+
+def test_restore_falls_back_past_an_incomplete_checkpoint(tmp_path, caplog):
+  directory = str(tmp_path / "checkpoints")
+  ckpt = checkpointing.Checkpointer(directory)
+  for step in (1, 2, 3):
+    ckpt.save(step, {"w": np.full(3, step, np.float32)}, ml_collections.ConfigDict({"step": step}))
+  ckpt.close()
+  shutil.rmtree(tmp_path / "checkpoints" / "3" / "state")  # Partly deleted or corrupted.
+
+  ckpt = checkpointing.Checkpointer(directory, read_only=True)
+  assert ckpt.all_steps() == [1, 2, 3] and ckpt.complete_steps() == [1, 2]
+  assert ckpt.latest_step() == 2
+  assert caplog.text.count("Checkpoint step 3 in") == 1  # Once, however often asked.
+  assert "is incomplete (its 'state' or 'config' item is missing" in caplog.text
+  assert ckpt.saved_config().step == 2
+  abstract = checkpointing.abstract_like({"w": np.zeros(3, np.float32)},
+                                         mesh_lib.replicated(mesh_lib.make_mesh()))
+  np.testing.assert_array_equal(ckpt.restore(abstract)["w"], [2, 2, 2])
+  with pytest.raises(ConfigError, match=r"must be one of the saved steps \[1, 2\] \(incomplete, "
+                     r"so skipped: \[3\]\)"):
+    ckpt.restore(abstract, step=3)
+
+  ckpt = checkpointing.Checkpointer(directory)  # A writer deletes it and may save it again.
+  ckpt.discard_incomplete()
+  assert ckpt.all_steps() == [1, 2]
+  ckpt.save(3, {"w": np.full(3, 30, np.float32)}, ml_collections.ConfigDict({"step": 3}))
+  ckpt.close()
+  assert checkpointing.Checkpointer(directory, read_only=True).complete_steps() == [1, 2, 3]

@@ -16,6 +16,7 @@ from PIL import Image
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
+from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import pictures
 from contrastive_jax.jobs import downstream
@@ -249,6 +250,16 @@ def test_bad_input_is_refused_before_any_compute(pretrained, index, tmp_path):
     with pytest.raises(ConfigError, match=match):
       embed.run(config, out)
   assert not os.path.exists(out)
+
+
+def test_a_workdir_another_job_holds_is_refused(pretrained, index, tmp_path):
+  workdir = str(tmp_path / "busy")
+  with files.workdir_lock(workdir):
+    for job, config in [(embed, embed_config(pretrained)),
+                        (neighbours, neighbours_config(index, query_rows="1"))]:
+      with pytest.raises(JobError, match=f"--workdir={workdir}: another job is running in it"):
+        job.run(config, workdir)
+  assert os.listdir(workdir) == [files.LOCK]
 
 
 def test_two_hosts_embed_their_parts_and_process_zero_writes_the_whole_split(pretrained, index,

@@ -4,8 +4,10 @@ Each checkpoint step holds two items: 'state' (the TrainState pytree) and
 'config' (the job's config as JSON), so that a resumed or downstream job can
 check what it restores and rebuild the model that wrote it. Orbax writes each
 step to a temporary directory and renames it when complete, so a run killed
-while saving keeps its previous checkpoint. Every process calls save and
-restore together (multi-host).
+while saving keeps its previous checkpoint; a step that lost an item later
+(partly deleted or corrupted) is skipped with a warning, and restoring falls
+back to the newest complete one. Every process calls save and restore
+together (multi-host).
 """
 import json
 import signal
@@ -14,11 +16,15 @@ from typing import Optional, Sequence
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
+import tensorflow as tf
 from absl import logging
 
 from contrastive_jax.core.errors import ABSENT
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
+
+# (item, the file of the item that Orbax writes last): a step holding both is complete.
+_ITEM_MARKERS = (("state", "_METADATA"), ("config", "metadata"))
 
 
 def _leaves(tree: dict, prefix: str = "") -> dict:
@@ -60,20 +66,75 @@ class Checkpointer:
   """
 
   def __init__(self, directory: str, *, keep: int = 3, read_only: bool = False):
+    # A writer also removes the temporary folders of saves that never completed (a
+    # killed job, a full disk); the workdir lock (files.workdir_lock) keeps them
+    # from being another running job's.
     self._manager = ocp.CheckpointManager(
         directory, item_names=("state", "config"),
         options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=not read_only,
-                                             read_only=read_only))
+                                             read_only=read_only,
+                                             cleanup_tmp_directories=not read_only))
+    self._warned = set()
 
   @property
   def directory(self) -> str:
     return str(self._manager.directory)
 
   def all_steps(self):
-    return list(self._manager.all_steps())
+    """Every saved step, complete or not (see complete_steps), oldest first.
+
+    Read from the directory (Orbax's own list also holds a step whose save
+    failed), so call it when no save is pending: before the first, or after
+    wait().
+    """
+    self._manager.reload()
+    return sorted(self._manager.all_steps())
+
+  def _is_complete(self, step: int) -> bool:
+    return all(tf.io.gfile.exists(f"{self.directory}/{step}/{item}/{marker}")
+               for item, marker in _ITEM_MARKERS)
+
+  def complete_steps(self, steps: Optional[Sequence[int]] = None):
+    """The saved steps (or those of `steps`) whose items are both whole, oldest first.
+
+    Orbax renames a step's folder into place only once it is written, but a
+    step can still lose an item afterwards (a partly deleted or corrupted
+    folder); such a step is listed by all_steps and skipped here.
+    """
+    return [step for step in (self.all_steps() if steps is None else steps)
+            if self._is_complete(step)]
 
   def latest_step(self) -> Optional[int]:
-    return self._manager.latest_step()
+    """The newest complete step (None if there is none).
+
+    Logs a warning (once per step) naming each newer step that is incomplete
+    and so skipped.
+    """
+    steps = self.all_steps()
+    complete = self.complete_steps(steps)
+    latest = max(complete) if complete else None
+    for step in steps:
+      if step not in complete and (latest is None or step > latest) and step not in self._warned:
+        self._warned.add(step)
+        logging.warning("Checkpoint step %d in %s is incomplete (its 'state' or 'config' item "
+                        "is missing or unfinished): skipped; the newest complete one is %s.",
+                        step, self.directory, latest)
+    return latest
+
+  def discard_incomplete(self):
+    """Deletes the incomplete steps (a writer's, before it saves: it may save them again).
+
+    Call on every process together. Logs a warning naming each.
+    """
+    steps = self.all_steps()
+    complete = self.complete_steps(steps)
+    for step in steps:
+      if step not in complete:
+        logging.warning("Deleting checkpoint step %d in %s: it is incomplete (its 'state' or "
+                        "'config' item is missing or unfinished), so it cannot be restored.",
+                        step, self.directory)
+        self._warned.add(step)
+        self._manager.delete(step)
 
   def saved_config(self, step: Optional[int] = None) -> ml_collections.ConfigDict:
     """The config of the job that wrote checkpoint `step` (default: latest).
@@ -133,24 +194,30 @@ class Checkpointer:
     return jax.process_count() > 1 and self._manager.reached_preemption(step)
 
   def close(self):
-    """Waits for pending writes, then releases the manager."""
-    self._manager.wait_until_finished()
-    self._manager.close()
+    """Waits for pending writes, then releases the manager (also when a write failed)."""
+    try:
+      self._manager.wait_until_finished()
+    finally:
+      self._manager.close()
 
   def resolve_step(self, step: Optional[int], field: str = "step") -> int:
-    """`step` if saved, the latest step if None.
+    """`step` if saved and complete; the newest complete step if None.
 
     Raises:
-      ConfigError: no checkpoint at all, or none at `step` (naming `field` and
-        listing the saved steps).
+      ConfigError: no complete checkpoint at all, or none at `step` (naming
+        `field` and listing the complete steps, and any incomplete ones).
     """
-    steps = self.all_steps()
-    if not steps:
-      raise ConfigError(field, step, f"a saved step, but {self.directory} holds no checkpoint")
+    latest, steps = self.latest_step(), self.all_steps()
+    complete = self.complete_steps(steps)
+    incomplete = [s for s in steps if s not in complete]
+    skipped = f" (incomplete, so skipped: {incomplete})" if incomplete else ""
+    if latest is None:
+      raise ConfigError(field, step, f"a saved step, but {self.directory} holds no complete "
+                        f"checkpoint{skipped}")
     if step is None:
-      return max(steps)
-    if step not in steps:
-      raise ConfigError(field, step, f"one of the saved steps {sorted(steps)}")
+      return latest
+    if step not in complete:
+      raise ConfigError(field, step, f"one of the saved steps {complete}{skipped}")
     return step
 
 
@@ -160,27 +227,45 @@ def abstract_like(state, sharding):
 
 
 class Preemption:
-  """Remembers a SIGTERM so the loop can checkpoint and stop at a step boundary.
+  """Remembers a SIGTERM or a first Ctrl-C so the loop can checkpoint and stop between steps.
 
-  A context manager: the previous SIGTERM handler is restored on exit. Only a
-  single-process job installs it: on several hosts each one gets the signal
-  at a different step, so they agree through Checkpointer.reached_preemption
-  (JAX's distributed preemption sync) instead, and all stop at the same step.
+  A context manager: the previous SIGTERM and SIGINT handlers are restored on
+  exit. After the first Ctrl-C (SIGINT) a second one raises KeyboardInterrupt
+  at once, as usual. Only a single-process job installs the handlers: on
+  several hosts each one gets SIGTERM at a different step, so they agree
+  through Checkpointer.reached_preemption (JAX's distributed preemption sync)
+  instead, and all stop at the same step; Ctrl-C there raises
+  KeyboardInterrupt in the process that gets it.
+
+  Attributes:
+    requested: a stop was asked for (either signal).
+    interrupted: by Ctrl-C (the job then ends in errors.Interrupted, while
+      a preempted job ends normally).
   """
 
   def __init__(self):
-    self.requested = False
-    self._previous = None
+    self.requested = self.interrupted = False
+    self._previous = {}
 
   def __enter__(self):
     if jax.process_count() == 1:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
+      self._previous[signal.SIGTERM] = signal.signal(signal.SIGTERM, self._handle)
+      # Not where SIGINT is ignored (a job started in the background by a script).
+      if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+        self._previous[signal.SIGINT] = signal.signal(signal.SIGINT, self._handle)
     return self
 
   def __exit__(self, *exc):
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
+    for signum, handler in self._previous.items():
+      if handler is not None:  # None: a handler not set from Python, which cannot be restored.
+        signal.signal(signum, handler)
 
   def _handle(self, signum, frame):
-    logging.warning("SIGTERM: saving a checkpoint after this step, then stopping.")
+    if signum == signal.SIGINT:
+      signal.signal(signal.SIGINT, signal.default_int_handler)
+      logging.warning("Ctrl-C: saving a checkpoint after this step, then stopping. Ctrl-C "
+                      "again stops at once, keeping the newest complete checkpoint.")
+      self.interrupted = True
+    else:
+      logging.warning("SIGTERM: saving a checkpoint after this step, then stopping.")
     self.requested = True

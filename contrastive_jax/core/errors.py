@@ -80,3 +80,11 @@ def closest(name: str, candidates: Iterable[str]) -> Optional[str]:
   """The candidate most like name (difflib's ratio of at least 0.6), or None."""
   matches = difflib.get_close_matches(name, list(candidates), n=1)
   return matches[0] if matches else None
+
+
+class Interrupted(JobError):
+  """Ctrl-C (SIGINT) stopped the job; the message says at which step and what is kept."""
+
+
+class NoSpaceError(JobError):
+  """The disk (or quota) of the workdir is full; the message says what is kept."""

@@ -3,13 +3,22 @@
 Every path goes through tf.io.gfile, so a workdir may be a local directory or
 a gs:// URL alike.
 """
+import contextlib
+import errno
+import fcntl
 import os
+import socket
 from typing import Optional, Union
 
+import jax
+import numpy as np
 import tensorflow as tf
+from jax.experimental import multihost_utils
 
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import gcs
+
+LOCK = ".lock"  # The file in a workdir that the job working in it holds locked.
 
 
 def resolve_dir(path: str) -> str:
@@ -40,6 +49,86 @@ def write_atomic(path: str, content: Union[bytes, str]):
   a job killed while writing leaves the previous file (or none) in place.
   """
   tmp = path + ".tmp"
-  with tf.io.gfile.GFile(tmp, "wb") as f:
-    f.write(content.encode() if isinstance(content, str) else content)
-  tf.io.gfile.rename(tmp, path, overwrite=True)
+  try:
+    with tf.io.gfile.GFile(tmp, "wb") as f:
+      f.write(content.encode() if isinstance(content, str) else content)
+    tf.io.gfile.rename(tmp, path, overwrite=True)
+  except BaseException:  # A full disk, say: leave no partial .tmp behind.
+    try:
+      tf.io.gfile.remove(tmp)
+    except tf.errors.OpError:  # Never written, or unreachable: the first error tells.
+      pass
+    raise
+
+
+@contextlib.contextmanager
+def workdir_lock(workdir: str):
+  """Holds WORKDIR/.lock for the block, so a second job on the same workdir is refused.
+
+  A local workdir (created if missing) is locked with an OS advisory lock
+  (fcntl.flock) on WORKDIR/.lock, which names the holder (pid and host). The
+  kernel releases it when the holder's process ends in any way, kill -9
+  included, so a lock is never left stuck; the file stays and is reused.
+  Locks of a network file system are only as reliable as its flock.
+
+  A gs:// workdir is not locked: GCS has no lock, and a lease file would
+  need a heartbeat and a timeout to recover from a killed holder. Starting
+  two jobs on one gs:// workdir remains the user's mistake to avoid (both
+  would write the same checkpoints and metrics).
+
+  Multi-host: every process calls this together. Only process 0 takes the
+  lock (the processes of one job share the workdir, and each host may have
+  its own local disk); the others learn from it whether it was refused, so
+  all of them stop together.
+
+  Raises:
+    JobError: another job holds the lock; nothing was written.
+  """
+  handle, refusal = None, None
+  if jax.process_index() == 0 and "://" not in workdir:
+    os.makedirs(workdir, exist_ok=True)
+    handle = open(os.path.join(workdir, LOCK), "a+")  # pylint: disable=consider-using-with
+    try:
+      fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      handle.seek(0)
+      holder = handle.read().strip() or "a process"
+      handle.close()
+      handle = None
+      refusal = (f"--workdir={workdir}: another job is running in it ({holder} holds "
+                 f"{workdir}/{LOCK}); nothing was changed. Wait for it to end, or use "
+                 "another workdir")
+    else:
+      handle.seek(0)
+      handle.truncate()
+      handle.write(f"pid {os.getpid()} on host {socket.gethostname()}\n")
+      handle.flush()
+  if jax.process_count() > 1:
+    refused = bool(multihost_utils.broadcast_one_to_all(np.int32(refusal is not None)))
+    if refused and refusal is None:
+      refusal = (f"--workdir={workdir}: process 0 found another job running in it (see its "
+                 "log); nothing was changed")
+  if refusal:
+    raise JobError(refusal)
+  try:
+    yield
+  finally:
+    if handle is not None:
+      handle.close()  # Releases the lock.
+
+
+def is_disk_full(error: BaseException) -> bool:
+  """Whether error, or an exception it was raised from or while handling, is a full disk.
+
+  Recognises OSError ENOSPC and the messages of tf.io.gfile
+  (ResourceExhaustedError '...; No space left on device') and of Orbax's
+  TensorStore writes ('RESOURCE_EXHAUSTED: ... No space left on device').
+  """
+  seen = set()
+  while error is not None and id(error) not in seen:
+    seen.add(id(error))
+    if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or (
+        "No space left on device" in str(error)):
+      return True
+    error = error.__cause__ or error.__context__
+  return False

@@ -4,6 +4,7 @@ Only process 0 writes files; other processes log to the console only.
 """
 import json
 import logging as std_logging
+import sys
 import time
 from typing import Optional
 
@@ -13,6 +14,8 @@ import tensorflow as tf
 from absl import logging
 from clu import metric_writers
 from clu.metric_writers import interface
+
+from contrastive_jax.core import files
 
 # How often metrics.jsonl on gs:// is uploaded, besides at every checkpoint and at the end.
 GCS_FLUSH_SECS = 60.0
@@ -82,7 +85,9 @@ def create_writer(workdir: str, resumed_step: Optional[int]) -> interface.Metric
   WORKDIR may be a local path or gs://. metrics.jsonl keeps only the records
   up to resumed_step, the step of the checkpoint the job resumed from (None
   for a fresh start: none are kept); a job killed between two checkpoints wrote
-  the later ones and will write them again. Locally each record is flushed at
+  the later ones and will write them again. A record cut short (the last
+  line, when a kill or a full disk stopped its write) is dropped with a
+  warning; the file is rewritten atomically. Locally each record is flushed at
   once; on gs:// every GCS_FLUSH_SECS (see JsonlWriter), and the runner
   flushes the writer at every checkpoint.
   """
@@ -91,24 +96,71 @@ def create_writer(workdir: str, resumed_step: Optional[int]) -> interface.Metric
   tf.io.gfile.makedirs(workdir)
   path = f"{workdir}/metrics.jsonl"
   if tf.io.gfile.exists(path):
-    with tf.io.gfile.GFile(path) as f:
-      kept = [line for line in f
-              if resumed_step is not None and json.loads(line)["step"] <= resumed_step]
-    with tf.io.gfile.GFile(path, "w") as f:
-      f.write("".join(kept))
+    kept = []
+    if resumed_step is not None:
+      with tf.io.gfile.GFile(path) as f:
+        kept = [line for line in _whole_records(path, f.read())
+                if json.loads(line)["step"] <= resumed_step]
+    files.write_atomic(path, "".join(kept))
   return metric_writers.MultiWriter([
       metric_writers.create_default_writer(workdir, asynchronous=False),
       JsonlWriter(path, flush_every_secs=GCS_FLUSH_SECS if workdir.startswith("gs://") else 0.0)])
 
 
+def _whole_records(path: str, text: str) -> list:
+  """The lines of text that are whole JSON records; logs a warning for each other one."""
+  whole = []
+  for number, line in enumerate(text.splitlines(keepends=True), 1):
+    try:
+      json.loads(line)
+    except ValueError:
+      pass
+    else:
+      if line.endswith("\n"):
+        whole.append(line)
+        continue
+    logging.warning("%s: dropped line %d, %r: not a whole record (a write cut short when the "
+                    "job stopped).", path, number, line[:80])
+  return whole
+
+
 class _QuietLibraries(std_logging.Filter):
-  """Drops INFO records of Orbax and TFDS, which log every checkpoint file they touch."""
+  """Drops INFO records of Orbax and TFDS, and the duplicate reports of a failed save.
+
+  Orbax and TFDS log every checkpoint file they touch. When a save fails (a
+  full disk, say), each of Orbax's background threads logs the error with a
+  traceback, and asyncio logs its tasks' again, some at exit; the main thread
+  raises the same error and reports it once (main.py: one line for an
+  expected failure, a traceback otherwise). Of Orbax's records only the
+  message is kept; asyncio's about Orbax's tasks are dropped.
+  """
 
   def filter(self, record):
+    if record.name == "asyncio" and "orbax" in record.getMessage():
+      return False
+    if record.exc_info and "orbax" in record.pathname:
+      record.exc_info = record.exc_text = None
     return record.levelno >= std_logging.WARNING or not any(
         lib in record.pathname for lib in ("orbax", "tensorflow_datasets"))
 
 
+def _drop_closed_loop_callbacks(unraisable, previous=sys.unraisablehook):
+  """sys.unraisablehook without the 'Event loop is closed' errors of abandoned writes.
+
+  After a failed save, TensorStore still completes the writes Orbax stopped
+  waiting for, and their callbacks find Orbax's event loop closed: one
+  traceback each, printed from TensorStore's threads (the save's error itself
+  is reported by the main thread). Everything else goes to `previous`.
+  """
+  if not (isinstance(unraisable.exc_value, RuntimeError)
+          and str(unraisable.exc_value) == "Event loop is closed"):
+    previous(unraisable)
+
+
 def quiet_library_logs():
-  """Keeps the console to this project's progress lines and the libraries' warnings."""
+  """Keeps the console to this project's progress lines and the libraries' warnings.
+
+  See _QuietLibraries and _drop_closed_loop_callbacks for what is left out.
+  """
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  sys.unraisablehook = _drop_closed_loop_callbacks

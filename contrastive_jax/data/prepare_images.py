@@ -31,16 +31,21 @@ listed in the report too: the input pipeline's crops upscale them (bilinear).
 Preparing the same files with the same options again changes nothing; other
 files or options under an existing name are refused unless --overwrite. The
 dataset is written to a temporary folder in data_dir and renamed into place,
-so a failed or interrupted preparation leaves the previous one intact.
+so a failed or interrupted preparation leaves the previous one intact; Ctrl-C
+ends it with one line saying so (the temporary folder is removed), and one
+during the final renames waits for them.
 """
 import collections
+import contextlib
 import hashlib
 import json
 import os
 import re
 import shutil
+import signal
 import sys
 import tempfile
+import threading
 import zlib
 
 from absl import app
@@ -326,10 +331,36 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
         warnings=warnings)
     with open(os.path.join(tmp, name, VERSION, REPORT), "w") as f:
       json.dump(report, f, indent=1)
-    _replace(os.path.join(tmp, name), final, os.path.join(tmp, "previous"))
+    with _ctrl_c_deferred("moving the dataset into place"):
+      _replace(os.path.join(tmp, name), final, os.path.join(tmp, "previous"))
   finally:
-    shutil.rmtree(tmp, ignore_errors=True)
+    with _ctrl_c_deferred("removing the temporary folder"):
+      shutil.rmtree(tmp, ignore_errors=True)
   return report
+
+
+@contextlib.contextmanager
+def _ctrl_c_deferred(doing: str):
+  """Runs the block to its end even on Ctrl-C (SIGINT), which is then only logged.
+
+  For the last steps of prepare: the renames (interrupted between them, the
+  previous dataset would be left aside in the temporary folder, which is then
+  removed) and the removal of the temporary folder. Ctrl-C before them ends
+  prepare in KeyboardInterrupt with data_dir/name unchanged. Outside the main
+  thread (where signal handlers cannot be set) the block just runs.
+  """
+  if threading.current_thread() is not threading.main_thread():
+    yield
+    return
+  received = []
+  previous = signal.signal(signal.SIGINT, lambda signum, frame: received.append(signum))
+  try:
+    yield
+  finally:
+    if previous is not None:  # None: a handler set outside Python, which cannot be restored.
+      signal.signal(signal.SIGINT, previous)
+    if received:
+      logging.warning("Ctrl-C while %s: finished that first.", doing)
 
 
 def summary(report: dict, data_dir: str) -> str:
@@ -363,6 +394,10 @@ def main(argv):
                      overwrite=_OVERWRITE.value)
   except JobError as e:
     sys.exit(f"error: {e}")
+  except KeyboardInterrupt:
+    final = os.path.join(os.path.abspath(_DATA_DIR.value), _NAME.value)
+    sys.exit(f"error: interrupted (Ctrl-C): nothing was replaced: {final} is as it was, and "
+             "no partly written copy is left")
   print(summary(report, os.path.abspath(_DATA_DIR.value)), flush=True)
 
 

@@ -67,15 +67,15 @@ def run(config, workdir: str):
 
   Returns the embeddings, float32 [N, D] (on every process).
 
+  Holds the workdir's lock (files.workdir_lock) once the inputs are checked.
+
   Raises:
     ConfigError: see check_config, load_model, open_source.
-    JobError: a workdir that is a file or already holds an index; a folder
-      none of whose files can be decoded.
+    JobError: a workdir that is a file, already holds an index or that
+      another job is running in; a folder none of whose files can be decoded.
   """
   workdir = files.prepare_workdir(workdir)
-  if tf.io.gfile.exists(f"{workdir}/{index.META}") or tf.io.gfile.exists(f"{workdir}/{index.EMBEDDINGS}"):
-    raise JobError(f"--workdir={workdir}: already holds embeddings ({index.EMBEDDINGS}); use a new "
-                   "workdir or delete them")
+  _refuse_existing_index(workdir)
   check_config(config, jax.device_count())
   mesh = mesh_lib.make_mesh()
   config = config.copy_and_resolve_references()
@@ -86,6 +86,20 @@ def run(config, workdir: str):
   config.pretrain_step = model.step
   source, split = open_source(
       config, shorter_side=index.shorter_side(model.image_size, model.crop_fraction))
+  with files.workdir_lock(workdir):
+    _refuse_existing_index(workdir)  # Again: a job that held the lock may have written one.
+    return _embed_and_write(config, workdir, mesh, model, source, split)
+
+
+def _refuse_existing_index(workdir: str):
+  """Raises JobError if workdir holds embeddings already (an index is never overwritten)."""
+  if tf.io.gfile.exists(f"{workdir}/{index.META}") or tf.io.gfile.exists(f"{workdir}/{index.EMBEDDINGS}"):
+    raise JobError(f"--workdir={workdir}: already holds embeddings ({index.EMBEDDINGS}); use a new "
+                   "workdir or delete them")
+
+
+def _embed_and_write(config, workdir: str, mesh, model: index.EmbedModel, source, split: str):
+  """run's work once the inputs are checked and the workdir locked; returns the embeddings."""
   local_batch = config.batch_size // jax.process_count()
   ds = input_pipeline.eval_dataset(source, split, local_batch=local_batch,
                                    image_size=model.image_size, crop_fraction=model.crop_fraction,

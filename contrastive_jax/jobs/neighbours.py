@@ -200,12 +200,13 @@ def _queries(config, index: index_lib.Index):
 def run(config, workdir: str) -> dict:
   """Finds the neighbours of config's queries in config.index_workdir; writes them to workdir.
 
-  Returns what neighbours.json holds.
+  Returns what neighbours.json holds. Holds the workdir's lock
+  (files.workdir_lock) once the queries are read.
 
   Raises:
     ConfigError: before any compute: see check_config and _queries; k larger
       than the index.
-    JobError: a workdir that is a file.
+    JobError: a workdir that is a file, or that another job is running in.
   """
   workdir = files.prepare_workdir(workdir)
   check_config(config)
@@ -214,7 +215,13 @@ def run(config, workdir: str) -> dict:
   if config.k > len(index.rows):
     raise ConfigError("k", config.k, f"at most the size of the index ({len(index.rows)})")
   queries = _queries(config, index)
+  with files.workdir_lock(workdir):
+    return _search_and_write(config, workdir, index_workdir, index, queries)
 
+
+def _search_and_write(config, workdir: str, index_workdir: str, index: index_lib.Index,
+                      queries) -> dict:
+  """run's work once the queries are read and the workdir locked; returns the results."""
   new_images = [image for _, row, image in queries if row is None]
   embedded = iter([])
   if new_images:  # Embedded whole on every device: a few images.

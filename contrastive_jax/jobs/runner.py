@@ -12,6 +12,7 @@ preemption sync, so every host stops at the same step). Every exit path,
 errors included, waits for pending checkpoint writes; nothing non-finite is
 ever saved.
 """
+import contextlib
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
@@ -25,6 +26,9 @@ from clu import periodic_actions
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import durations
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import Interrupted
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core.errors import NoSpaceError
 from contrastive_jax.core.errors import NonFiniteError
 from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.core import files
@@ -106,33 +110,86 @@ def steps_per_epoch(source, config) -> int:
 def run(job, config: ml_collections.ConfigDict, workdir: str):
   """Runs `job` with `config` in `workdir`; returns (final state, last evaluation results).
 
+  Holds the workdir's lock (files.workdir_lock) from the config check to the
+  end, and waits for pending checkpoint writes on every exit path.
+
   Raises:
     ConfigError: before any compute, for a config, dataset or checkpoint
       that cannot run.
     NonFiniteError: the loss or the state became NaN or infinite.
-    JobError: a workdir that is a file.
+    Interrupted: Ctrl-C; the first one saves a checkpoint after the
+      current step (as SIGTERM does), a second one stops at once.
+    NoSpaceError: the disk filled up while writing to the workdir.
+    JobError: a workdir that is a file, or that another job is running in.
   """
   workdir = files.prepare_workdir(workdir)
   job.check_config(config, jax.device_count())
-  ckpt = checkpointing.Checkpointer(f"{workdir}/checkpoints", keep=config.keep_checkpoints)
+  with files.workdir_lock(workdir):
+    ckpt = checkpointing.Checkpointer(f"{workdir}/checkpoints", keep=config.keep_checkpoints)
+    with _closing(ckpt, workdir):
+      ckpt.discard_incomplete()  # It could not resume them, and saves may need their steps.
+      saved = None
+      if ckpt.latest_step() is not None:
+        saved = ckpt.saved_config()
+        if saved.get("job") != config.job:
+          raise ConfigError("job", config.job,
+                            f"{saved.get('job')!r}: another kind of job wrote the "
+                            f"checkpoints in {ckpt.directory}; use a new workdir")
+      mesh = mesh_lib.make_mesh()
+      task = job.build(config, mesh, saved, workdir)
+      if saved is not None:  # Compared with what build() resolved (e.g. the probe's preset).
+        differences = checkpointing.config_differences(saved.to_dict(), task.config,
+                                                       MAY_CHANGE_ON_RESUME)
+        if differences:
+          raise ResumeError(ckpt.directory, differences, MAY_CHANGE_ON_RESUME)
+      return _loop(task, workdir, ckpt, mesh)
+
+
+@contextlib.contextmanager
+def _closing(ckpt, workdir: str):
+  """Closes ckpt on exit (waiting for pending writes); a full disk or Ctrl-C becomes a JobError.
+
+  A full disk can surface in the body or only when the pending writes are
+  waited for; either way the job ends in NoSpaceError (unless it is already
+  ending in another JobError), naming the newest complete checkpoint. A
+  KeyboardInterrupt that _loop did not turn into Interrupted (one before the
+  training loop, or while _loop waited for the writes) becomes Interrupted.
+  """
+  error = None
   try:
-    saved = None
-    if ckpt.latest_step() is not None:
-      saved = ckpt.saved_config()
-      if saved.get("job") != config.job:
-        raise ConfigError("job", config.job,
-                          f"{saved.get('job')!r}: another kind of job wrote the checkpoints "
-                          f"in {ckpt.directory}; use a new workdir")
-    mesh = mesh_lib.make_mesh()
-    task = job.build(config, mesh, saved, workdir)
-    if saved is not None:  # Compared with what build() resolved (e.g. the probe's preset).
-      differences = checkpointing.config_differences(saved.to_dict(), task.config,
-                                                     MAY_CHANGE_ON_RESUME)
-      if differences:
-        raise ResumeError(ckpt.directory, differences, MAY_CHANGE_ON_RESUME)
-    return _loop(task, workdir, ckpt, mesh)
-  finally:
-    ckpt.close()  # Waits for pending writes on every exit path.
+    yield
+  except BaseException as e:  # pylint: disable=broad-except
+    error = e
+  try:
+    ckpt.close()
+  except Exception as e:  # pylint: disable=broad-except
+    if error is None or (files.is_disk_full(e) and not isinstance(error, JobError)):
+      error = e
+    else:
+      logging.error("Waiting for pending checkpoint writes also failed: %s", e)
+  if error is None:
+    return
+  if isinstance(error, KeyboardInterrupt):
+    raise Interrupted(f"interrupted: {_newest(ckpt)}") from None
+  if not isinstance(error, JobError) and files.is_disk_full(error):
+    raise NoSpaceError(f"no space left on device while writing to {workdir}: "
+                       f"{_newest(ckpt, 'free space and start the same command again')}"
+                       ) from error
+  raise error
+
+
+def _interrupted(step: int, ckpt) -> Interrupted:
+  """The error that ends a job interrupted at `step`, once pending checkpoint writes are done."""
+  ckpt.wait()
+  return Interrupted(f"interrupted at step {step}: {_newest(ckpt)}")
+
+
+def _newest(ckpt, then: str = "start the same command again") -> str:
+  """What a stopped job keeps and how to go on, in words (once pending writes are complete)."""
+  latest = ckpt.latest_step()
+  if latest is None:
+    return f"no checkpoint was saved yet; {then} to start over"
+  return f"the newest checkpoint is step {latest} (in {ckpt.directory}); {then} to resume"
 
 
 def _loop(task: Task, workdir: str, ckpt, mesh):
@@ -164,7 +221,7 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
 
   batches = task.train_batches(start_step)
   writer = metrics_lib.create_writer(workdir, resumed_step=resumed_step)
-  results = {}
+  results, step = {}, start_step
   try:
     with checkpointing.Preemption() as preemption:
       if start_step == 0:
@@ -211,9 +268,13 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
           writer.write_scalars(step, scalars)
         if save:  # A resumed run keeps the records up to its checkpoint: store them now.
           writer.flush()
+        if stop and preemption.interrupted:
+          raise _interrupted(step, ckpt)
         if stop:
           logging.warning("Stopped at step %d after a preemption request.", step)
           break
+  except KeyboardInterrupt:  # A second Ctrl-C, or one on a multi-host job.
+    raise _interrupted(step, ckpt) from None
   finally:
     writer.close()
   return state, results
