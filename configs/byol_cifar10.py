@@ -44,7 +44,7 @@ def get_config(variant: str = ""):
   if variant == "runlocal":
     # LARC's eta 0.02 (2% steps per layer) is tuned for 1000 epochs: in 1500 steps of
     # the width-0.25 network the kNN monitor fell (0.2904 at step 0, 0.2403 at step
-    # 1000; measured, see the README). The shrink runs the BYOL reference's own
+    # 1000; measured, see docs/results.md). The shrink runs the BYOL reference's own
     # ImageNet choices instead: its LARS, initialisation, crop and tf.image views.
     recipes.runlocal(config)
     # Two forward passes per network (one per view) make BYOL's step the slowest:

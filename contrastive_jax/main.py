@@ -143,7 +143,13 @@ def _load_config(value: str) -> ml_collections.ConfigDict:
     raise JobError(f"--config={value}: no such file{hint}")
   loader = importlib.machinery.SourceFileLoader("contrastive_jax_checked_config", path)
   module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
-  loader.exec_module(module)
+  try:
+    loader.exec_module(module)
+  except SyntaxError as e:
+    raise JobError(f"--config={value}: not a config file: Python cannot read it ({e.msg}, "
+                   f"line {e.lineno})") from None
+  if not callable(getattr(module, "get_config", None)):
+    raise JobError(f"--config={value}: not a config file: it defines no get_config(variant)")
   try:
     return module.get_config(*variant)
   except VariantError as e:

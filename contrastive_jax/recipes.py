@@ -166,7 +166,7 @@ def vit_model(name: str, patch_size: int, dtype: str, random_patch_projection: b
 
 
 def runlocal(config):
-  """Shrinks a CIFAR-10 config to 8-12 minutes on a 2-core CPU, same code path.
+  """Shrinks a CIFAR-10 config to 11 to 13 minutes on a 2-core CPU, same code path.
 
   Narrow ResNet-18 (width 0.25: 16 to 128 channels) with the ImageNet stem,
   whose stride 4 makes the step ~8x cheaper on 32x32 images than the CIFAR
@@ -315,7 +315,7 @@ def images(config, *, batch_size: int, num_epochs: int, reference: str):
   initialised as `reference`'s (see model()).
 
   Name the folder's dataset with --config.dataset=NAME --config.data_dir=DIR
-  (the default 'clothing' is the README's example); --config.image_size from
+  (the default 'clothing' is docs/images.md's example); --config.image_size from
   64 to 224 suits the ImageNet stem. The kNN monitor votes with k = 20: the
   bank is a folder's train split, thousands of images rather than ImageNet's
   1.28 M, and 200 neighbours would be a large share of a small class. A
@@ -338,8 +338,7 @@ def runlocal_images(config, *, steps: int):
 
   64 px crops, ResNet-18 at width 0.25 (16 to 128 channels), batch 128,
   decoded images cached in memory, `steps` steps, evaluators every
-  steps / 4. Sized for about 10 minutes; on the shared 2-core VM of the
-  README (load average 6 to 13) 400 steps on clothing took 18 to 20 minutes.
+  steps / 4. Sized for about 10 minutes of a 2-core CPU.
   """
   config.image_size = 64
   config.batch_size = 128

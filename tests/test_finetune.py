@@ -233,6 +233,11 @@ def test_resume_refuses_another_config_or_another_job(finetuned, pretrained):
   other.optimizer.base_lr = 0.5
   with pytest.raises(ResumeError, match=r"^config.optimizer.base_lr=0.5 \(the checkpoint's: "):
     runner.run(finetune, other, str(workdir))
+  # The labelled subset's fields are named too, not blamed on a changed dataset.
+  other = ml_collections.ConfigDict(config.to_dict())
+  other.label_fraction = 0.25
+  with pytest.raises(ResumeError, match=r"^config.label_fraction=0.25 \(the checkpoint's: 0.5\)"):
+    runner.run(finetune, other, str(workdir))
   probe = load_config("linear_probe")
   probe.pretrain_workdir = pretrained
   with pytest.raises(ConfigError, match="config.job='linear_probe': must be 'finetune'"):

@@ -17,15 +17,18 @@ METHOD_MODULES = ("simclr", "moco", "mocov3", "byol")
 def modules(root: str, name: str = "contrastive_jax") -> dict:
   """{dotted module name: set of the package's modules it imports} for every .py under root.
 
-  `from P import X` counts as an import of P.X when that is a module, else of P.
+  `from P import X` counts as an import of P.X when that is a module, else of P;
+  relative imports are resolved, and importlib.import_module('...') of a literal
+  name counts too.
   """
-  paths = {}
+  paths, packages = {}, set()
   for directory, _, files in os.walk(root):
     for f in files:
       if f.endswith(".py"):
         rel = os.path.relpath(os.path.join(directory, f), root)[:-3].split(os.sep)
         if rel[-1] == "__init__":
           rel = rel[:-1]
+          packages.add(".".join([name, *rel]))
         paths[".".join([name, *rel])] = os.path.join(directory, f)
   graph = {}
   for module, path in paths.items():
@@ -35,11 +38,20 @@ def modules(root: str, name: str = "contrastive_jax") -> dict:
     for node in ast.walk(tree):
       if isinstance(node, ast.Import):
         imported.update(a.name for a in node.names if a.name.split(".")[0] == name)
-      elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0 and (
-          node.module.split(".")[0] == name):
-        for alias in node.names:
-          sub = f"{node.module}.{alias.name}"
-          imported.add(sub if sub in paths else node.module)
+      elif isinstance(node, ast.ImportFrom):
+        base = node.module or ""
+        if node.level:  # Relative: from the module's own package, up level - 1.
+          package = module if module in packages else module.rsplit(".", 1)[0]
+          parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+          base = ".".join(parts + ([node.module] if node.module else []))
+        if base.split(".")[0] == name:
+          for alias in node.names:
+            sub = f"{base}.{alias.name}"
+            imported.add(sub if sub in paths else base)
+      elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
+            and node.args and isinstance(node.args[0], ast.Constant)
+            and str(node.args[0].value).split(".")[0] == name):
+        imported.add(node.args[0].value)
     graph[module] = imported - {module}
   return graph
 
@@ -94,6 +106,8 @@ def test_the_checker_finds_an_upward_import_a_method_import_and_a_cycle(tmp_path
       "core/b.py": "from contrastive_jax.core import a\n",
       "data/__init__.py": "",
       "data/c.py": "import contrastive_jax.jobs.d\n",
+      "data/e.py": "def f():\n  from ..jobs import d\n",
+      "data/f.py": "import importlib\nimportlib.import_module('contrastive_jax.jobs.d')\n",
       "jobs/__init__.py": "",
       "jobs/d.py": "from contrastive_jax.core.a import something\n",
       "methods/__init__.py": "",
@@ -108,5 +122,7 @@ def test_the_checker_finds_an_upward_import_a_method_import_and_a_cycle(tmp_path
           in found)
   assert any(line.startswith("import cycle: contrastive_jax.core.a -> contrastive_jax.core.b")
              for line in found)
-  assert len(found) == 3, found
+  assert "contrastive_jax.data.e (layer data) imports contrastive_jax.jobs.d (layer jobs)" in found
+  assert "contrastive_jax.data.f (layer data) imports contrastive_jax.jobs.d (layer jobs)" in found
+  assert len(found) == 5, found
 

@@ -86,11 +86,11 @@ def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path)
   with pytest.raises(ConfigError, match=r"^config.batch_size=32 \(the checkpoint.s: 16\)"):
     runner.run(linear_probe, probe_config(pretrained, batch_size=32), str(tmp_path))
   # So is a probe into a pretraining workdir, and pretraining into a probe's.
-  with pytest.raises(ConfigError, match="config.job='linear_probe': must be 'pretrain', the job "
-                     "that wrote the checkpoints in"):
+  with pytest.raises(ConfigError, match="config.job='linear_probe': must be 'pretrain': another "
+                     "kind of job wrote the checkpoints in"):
     runner.run(linear_probe, probe_config(pretrained), pretrained)
-  with pytest.raises(ConfigError, match="config.job='pretrain': must be 'linear_probe', the job "
-                     "that wrote the checkpoints in"):
+  with pytest.raises(ConfigError, match="config.job='pretrain': must be 'linear_probe': another "
+                     "kind of job wrote the checkpoints in"):
     runner.run(pretrain, tiny_config(), str(tmp_path))
 
 
@@ -164,7 +164,11 @@ def test_checkpoints_of_another_tool_end_in_one_line_naming_pretrain_workdir(tmp
   assert out.stderr.strip().splitlines()[-1] == (
       f"error: config.pretrain_workdir='{orbax_dir}': must be a pretraining workdir of "
       f"contrastive_jax; {orbax_dir}/checkpoints/3 is not a checkpoint of contrastive_jax (it "
-      "has no 'config' item)")
+      "has the items ['state'], not the items 'state' and 'config'); nothing in it was read "
+      "or changed")
+  # Neither was deleted (as an incomplete checkpoint of this project would be).
+  assert os.listdir(orbax_dir / "checkpoints") == ["3"]
+  assert os.listdir(numbered_dir / "checkpoints") == ["5"]
 
 
 # Each reference's linear evaluation, from its own code (recipes.LINEAR_PROBE_PRESETS

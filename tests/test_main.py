@@ -115,3 +115,13 @@ def test_only_counts_are_integer_fields_so_fractions_parse():
       if "optimizer" in config:
         assert config.optimizer.get_type("warmup_epochs") is float
         assert all(isinstance(e, float) for e in config.optimizer.decay_epochs or ())
+
+
+def test_a_file_that_is_not_a_config_is_named(tmp_path):
+  (tmp_path / "notes.py").write_text("x = 1\n")
+  (tmp_path / "notes.md").write_text("# Not Python at all\nSee the README.\n")
+  with pytest.raises(JobError, match=r"notes.py: not a config file: it defines no get_config"):
+    main.check_config_flags(["main", f"--config={tmp_path}/notes.py"])
+  with pytest.raises(JobError, match=r"notes.md: not a config file: Python cannot read it "
+                                     r"\(invalid syntax, line 2\)"):
+    main.check_config_flags(["main", f"--config={tmp_path}/notes.md"])

@@ -21,9 +21,10 @@ from absl import logging
 
 from contrastive_jax.core.errors import ABSENT
 from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.core.errors import JobError
+from contrastive_jax.core.errors import ForeignCheckpointError
 
 # (item, the file of the item that Orbax writes last): a step holding both is complete.
+_STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's file naming a step's items.
 _ITEM_MARKERS = (("state", "_METADATA"), ("config", "metadata"))
 
 
@@ -88,7 +89,24 @@ class Checkpointer:
     wait().
     """
     self._manager.reload()
-    return sorted(self._manager.all_steps())
+    steps = sorted(self._manager.all_steps())
+    for step in steps:
+      self._check_ours(step)
+    return steps
+
+  def _check_ours(self, step: int):
+    """Raises ForeignCheckpointError unless a Checkpointer wrote step's folder, whole or not:
+    Orbax's metadata of the step names the items 'state' and 'config'."""
+    try:
+      with tf.io.gfile.GFile(f"{self.directory}/{step}/{_STEP_METADATA}") as f:
+        items = sorted(json.load(f).get("item_handlers") or ())
+    except (tf.errors.NotFoundError, ValueError, AttributeError):
+      items = None
+    if items is None or not {"state", "config"} <= set(items):
+      found = "no Orbax metadata" if items is None else f"the items {items}"
+      raise ForeignCheckpointError(
+          f"{self.directory}/{step} is not a checkpoint of contrastive_jax (it has {found}, "
+          "not the items 'state' and 'config'); nothing in it was read or changed")
 
   def _is_complete(self, step: int) -> bool:
     return all(tf.io.gfile.exists(f"{self.directory}/{step}/{item}/{marker}")
@@ -141,15 +159,11 @@ class Checkpointer:
 
     Raises:
       ConfigError: no checkpoint, or no checkpoint at that step (lists those that exist).
-      JobError: a step directory without the 'config' item: not a checkpoint of this
-        project (another tool's Orbax checkpoint, or any numbered folder).
+      ForeignCheckpointError: a step folder that no job of this project wrote
+        (another tool's Orbax checkpoint, or any numbered folder).
     """
     step = self.resolve_step(step)
-    try:
-      saved = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    except KeyError:  # Orbax: 'Item "config" was not found in the checkpoint'.
-      raise JobError(f"{self.directory}/{step} is not a checkpoint of contrastive_jax (it has "
-                     "no 'config' item)") from None
+    saved = self._manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
     return ml_collections.ConfigDict(saved.config)
 
   def restore(self, abstract_state, step: Optional[int] = None):

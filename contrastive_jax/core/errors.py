@@ -42,6 +42,11 @@ class ResumeError(ConfigError):
         "checkpoint's values to resume it")
 
 
+class ForeignCheckpointError(JobError):
+  """A numbered folder among a workdir's checkpoints that no job of this project wrote
+  (another tool's Orbax checkpoint, or any other folder): never restored nor deleted."""
+
+
 class NonFiniteError(JobError):
   """The loss or the parameters became NaN or infinite; nothing of that step was saved."""
 

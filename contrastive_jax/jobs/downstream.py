@@ -18,7 +18,7 @@ import tensorflow as tf
 
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.core.errors import JobError
+from contrastive_jax.core.errors import ForeignCheckpointError
 from contrastive_jax.core import files
 from contrastive_jax.core import gcs
 from contrastive_jax.core import mesh as mesh_lib
@@ -95,10 +95,10 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
     pretrain_step = saved_config.pretrain_step
   ckpt = checkpointing.Checkpointer(directory, read_only=True)
   try:
-    step = ckpt.resolve_step(None if pretrain_step < 0 else pretrain_step, "pretrain_step")
     try:
+      step = ckpt.resolve_step(None if pretrain_step < 0 else pretrain_step, "pretrain_step")
       saved = ckpt.saved_config(step)
-    except JobError as e:
+    except ForeignCheckpointError as e:
       raise ConfigError("pretrain_workdir", config.pretrain_workdir,
                         f"a pretraining workdir of contrastive_jax; {e}") from None
     if "method" not in saved:

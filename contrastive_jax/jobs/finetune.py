@@ -30,9 +30,11 @@ import optax
 import tensorflow as tf
 from absl import logging
 
+from contrastive_jax.core import checkpointing
 from contrastive_jax.core import durations
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
+from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import input_pipeline
@@ -141,7 +143,9 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
   steps_per_epoch = runner.steps_per_epoch(subset, config)
   num_steps = durations.to_steps(config.duration, "duration", steps_per_epoch)
   encoder = downstream.restore_encoder(config, mesh, saved_config)
+  # Saved as resolved, so that a resume names the same checkpoint however it is spelled.
   config.pretrain_step = encoder.step
+  config.pretrain_workdir = files.resolve_dir(config.pretrain_workdir)
   schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, steps_per_epoch,
                                           num_steps)
   # A random patch projection stays frozen, as the encoder was pretrained.
@@ -163,6 +167,11 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
   def logits(variables, images):
     return head.apply({"params": variables["params"]["head"]}, features(variables, images))
 
+  if saved_config is not None:  # Named as changed fields, before the subset file is compared.
+    differences = [d for d in checkpointing.config_differences(saved_config.to_dict(), config, ())
+                   if d[0] in ("label_fraction", "label_seed")]
+    if differences:
+      raise ResumeError(f"{workdir}/checkpoints", differences, runner.MAY_CHANGE_ON_RESUME)
   record_subset(subset, workdir, resumed=saved_config is not None)
   logging.info("Fine-tuning %s encoder (%s, step %d of %s) on %d labelled images "
                "(label_fraction %g of %r).",

@@ -22,6 +22,7 @@ from absl import logging
 
 from contrastive_jax.core import durations
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.jobs import downstream
@@ -115,7 +116,9 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   preset = encoder.pretrained.method if config.preset == "auto" else config.preset
   config = recipes.fill_probe_preset(config, preset)
   config.preset = preset
+  # Saved as resolved, so that a resume names the same checkpoint however it is spelled.
   config.pretrain_step = encoder.step
+  config.pretrain_workdir = files.resolve_dir(config.pretrain_workdir)
   steps_per_epoch = runner.steps_per_epoch(source, config)
   num_steps = durations.to_steps(config.duration, "duration", steps_per_epoch)
   schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, steps_per_epoch,
