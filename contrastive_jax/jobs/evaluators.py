@@ -3,8 +3,8 @@
 A job's config declares its evaluators in config.evaluators, a dict
 {name: {kind, every, split, batch_size, ...}}; `every` is a duration ('10
 epochs', '500 steps') and every evaluator also runs at a job's last step.
-Metrics are named '<name>_top1' (and '<name>_top5' with 5 classes or more), as
-fractions of the split's images, each counted once. Adding a kind is one
+Metrics are named '<name>_top1' (a classifier adds '<name>_top5' with 5 classes
+or more), as fractions of the split's images, each counted once. Adding a kind is one
 class here and one entry in KINDS; the runner never changes.
 
 Evaluation is sharded over the mesh: batches are split over the devices, and
