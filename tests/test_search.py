@@ -136,6 +136,13 @@ def test_embeddings_are_unit_h_of_every_image_in_split_order(pretrained, index):
     embed.run(embed_config(pretrained), index)
 
 
+def test_an_embed_cut_short_before_its_embed_json_is_done_again(pretrained, index, tmp_path):
+  (tmp_path / "embeddings.npy").write_bytes(b"cut short")  # No embed.json: not an index.
+  embed.run(embed_config(pretrained), str(tmp_path))
+  np.testing.assert_array_equal(index_lib.load_index(str(tmp_path)).embeddings,
+                                index_lib.load_index(index).embeddings)
+
+
 def test_neighbours_of_rows_names_and_files_find_themselves(index, tmp_path):
   images, labels = _cifar_test()
   query_file = str(tmp_path / "query.png")

@@ -11,7 +11,9 @@ linear probe does) and writes the index (index.py) to the workdir.
 Not a training loop, so not run by runner.run. Each process embeds its own
 part of the images; process 0 gathers the parts and writes the files, in the
 order of the split or of the sorted file paths. A workdir that already holds
-an index is refused (nothing already written is lost).
+an index is refused (nothing already written is lost); files an interrupted
+embed left without its embed.json, which marks an index complete, are
+written anew.
 """
 
 import jax
@@ -92,10 +94,13 @@ def run(config, workdir: str):
 
 
 def _refuse_existing_index(workdir: str):
-  """Raises JobError if workdir holds embeddings already (an index is never overwritten)."""
-  if tf.io.gfile.exists(f"{workdir}/{index.META}") or tf.io.gfile.exists(f"{workdir}/{index.EMBEDDINGS}"):
-    raise JobError(f"--workdir={workdir}: already holds embeddings ({index.EMBEDDINGS}); use a new "
-                   "workdir or delete them")
+  """Raises JobError if workdir holds a complete index (one is never overwritten)."""
+  if index.is_index(workdir):
+    raise JobError(f"--workdir={workdir}: already holds embeddings ({index.META}, "
+                   f"{index.EMBEDDINGS}); use a new workdir or delete them")
+  if tf.io.gfile.exists(f"{workdir}/{index.EMBEDDINGS}"):
+    logging.warning("%s/%s is left from an embed job that did not finish (no %s): embedding "
+                    "again.", workdir, index.EMBEDDINGS, index.META)
 
 
 def _embed_and_write(config, workdir: str, mesh, model: index.EmbedModel, source, split: str):
