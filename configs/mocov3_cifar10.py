@@ -26,7 +26,8 @@ cheap on 2 CPU cores: D 96 (width 0.5), 4 blocks, patch 8 on the 32 px images
 (16 patches and the class token: attention over 17 tokens; patch 4 would make
 65 tokens and a step about 4x dearer), batch 256, 800 steps (a step costs 1.3
 CPU-seconds here, about twice the ResNet's), evaluators every 400, the same heads
-as `runlocal`; MoCo v3's ViT optimisation (AdamW, weight decay 0.1 on kernels,
+as `runlocal` but for the predictor's last BN without affine parameters (MoCo v3's
+MoCo_ViT, builder.py); MoCo v3's ViT optimisation (AdamW, weight decay 0.1 on kernels,
 random frozen patch projection, t 0.2) with a base learning rate of 1e-3 x
 B/256, 6.7x MoCo v3's 1.5e-4 (at batch 256 the step is still below the 2.4e-3
 of its batch-4096 runs), and a warm-up of half an epoch (98 steps) instead of
@@ -67,6 +68,7 @@ def get_config(variant: str = ""):
     config.model.update(width=0.5, depth=4, input_mean=mean, input_std=std)
     config.optimizer = recipes.optimizer("adamw", base_lr=1e-3, weight_decay=0.1,
                                          warmup_epochs=0.5)
+    config.predictor.final_bn = True  # MoCo v3's ViT predictor ends in an affine-free BN.
     config.duration = "800 steps"
     for evaluator in config.evaluators.values():
       evaluator.every = "400 steps"

@@ -21,10 +21,12 @@ token out ('kernels'); the reference's torch.optim.AdamW decays every parameter
 ratio 0.001 on weights of more than one dimension, momentum 0.9, lr after the
 momentum), 10 warm-up epochs then cosine, t 1.0, torchvision's ResNet-50 with
 zero_init_residual=True, projector 2 layers (4096, 256), crop scale 0.2-1
-(CONFIG.md's --crop-min=.2). Both: predictor 2 layers (4096, 256), every Linear
-without bias (PyTorch's nn.Linear initialisation), BN after each hidden Linear
-and after the projector's last one (without affine parameters), global BN,
-each view its own forward pass; BYOL's asymmetric views with torchvision's
+(CONFIG.md's --crop-min=.2). Both: predictor 2 layers (4096, 256), ending in
+a BN without affine parameters for the ViT (builder.py's MoCo_ViT keeps
+_build_mlp's last_bn=True; MoCo_ResNet passes False), every Linear without
+bias (PyTorch's nn.Linear initialisation), BN after each hidden Linear and
+after the projector's last one (without affine parameters), global BN, each
+view its own forward pass; BYOL's asymmetric views with torchvision's
 ColorJitter (0.4, 0.4, 0.2, 0.1) p 0.8, grayscale p 0.2, PIL blur p 1.0 / 0.1,
 solarize p 0 / 0.2, flip; ImageNet standardisation; bfloat16 compute.
 """
@@ -48,13 +50,13 @@ def get_config(variant: str = ""):
   recipes.check_variant(variant, VARIANTS)
   config = recipes.base_config()
   config.method = "mocov3"
-  config.predictor = mlp((4096,), last_bn=False)
   config.augment = recipes.mocov3_views()
   if variant in RESNET50:
     base_lr, weight_decay, momentum, epochs = RESNET50[variant]
     recipes.imagenet(config, batch_size=4096, num_epochs=epochs, reference="torchvision")
     config.model.zero_init_residual = True
     config.projector = mlp((4096,), last_bn=True)
+    config.predictor = mlp((4096,), last_bn=False)  # MoCo_ResNet passes last_bn=False.
     config.temperature = 1.0
     config.moco = dict(momentum=momentum, momentum_schedule="cosine")
     recipes.crop(config, "torchvision", 0.2, "pil_bilinear")
@@ -64,6 +66,7 @@ def get_config(variant: str = ""):
   config.model = recipes.vit_model(VITS[variant], 16, "bfloat16",
                                    random_patch_projection=True)
   config.projector = mlp((4096, 4096), last_bn=True)
+  config.predictor = mlp((4096,), last_bn=True)  # MoCo_ViT keeps _build_mlp's last_bn=True.
   config.temperature = 0.2
   config.moco = dict(momentum=0.99, momentum_schedule="cosine")
   recipes.crop(config, "torchvision", 0.08, "pil_bilinear")

@@ -144,16 +144,21 @@ def model(name: str, stem: str, dtype: str, reference: str) -> dict:
   """A model config with the reference's initialisation and input scaling.
 
   reference 'simclr': variance-scaling (TF) convs, zero-initialised last BN
-  scale of each block, inputs in [0, 1]; 'byol': the same (Haiku's defaults,
-  BYOL's zero-init) with ImageNet standardisation; 'torchvision': He-normal
-  fan-out convs, last BN scale 1, ImageNet standardisation (MoCo). CIFAR-10
-  recipes replace input_mean/input_std with their own statistics.
+  scale of each block, inputs in [0, 1], SimCLR's TF padding; 'byol': the same
+  (Haiku's defaults, BYOL's zero-init) with ImageNet standardisation and
+  Haiku's 'SAME' padding; 'torchvision': He-normal fan-out convs, last BN
+  scale 1, ImageNet standardisation, torchvision's symmetric padding (MoCo).
+  (resnet.PADDINGS says where each pads.) CIFAR-10 recipes replace
+  input_mean/input_std with their own statistics.
   """
   imagenet = dict(input_mean=IMAGENET_MEAN, input_std=IMAGENET_STD)
   fields = {"simclr": dict(zero_init_residual=True, conv_init="variance_scaling",
-                           input_mean=(0.0, 0.0, 0.0), input_std=(1.0, 1.0, 1.0)),
-            "byol": dict(zero_init_residual=True, conv_init="variance_scaling", **imagenet),
-            "torchvision": dict(zero_init_residual=False, conv_init="he_normal", **imagenet)}
+                           padding="tensorflow", input_mean=(0.0, 0.0, 0.0),
+                           input_std=(1.0, 1.0, 1.0)),
+            "byol": dict(zero_init_residual=True, conv_init="variance_scaling", padding="same",
+                         **imagenet),
+            "torchvision": dict(zero_init_residual=False, conv_init="he_normal",
+                                padding="torchvision", **imagenet)}
   return dict(name=name, width=1.0, stem=stem, dtype=dtype, **fields[reference])
 
 

@@ -47,6 +47,20 @@ class ForeignCheckpointError(JobError):
   (another tool's Orbax checkpoint, or any other folder): never restored nor deleted."""
 
 
+class WeightsError(JobError):
+  """A weights file (safetensors, .pth) that cannot be read into, or written from, an encoder:
+  not such a file, another architecture or size, missing or unexpected tensors.
+
+  Attributes:
+    path: the file, as given.
+    reason: why, in words, naming the first tensor or shape that does not fit.
+  """
+
+  def __init__(self, path: str, reason: str):
+    self.path, self.reason = path, reason
+    super().__init__(f"{path}: {reason}")
+
+
 class NonFiniteError(JobError):
   """The loss or the parameters became NaN or infinite; nothing of that step was saved."""
 

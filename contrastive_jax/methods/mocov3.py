@@ -17,7 +17,9 @@ converts every BN to SyncBatchNorm. The MLP heads are configs
 of 4096 units; the projector ends with a Linear to 256 and a BN without affine
 parameters (final_bn with final_bn_scale False), 3 layers for a ViT and 2 for
 a ResNet; the predictor has 2 layers and ends with the bare Linear
-(final_bias False).
+(final_bias False) for a ResNet, with the Linear and a BN without affine
+parameters for a ViT (builder.py: MoCo_ViT keeps _build_mlp's last_bn=True,
+MoCo_ResNet passes False).
 """
 import jax
 import jax.numpy as jnp

@@ -13,6 +13,7 @@ from contrastive_jax.models.heads import DENSE_INITS
 from contrastive_jax.models.heads import MLP
 from contrastive_jax.models.resnet import CONV_INITS
 from contrastive_jax.models.resnet import DTYPES
+from contrastive_jax.models.resnet import PADDINGS
 from contrastive_jax.models.resnet import RESNET_SPECS
 from contrastive_jax.models.resnet import ResNet
 from contrastive_jax.models.resnet import STEMS
@@ -39,16 +40,18 @@ def encode(encoder, variables, images):
 # Fields added to model and head configs after checkpoints were first written:
 # a saved config without them gets the values the code had then.
 _MODEL_DEFAULTS = dict(zero_init_residual=True, conv_init="he_normal",
-                       input_mean=(0.0, 0.0, 0.0), input_std=(1.0, 1.0, 1.0))
+                       input_mean=(0.0, 0.0, 0.0), input_std=(1.0, 1.0, 1.0), padding="legacy",
+                       position_embedding="sincos", num_heads=None)
 _MLP_DEFAULTS = dict(final_bn=False, init="lecun_normal", final_bn_scale=True, final_bias=True)
 
 
 def build_encoder(model_config, bn_axis_name=None) -> nn.Module:
   """Builds the encoder named by `model_config`: a ResNet of RESNET_SPECS (fields
-  name, width, stem, dtype, zero_init_residual, conv_init, input_mean, input_std)
-  or a ViT of VIT_SPECS (name, width, depth, patch_size, dtype,
-  random_patch_projection, input_mean, input_std; no BN, so bn_axis_name is
-  unused): D = vit_width(model_config), depth blocks, the spec's heads.
+  name, width, stem, dtype, zero_init_residual, conv_init, padding, input_mean,
+  input_std) or a ViT of VIT_SPECS (name, width, depth, patch_size, dtype,
+  random_patch_projection, position_embedding, num_heads, input_mean,
+  input_std; no BN, so bn_axis_name is unused): D = vit_width(model_config),
+  depth blocks, num_heads heads (None: the spec's).
 
   Raises:
     ConfigError: see check_model_config.
@@ -56,14 +59,15 @@ def build_encoder(model_config, bn_axis_name=None) -> nn.Module:
   check_model_config(model_config)
   get = lambda field: model_config.get(field, _MODEL_DEFAULTS[field])
   if model_config.name in VIT_SPECS:
-    return vit.ViT(vit_width(model_config), model_config.depth, VIT_SPECS[model_config.name][2],
+    return vit.ViT(vit_width(model_config), model_config.depth, vit_heads(model_config),
                    model_config.patch_size, dtype=DTYPES[model_config.dtype],
                    random_patch_projection=model_config.random_patch_projection,
+                   position_embedding=get("position_embedding"),
                    input_mean=tuple(get("input_mean")), input_std=tuple(get("input_std")))
   return ResNet(RESNET_SPECS[model_config.name], width=model_config.width,
                 stem=model_config.stem, dtype=DTYPES[model_config.dtype],
                 bn_axis_name=bn_axis_name, zero_init_residual=get("zero_init_residual"),
-                conv_init=get("conv_init"), input_mean=tuple(get("input_mean")),
+                conv_init=get("conv_init"), padding=get("padding"), input_mean=tuple(get("input_mean")),
                 input_std=tuple(get("input_std")))
 
 
@@ -92,6 +96,15 @@ def vit_width(model_config) -> int:
   return round(VIT_SPECS[model_config.name][0] * model_config.width)
 
 
+def vit_heads(model_config) -> int:
+  """Attention heads of a ViT config: model.num_heads, or the spec's when unset (None).
+
+  A checkpoint's shapes do not tell the heads (qkv is [D, 3D] whatever their
+  number): timm's vit_small_patch16_224 has 6 where VIT_SPECS' vit_small has 12.
+  """
+  return model_config.get("num_heads") or VIT_SPECS[model_config.name][2]
+
+
 def check_model_config(model_config, image_size: int = None):
   """Raises ConfigError naming the field if the model config cannot be built (on images
   of image_size pixels, when given: a ViT's patch size must divide it)."""
@@ -110,6 +123,9 @@ def check_model_config(model_config, image_size: int = None):
   conv_init = model_config.get("conv_init", _MODEL_DEFAULTS["conv_init"])
   if conv_init not in CONV_INITS:
     raise ConfigError("model.conv_init", conv_init, f"one of {sorted(CONV_INITS)}")
+  padding = model_config.get("padding", _MODEL_DEFAULTS["padding"])
+  if padding not in PADDINGS:
+    raise ConfigError("model.padding", padding, f"one of {list(PADDINGS)}")
   _check_input_statistics(model_config)
 
 
@@ -122,7 +138,10 @@ def _check_input_statistics(model_config):
 
 
 def _check_vit_config(model_config, image_size):
-  heads = VIT_SPECS[model_config.name][2]
+  heads = model_config.get("num_heads")
+  if heads is not None and (not isinstance(heads, int) or heads <= 0):
+    raise ConfigError("model.num_heads", heads, "an integer > 0, or None (the spec's)")
+  heads = vit_heads(model_config)
   if not model_config.width > 0 or vit_width(model_config) % (4 * heads):
     raise ConfigError("model.width", model_config.width,
                       f"> 0, making D = {VIT_SPECS[model_config.name][0]} x width a multiple "
@@ -134,6 +153,10 @@ def _check_vit_config(model_config, image_size):
     raise ConfigError("model.patch_size", patch,
                       "an integer > 0" + (f" that divides image_size ({image_size})"
                                           if image_size else ""))
+  position = model_config.get("position_embedding", _MODEL_DEFAULTS["position_embedding"])
+  if position not in vit.POSITION_EMBEDDINGS:
+    raise ConfigError("model.position_embedding", position,
+                      f"one of {list(vit.POSITION_EMBEDDINGS)}")
   if not isinstance(model_config.get("random_patch_projection"), bool):
     raise ConfigError("model.random_patch_projection",
                       model_config.get("random_patch_projection"), "True or False")

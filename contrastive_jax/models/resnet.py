@@ -7,6 +7,10 @@ Convolutions are initialised He-normal fan-out (torchvision: MoCo) or with
 variance scaling 1 fan-in truncated normal (TF's variance_scaling_initializer:
 SimCLR; Haiku's default: BYOL); the last BN scale of each residual block is
 zero (SimCLR, BYOL's code) or one (torchvision: MoCo).
+
+Padding follows the reference whose weights a config means to match
+(PADDINGS); the references differ only where a convolution or the max-pool is
+strided, as 'SAME' pads an even input after it only.
 """
 import functools
 from typing import Any, Callable, Optional, Sequence
@@ -26,6 +30,34 @@ CONV_INITS = {
     "he_normal": nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
     "variance_scaling": nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
 }
+# Where strided layers pad (a stride-1 k x k convolution pads (k-1)/2 on each side in all):
+#   'torchvision': every convolution and the stem's 3x3 max-pool pad (k-1)//2 on each side
+#       (torchvision resnet.py: conv padding k//2, MaxPool2d(3, 2, padding=1) with -inf).
+#   'tensorflow': strided convolutions pad (k-1)//2 before and the rest after, then VALID;
+#       the max-pool is 'SAME' (SimCLR's TF ResNet, resnet.py: conv2d_fixed_padding /
+#       Conv2dFixedPadding, max pooling padding 'SAME').
+#   'same': 'SAME' everywhere, the 7x7 stem included (Haiku's Conv2D and max_pool: BYOL's
+#       networks.py).
+#   'legacy': this package's padding before issue 18 (the 7x7 stem (3, 3), everything else
+#       'SAME'); the value of checkpoints saved without the field, so that they restore to the
+#       network they were trained as.
+PADDINGS = ("torchvision", "tensorflow", "same", "legacy")
+
+
+def conv_padding(kernel: int, strides: int, padding: str, stem: bool = False):
+  """The flax padding of a k x k convolution with `strides` under PADDINGS rule `padding`."""
+  symmetric = [((kernel - 1) // 2, kernel - 1 - (kernel - 1) // 2)] * 2
+  if strides > 1 and (padding in ("torchvision", "tensorflow") or (stem and padding == "legacy")):
+    return symmetric
+  return "SAME"
+
+
+def max_pool_padding(padding: str):
+  """The flax padding of the stem's 3x3 stride-2 max-pool under PADDINGS rule `padding`
+  (explicit pads are -inf: they never win the max)."""
+  return [(1, 1), (1, 1)] if padding == "torchvision" else "SAME"
+
+
 def _residual_out(x, y, strides: int, conv, norm):
   """relu(y + x), x projected by a strided 1x1 conv + BN where the shapes differ.
 
@@ -33,14 +65,16 @@ def _residual_out(x, y, strides: int, conv, norm):
   that block.
   """
   if x.shape != y.shape:
-    x = norm()(conv(y.shape[-1], (1, 1), (strides, strides))(x))
+    x = norm()(conv(y.shape[-1], 1, strides)(x))
   return nn.relu(y + x)
 
 
 class BasicBlock(nn.Module):
   """Two 3x3 convolutions with a residual connection (ResNet-18/34).
 
-  last_norm builds the block's last BN (zero-initialised scale or not).
+  conv(features, kernel, strides=1) builds a convolution padded as the ResNet's
+  padding rule says; last_norm builds the block's last BN (zero-initialised
+  scale or not).
   """
   features: int
   strides: int
@@ -50,9 +84,9 @@ class BasicBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    y = self.conv(self.features, (3, 3), (self.strides, self.strides))(x)
+    y = self.conv(self.features, 3, self.strides)(x)
     y = nn.relu(self.norm()(y))
-    y = self.conv(self.features, (3, 3))(y)
+    y = self.conv(self.features, 3)(y)
     y = self.last_norm()(y)
     return _residual_out(x, y, self.strides, self.conv, self.norm)
 
@@ -67,10 +101,10 @@ class BottleneckBlock(nn.Module):
 
   @nn.compact
   def __call__(self, x):
-    y = nn.relu(self.norm()(self.conv(self.features, (1, 1))(x)))
-    y = self.conv(self.features, (3, 3), (self.strides, self.strides))(y)
+    y = nn.relu(self.norm()(self.conv(self.features, 1)(x)))
+    y = self.conv(self.features, 3, self.strides)(y)
     y = nn.relu(self.norm()(y))
-    y = self.conv(self.features * 4, (1, 1))(y)
+    y = self.conv(self.features * 4, 1)(y)
     y = self.last_norm()(y)
     return _residual_out(x, y, self.strides, self.conv, self.norm)
 
@@ -90,6 +124,7 @@ class ResNet(nn.Module):
       each block starts as the identity (Goyal et al. 2017; SimCLR's and
       BYOL's code), or at 1 (torchvision's default: MoCo).
     conv_init: a key of CONV_INITS.
+    padding: a PADDINGS rule.
     input_mean, input_std: per-channel (R, G, B) statistics subtracted from
       and divided into the [0, 1] input (MoCo and BYOL standardise with the
       ImageNet statistics; (0, 0, 0) and (1, 1, 1) leave it as SimCLR does).
@@ -101,6 +136,7 @@ class ResNet(nn.Module):
   bn_axis_name: Optional[str] = None
   zero_init_residual: bool = True
   conv_init: str = "he_normal"
+  padding: str = "torchvision"
   input_mean: Sequence[float] = (0.0, 0.0, 0.0)
   input_std: Sequence[float] = (1.0, 1.0, 1.0)
 
@@ -109,8 +145,11 @@ class ResNet(nn.Module):
     """Maps images [N, H, W, 3] (float, values in [0, 1]) to h [N, C] float32."""
     block_type, stage_sizes = self.depth_spec
     block_cls = BasicBlock if block_type == "basic" else BottleneckBlock
-    conv = functools.partial(nn.Conv, use_bias=False, dtype=self.dtype,
-                             kernel_init=CONV_INITS[self.conv_init])
+    def conv(features, kernel, strides=1, stem=False, **kwargs):
+      return nn.Conv(features, (kernel, kernel), (strides, strides),
+                     padding=conv_padding(kernel, strides, self.padding, stem), use_bias=False,
+                     dtype=self.dtype, kernel_init=CONV_INITS[self.conv_init], **kwargs)
+
     norm = functools.partial(nn.BatchNorm, use_running_average=not train,
                              momentum=0.9, epsilon=1e-5, dtype=self.dtype,
                              axis_name=self.bn_axis_name if train else None)
@@ -120,12 +159,12 @@ class ResNet(nn.Module):
     x = (x - jnp.asarray(self.input_mean, jnp.float32)) / jnp.asarray(self.input_std, jnp.float32)
     x = x.astype(self.dtype)
     if self.stem == "cifar":
-      x = conv(base, (3, 3), name="stem_conv")(x)
+      x = conv(base, 3, name="stem_conv")(x)
       x = nn.relu(norm(name="stem_bn")(x))
     else:
-      x = conv(base, (7, 7), (2, 2), padding=[(3, 3), (3, 3)], name="stem_conv")(x)
+      x = conv(base, 7, 2, stem=True, name="stem_conv")(x)
       x = nn.relu(norm(name="stem_bn")(x))
-      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME")
+      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=max_pool_padding(self.padding))
     for i, num_blocks in enumerate(stage_sizes):
       for j in range(num_blocks):
         strides = 2 if i > 0 and j == 0 else 1

@@ -36,6 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+# 'sincos': MoCo v3's fixed 2-D sine-cosine embedding, none on the class token (vits.py);
+# 'learned': a learned [1 + grid^2, D] embedding added to the class token and the patches
+# (timm's VisionTransformer, pos_embed, truncated normal std 0.02 there).
+POSITION_EMBEDDINGS = ("sincos", "learned")
 FROZEN_PREFIX = "frozen_"  # Modules named so get no optimizer update (methods/optim.py).
 LN_EPSILON = 1e-6
 
@@ -122,6 +126,8 @@ class ViT(nn.Module):
     patch_size: p; the image size must be a multiple of it.
     dtype: compute dtype.
     random_patch_projection: freeze the patch projection (MoCo v3 Sec. 4.2).
+    position_embedding: a POSITION_EMBEDDINGS name; 'learned' fixes the image size
+      the parameters are for.
     input_mean, input_std: per-channel (R, G, B) standardisation of the [0, 1] input.
   """
   width: int
@@ -130,6 +136,7 @@ class ViT(nn.Module):
   patch_size: int
   dtype: Any = jnp.float32
   random_patch_projection: bool = False
+  position_embedding: str = "sincos"
   input_mean: Sequence[float] = (0.0, 0.0, 0.0)
   input_std: Sequence[float] = (1.0, 1.0, 1.0)
 
@@ -148,11 +155,16 @@ class ViT(nn.Module):
     if self.random_patch_projection:
       x = jax.lax.stop_gradient(x)
     n, grid = x.shape[0], x.shape[1]  # [N, S/p, S/p, D]
-    x = x.reshape(n, grid * grid, d) + sincos_position_embedding(grid, d).astype(self.dtype)
+    x = x.reshape(n, grid * grid, d)
+    if self.position_embedding == "sincos":
+      x = x + sincos_position_embedding(grid, d).astype(self.dtype)
     cls = self.param("cls_token", nn.initializers.normal(1e-6), (1, 1, d), jnp.float32)
     # zeros_like keeps x's sharding (a replicated broadcast would not concatenate with
     # a batch-sharded x under explicit sharding).
     x = jnp.concatenate([jnp.zeros_like(x[:, :1]) + cls.astype(self.dtype), x], axis=1)
+    if self.position_embedding == "learned":
+      x = x + self.param("pos_embed", nn.initializers.normal(0.02), (1, 1 + grid * grid, d),
+                         jnp.float32).astype(self.dtype)
     for i in range(self.depth):
       x = Block(self.num_heads, dtype=self.dtype, name=f"block{i}")(x)
     x = nn.LayerNorm(epsilon=LN_EPSILON, dtype=self.dtype, name="norm")(x)

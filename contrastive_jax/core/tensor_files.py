@@ -1,0 +1,165 @@
+"""Files of named tensors: safetensors (read and written with numpy alone) and PyTorch .pth.
+
+The safetensors format (huggingface/safetensors, its README's "Format"):
+8 bytes, a little-endian uint64 N; N bytes of JSON mapping each tensor's name
+to {"dtype", "shape", "data_offsets": [begin, end]} (offsets into the byte
+buffer that follows), plus an optional "__metadata__" of strings; then the
+buffer, each tensor C-ordered and little-endian. Parsing it here keeps the
+`safetensors` package (and torch) out of the base install; .pth files need
+torch (the `torch` extra), imported only when one is read or written.
+"""
+import io
+import json
+import struct
+from typing import Dict
+
+import ml_dtypes
+import numpy as np
+import tensorflow as tf
+
+from contrastive_jax.core.errors import WeightsError
+from contrastive_jax.core import files
+
+# safetensors dtype name -> numpy dtype (little-endian).
+_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
+           "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"),
+           "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
+           "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
+_NAMES = {dtype: name for name, dtype in _DTYPES.items()}
+SAFETENSORS = ".safetensors"
+TORCH_SUFFIXES = (".pth", ".pth.tar", ".pt", ".bin")
+_MAX_HEADER = 100_000_000  # The reference implementation's limit on the JSON header, bytes.
+
+
+def kind(path: str) -> str:
+  """'safetensors' or 'torch' by the file name's suffix.
+
+  Raises:
+    WeightsError: another suffix.
+  """
+  if path.endswith(SAFETENSORS):
+    return "safetensors"
+  if path.endswith(TORCH_SUFFIXES):
+    return "torch"
+  raise WeightsError(path, f"not a weights file: the name must end in {SAFETENSORS} or one of "
+                     f"{', '.join(TORCH_SUFFIXES)}")
+
+
+def read(path: str) -> Dict[str, np.ndarray]:
+  """The named tensors of a safetensors or PyTorch file (local or gs://), as numpy arrays.
+
+  A PyTorch checkpoint that holds its weights under 'state_dict' or 'model'
+  (MoCo's and MoCo v3's .pth.tar, timm's training checkpoints) is unwrapped;
+  non-tensor entries (an epoch, an optimizer state) are dropped.
+
+  Raises:
+    WeightsError: a missing file, a suffix neither names, a file that is not
+      in the format its suffix says, a .pth without torch installed.
+  """
+  which = kind(path)
+  if not tf.io.gfile.exists(path):
+    raise WeightsError(path, "no such file")
+  with tf.io.gfile.GFile(path, "rb") as f:
+    content = f.read()
+  return _parse_safetensors(path, content) if which == "safetensors" else _read_torch(path, content)
+
+
+def _parse_safetensors(path: str, content: bytes) -> Dict[str, np.ndarray]:
+  def bad(why):
+    return WeightsError(path, f"not a safetensors file ({why})")
+  if len(content) < 8:
+    raise bad("shorter than its 8-byte header length")
+  (size,) = struct.unpack("<Q", content[:8])
+  if size > min(_MAX_HEADER, len(content) - 8):
+    raise bad(f"a header length of {size} bytes in a file of {len(content)}")
+  try:
+    header = json.loads(content[8:8 + size])
+  except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    raise bad(f"its header is not JSON: {e}") from None
+  if not isinstance(header, dict):
+    raise bad("its header is not a JSON object")
+  buffer = memoryview(content)[8 + size:]
+  tensors = {}
+  for name, entry in header.items():
+    if name == "__metadata__":
+      continue
+    try:
+      dtype = _DTYPES[entry["dtype"]]
+      shape = tuple(int(n) for n in entry["shape"])
+      begin, end = (int(n) for n in entry["data_offsets"])
+    except (KeyError, TypeError, ValueError):
+      raise bad(f"entry {name!r} is not {{dtype, shape, data_offsets}} of a known dtype") from None
+    if not 0 <= begin <= end <= len(buffer) or end - begin != dtype.itemsize * int(
+        np.prod(shape, dtype=np.int64)):
+      raise bad(f"tensor {name!r}: data_offsets {[begin, end]} do not hold shape {list(shape)} "
+                f"of {entry['dtype']} in a buffer of {len(buffer)} bytes")
+    tensors[name] = np.frombuffer(buffer[begin:end], dtype).reshape(shape).copy()
+  return tensors
+
+
+def _read_torch(path: str, content: bytes) -> Dict[str, np.ndarray]:
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise WeightsError(path, "reading a PyTorch file needs torch: pip install "
+                       "'contrastive_jax[torch]', or convert it to .safetensors") from None
+  try:
+    loaded = torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
+  except Exception as e:  # pylint: disable=broad-except
+    first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    raise WeightsError(path, f"not a PyTorch checkpoint torch can read safely ({first})") from None
+  if isinstance(loaded, dict):
+    for key in ("state_dict", "model"):
+      if isinstance(loaded.get(key), dict):
+        loaded = loaded[key]
+        break
+  if not isinstance(loaded, dict):
+    raise WeightsError(path, f"a PyTorch file holding a {type(loaded).__name__}, not a "
+                       "state dict")
+  tensors = {name: value.detach().cpu().float().numpy() if value.is_floating_point()
+             else value.detach().cpu().numpy()
+             for name, value in loaded.items() if isinstance(value, torch.Tensor)}
+  if not tensors:
+    raise WeightsError(path, "a PyTorch file with no tensors")
+  return tensors
+
+
+def safetensors_bytes(tensors: Dict[str, np.ndarray], metadata: Dict[str, str] = None) -> bytes:
+  """The safetensors encoding of named numpy arrays (sorted by name, header 8-byte aligned)."""
+  header, chunks, offset = {}, [], 0
+  if metadata:
+    header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+  for name in sorted(tensors):
+    array = np.asarray(tensors[name])
+    dtype = array.dtype.newbyteorder("<") if array.dtype.byteorder == ">" else array.dtype
+    if dtype not in _NAMES:
+      raise ValueError(f"tensor {name!r}: dtype {array.dtype} has no safetensors name")
+    data = array.astype(dtype).tobytes(order="C")
+    header[name] = {"dtype": _NAMES[dtype], "shape": list(array.shape),
+                    "data_offsets": [offset, offset + len(data)]}
+    chunks.append(data)
+    offset += len(data)
+  encoded = json.dumps(header, separators=(",", ":")).encode()
+  encoded += b" " * (-len(encoded) % 8)
+  return struct.pack("<Q", len(encoded)) + encoded + b"".join(chunks)
+
+
+def write(path: str, tensors: Dict[str, np.ndarray], metadata: Dict[str, str] = None):
+  """Writes named arrays atomically (files.write_atomic) as safetensors or, for a
+  TORCH_SUFFIXES name, as a torch.save'd state dict of tensors (needs torch).
+
+  Raises:
+    WeightsError: see kind; a .pth without torch installed.
+  """
+  if kind(path) == "safetensors":
+    files.write_atomic(path, safetensors_bytes(tensors, metadata))
+    return
+  try:
+    import torch  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    raise WeightsError(path, "writing a PyTorch file needs torch: pip install "
+                       "'contrastive_jax[torch]', or write .safetensors") from None
+  buffer = io.BytesIO()
+  torch.save({name: torch.from_numpy(np.array(value)) for name, value in tensors.items()},
+             buffer)
+  files.write_atomic(path, buffer.getvalue())

@@ -1,0 +1,249 @@
+"""Encoder variables <-> PyTorch state dicts: torchvision's ResNet, timm's and MoCo v3's ViT.
+
+A state dict here is {name: float32 numpy array} in the reference's names and
+layouts: torchvision resnet.py's ResNet (conv1, bn1, layer1.0.conv1, ...,
+downsample.0/1; BN running statistics and num_batches_tracked) and timm
+vision_transformer.py's VisionTransformer, which MoCo v3's vits.py subclasses
+(patch_embed.proj, cls_token, pos_embed, blocks.i.{norm1, attn.qkv, attn.proj,
+norm2, mlp.fc1, mlp.fc2}, norm). Convolution weights are [O, I, kh, kw] there
+and [kh, kw, I, O] here; Linear weights [out, in] there, [in, out] here.
+
+The encoder has no classifier: a stock model loads an exported dict with
+load_state_dict(strict=True) once its classifier is removed
+(torchvision: model.fc = torch.nn.Identity(); timm: num_classes=0), and the
+classifier or projection head a file holds (fc.*, head.*, fc_norm.*) is left
+out on import. A MoCo v3 ViT's fixed position embedding is a tensor of its
+state dict (pos_embed, the class token's row zero); it is written so and must
+equal this package's on import.
+"""
+from typing import Dict, List, NamedTuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from contrastive_jax.core.errors import WeightsError
+from contrastive_jax import models
+from contrastive_jax.models import vit
+
+# Prefixes under which checkpoints keep their encoder, tried in this order: MoCo v3
+# (builder.py: base_encoder, momentum_encoder), MoCo v1/v2 (encoder_q, encoder_k), both
+# saved from DistributedDataParallel ('module.'), then any DataParallel or bare one.
+ENCODER_PREFIXES = ("module.base_encoder.", "module.encoder_q.", "base_encoder.", "encoder_q.",
+                    "module.", "")
+# A stock model's classifier and a self-supervised checkpoint's projection head: not encoder.
+_HEAD_PREFIXES = {"resnet": ("fc.",), "vit": ("head.", "fc_norm.")}
+_FIRST_TENSOR = {"resnet": "conv1.weight", "vit": "patch_embed.proj.weight"}
+
+
+class Entry(NamedTuple):
+  """One tensor: its torch name, where it lives in the variables, and how it is laid out.
+
+  collection: 'params' or 'batch_stats'; path: the key path in it; layout: 'conv'
+  ([O, I, kh, kw] <-> [kh, kw, I, O]), 'dense' ([out, in] <-> [in, out]) or 'same';
+  'fixed' for a ViT's sin-cos pos_embed (not a variable); 'counter' for a BN's
+  num_batches_tracked (written as 0, ignored on import).
+  """
+  name: str
+  collection: str
+  path: tuple
+  layout: str
+
+
+def family(model_config) -> str:
+  """'vit' or 'resnet'."""
+  return "vit" if model_config.name in models.VIT_SPECS else "resnet"
+
+
+def variable_shapes(model_config, image_size: int):
+  """The encoder's {'params', 'batch_stats'} as ShapeDtypeStructs, for images of image_size."""
+  encoder = models.build_encoder(model_config)
+  x = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
+  shapes = jax.eval_shape(lambda x: encoder.init(jax.random.PRNGKey(0), x, train=False), x)
+  return {"params": shapes["params"], "batch_stats": shapes.get("batch_stats", {})}
+
+
+def _bn(name: str, module: tuple) -> List[Entry]:
+  return [Entry(f"{name}.weight", "params", module + ("scale",), "same"),
+          Entry(f"{name}.bias", "params", module + ("bias",), "same"),
+          Entry(f"{name}.running_mean", "batch_stats", module + ("mean",), "same"),
+          Entry(f"{name}.running_var", "batch_stats", module + ("var",), "same"),
+          Entry(f"{name}.num_batches_tracked", "", (), "counter")]
+
+
+def _resnet_entries(model_config, params) -> List[Entry]:
+  block_type, stage_sizes = models.RESNET_SPECS[model_config.name]
+  prefix = "BasicBlock_" if block_type == "basic" else "BottleneckBlock_"
+  convs = 2 if block_type == "basic" else 3
+  entries = [Entry("conv1.weight", "params", ("stem_conv", "kernel"), "conv"),
+             *_bn("bn1", ("stem_bn",))]
+  k = 0
+  for stage, blocks in enumerate(stage_sizes):
+    for j in range(blocks):
+      block, name = f"{prefix}{k}", f"layer{stage + 1}.{j}"
+      for c in range(convs):
+        entries.append(Entry(f"{name}.conv{c + 1}.weight", "params", (block, f"Conv_{c}", "kernel"),
+                             "conv"))
+        entries += _bn(f"{name}.bn{c + 1}", (block, f"BatchNorm_{c}"))
+      if f"Conv_{convs}" in params[block]:  # The projection shortcut.
+        entries.append(Entry(f"{name}.downsample.0.weight", "params",
+                             (block, f"Conv_{convs}", "kernel"), "conv"))
+        entries += _bn(f"{name}.downsample.1", (block, f"BatchNorm_{convs}"))
+      k += 1
+  return entries
+
+
+def _vit_entries(model_config, params) -> List[Entry]:
+  patch = [name for name in params if name.endswith("patch_embed")][0]
+  learned = "pos_embed" in params
+  entries = [Entry("cls_token", "params", ("cls_token",), "same"),
+             Entry("pos_embed", "params" if learned else "", ("pos_embed",) if learned else (),
+                   "same" if learned else "fixed"),
+             Entry("patch_embed.proj.weight", "params", (patch, "kernel"), "conv"),
+             Entry("patch_embed.proj.bias", "params", (patch, "bias"), "same")]
+  for i in range(model_config.depth):
+    block, name = f"block{i}", f"blocks.{i}"
+    for ours, theirs in (("norm1", "norm1"), ("norm2", "norm2")):
+      entries += [Entry(f"{name}.{theirs}.weight", "params", (block, ours, "scale"), "same"),
+                  Entry(f"{name}.{theirs}.bias", "params", (block, ours, "bias"), "same")]
+    for ours, theirs in ((("attn", "qkv"), "attn.qkv"), (("attn", "proj"), "attn.proj"),
+                         (("fc1",), "mlp.fc1"), (("fc2",), "mlp.fc2")):
+      entries += [Entry(f"{name}.{theirs}.weight", "params", (block, *ours, "kernel"), "dense"),
+                  Entry(f"{name}.{theirs}.bias", "params", (block, *ours, "bias"), "same")]
+  entries += [Entry("norm.weight", "params", ("norm", "scale"), "same"),
+              Entry("norm.bias", "params", ("norm", "bias"), "same")]
+  return entries
+
+
+def entries(model_config, image_size: int) -> List[Entry]:
+  """The encoder's tensors in the reference's order (see Entry)."""
+  params = variable_shapes(model_config, image_size)["params"]
+  if family(model_config) == "vit":
+    return _vit_entries(model_config, params)
+  return _resnet_entries(model_config, params)
+
+
+def _to_torch(array: np.ndarray, layout: str) -> np.ndarray:
+  if layout == "conv":
+    return array.transpose(3, 2, 0, 1)
+  return array.T if layout == "dense" else array
+
+
+def _torch_shape(shape: tuple, layout: str) -> tuple:
+  if layout == "conv":
+    return tuple(shape[i] for i in (3, 2, 0, 1))
+  return tuple(reversed(shape)) if layout == "dense" else tuple(shape)
+
+
+def _from_torch(array: np.ndarray, layout: str) -> np.ndarray:
+  if layout == "conv":
+    return array.transpose(2, 3, 1, 0)
+  return array.T if layout == "dense" else array
+
+
+def fixed_position_embedding(model_config, image_size: int) -> np.ndarray:
+  """MoCo v3's pos_embed of a sin-cos ViT: float32 [1, 1 + grid^2, D], the class token's row 0."""
+  grid, d = image_size // model_config.patch_size, models.vit_width(model_config)
+  table = vit.sincos_position_embedding(grid, d)
+  return np.concatenate([np.zeros((1, d), np.float32), table])[None]
+
+
+def to_state_dict(model_config, variables, image_size: int) -> Dict[str, np.ndarray]:
+  """The encoder's variables as the reference's state dict (float32; num_batches_tracked int64 0).
+
+  variables: {'params', 'batch_stats'} of models.build_encoder(model_config).
+  """
+  flat = {collection: flax.traverse_util.flatten_dict(jax.device_get(variables.get(collection, {})))
+          for collection in ("params", "batch_stats")}
+  out = {}
+  for entry in entries(model_config, image_size):
+    if entry.layout == "counter":
+      out[entry.name] = np.zeros((), np.int64)
+    elif entry.layout == "fixed":
+      out[entry.name] = fixed_position_embedding(model_config, image_size)
+    else:
+      out[entry.name] = np.ascontiguousarray(
+          _to_torch(np.asarray(flat[entry.collection][entry.path], np.float32), entry.layout))
+  return out
+
+
+def _describe(model_config) -> str:
+  if family(model_config) == "vit":
+    return (f"{model_config.name} (D {models.vit_width(model_config)}, depth "
+            f"{model_config.depth}, patch {model_config.patch_size})")
+  return f"{model_config.name} (width {model_config.width}, stem {model_config.stem!r})"
+
+
+def encoder_tensors(tensors: Dict[str, np.ndarray], path: str, model_config) -> Dict[str, np.ndarray]:
+  """The encoder's tensors of a file: under the first of ENCODER_PREFIXES that holds the
+  model family's first tensor, that prefix removed, classifier and projection heads and BN counters left out.
+
+  Raises:
+    WeightsError: no prefix holds the family's first tensor (naming the other family when
+      the file holds its weights, else the file's first key).
+  """
+  kind = family(model_config)
+  first = _FIRST_TENSOR[kind]
+  prefix = next((p for p in ENCODER_PREFIXES if p + first in tensors), None)
+  if prefix is None:
+    other = "vit" if kind == "resnet" else "resnet"
+    found = next((p + _FIRST_TENSOR[other] for p in ENCODER_PREFIXES
+                  if p + _FIRST_TENSOR[other] in tensors), None)
+    what = (f"it holds a {'ViT' if other == 'vit' else 'ResNet'} ({found})" if found else
+            f"its first tensor is {next(iter(sorted(tensors)), '(none)')!r}")
+    raise WeightsError(path, f"not the weights of a {_describe(model_config)}: no {first!r} "
+                       f"under any of the prefixes {[p for p in ENCODER_PREFIXES if p]} or "
+                       f"none; {what}")
+  heads = _HEAD_PREFIXES[kind]
+  return {name[len(prefix):]: value for name, value in tensors.items()
+          if name.startswith(prefix) and not name[len(prefix):].startswith(heads)
+          and not name.endswith("num_batches_tracked")}
+
+
+def from_state_dict(tensors: Dict[str, np.ndarray], path: str, model_config,
+                    image_size: int) -> dict:
+  """The encoder's {'params', 'batch_stats'} (float32 numpy) from a file's named tensors.
+
+  tensors: as tensor_files.read gives them, in torch names, with any of
+  ENCODER_PREFIXES. The encoder's tensors must be exactly the model's.
+
+  Raises:
+    WeightsError: see encoder_tensors; a tensor the model has and the file
+      lacks, or the file has and the model lacks (the first one named); a
+      shape that differs (named with both shapes); a fixed pos_embed that is
+      not this package's sin-cos embedding.
+  """
+  found = encoder_tensors(tensors, path, model_config)
+  shapes = variable_shapes(model_config, image_size)
+  shapes = {c: flax.traverse_util.flatten_dict(shapes[c]) for c in shapes}
+  expected = [e for e in entries(model_config, image_size) if e.layout != "counter"]
+  names = {e.name for e in expected}
+  describe = _describe(model_config)
+  missing = [e.name for e in expected if e.name not in found]
+  if missing:
+    raise WeightsError(path, f"has no tensor {missing[0]!r} ({len(missing)} of the "
+                       f"{len(expected)} tensors of a {describe} are missing): not this "
+                       "architecture or depth")
+  unexpected = sorted(name for name in found if name not in names)
+  if unexpected:
+    raise WeightsError(path, f"has a tensor {unexpected[0]!r} that a {describe} does not have "
+                       f"({len(unexpected)} such): another architecture or depth")
+  flat = {"params": {}, "batch_stats": {}}
+  for entry in expected:
+    value = np.asarray(found[entry.name], np.float32)
+    if entry.layout == "fixed":
+      want = fixed_position_embedding(model_config, image_size)
+      if value.shape != want.shape or not np.allclose(value, want, atol=1e-5):
+        diff = (f"max difference {np.max(np.abs(value - want)):.3g}"
+                if value.shape == want.shape else f"shape {list(value.shape)}")
+        raise WeightsError(path, f"pos_embed is not the fixed 2-D sin-cos embedding of a "
+                           f"{describe} on {image_size} px images ({diff}): a learned one "
+                           "needs --config.model.position_embedding=learned")
+      continue
+    want = _torch_shape(shapes[entry.collection][entry.path].shape, entry.layout)
+    if value.shape != want:
+      raise WeightsError(path, f"tensor {entry.name!r} has shape {list(value.shape)} where a "
+                         f"{describe} on {image_size} px images needs {list(want)}")
+    flat[entry.collection][entry.path] = _from_torch(value, entry.layout)
+  return {c: flax.traverse_util.unflatten_dict(flat[c]) for c in flat}

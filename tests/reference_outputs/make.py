@@ -1,0 +1,165 @@
+"""Makes the reference implementations' outputs that tests/test_weights.py compares with.
+
+  /path/to/venv-with-torch/bin/python tests/reference_outputs/make.py [OUT_DIR [--own-init]]
+
+(with this repository on PYTHONPATH; needs `pip install -e '.[torch]'`: torch,
+torchvision, timm). For each CASE, the weights are drawn with numpy from the
+case's seed (random_state_dict: no torch needed, so the test draws the same
+ones), loaded with load_state_dict(strict=True) into the stock reference model
+(torchvision's resnet18 / resnet50 with fc = Identity; timm's
+vit_small_patch16_224 at 32 px with num_classes=0; MoCo v3's ViT-S, i.e.
+timm's VisionTransformer with 12 heads and the fixed sin-cos pos_embed, which
+is computed here with torch from vits.py's formula, independently of
+vit.py), and run in eval mode on the case's images (images()); h goes to
+CASE.npz, a few KB. Committing the outputs rather than the weights (ResNet-50's
+are 100 MB) keeps the repository small and the test free of torch.
+"""
+import importlib
+import os
+import sys
+
+import flax
+import ml_collections
+import numpy as np
+
+from contrastive_jax.models import state_dicts
+
+# name -> (model config fields, image size, seed). ImageNet standardisation as MoCo's.
+_IMAGENET = dict(input_mean=(0.485, 0.456, 0.406), input_std=(0.229, 0.224, 0.225))
+CASES = {
+    "torchvision_resnet18": (dict(name="resnet18", width=1.0, stem="imagenet", dtype="float32",
+                                  padding="torchvision", **_IMAGENET), 64, 18),
+    "torchvision_resnet50": (dict(name="resnet50", width=1.0, stem="imagenet", dtype="float32",
+                                  padding="torchvision", **_IMAGENET), 64, 50),
+    "timm_vit_small": (dict(name="vit_small", width=1.0, depth=12, patch_size=16,
+                            num_heads=6, dtype="float32", random_patch_projection=False,
+                            position_embedding="learned", **_IMAGENET), 32, 6),
+    "mocov3_vit_small": (dict(name="vit_small", width=1.0, depth=12, patch_size=16,
+                              dtype="float32", random_patch_projection=True,
+                              position_embedding="sincos", **_IMAGENET), 32, 3),
+}
+
+
+def model_config(case: str) -> ml_collections.ConfigDict:
+  return ml_collections.ConfigDict(CASES[case][0])
+
+
+def images(case: str) -> np.ndarray:
+  """Two uint8 [2, S, S, 3] images of the case, from its seed."""
+  size, seed = CASES[case][1], CASES[case][2]
+  return np.random.default_rng(seed + 1000).integers(0, 256, (2, size, size, 3), dtype=np.uint8)
+
+
+def random_state_dict(case: str) -> dict:
+  """The case's weights in the reference's names, float32 numpy, drawn from its seed.
+
+  Convolutions and Linears He-normal by fan-in, BN scales U(0.5, 1.5), shifts
+  and running means U(-0.2, 0.2), running variances U(0.5, 2) (non-trivial
+  statistics, so that a misplaced one shows), LayerNorms near identity, the
+  class token and a learned pos_embed normal(0, 0.02), BN counters 0; a fixed
+  pos_embed is vit.py's (reference_h puts the reference's in its place).
+  """
+  config, size, seed = CASES[case]
+  config = ml_collections.ConfigDict(config)
+  rng = np.random.default_rng(seed)
+  shapes = {c: flax.traverse_util.flatten_dict(s)
+            for c, s in state_dicts.variable_shapes(config, size).items()}
+  out = {}
+  for entry in state_dicts.entries(config, size):
+    if entry.layout == "counter":
+      out[entry.name] = np.zeros((), np.int64)
+      continue
+    if entry.layout == "fixed":  # The reference's own replaces it (reference_h).
+      out[entry.name] = state_dicts.fixed_position_embedding(config, size)
+      continue
+    shape = state_dicts._torch_shape(shapes[entry.collection][entry.path].shape, entry.layout)  # pylint: disable=protected-access
+    leaf = entry.path[-1]
+    if entry.layout in ("conv", "dense"):
+      value = rng.normal(size=shape) * np.sqrt(2.0 / np.prod(shape[1:]))
+    elif leaf == "scale":
+      value = rng.uniform(0.5, 1.5, shape)
+    elif leaf in ("bias", "mean"):
+      value = rng.uniform(-0.2, 0.2, shape)
+    elif leaf == "var":
+      value = rng.uniform(0.5, 2.0, shape)
+    else:  # cls_token, pos_embed
+      value = rng.normal(size=shape) * 0.02
+    out[entry.name] = value.astype(np.float32)
+  return out
+
+
+def _standardised(case: str) -> np.ndarray:
+  """The case's images as the reference's input: NCHW float32, ImageNet-standardised."""
+  x = images(case).astype(np.float32) / 255.0
+  x = (x - np.float32(_IMAGENET["input_mean"])) / np.float32(_IMAGENET["input_std"])
+  return np.ascontiguousarray(x.transpose(0, 3, 1, 2))
+
+
+def _mocov3_pos_embed(torch, grid: int, dim: int):
+  """vits.py's build_2d_sincos_position_embedding (temperature 1e4), class token row 0."""
+  grid_w, grid_h = torch.meshgrid(torch.arange(grid, dtype=torch.float32),
+                                  torch.arange(grid, dtype=torch.float32), indexing="ij")
+  quarter = dim // 4
+  omega = 1.0 / 10000.0 ** (torch.arange(quarter, dtype=torch.float32) / quarter)
+  out_w = grid_w.flatten()[:, None] * omega[None]
+  out_h = grid_h.flatten()[:, None] * omega[None]
+  table = torch.cat([torch.sin(out_w), torch.cos(out_w), torch.sin(out_h), torch.cos(out_h)], 1)
+  return torch.cat([torch.zeros(1, dim), table])[None]
+
+
+def reference_model(case: str, torch):
+  """The stock reference network of a case, classifier removed, in eval mode."""
+  import timm  # pylint: disable=import-outside-toplevel
+  import torchvision  # pylint: disable=import-outside-toplevel
+  config, size, _ = CASES[case]
+  if case.startswith("torchvision_"):
+    model = getattr(torchvision.models, config["name"])()
+    model.fc = torch.nn.Identity()
+  elif case == "timm_vit_small":
+    model = timm.create_model("vit_small_patch16_224", img_size=size, num_classes=0)
+  else:
+    model = timm.models.vision_transformer.VisionTransformer(
+        img_size=size, patch_size=16, embed_dim=384, depth=12, num_heads=12, num_classes=0)
+    model.pos_embed.requires_grad = False
+    model.pos_embed.data = _mocov3_pos_embed(torch, size // 16, 384)
+  return model.eval()
+
+
+def reference_h(case: str, state_dict: dict, torch) -> np.ndarray:
+  """h of the stock model with state_dict (numpy, loaded strictly) on the case's images."""
+  model = reference_model(case, torch)
+  tensors = {k: torch.from_numpy(np.asarray(v)) for k, v in state_dict.items()}
+  if case == "mocov3_vit_small":
+    tensors["pos_embed"] = model.pos_embed.data
+  model.load_state_dict(tensors, strict=True)
+  with torch.no_grad():
+    return model(torch.from_numpy(_standardised(case))).numpy()
+
+
+def main(argv):
+  """make.py [OUT_DIR [--own-init]]: writes CASE.npz for every case to OUT_DIR (default:
+  this folder); with --own-init also each stock model's own random initialisation,
+  CASE.own.safetensors, and its h, CASE.own.npz (what the test runs live)."""
+  import torch  # pylint: disable=import-outside-toplevel
+  # torch's libraries before TensorFlow's: triton (imported through timm) crashes after it.
+  for module in ("timm", "torchvision"):
+    importlib.import_module(module)
+  from contrastive_jax.core import tensor_files  # pylint: disable=import-outside-toplevel
+  torch.set_num_threads(2)
+  folder = argv[1] if len(argv) > 1 else os.path.dirname(os.path.abspath(__file__))
+  for case in CASES:
+    h = reference_h(case, random_state_dict(case), torch)
+    np.savez(os.path.join(folder, f"{case}.npz"), h=h.astype(np.float32))
+    print(f"{case}: h {h.shape}, |h| max {np.abs(h).max():.4g}", file=sys.stderr)
+    if "--own-init" in argv:
+      torch.manual_seed(CASES[case][2])
+      model = reference_model(case, torch)
+      tensor_files.write(os.path.join(folder, f"{case}.own.safetensors"),
+                         {k: v.detach().numpy() for k, v in model.state_dict().items()})
+      with torch.no_grad():
+        h = model(torch.from_numpy(_standardised(case))).numpy()
+      np.savez(os.path.join(folder, f"{case}.own.npz"), h=h.astype(np.float32))
+
+
+if __name__ == "__main__":
+  main(sys.argv)

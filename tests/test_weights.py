@@ -1,0 +1,224 @@
+"""Weights in and out (issue 18): the encoders equal the references' networks; state dicts
+and safetensors files round-trip; bad files are refused in one line.
+
+The reference outputs are tests/reference_outputs/*.npz, made by
+tests/reference_outputs/make.py with the stock torchvision / timm models; with
+torch installed the tests here also run those models live.
+"""
+import importlib.util
+import os
+import subprocess
+import sys
+
+import jax
+import ml_collections
+import numpy as np
+import pytest
+from helpers import load_config
+from reference_outputs import make
+
+from contrastive_jax.core.errors import WeightsError
+from contrastive_jax.core import tensor_files
+from contrastive_jax import models
+from contrastive_jax.models import state_dicts
+
+HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "torchvision", "timm"))
+TOLERANCE = 1e-4  # Relative: max |h - h_ref| / max |h_ref|, float32.
+
+
+def _relative(h, ref):
+  return float(np.max(np.abs(np.asarray(h) - ref)) / np.max(np.abs(ref)))
+
+
+def _h(case, variables, config=None):
+  config = config or make.model_config(case)
+  return np.asarray(models.encode(models.build_encoder(config), variables, make.images(case)))
+
+
+def _committed(case):
+  return np.load(f"{make.__file__.rsplit('/', 1)[0]}/{case}.npz")["h"]
+
+
+@pytest.mark.parametrize("case", list(make.CASES))
+def test_h_equals_the_reference_implementations(case):
+  config, size = make.model_config(case), make.CASES[case][1]
+  variables = state_dicts.from_state_dict(make.random_state_dict(case), "x", config, size)
+  assert _relative(_h(case, variables), _committed(case)) < TOLERANCE
+
+
+def test_the_padding_before_issue_18_differs_from_torchvision():
+  """What the equality test guards against: 'SAME' pads an even input after only."""
+  case = "torchvision_resnet18"
+  config = make.model_config(case)
+  config.padding = "legacy"
+  variables = state_dicts.from_state_dict(make.random_state_dict(case), "x", config, 64)
+  assert _relative(_h(case, variables, config), _committed(case)) > 0.01
+
+
+@pytest.fixture(scope="module")
+def live_outputs(tmp_path_factory):
+  """make.py's outputs made now, with its stock models' own initialisations too, in a
+  process of its own (torch's triton crashes when imported after TensorFlow)."""
+  folder = tmp_path_factory.mktemp("reference_outputs")
+  env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+      [os.path.dirname(os.path.dirname(os.path.abspath(make.__file__))) + "/..",
+       os.environ.get("PYTHONPATH", "")]))
+  subprocess.run([sys.executable, make.__file__, str(folder), "--own-init"], check=True,
+                 env=env, timeout=600)
+  return folder
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="needs the torch extra (torch, torchvision, timm)")
+@pytest.mark.parametrize("case", list(make.CASES))
+def test_live_reference_agrees_with_committed_outputs_and_its_own_init(case, live_outputs):
+  assert _relative(np.load(live_outputs / f"{case}.npz")["h"], _committed(case)) < 1e-6
+  # The stock model's own random initialisation (BN statistics 0 and 1 there).
+  config, size = make.model_config(case), make.CASES[case][1]
+  path = str(live_outputs / f"{case}.own.safetensors")
+  tensors = tensor_files.read(path)
+  variables = state_dicts.from_state_dict(tensors, path, config, size)
+  assert _relative(_h(case, variables), np.load(live_outputs / f"{case}.own.npz")["h"]) < TOLERANCE
+  # The export has exactly the stock model's tensors (make.py loads them strictly).
+  exported = state_dicts.to_state_dict(config, variables, size)
+  assert sorted(exported) == sorted(tensors)
+  for name, value in exported.items():  # A fixed pos_embed: float64 here, float32 there.
+    np.testing.assert_allclose(value, tensors[name].astype(value.dtype), rtol=0,
+                               atol=1e-7 if name == "pos_embed" else 0)
+
+
+@pytest.mark.parametrize("case", ["torchvision_resnet18", "mocov3_vit_small", "timm_vit_small"])
+def test_import_export_import_round_trips_bit_for_bit(case, tmp_path):
+  config, size = make.model_config(case), make.CASES[case][1]
+  tensors = make.random_state_dict(case)
+  variables = state_dicts.from_state_dict(tensors, "x", config, size)
+  path = str(tmp_path / "encoder.safetensors")
+  tensor_files.write(path, state_dicts.to_state_dict(config, variables, size), {"a": "b"})
+  read = tensor_files.read(path)
+  for name, value in tensors.items():
+    np.testing.assert_array_equal(read[name], value)
+  again = state_dicts.from_state_dict(read, path, config, size)
+  jax.tree.map(np.testing.assert_array_equal, again, variables)
+
+
+def test_safetensors_keeps_dtypes_and_shapes(tmp_path):
+  path = str(tmp_path / "t.safetensors")
+  tensors = {"a": np.arange(6, dtype=np.float32).reshape(2, 3), "b": np.int64(7) * np.ones(()),
+             "c": np.arange(3, dtype=np.float16), "d": np.zeros((0, 2), np.float32)}
+  tensors["b"] = tensors["b"].astype(np.int64)
+  tensor_files.write(path, tensors)
+  read = tensor_files.read(path)
+  assert sorted(read) == sorted(tensors)
+  for name, value in tensors.items():
+    assert read[name].dtype == value.dtype and read[name].shape == value.shape
+    np.testing.assert_array_equal(read[name], value)
+
+
+def test_checkpoint_prefixes_and_heads_are_stripped():
+  """A MoCo v3 checkpoint: base_encoder (kept), momentum_encoder, predictor and the
+  projector in base_encoder.head (left out)."""
+  case = "mocov3_vit_small"
+  config, size = make.model_config(case), make.CASES[case][1]
+  tensors = make.random_state_dict(case)
+  tensors["pos_embed"] = state_dicts.fixed_position_embedding(config, size)
+  checkpoint = {f"module.base_encoder.{k}": v for k, v in tensors.items()}
+  checkpoint.update({f"module.momentum_encoder.{k}": v + 1 for k, v in tensors.items()})
+  checkpoint["module.base_encoder.head.0.weight"] = np.zeros((4, 384), np.float32)
+  checkpoint["module.predictor.0.weight"] = np.zeros((4, 256), np.float32)
+  variables = state_dicts.from_state_dict(checkpoint, "x", config, size)
+  plain = state_dicts.from_state_dict(tensors, "x", config, size)
+  jax.tree.map(np.testing.assert_array_equal, variables, plain)
+
+
+def _resnet(name="resnet18", **fields):
+  return ml_collections.ConfigDict(dict(name=name, width=1.0, stem="imagenet", dtype="float32",
+                                        padding="torchvision", **fields))
+
+
+@pytest.mark.parametrize("change,message", [
+    (lambda t: t, None),
+    (lambda t: {k: v for k, v in t.items() if k != "layer4.1.bn2.running_var"},
+     "has no tensor 'layer4.1.bn2.running_var'"),
+    (lambda t: dict(t, **{"layer4.2.conv1.weight": np.zeros((512, 512, 3, 3), np.float32)}),
+     "has a tensor 'layer4.2.conv1.weight' that a resnet18"),
+    (lambda t: dict(t, **{"conv1.weight": np.zeros((64, 3, 3, 3), np.float32)}),
+     "tensor 'conv1.weight' has shape [64, 3, 3, 3] where a resnet18 (width 1.0, stem "
+     "'imagenet') on 64 px images needs [64, 3, 7, 7]"),
+    (lambda t: {"patch_embed.proj.weight": np.zeros(1)}, "it holds a ViT (patch_embed.proj"),
+    (lambda t: {"foo": np.zeros(1)}, "its first tensor is 'foo'"),
+])
+def test_a_file_that_does_not_fit_is_refused_naming_the_first_misfit(change, message):
+  tensors = change(make.random_state_dict("torchvision_resnet18"))
+  if message is None:
+    state_dicts.from_state_dict(tensors, "f.safetensors", _resnet(), 64)
+    return
+  with pytest.raises(WeightsError, match=None) as error:
+    state_dicts.from_state_dict(tensors, "f.safetensors", _resnet(), 64)
+  assert message in str(error.value) and "\n" not in str(error.value)
+  assert str(error.value).startswith("f.safetensors: ")
+
+
+def test_a_resnet50_file_is_not_a_resnet18():
+  with pytest.raises(WeightsError, match="has a tensor 'layer1.0.bn3.bias' that a resnet18"):
+    state_dicts.from_state_dict(make.random_state_dict("torchvision_resnet50"), "f", _resnet(),
+                                64)
+
+
+def test_a_learned_position_embedding_is_not_taken_for_the_fixed_one():
+  tensors = make.random_state_dict("timm_vit_small")
+  config = make.model_config("timm_vit_small")
+  config.position_embedding = "sincos"
+  with pytest.raises(WeightsError, match="position_embedding=learned"):
+    state_dicts.from_state_dict(tensors, "f", config, 32)
+
+
+@pytest.mark.parametrize("name,content,message", [
+    ("w.npz", b"", "the name must end in .safetensors or one of .pth"),
+    ("w.safetensors", b"PK\x03\x04 not safetensors at all", "not a safetensors file"),
+    ("w.safetensors", b"\x02\x00\x00\x00\x00\x00\x00\x00[]", "not a JSON object"),
+    ("w.safetensors", b"\x30\x00\x00\x00\x00\x00\x00\x00" +
+     b'{"a":{"dtype":"F32","shape":[4],"data_offsets":[0,16]}}'[:48], "not JSON"),
+])
+def test_a_file_that_is_not_a_weights_file_is_refused(tmp_path, name, content, message):
+  path = tmp_path / name
+  path.write_bytes(content)
+  with pytest.raises(WeightsError, match=message):
+    tensor_files.read(str(path))
+
+
+def test_reading_a_missing_file_says_so(tmp_path):
+  with pytest.raises(WeightsError, match="no such file"):
+    tensor_files.read(str(tmp_path / "w.safetensors"))
+
+
+@pytest.mark.skipif(HAVE_TORCH, reason="checks the message without torch")
+def test_a_pth_without_torch_says_which_extra(tmp_path):
+  path = tmp_path / "w.pth"
+  path.write_bytes(b"x")
+  with pytest.raises(WeightsError, match=r"contrastive_jax\[torch\]"):
+    tensor_files.read(str(path))
+
+
+@pytest.mark.parametrize("name,variant,padding", [
+    ("simclr_cifar10", "", "tensorflow"), ("simclr_imagenet", "", "tensorflow"),
+    ("moco_v2_cifar10", "runlocal", "torchvision"), ("moco_v1_imagenet", "", "torchvision"),
+    ("mocov3_imagenet", "resnet50", "torchvision"), ("byol_imagenet", "", "same"),
+    ("byol_cifar10", "", "torchvision"),
+])
+def test_each_config_pins_its_references_padding(name, variant, padding):
+  assert load_config(name, variant).model.padding == padding
+
+
+@pytest.mark.parametrize("variant,final_bn", [("", True), ("vit_small", True),
+                                              ("resnet50", False)])
+def test_mocov3_predictor_ends_as_the_references(variant, final_bn):
+  """builder.py: MoCo_ViT's predictor ends in a BN without affine parameters; MoCo_ResNet's not."""
+  config = load_config("mocov3_imagenet", variant)
+  assert config.predictor.final_bn == final_bn and not config.predictor.final_bn_scale
+  mlp = models.build_mlp(config.predictor, "float32")
+  variables = jax.eval_shape(lambda: mlp.init(jax.random.PRNGKey(0), np.zeros((2, 8)),
+                                              train=False))
+  last_bn = sorted(k for k in variables["params"] if k.startswith("BatchNorm"))[-1:]
+  has_final = "BatchNorm_1" in variables["batch_stats"]
+  assert has_final == final_bn
+  if final_bn:
+    assert last_bn == ["BatchNorm_0"]  # The final BN has no parameters, only statistics.
