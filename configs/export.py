@@ -1,0 +1,24 @@
+"""Export of a pretrained encoder (config.job='export'; jobs/export.py, docs/weights.md).
+
+  python -m contrastive_jax.main --config=configs/export.py --workdir=OUT \
+      --config.pretrain_workdir=PRETRAIN_DIR --config.format=saved_model
+
+config.format: 'safetensors' (a torchvision / timm state dict, numpy only), 'pth'
+(the same through torch.save; needs torch) or 'saved_model' (TF SavedModel with a
+serving signature on uint8 images of any size). The encoder's architecture, image
+size and eval crop come from the checkpoint's own config.
+"""
+import ml_collections
+
+from contrastive_jax import recipes
+
+VARIANTS = ()
+
+
+def get_config(variant: str = ""):
+  recipes.check_variant(variant, VARIANTS)
+  config = ml_collections.ConfigDict()
+  config.job = "export"
+  recipes.pretrained_encoder_fields(config)
+  config.format = "safetensors"
+  return config

@@ -1,0 +1,127 @@
+"""The export job (config.job='export'): a pretraining checkpoint's encoder for other systems.
+
+  python -m contrastive_jax.main --config=configs/export.py --workdir=OUT \
+      --config.pretrain_workdir=PRETRAIN_DIR --config.format=saved_model
+
+Formats (FORMATS; docs/weights.md says what reads each):
+  'safetensors': OUT/encoder.safetensors, the encoder as a torchvision ResNet's or a
+      timm ViT's state dict (models/state_dicts.py), numpy only;
+  'pth': OUT/encoder.pth, the same state dict through torch.save (needs torch);
+  'saved_model': OUT/saved_model/, a TF SavedModel whose 'serving_default' signature
+      takes uint8 images [N, H, W, 3] of any size, does the evaluation preprocessing
+      (input_pipeline.center_crop at the checkpoint's image size and eval crop, then the
+      model's [0, 1] scaling and standardisation) and returns {'h': float32 [N, D]}
+      (jax2tf, the batch size polymorphic), for TF Serving.
+Beside it OUT/export.json records what was exported from where; it is written last,
+so a workdir holding it holds a complete export and is refused. Not a training loop,
+so not run by runner.run.
+"""
+import functools
+import importlib.util
+import json
+
+import jax
+import numpy as np
+import tensorflow as tf
+from jax.experimental import jax2tf
+
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core import files
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core import tensor_files
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.jobs import downstream
+from contrastive_jax import models
+from contrastive_jax.models import state_dicts
+
+FORMATS = {"safetensors": "encoder.safetensors", "pth": "encoder.pth",
+           "saved_model": "saved_model"}
+META = "export.json"
+SIGNATURE = "serving_default"
+
+
+def check_config(config):
+  """Raises ConfigError for a format that is unknown or whose writer is not installed."""
+  if config.format not in FORMATS:
+    raise ConfigError("format", config.format, f"one of {list(FORMATS)}")
+  if config.format == "pth" and importlib.util.find_spec("torch") is None:
+    raise ConfigError("format", config.format, "a format whose writer is installed: 'pth' "
+                      "needs torch (pip install 'contrastive_jax[torch]'); 'safetensors' holds "
+                      "the same state dict without it")
+
+
+def run(config, workdir: str) -> str:
+  """Exports the encoder config names to workdir in config.format; returns the written path.
+
+  Raises:
+    ConfigError: see check_config and downstream.restore_encoder.
+    JobError: a workdir that is a file, already holds an export or that another job
+      is running in.
+  """
+  workdir = files.prepare_workdir(workdir)
+  check_config(config)
+  _refuse_existing_export(workdir)
+  encoder = downstream.restore_encoder(config, mesh_lib.make_mesh())
+  variables = jax.device_get(encoder.variables)
+  path = f"{workdir}/{FORMATS[config.format]}"
+  with files.workdir_lock(workdir):
+    _refuse_existing_export(workdir)
+    if jax.process_index() == 0:
+      if config.format == "saved_model":
+        write_saved_model(path, encoder.module, variables, encoder.pretrained)
+      else:
+        size = encoder.pretrained.image_size
+        tensor_files.write(path, state_dicts.to_state_dict(encoder.pretrained.model, variables,
+                                                           size))
+      meta = {"format": config.format, "path": path,
+              "pretrain_workdir": config.pretrain_workdir, "pretrain_step": encoder.step,
+              "random_init": config.random_init, "image_size": encoder.pretrained.image_size,
+              "eval_crop_fraction": encoder.pretrained.eval_crop_fraction,
+              "model": encoder.pretrained.model.to_dict(), "dim": encoder.dim}
+      files.write_atomic(f"{workdir}/{META}", json.dumps(meta, indent=1, default=str))
+  return path
+
+
+def _refuse_existing_export(workdir: str):
+  if tf.io.gfile.exists(f"{workdir}/{META}"):
+    raise JobError(f"--workdir={workdir}: already holds an export ({META}); use a new workdir "
+                   "or delete it")
+
+
+def serving_function(module, variables, pretrained):
+  """The tf.function of the SavedModel: uint8 images [N, H, W, 3] -> {'h': float32 [N, D]}.
+
+  Each image is centre-cropped and resized as the evaluation does
+  (input_pipeline.center_crop at pretrained.image_size, eval_crop_fraction), then
+  encoded (models.encode) by the jax2tf conversion, with the variables as TF
+  variables of the returned function's `variables` attribute.
+  """
+  size, fraction = pretrained.image_size, pretrained.eval_crop_fraction
+  converted = jax2tf.convert(functools.partial(models.encode, module),
+                             polymorphic_shapes=[None, f"(b, {size}, {size}, 3)"])
+  tf_variables = tf.nest.map_structure(lambda x: tf.Variable(np.asarray(x), trainable=False),
+                                       variables)
+
+  @tf.function(input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="images")],
+               autograph=False)
+  def serve(images):
+    crops = tf.map_fn(lambda image: input_pipeline.center_crop(image, size, fraction), images,
+                      fn_output_signature=tf.TensorSpec([size, size, 3], tf.uint8))
+    return {"h": converted(tf_variables, crops)}
+
+  serve.tf_variables = tf_variables
+  return serve
+
+
+def write_saved_model(path: str, module, variables, pretrained):
+  """Writes the SavedModel to path whole or not at all (written to path.tmp, then renamed)."""
+  tmp = f"{path}.tmp"
+  if tf.io.gfile.exists(tmp):  # Left by an export that was killed.
+    tf.io.gfile.rmtree(tmp)
+  serve = serving_function(module, variables, pretrained)
+  holder = tf.Module()
+  holder.variables_ = serve.tf_variables
+  holder.serve = serve
+  tf.saved_model.save(holder, tmp, signatures={SIGNATURE: serve})
+  tf.io.gfile.rename(tmp, path, overwrite=False)

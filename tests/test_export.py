@@ -1,0 +1,88 @@
+"""The export job (issue 18): each format read back by its own runtime gives the project's h."""
+import importlib.util
+
+import jax
+import numpy as np
+import pytest
+import tensorflow as tf
+from helpers import load_config
+from helpers import tiny_config
+
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core import tensor_files
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.jobs import downstream
+from contrastive_jax.jobs import export
+from contrastive_jax.jobs import pretrain
+from contrastive_jax.jobs import runner
+from contrastive_jax import models
+from contrastive_jax.models import state_dicts
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+  """A 1-step SimCLR run (ResNet-18 at width 0.0625, 32 px); returns its workdir."""
+  workdir = str(tmp_path_factory.mktemp("pretrain"))
+  config = tiny_config()
+  config.duration = "1 steps"
+  config.evaluators = {}
+  runner.run(pretrain, config, workdir)
+  return workdir
+
+
+def export_config(pretrain_workdir, fmt):
+  config = load_config("export")
+  config.pretrain_workdir = pretrain_workdir
+  config.format = fmt
+  return config
+
+
+def _project_h(pretrained, images):
+  """The project's h of uint8 images after the evaluation's centre crop."""
+  encoder = downstream.restore_encoder(export_config(pretrained, "safetensors"),
+                                       mesh_lib.make_mesh())
+  size, fraction = encoder.pretrained.image_size, encoder.pretrained.eval_crop_fraction
+  crops = np.stack([input_pipeline.center_crop(tf.constant(image), size, fraction).numpy()
+                    for image in images])
+  return encoder, np.asarray(models.encode(encoder.module, encoder.variables, crops))
+
+
+def _relative(h, ref):
+  return float(np.max(np.abs(np.asarray(h) - ref)) / np.max(np.abs(ref)))
+
+
+def test_safetensors_export_reimports_bit_for_bit(pretrained, tmp_path):
+  path = export.run(export_config(pretrained, "safetensors"), str(tmp_path / "out"))
+  encoder, _ = _project_h(pretrained, np.zeros((1, 32, 32, 3), np.uint8))
+  variables = state_dicts.from_state_dict(tensor_files.read(path), path,
+                                          encoder.pretrained.model, 32)
+  jax.tree.map(np.testing.assert_array_equal, variables, jax.device_get(encoder.variables))
+
+
+@pytest.mark.parametrize("shape", [(3, 32, 32, 3), (2, 45, 38, 3)])
+def test_saved_model_serves_the_projects_h_on_images_of_any_size(pretrained, tmp_path, shape):
+  path = export.run(export_config(pretrained, "saved_model"), str(tmp_path / "out"))
+  images = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
+  _, want = _project_h(pretrained, images)
+  served = tf.saved_model.load(path).signatures[export.SIGNATURE](images=tf.constant(images))
+  assert _relative(served["h"].numpy(), want) < TOLERANCE
+
+
+def test_an_export_is_never_overwritten(pretrained, tmp_path):
+  out = str(tmp_path / "out")
+  export.run(export_config(pretrained, "safetensors"), out)
+  with pytest.raises(JobError, match="already holds an export"):
+    export.run(export_config(pretrained, "saved_model"), out)
+
+
+def test_bad_export_formats_are_refused_before_anything_is_read(tmp_path):
+  with pytest.raises(ConfigError, match="config.format='onnx': must be one of"):
+    export.run(export_config(str(tmp_path), "onnx"), str(tmp_path / "out"))
+  if importlib.util.find_spec("torch") is None:
+    with pytest.raises(ConfigError, match=r"'pth' needs torch"):
+      export.run(export_config(str(tmp_path), "pth"), str(tmp_path / "out"))
+  assert not (tmp_path / "out" / export.META).exists()
