@@ -80,6 +80,9 @@ def base_config() -> ml_collections.ConfigDict:
                temperature=0.1, batch_size=1000),
       online_probe=dict(kind="classifier", every="10 epochs", split="test", batch_size=1000))
   config.online_probe = dict(learning_rate=1e-3)
+  # A weights file (.safetensors; .pth with torch) of a torchvision ResNet or a timm /
+  # MoCo v3 ViT that every network starts from (jobs/pretrain.py, docs/weights.md).
+  config.init_from = config_dict.placeholder(str)
   return config
 
 

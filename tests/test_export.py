@@ -86,3 +86,42 @@ def test_bad_export_formats_are_refused_before_anything_is_read(tmp_path):
     with pytest.raises(ConfigError, match=r"'pth' needs torch"):
       export.run(export_config(str(tmp_path), "pth"), str(tmp_path / "out"))
   assert not (tmp_path / "out" / export.META).exists()
+
+
+@pytest.mark.parametrize("method", ["simclr", "mocov3"])
+def test_pretraining_from_an_imported_file_starts_every_network_from_it(pretrained, tmp_path,
+                                                                        method):
+  path = export.run(export_config(pretrained, "safetensors"), str(tmp_path / "out"))
+  config = tiny_config(method)
+  config.init_from = path
+  imported = pretrain.imported_encoder(config)
+  task = pretrain.build(config, mesh_lib.make_mesh(), None, str(tmp_path / "run"))
+  state = jax.device_get(task.init())
+  check = lambda tree: jax.tree.map(np.testing.assert_array_equal, tree, imported["params"])
+  check(state.params["encoder"])
+  jax.tree.map(np.testing.assert_array_equal, state.batch_stats["encoder"],
+               imported["batch_stats"])
+  if method == "mocov3":  # The momentum encoder too.
+    check(state.extra["key_params"]["encoder"])
+    jax.tree.map(np.testing.assert_array_equal, state.extra["key_batch_stats"]["encoder"],
+                 imported["batch_stats"])
+  if method != "simclr":  # The same model config as the exported run's: same features.
+    return
+  # Step 0's kNN monitor and the exporter see the same encoder: the kNN of the two is equal.
+  source = downstream.restore_encoder(export_config(pretrained, "safetensors"),
+                                      mesh_lib.make_mesh())
+  images = np.random.default_rng(1).integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
+  np.testing.assert_array_equal(
+      task.eval_model.features(task.eval_model.variables(state), images),
+      models.encode(source.module, source.variables, images))
+
+
+def test_a_file_of_another_size_is_refused_before_pretraining(pretrained, tmp_path):
+  path = export.run(export_config(pretrained, "safetensors"), str(tmp_path / "out"))
+  config = tiny_config()
+  config.model.width = 0.125
+  config.init_from = path
+  with pytest.raises(JobError, match="tensor 'conv1.weight' has shape"):
+    runner.run(pretrain, config, str(tmp_path / "run"))
+  assert not (tmp_path / "run" / "checkpoints").exists() or not list(
+      (tmp_path / "run" / "checkpoints").iterdir())

@@ -3,7 +3,9 @@
 Builds what runner.run() steps: the method's model, optimizer, state and
 train step, the host input pipeline and the evaluators' view of the model
 (the kNN monitor on h, the online probe's classifier). Every random draw is a
-function of (seed, step), so a resumed run continues bit for bit.
+function of (seed, step), so a resumed run continues bit for bit. With
+config.init_from=FILE (a torchvision / timm / MoCo weights file) every network
+starts from that file's encoder; the heads start from the method's initialisation.
 """
 from typing import Any, Callable, NamedTuple
 
@@ -18,6 +20,7 @@ from contrastive_jax.core import durations
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import pictures
+from contrastive_jax.core import tensor_files
 from contrastive_jax.data import augment
 from contrastive_jax.data import crops
 from contrastive_jax.data import input_pipeline
@@ -29,7 +32,9 @@ from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import get_method
 from contrastive_jax.methods import optim
 from contrastive_jax.methods import run_keys
+from contrastive_jax.methods import with_encoder
 from contrastive_jax import models
+from contrastive_jax.models import state_dicts
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int):
   """Raises ConfigError, naming the field, for a config that cannot run.
@@ -81,10 +86,13 @@ class Run(NamedTuple):
   probe: Any              # common.OnlineProbe or None.
 
 
-def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int = 0) -> Run:
+def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int = 0,
+          encoder_variables_at_start=None) -> Run:
   """Builds the method's model, optimizer, state initialiser and train step.
 
   num_classes > 0 (a labelled dataset) adds the online probe; 0, none.
+  encoder_variables_at_start: None, or the encoder's {'params', 'batch_stats'}
+  (numpy) that every network of the state starts from (methods.with_encoder).
   """
   method = get_method(config.method)
   schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size,
@@ -101,11 +109,16 @@ def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int =
       state = state.replace(probe=probe.init(init_rng, models.encoder_width(config.model)))
     return state
 
+  replicated = mesh_lib.replicated(mesh)
+  init_state = jax.jit(init, out_shardings=replicated)
+  if encoder_variables_at_start is not None:
+    drawn = init_state
+    replace = jax.jit(with_encoder, out_shardings=replicated, donate_argnums=0)
+    init_state = lambda: replace(drawn(), encoder_variables_at_start)
   train_step = jax.jit(method.make_train_step(config, model, tx, views(config), mesh, num_steps,
                                               probe),
                        donate_argnums=0)
-  return Run(model, schedule, jax.jit(init, out_shardings=mesh_lib.replicated(mesh)), train_step,
-             probe)
+  return Run(model, schedule, init_state, train_step, probe)
 
 
 def build(config, mesh, saved_config, workdir) -> runner.Task:
@@ -116,14 +129,17 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
       a batch larger than the train split, an evaluator or method field that
       cannot run.
   """
-  del saved_config, workdir  # Resuming needs nothing beyond the identity check.
+  del workdir
   method = get_method(config.method)
+  # Read before any compute, and only when starting: a resumed run restores its state.
+  imported = (imported_encoder(config) if config.get("init_from") and saved_config is None
+              else None)
   source = sources.get_source(config, {"train_split": config.train_split})
   evaluators.check_config(config.evaluators, source, jax.device_count())
   steps_per_epoch = runner.steps_per_epoch(source, config)
   method.check_config(config, source.num_examples(config.train_split, "train_split"))
   num_steps = durations.to_steps(config.duration, "duration", steps_per_epoch)
-  run = setup(config, mesh, steps_per_epoch, num_steps, source.num_classes or 0)
+  run = setup(config, mesh, steps_per_epoch, num_steps, source.num_classes or 0, imported)
 
   encoder = run.model.encoder
 
@@ -147,6 +163,17 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
                      schedule=run.schedule, eval_model=eval_model,
                      num_classes=source.num_classes,
                      views_picture=views_picture(views(config), mesh))
+
+
+def imported_encoder(config) -> dict:
+  """The encoder variables of config.init_from (a torchvision / timm / MoCo weights file,
+  tensor_files.read and state_dicts.from_state_dict) for config.model at config.image_size.
+
+  Raises:
+    WeightsError: a file that cannot be read or does not fit config.model (one line).
+  """
+  return state_dicts.from_state_dict(tensor_files.read(config.init_from), config.init_from,
+                                     config.model, config.image_size)
 
 
 def views_picture(view_settings, mesh, count: int = 16):

@@ -40,10 +40,11 @@ from contrastive_jax.jobs import evaluators as evaluators_lib
 
 # Config fields (dotted prefixes) a resumed run may change: they decide when and
 # how it logs, evaluates and checkpoints, and how fast it reads its data, never
-# what it computes. Every other field must equal the checkpoint's, so that the
-# resumed run continues bit for bit.
+# what it computes (init_from only decides step 0, which a resumed run restores).
+# Every other field must equal the checkpoint's, so that the resumed run
+# continues bit for bit.
 MAY_CHANGE_ON_RESUME = ("log_every", "checkpoint_every", "keep_checkpoints", "evaluators",
-                        "data_threads", "data_dir", "cache")
+                        "data_threads", "data_dir", "cache", "init_from")
 
 
 class Task(NamedTuple):

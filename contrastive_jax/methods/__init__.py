@@ -60,6 +60,41 @@ def encoder_variables(tree):
           "batch_stats": (get("batch_stats") or {}).get(ENCODER, {})}
 
 
+def with_encoder(state, variables):
+  """state with every copy of the encoder replaced by variables ({'params', 'batch_stats'}).
+
+  The copies are state.params['encoder'], state.batch_stats['encoder'] and,
+  in state.extra, every dict's 'encoder' entry shaped like either (MoCo's key
+  encoder, MoCo v3's momentum encoder, BYOL's target network): a run that
+  starts from imported weights starts all of its networks from them, as the
+  references copy the online encoder into the others at step 0.
+
+  Raises:
+    ValueError: variables not shaped like the state's encoder.
+  """
+  params, stats = variables["params"], variables.get("batch_stats") or {}
+  shapes = {name: jax.tree.structure(tree) for name, tree in (("params", params),
+                                                             ("batch_stats", stats))}
+  if jax.tree.structure(state.params[ENCODER]) != shapes["params"]:
+    raise ValueError("the variables are not shaped like the state's encoder")
+
+  def replace(tree):
+    if not isinstance(tree, dict):
+      return tree
+    out = {k: replace(v) for k, v in tree.items()}
+    if ENCODER in tree:
+      structure = jax.tree.structure(tree[ENCODER])
+      out[ENCODER] = params if structure == shapes["params"] else (
+          stats if structure == shapes["batch_stats"] else out[ENCODER])
+    return out
+
+  batch_stats = dict(state.batch_stats)
+  if ENCODER in batch_stats:
+    batch_stats[ENCODER] = stats
+  return state.replace(params=dict(state.params, **{ENCODER: params}), batch_stats=batch_stats,
+                       extra=replace(state.extra))
+
+
 def run_keys(seed: int):
   """(init_rng, rng) of a pretraining run: the key its parameters are drawn with and
   the base key of every later draw (TrainState.rng), both from PRNGKey(seed)."""
