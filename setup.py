@@ -27,5 +27,7 @@ setuptools.setup(
     ],
     # tests/gcs_emulator.py patches gaps of this emulator version; cryptography makes its
     # TLS certificate.
-    extras_require={"test": ["pytest", "gcp-storage-emulator==2026.7.19", "cryptography"]},
+    extras_require={"test": ["pytest", "gcp-storage-emulator==2026.7.19", "cryptography"],
+                    # Reading and writing .pth weights, the live reference tests (docs/weights.md).
+                    "torch": ["torch", "torchvision", "timm"]},
 )
