@@ -5,7 +5,9 @@
 
 Formats (FORMATS; docs/weights.md says what reads each):
   'safetensors': OUT/encoder.safetensors, the encoder as a torchvision ResNet's or a
-      timm ViT's state dict (models/state_dicts.py), numpy only;
+      timm ViT's state dict (models/state_dicts.py), numpy only; torchvision's network
+      computes this package's h from it only for a ResNet padded as torchvision
+      (model.padding 'torchvision'; a warning says so otherwise);
   'pth': OUT/encoder.pth, the same state dict through torch.save (needs torch);
   'saved_model': OUT/saved_model/, a TF SavedModel whose 'serving_default' signature
       takes uint8 images [N, H, W, 3] of any size, does the evaluation preprocessing
@@ -23,6 +25,7 @@ import json
 import jax
 import numpy as np
 import tensorflow as tf
+from absl import logging
 from jax.experimental import jax2tf
 
 from contrastive_jax.core.errors import ConfigError
@@ -71,6 +74,7 @@ def run(config, workdir: str) -> str:
       if config.format == "saved_model":
         write_saved_model(path, encoder.module, variables, encoder.pretrained)
       else:
+        _warn_if_not_the_references_network(encoder.pretrained.model)
         size = encoder.pretrained.image_size
         tensor_files.write(path, state_dicts.to_state_dict(encoder.pretrained.model, variables,
                                                            size))
@@ -81,6 +85,17 @@ def run(config, workdir: str) -> str:
               "model": encoder.pretrained.model.to_dict(), "dim": encoder.dim}
       files.write_atomic(f"{workdir}/{META}", json.dumps(meta, indent=1, default=str))
   return path
+
+
+def _warn_if_not_the_references_network(model_config):
+  """Logs a warning when the stock model given the state dict computes another h: a ResNet
+  padded otherwise than torchvision (models/resnet.py PADDINGS)."""
+  padding = models.resnet_padding(model_config)
+  if padding not in (None, "torchvision"):
+    logging.warning(
+        "The checkpoint's ResNet pads as %r, torchvision's ResNet as 'torchvision': the state "
+        "dict loads into it, but that network computes another h from it (docs/weights.md, "
+        "measured differences). The SavedModel computes this package's h.", padding)
 
 
 def _refuse_existing_export(workdir: str):

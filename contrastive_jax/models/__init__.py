@@ -96,6 +96,14 @@ def vit_width(model_config) -> int:
   return round(VIT_SPECS[model_config.name][0] * model_config.width)
 
 
+def resnet_padding(model_config):
+  """The PADDINGS rule of a ResNet config (a saved config without the field: 'legacy');
+  None for a ViT."""
+  if model_config.name in VIT_SPECS:
+    return None
+  return model_config.get("padding", _MODEL_DEFAULTS["padding"])
+
+
 def vit_heads(model_config) -> int:
   """Attention heads of a ViT config: model.num_heads, or the spec's when unset (None).
 
@@ -123,7 +131,7 @@ def check_model_config(model_config, image_size: int = None):
   conv_init = model_config.get("conv_init", _MODEL_DEFAULTS["conv_init"])
   if conv_init not in CONV_INITS:
     raise ConfigError("model.conv_init", conv_init, f"one of {sorted(CONV_INITS)}")
-  padding = model_config.get("padding", _MODEL_DEFAULTS["padding"])
+  padding = resnet_padding(model_config)
   if padding not in PADDINGS:
     raise ConfigError("model.padding", padding, f"one of {list(PADDINGS)}")
   _check_input_statistics(model_config)
