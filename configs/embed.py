@@ -21,7 +21,8 @@ def get_config(variant: str = ""):
   recipes.check_variant(variant, VARIANTS)
   config = ml_collections.ConfigDict()
   config.job = "embed"
-  config.pretrain_workdir = config_dict.placeholder(str)
+  config.pretrain_workdir = config_dict.placeholder(str)  # Or a weights file (docs/weights.md),
+  config.pretrain_config = config_dict.placeholder(str)  # then its model's configs/X.py[:VARIANT].
   config.pretrain_step = -1  # -1: the latest checkpoint.
   config.random_init = False  # True: the pretraining run's encoder at initialisation (baseline).
   config.model_name = config_dict.placeholder(str)  # If set, the checkpoint's model must match.

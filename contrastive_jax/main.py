@@ -12,8 +12,6 @@ names its newest checkpoint) and a multi-host process whose computation fails
 because another process died (see _exit_after_peer_failure). Job modules
 define no flags; this one defines them all.
 """
-import importlib.machinery
-import importlib.util
 import os
 import re
 import sys
@@ -28,7 +26,6 @@ import jax
 
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
-from contrastive_jax.core.errors import VariantError
 from contrastive_jax.core.errors import closest
 from contrastive_jax.core import files
 from contrastive_jax.core import metrics
@@ -39,6 +36,7 @@ from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import neighbours
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.jobs import runner
+from contrastive_jax import recipes
 
 # Training jobs (check_config, build) run in runner.run's loop;
 # the others (no build) are not training loops and run themselves: job.run(config, workdir).
@@ -119,42 +117,11 @@ def check_config_flags(argv):
         value = argv[i + 1] if i + 1 < len(argv) else None
   if value is None:
     return  # absl says that --config is required.
-  config = _load_config(value)
+  config = recipes.load_config_file(value, "--config")
   for arg in argv[1:]:
     match = _OVERRIDE_ARG.match(arg)
     if match:
       _check_field(config, match.group(1), arg, value)
-
-
-def _load_config(value: str) -> ml_collections.ConfigDict:
-  """get_config(VARIANT) of --config's FILE[:VARIANT], as ml_collections calls it.
-
-  Raises:
-    JobError: no such file (naming the closest in its folder), or no such variant.
-  """
-  path, *variant = value.split(":", 1)
-  if not os.path.isfile(path):
-    folder = os.path.dirname(path)
-    names = ([n for n in os.listdir(folder or ".") if n.endswith(".py")]
-             if os.path.isdir(folder or ".") else [])
-    guess = closest(os.path.basename(path), names)
-    hint = (f"; did you mean {os.path.join(folder, guess)!r}?" if guess else
-            f" (the config files in {folder or '.'}: {', '.join(sorted(names))})" if names else
-            "")
-    raise JobError(f"--config={value}: no such file{hint}")
-  loader = importlib.machinery.SourceFileLoader("contrastive_jax_checked_config", path)
-  module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
-  try:
-    loader.exec_module(module)
-  except SyntaxError as e:
-    raise JobError(f"--config={value}: not a config file: Python cannot read it ({e.msg}, "
-                   f"line {e.lineno})") from None
-  if not callable(getattr(module, "get_config", None)):
-    raise JobError(f"--config={value}: not a config file: it defines no get_config(variant)")
-  try:
-    return module.get_config(*variant)
-  except VariantError as e:
-    raise JobError(f"--config={value}: {e}") from None
 
 
 def _check_field(config, field: str, arg: str, value: str):

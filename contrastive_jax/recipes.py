@@ -3,10 +3,16 @@
 The view, crop, model and optimizer blocks below each reproduce one
 reference's recipe; the docstrings name the reference and the code there.
 """
+import importlib.machinery
+import importlib.util
+import os
+
 import ml_collections
 from ml_collections import config_dict
 
+from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import VariantError
+from contrastive_jax.core.errors import closest
 from contrastive_jax import models
 
 
@@ -20,6 +26,40 @@ def check_variant(variant: str, known) -> None:
   """
   if variant and variant not in known:
     raise VariantError(variant, known)
+
+
+def load_config_file(value: str, flag: str) -> ml_collections.ConfigDict:
+  """get_config(VARIANT) of a config FILE[:VARIANT], as ml_collections calls it for --config.
+
+  flag names where value was given (e.g. '--config', 'config.pretrain_config') in the errors.
+
+  Raises:
+    JobError: no such file (naming the closest in its folder), not a config file, or
+      no such variant.
+  """
+  path, *variant = value.split(":", 1)
+  if not os.path.isfile(path):
+    folder = os.path.dirname(path)
+    names = ([n for n in os.listdir(folder or ".") if n.endswith(".py")]
+             if os.path.isdir(folder or ".") else [])
+    guess = closest(os.path.basename(path), names)
+    hint = (f"; did you mean {os.path.join(folder, guess)!r}?" if guess else
+            f" (the config files in {folder or '.'}: {', '.join(sorted(names))})" if names else
+            "")
+    raise JobError(f"{flag}={value}: no such file{hint}")
+  loader = importlib.machinery.SourceFileLoader("contrastive_jax_checked_config", path)
+  module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
+  try:
+    loader.exec_module(module)
+  except SyntaxError as e:
+    raise JobError(f"{flag}={value}: not a config file: Python cannot read it ({e.msg}, "
+                   f"line {e.lineno})") from None
+  if not callable(getattr(module, "get_config", None)):
+    raise JobError(f"{flag}={value}: not a config file: it defines no get_config(variant)")
+  try:
+    return module.get_config(*variant)
+  except VariantError as e:
+    raise JobError(f"{flag}={value}: {e}") from None
 
 
 def simclr_view(strength: float, blur_prob: float, brightness_op: str = "add") -> dict:
@@ -52,7 +92,10 @@ def data_fields(config):
 
 def pretrained_encoder_fields(config):
   """Sets the fields that say which encoder a downstream job starts from (jobs/downstream.py)."""
-  config.pretrain_workdir = config_dict.placeholder(str)  # The pretraining job's --workdir.
+  # The pretraining job's --workdir, or a weights file (.safetensors; .pth with torch) of a
+  # torchvision ResNet or timm / MoCo v3 ViT, whose model pretrain_config then describes.
+  config.pretrain_workdir = config_dict.placeholder(str)
+  config.pretrain_config = config_dict.placeholder(str)  # configs/X.py[:VARIANT], for a file.
   config.pretrain_step = -1  # -1: the latest checkpoint.
   config.random_init = False  # True: the pretraining run's encoder at initialisation (baseline).
   config.model_name = config_dict.placeholder(str)  # If set, the checkpoint's model must match.

@@ -1,10 +1,12 @@
 """The export job (issue 18): each format read back by its own runtime gives the project's h."""
 import importlib.util
+import os
 
 import jax
 import numpy as np
 import pytest
 import tensorflow as tf
+from helpers import TFDS_DIR
 from helpers import load_config
 from helpers import tiny_config
 
@@ -14,6 +16,7 @@ from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import tensor_files
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.jobs import downstream
+from contrastive_jax.jobs import embed
 from contrastive_jax.jobs import export
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.jobs import runner
@@ -125,3 +128,35 @@ def test_a_file_of_another_size_is_refused_before_pretraining(pretrained, tmp_pa
     runner.run(pretrain, config, str(tmp_path / "run"))
   assert not (tmp_path / "run" / "checkpoints").exists() or not list(
       (tmp_path / "run" / "checkpoints").iterdir())
+
+
+def _tiny_config_file(tmp_path):
+  """A config file whose get_config is tiny_config() (the fixture's model)."""
+  path = tmp_path / "tiny.py"
+  path.write_text(f"import sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+                  "from helpers import tiny_config\n\n\n"
+                  "def get_config(variant=''):\n  return tiny_config()\n")
+  return str(path)
+
+
+def test_downstream_jobs_take_a_weights_file_as_their_pretrain_config_says(pretrained, tmp_path):
+  path = export.run(export_config(pretrained, "safetensors"), str(tmp_path / "out"))
+  config = export_config(path, "safetensors")
+  config.pretrain_config = _tiny_config_file(tmp_path)
+  encoder = downstream.restore_encoder(config, mesh_lib.make_mesh())
+  source = downstream.restore_encoder(export_config(pretrained, "safetensors"),
+                                      mesh_lib.make_mesh())
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(encoder.variables),
+               jax.device_get(source.variables))
+  assert (encoder.step, encoder.dim, encoder.pretrained.image_size) == (0, source.dim, 32)
+  embed_config = load_config("embed")
+  embed_config.update(pretrain_workdir=path, pretrain_config=config.pretrain_config,
+                      dataset="cifar10", data_dir=TFDS_DIR, split="test[:16]", batch_size=16)
+  h = embed.run(embed_config, str(tmp_path / "index"))
+  assert h.shape == (16, source.dim)
+  config.pretrain_config = None
+  with pytest.raises(ConfigError, match="config.pretrain_config=None: must be the pretraining"):
+    downstream.restore_encoder(config, mesh_lib.make_mesh())
+  config.pretrain_config = str(tmp_path / "tinny.py")
+  with pytest.raises(JobError, match="no such file; did you mean"):
+    downstream.restore_encoder(config, mesh_lib.make_mesh())

@@ -222,3 +222,13 @@ def test_mocov3_predictor_ends_as_the_references(variant, final_bn):
   assert has_final == final_bn
   if final_bn:
     assert last_bn == ["BatchNorm_0"]  # The final BN has no parameters, only statistics.
+
+
+def test_a_field_added_since_a_checkpoint_and_left_unset_is_no_resume_difference():
+  """Checkpoints saved before init_from / pretrain_config existed still resume."""
+  from contrastive_jax.core import checkpointing  # pylint: disable=import-outside-toplevel
+  config = ml_collections.ConfigDict(dict(a=1, pretrain_config=None, b=dict(c=None)))
+  assert checkpointing.config_differences({"a": 1}, config, ()) == []
+  config.pretrain_config = "configs/x.py"
+  assert checkpointing.config_differences({"a": 1}, config, ()) == [
+      ("pretrain_config", "<absent>", "configs/x.py")]

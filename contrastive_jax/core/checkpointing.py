@@ -45,10 +45,14 @@ def config_differences(saved: dict, config: ml_collections.ConfigDict,
   saved: a config as a checkpoint holds it (JSON: tuples read back as lists);
   config is compared as it would be saved. A field under one of may_change
   (dotted prefixes, e.g. 'evaluators') is left out; a field only one side has
-  differs, with errors.ABSENT as the other side's value.
+  differs, with errors.ABSENT as the other side's value, unless that side's value is
+  None: a field added to the configs since, left unset, is the code's behaviour before it.
   """
   current = _leaves(json.loads(json.dumps(config.to_dict())))
   saved = _leaves(saved)
+  # A field one side lacks and the other leaves unset (None) is no difference.
+  current = {k: v for k, v in current.items() if v is not None or k in saved}
+  saved = {k: v for k, v in saved.items() if v is not None or k in current}
   free = lambda field: any(field == p or field.startswith(p + ".") for p in may_change)
   return [(field, saved.get(field, ABSENT), current.get(field, ABSENT))
           for field in sorted(set(saved) | set(current))

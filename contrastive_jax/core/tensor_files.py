@@ -31,6 +31,11 @@ TORCH_SUFFIXES = (".pth", ".pth.tar", ".pt", ".bin")
 _MAX_HEADER = 100_000_000  # The reference implementation's limit on the JSON header, bytes.
 
 
+def is_weights_file(path: str) -> bool:
+  """Whether path's name is that of a weights file (kind's suffixes), not a directory's."""
+  return path.endswith((SAFETENSORS,) + TORCH_SUFFIXES) and not tf.io.gfile.isdir(path)
+
+
 def kind(path: str) -> str:
   """'safetensors' or 'torch' by the file name's suffix.
 

@@ -4,7 +4,8 @@ Both restore only the encoder (params and BN statistics; MoCo's query
 encoder, BYOL's online encoder) of a pretraining workdir's Orbax checkpoint,
 with a partial restore onto however many devices the job has, and rebuild it
 from the config saved with the checkpoint; or, with config.random_init, take
-the pretraining run's own initialisation of it (the baseline). Both train on
+the pretraining run's own initialisation of it (the baseline); or read a
+weights file (docs/weights.md) as the model of config.pretrain_config. Both train on
 one random crop-and-flip per labelled image and are evaluated at the
 pretraining run's image size and eval crop.
 """
@@ -22,6 +23,7 @@ from contrastive_jax.core.errors import ForeignCheckpointError
 from contrastive_jax.core import files
 from contrastive_jax.core import gcs
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core import tensor_files
 from contrastive_jax.data import crops
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
@@ -32,6 +34,8 @@ from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import initial_encoder_variables
 from contrastive_jax.methods import optim
 from contrastive_jax import models
+from contrastive_jax.models import state_dicts
+from contrastive_jax import recipes
 
 class Encoder(NamedTuple):
   """A restored encoder.
@@ -85,6 +89,8 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
     JobError: a gs:// pretrain_workdir without Google Cloud credentials.
   """
   gcs.check_credentials(config.pretrain_workdir or "", "config.pretrain_workdir")
+  if tensor_files.is_weights_file(config.pretrain_workdir or ""):
+    return _imported_encoder(config, mesh)
   directory = f"{files.resolve_dir(config.pretrain_workdir or '')}/checkpoints"
   if not config.pretrain_workdir or not tf.io.gfile.isdir(directory):
     raise ConfigError("pretrain_workdir", config.pretrain_workdir,
@@ -126,6 +132,33 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
                        jax.ShapeDtypeStruct((1, saved.image_size, saved.image_size, 3),
                                             jnp.uint8)).shape[-1]
   return Encoder(encoder, variables, saved, step, dim)
+
+
+def _imported_encoder(config, mesh) -> Encoder:
+  """The encoder of the weights file config.pretrain_workdir, as config.pretrain_config's model
+  (models/state_dicts.py); that config's image size and eval crop, step 0.
+
+  Raises:
+    ConfigError: no pretrain_config, random_init set, a model_name that differs.
+    JobError: a config file that cannot be loaded; a weights file that does not fit.
+  """
+  if not config.get("pretrain_config"):
+    raise ConfigError("pretrain_config", config.get("pretrain_config"),
+                      "the pretraining config (configs/X.py[:VARIANT]) whose model the weights "
+                      f"file {config.pretrain_workdir} holds, e.g. configs/moco_v2_imagenet.py")
+  if config.random_init:
+    raise ConfigError("random_init", config.random_init,
+                      "False with a weights file, which comes from no run of this package")
+  pretrained = recipes.load_config_file(config.pretrain_config, "config.pretrain_config")
+  if config.model_name and config.model_name != pretrained.model.name:
+    raise ConfigError("model_name", config.model_name,
+                      f"{pretrained.model.name!r}, the model of {config.pretrain_config}")
+  path = config.pretrain_workdir
+  variables = jax.device_put(state_dicts.from_state_dict(
+      tensor_files.read(path), path, pretrained.model, pretrained.image_size),
+      mesh_lib.replicated(mesh))
+  encoder = models.build_encoder(pretrained.model)
+  return Encoder(encoder, variables, pretrained, 0, models.encoder_width(pretrained.model))
 
 
 def eval_datasets(source, config, encoder: Encoder):
