@@ -160,3 +160,13 @@ def test_downstream_jobs_take_a_weights_file_as_their_pretrain_config_says(pretr
   config.pretrain_config = str(tmp_path / "tinny.py")
   with pytest.raises(JobError, match="no such file; did you mean"):
     downstream.restore_encoder(config, mesh_lib.make_mesh())
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs the torch extra")
+def test_pth_export_holds_the_safetensors_tensors(pretrained, tmp_path):
+  pth = export.run(export_config(pretrained, "pth"), str(tmp_path / "pth"))
+  safe = export.run(export_config(pretrained, "safetensors"), str(tmp_path / "safe"))
+  read, want = tensor_files.read(pth), tensor_files.read(safe)
+  assert sorted(read) == sorted(want)
+  for name, value in want.items():
+    np.testing.assert_array_equal(read[name], value)
