@@ -21,4 +21,5 @@ def get_config(variant: str = ""):
   config.job = "export"
   recipes.pretrained_encoder_fields(config)
   config.format = "safetensors"
+  config.projection = False  # saved_model only: serve z (the projection head's output) too.
   return config

@@ -170,3 +170,19 @@ def test_pth_export_holds_the_safetensors_tensors(pretrained, tmp_path):
   assert sorted(read) == sorted(want)
   for name, value in want.items():
     np.testing.assert_array_equal(read[name], value)
+
+
+def test_saved_model_serves_the_projection_too_when_asked(pretrained, tmp_path):
+  config = export_config(pretrained, "saved_model")
+  config.projection = True
+  path = export.run(config, str(tmp_path / "out"))
+  images = np.random.default_rng(2).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
+  encoder, h = _project_h(pretrained, images)
+  projector, variables = export.restore_projector(config, encoder, mesh_lib.make_mesh())
+  want = np.asarray(projector.apply(variables, h, train=False))
+  served = tf.saved_model.load(path).signatures[export.SIGNATURE](images=tf.constant(images))
+  assert _relative(served["h"].numpy(), h) < TOLERANCE
+  assert _relative(served["z"].numpy(), want) < TOLERANCE
+  config.format = "safetensors"
+  with pytest.raises(ConfigError, match="config.projection=True: must be False for a state"):
+    export.run(config, str(tmp_path / "out2"))

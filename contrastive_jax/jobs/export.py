@@ -13,21 +13,23 @@ Formats (FORMATS; docs/weights.md says what reads each):
       takes uint8 images [N, H, W, 3] of any size, does the evaluation preprocessing
       (input_pipeline.center_crop at the checkpoint's image size and eval crop, then the
       model's [0, 1] scaling and standardisation) and returns {'h': float32 [N, D]}
-      (jax2tf, the batch size polymorphic), for TF Serving.
+      (jax2tf, the batch size polymorphic), for TF Serving; with config.projection
+      also 'z', the projection head's eval-mode output.
 Beside it OUT/export.json records what was exported from where; it is written last,
 so a workdir holding it holds a complete export and is refused. Not a training loop,
 so not run by runner.run.
 """
-import functools
 import importlib.util
 import json
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import tensorflow as tf
 from absl import logging
 from jax.experimental import jax2tf
 
+from contrastive_jax.core import checkpointing
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import files
@@ -35,6 +37,7 @@ from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import tensor_files
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.jobs import downstream
+from contrastive_jax.methods import get_method
 from contrastive_jax import models
 from contrastive_jax.models import state_dicts
 
@@ -42,12 +45,23 @@ FORMATS = {"safetensors": "encoder.safetensors", "pth": "encoder.pth",
            "saved_model": "saved_model"}
 META = "export.json"
 SIGNATURE = "serving_default"
+PROJECTOR = "projector"  # The projection head's name in a method's model (heads.ContrastiveModel).
 
 
 def check_config(config):
-  """Raises ConfigError for a format that is unknown or whose writer is not installed."""
+  """Raises ConfigError for a format that is unknown or whose writer is not installed, or a
+  projection asked of a format or an encoder that has none."""
   if config.format not in FORMATS:
     raise ConfigError("format", config.format, f"one of {list(FORMATS)}")
+  if config.projection and config.format != "saved_model":
+    raise ConfigError("projection", config.projection,
+                      "False for a state dict: torchvision's and timm's models have no "
+                      "projection head (format 'saved_model' serves z too)")
+  if config.projection and (config.random_init or tensor_files.is_weights_file(
+      config.pretrain_workdir or "")):
+    raise ConfigError("projection", config.projection,
+                      "False without a pretraining checkpoint (random_init, or a weights "
+                      "file): only a checkpoint holds a trained projection head")
   if config.format == "pth" and importlib.util.find_spec("torch") is None:
     raise ConfigError("format", config.format, "a format whose writer is installed: 'pth' "
                       "needs torch (pip install 'contrastive_jax[torch]'); 'safetensors' holds "
@@ -65,14 +79,16 @@ def run(config, workdir: str) -> str:
   workdir = files.prepare_workdir(workdir)
   check_config(config)
   _refuse_existing_export(workdir)
-  encoder = downstream.restore_encoder(config, mesh_lib.make_mesh())
+  mesh = mesh_lib.make_mesh()
+  encoder = downstream.restore_encoder(config, mesh)
   variables = jax.device_get(encoder.variables)
+  projector = restore_projector(config, encoder, mesh) if config.projection else None
   path = f"{workdir}/{FORMATS[config.format]}"
   with files.workdir_lock(workdir):
     _refuse_existing_export(workdir)
     if jax.process_index() == 0:
       if config.format == "saved_model":
-        write_saved_model(path, encoder.module, variables, encoder.pretrained)
+        write_saved_model(path, encoder.module, variables, encoder.pretrained, projector)
       else:
         _warn_if_not_the_references_network(encoder.pretrained.model)
         size = encoder.pretrained.image_size
@@ -80,7 +96,8 @@ def run(config, workdir: str) -> str:
                                                            size))
       meta = {"format": config.format, "path": path,
               "pretrain_workdir": config.pretrain_workdir, "pretrain_step": encoder.step,
-              "random_init": config.random_init, "image_size": encoder.pretrained.image_size,
+              "random_init": config.random_init, "projection": config.projection,
+              "image_size": encoder.pretrained.image_size,
               "eval_crop_fraction": encoder.pretrained.eval_crop_fraction,
               "model": encoder.pretrained.model.to_dict(), "dim": encoder.dim}
       files.write_atomic(f"{workdir}/{META}", json.dumps(meta, indent=1, default=str))
@@ -104,37 +121,66 @@ def _refuse_existing_export(workdir: str):
                    "or delete it")
 
 
-def serving_function(module, variables, pretrained):
-  """The tf.function of the SavedModel: uint8 images [N, H, W, 3] -> {'h': float32 [N, D]}.
+def restore_projector(config, encoder: downstream.Encoder, mesh):
+  """(module, {'params', 'batch_stats'} on the host) of the projection head saved with the
+  checkpoint the encoder comes from (a partial restore, as downstream.restore_encoder's)."""
+  module = get_method(encoder.pretrained.method).build_model(encoder.pretrained).projector
+  shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0),
+                                              jnp.zeros((1, encoder.dim), jnp.float32),
+                                              train=False))
+  abstract = checkpointing.abstract_like(
+      {name: {PROJECTOR: shapes[name]} for name in ("params", "batch_stats") if name in shapes},
+      mesh_lib.replicated(mesh))
+  ckpt = checkpointing.Checkpointer(
+      f"{files.resolve_dir(config.pretrain_workdir)}/checkpoints", read_only=True)
+  try:
+    restored = jax.device_get(ckpt.restore_partial(abstract, encoder.step))
+  finally:
+    ckpt.close()
+  return module, {name: tree[PROJECTOR] for name, tree in restored.items()}
+
+
+def serving_function(module, variables, pretrained, projector=None):
+  """The tf.function of the SavedModel: uint8 images [N, H, W, 3] -> {'h': float32 [N, D]}
+  (and 'z': float32 [N, d], the projection head's eval-mode output, with a projector).
 
   Each image is centre-cropped and resized as the evaluation does
   (input_pipeline.center_crop at pretrained.image_size, eval_crop_fraction), then
   encoded (models.encode) by the jax2tf conversion, with the variables as TF
-  variables of the returned function's `variables` attribute.
+  variables of the returned function's `tf_variables` attribute. projector:
+  None, or (module, variables) of restore_projector.
   """
   size, fraction = pretrained.image_size, pretrained.eval_crop_fraction
-  converted = jax2tf.convert(functools.partial(models.encode, module),
-                             polymorphic_shapes=[None, f"(b, {size}, {size}, 3)"])
+
+  def outputs(all_variables, images):
+    h = models.encode(module, all_variables["encoder"], images)
+    if projector is None:
+      return {"h": h}
+    return {"h": h, "z": projector[0].apply(all_variables["projector"], h, train=False)}
+
+  converted = jax2tf.convert(outputs, polymorphic_shapes=[None, f"(b, {size}, {size}, 3)"])
+  host = {"encoder": variables, **({} if projector is None else {"projector": projector[1]})}
   tf_variables = tf.nest.map_structure(lambda x: tf.Variable(np.asarray(x), trainable=False),
-                                       variables)
+                                       host)
 
   @tf.function(input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="images")],
                autograph=False)
   def serve(images):
     crops = tf.map_fn(lambda image: input_pipeline.center_crop(image, size, fraction), images,
                       fn_output_signature=tf.TensorSpec([size, size, 3], tf.uint8))
-    return {"h": converted(tf_variables, crops)}
+    return converted(tf_variables, crops)
 
   serve.tf_variables = tf_variables
   return serve
 
 
-def write_saved_model(path: str, module, variables, pretrained):
-  """Writes the SavedModel to path whole or not at all (written to path.tmp, then renamed)."""
+def write_saved_model(path: str, module, variables, pretrained, projector=None):
+  """Writes the SavedModel (serving_function's) to path whole or not at all (written to
+  path.tmp, then renamed)."""
   tmp = f"{path}.tmp"
   if tf.io.gfile.exists(tmp):  # Left by an export that was killed.
     tf.io.gfile.rmtree(tmp)
-  serve = serving_function(module, variables, pretrained)
+  serve = serving_function(module, variables, pretrained, projector)
   holder = tf.Module()
   holder.variables_ = serve.tf_variables
   holder.serve = serve
