@@ -67,7 +67,7 @@ def test_stream_from_a_later_step_equals_the_uninterrupted_stream(cifar):
 
 def test_eval_dataset_counts_every_image_once(cifar):
   ds = input_pipeline.eval_dataset(cifar[0], "test[:37]", local_batch=8, image_size=32,
-                                   crop_fraction=1.0, threads=1)
+                                   crop_fraction=1.0, crop_resize="tf_bicubic", threads=1)
   batches = list(tfds.as_numpy(ds))
   assert len(batches) == 5
   mask = np.concatenate([b["mask"] for b in batches])
