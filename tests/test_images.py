@@ -255,8 +255,8 @@ def test_pipelines_crop_variable_sizes_and_upscale_small_images(prepared):
                                    crop_fraction=0.875, crop_resize="pil_bilinear", threads=1)
   assert next(iter(tfds.as_numpy(ev)))["image"].shape == (8, 48, 48, 3)
   one_pixel = np.full((1, 1, 3), 7, np.uint8)
-  np.testing.assert_array_equal(input_pipeline.center_crop(one_pixel, 4, 0.875, "tf_bicubic").numpy(),
-                                np.full((4, 4, 3), 7))
+  np.testing.assert_array_equal(
+      input_pipeline.center_crop(one_pixel, 4, 0.875, "tf_bicubic").numpy(), np.full((4, 4, 3), 7))
 
 
 def test_preparing_again_is_a_no_op_and_new_files_need_overwrite(prepared, tmp_path):
