@@ -157,6 +157,13 @@ def test_array_record_source_reads_what_the_tfrecord_source_reads(cifar, array_r
     assert (label_a, name_a) == (label_b, name_b)
   np.testing.assert_array_equal(cifar[0].images("train", [7, 3])[1],
                                 array_record.images("train", [7, 3])[1])
+  # The subset of an ArrayRecord source trains by index too, on its own records.
+  records = subsets[1].records("train")
+  _, labels, names = records.read(tf.range(len(records), dtype=tf.int64))
+  assert [name.decode() for name in names.numpy()] == list(subsets[1].ids)
+  np.testing.assert_array_equal(labels, subsets[1].labels)
+  batch = next(iter(tfds.as_numpy(_train(subsets[1], split="train"))))
+  assert batch["image"].shape == (8, 2, 32, 32, 3) and set(batch["label"]) <= set(labels.numpy())
 
 
 def _spearman(a, b):
