@@ -6,6 +6,7 @@ import logging
 import os
 import time
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
@@ -275,3 +276,18 @@ def test_a_costly_stream_is_warned_about_once_with_its_numbers(cifar, array_reco
           and "mod 50000 records" in logged[0] and "tfds convert_format" in logged[0])
   assert not warnings(cifar[0], cache=True, shuffle_buffer=50_000)  # CIFAR-10's presets.
   assert not warnings(array_record, cache=False, shuffle_buffer=100)
+
+
+def test_each_process_reads_by_index_the_part_it_would_stream(cifar, array_record, monkeypatch):
+  monkeypatch.setattr(jax, "process_count", lambda: 3)
+  ids = cifar[0].ids_and_labels("train[:2000]")[0]
+  for process in range(3):
+    monkeypatch.setattr(jax, "process_index", lambda p=process: p)
+    records = array_record.records("train")
+    assert len(records) == array_record.process_counts("train", drop_remainder=True)[process]
+    names = records.read(tf.range(len(records), dtype=tf.int64))[2].numpy()
+    streamed = [name for _, _, name in tfds.as_numpy(
+        cifar[0].read("train[:2000]", drop_remainder=True, names=True))]
+    assert list(names) == streamed
+    # tfds.even_splits: 666 contiguous records each, the last two dropped.
+    assert [name.decode() for name in names] == list(ids[666 * process:666 * (process + 1)])
