@@ -149,8 +149,12 @@ def resize_and_flip(crop, flip_seed, size: int, resize: str):
   """
   method, antialias = RESIZES[resize]
   crop = tf.image.resize(crop, [size, size], method=method, antialias=antialias)
-  crop = tf.where(tf.random.stateless_uniform([], flip_seed) < 0.5, crop, crop[:, ::-1])
-  return tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)
+  crop = tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)
+  # A cond, not a tf.where over both images: the mirrored copy is made only
+  # when it is kept, and of uint8 pixels (a where of float32 views cost a
+  # quarter of the host pipeline's time).
+  return tf.cond(tf.random.stateless_uniform([], flip_seed) < 0.5,
+                 lambda: crop, lambda: tf.reverse(crop, [1]))
 
 
 def random_resized_crop(image, seed, size: int, sampler: str, area_min: float, resize: str):
