@@ -56,6 +56,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from benchmarks import common
 from contrastive_jax.core import durations
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import mesh as mesh_lib
@@ -220,9 +221,7 @@ def plan(config, num_devices: int, *, num_train: int = 0, num_classes: int = -1)
   memory = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
             "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes,
             "generated_code": stats.generated_code_size_in_bytes}
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):  # Older JAX: one dict per program.
-    cost = cost[0]
+  cost = common.cost(compiled)
   return Plan(config_name="", method=config.method,
               num_devices=num_devices, global_batch=config.batch_size, image_size=size,
               num_train=num_train, steps_per_epoch=steps_per_epoch, num_steps=num_steps,
@@ -380,9 +379,7 @@ def main(argv):
     p = plan(args.config, args.devices, num_train=args.num_train, num_classes=args.num_classes)
   except (JobError, ValueError) as e:  # One line, as the job reports a config it cannot run.
     sys.exit(f"error: {e}")
-  overrides = config_flags.get_override_values(args["config"])
-  p.config_name = config_flags.get_config_filename(args["config"]) + "".join(
-      f" --config.{k}={v}" for k, v in sorted(overrides.items()))
+  p.config_name = common.config_name(args["config"])
   print(report(p, accelerators, args.mfu))
   print()
   print(sources())
