@@ -35,8 +35,9 @@ def measured(tmp_path_factory):
   config.model.width = 0.0625
   config.batch_size, config.image_size, config.data_threads = 8, 64, 2
   source = sources.get_source(config, {"train_split": config.train_split})
-  m = throughput.measure(config, source, warmup_batches=1, batches=2, steps=2, peak_tflops=0.0,
-                         matmul_size=256, config_name="simclr_images.py:runlocal (tiny)")
+  m = throughput.measure(config, source, warmup_batches=1, batches=2, rounds=1, steps=2,
+                         peak_tflops=0.0, matmul_size=256,
+                         config_name="simclr_images.py:runlocal (tiny)")
   return m, throughput.report(m)
 
 
