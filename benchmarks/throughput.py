@@ -141,7 +141,7 @@ def peer_pipeline(source, config, *, shuffle_buffer: int, decode_window: bool):
   return ds.with_options(options)
 
 
-def matmul_flops_per_second(size: int, dtype, repeats: int = 5) -> float:
+def matmul_flops_per_second(size: int, dtype, repeats: int = 10) -> float:
   """FLOP/s of the fastest of `repeats` [size, size] @ [size, size] products in dtype on the
   default device, counted as 2 size^3 each (compiled and run once before)."""
   a = jnp.ones((size, size), dtype)
