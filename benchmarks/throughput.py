@@ -25,7 +25,8 @@ On the devices present (CPU, GPU or TPU), one run measures and prints as markdow
   --peak_tflops per device if given, else the accelerator's dense peak for the
   model's compute dtype (benchmarks/capacity.py's ACCELERATORS, matched by JAX's
   device_kind), else on CPU a --matmul_size square matmul in that dtype timed in
-  this run (the CPU devices share the machine's cores: the peak is the machine's).
+  this run, before and after the rest, the faster counting (the CPU devices share the
+  machine's cores: the peak is the machine's).
 - verdict: per accelerator chip (on CPU, the machine), the host cores the pipeline
   needs to feed the step (step images/s per chip / host images/s per core), and which
   of the two sets the pace with --threads here.
@@ -236,6 +237,7 @@ def measure(config, source, *, warmup_batches: int, batches: int, rounds: int, s
   """Times the host pipelines and the step of config (already set to the dataset, image
   size and threads) on source; see the module docstring."""
   load = os.getloadavg()
+  peak_before = peak_flops(config.model.dtype, peak_tflops=peak_tflops, matmul_size=matmul_size)
   shuffle_buffer = config.shuffle_buffer
   pipelines = {
       PROJECT: common.train_pipeline(config, source, shuffle_buffer=shuffle_buffer),
@@ -257,8 +259,9 @@ def measure(config, source, *, warmup_batches: int, batches: int, rounds: int, s
   state, metrics = compiled(state, batch)
   jax.block_until_ready(metrics)
   step_seconds, _ = common.seconds_per_step(compiled, state, batch, steps)
-  peak, peak_source = peak_flops(config.model.dtype, peak_tflops=peak_tflops,
-                                 matmul_size=matmul_size)
+  # On CPU measured before and after all the rest, the faster counting (as the rounds).
+  peak, peak_source = max(peak_before, peak_flops(config.model.dtype, peak_tflops=peak_tflops,
+                                                  matmul_size=matmul_size))
   device = jax.devices()[0]
   return Measurement(
       config_name=config_name, dataset=f"{source.name} {config.train_split}",
@@ -319,8 +322,8 @@ def define_flags():
   flags.DEFINE_integer("image_size", 224, "View size in pixels, of the pipelines and the step.")
   flags.DEFINE_integer("threads", cores(), "Host pipeline threads (default: every core).")
   flags.DEFINE_integer("warmup_batches", 3, "Untimed batches before each pipeline's timing.")
-  flags.DEFINE_integer("batches", 20, "Timed batches per pipeline and round.")
-  flags.DEFINE_integer("rounds", 2, "Rounds over the pipelines; each one's best counts.")
+  flags.DEFINE_integer("batches", 10, "Timed batches per pipeline and round.")
+  flags.DEFINE_integer("rounds", 3, "Rounds over the pipelines; each one's best counts.")
   flags.DEFINE_integer("steps", 5, "Timed steps.")
   flags.DEFINE_float("peak_tflops", 0.0, "Peak TFLOP/s per device for the MFU (0: known "
                      "accelerators' dense peak, or on CPU measured).")
