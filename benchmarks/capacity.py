@@ -56,6 +56,7 @@ from absl import app
 from absl import flags
 from ml_collections import config_flags
 
+from benchmarks import common
 from contrastive_jax.core import durations
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import mesh as mesh_lib
@@ -71,6 +72,13 @@ class Accelerator:
   hbm_label: str           # the capacity as the vendor writes it
   source: str
   note: str = ""
+  # The JAX device_kind strings of this device (a regular expression, matched in full),
+  # for benchmarks/throughput.py's MFU; "" matches none.
+  device_kind: str = ""
+  # Peak FLOP/s of a float32 dot at JAX's default precision, which computes it in reduced
+  # precision: one bfloat16 pass on TPU (the MXU's bf16 peak), TF32 on NVIDIA tensor
+  # cores (https://docs.jax.dev/en/latest/201/precision.html).
+  peak_fp32_default_flops: float = 0.0
 
 
 GB, GiB = 1e9, 2.0 ** 30
@@ -93,19 +101,32 @@ GB, GiB = 1e9, 2.0 ** 30
 #   as H100, hence 989 TFLOP/s dense BF16).
 ACCELERATORS = {
     "tpu_v3": Accelerator(61.5e12, 16 * GiB, 450 * GB, "16 GiB", "cloud.google.com/tpu/docs/v3",
-                          "per core (half a chip): 32 v3 cores = 16 chips = 32 JAX devices"),
-    "tpu_v4": Accelerator(275e12, 32 * GiB, 1200 * GB, "32 GiB", "cloud.google.com/tpu/docs/v4"),
+                          "per core (half a chip): 32 v3 cores = 16 chips = 32 JAX devices",
+                          "TPU v3", 61.5e12),
+    "tpu_v4": Accelerator(275e12, 32 * GiB, 1200 * GB, "32 GiB", "cloud.google.com/tpu/docs/v4",
+                          "", "TPU v4", 275e12),
     "tpu_v5e": Accelerator(197e12, 16 * GB, 819 * GB, "16 GB", "cloud.google.com/tpu/docs/v5e",
-                           "another version of the page: 800 GiB/s"),
-    "tpu_v5p": Accelerator(459e12, 95 * GB, 2765 * GB, "95 GB", "cloud.google.com/tpu/docs/v5p"),
+                           "another version of the page: 800 GiB/s", "TPU v5( lite|e)", 197e12),
+    "tpu_v5p": Accelerator(459e12, 95 * GB, 2765 * GB, "95 GB", "cloud.google.com/tpu/docs/v5p",
+                           "", "TPU v5p?", 459e12),
     "tpu_v6e": Accelerator(918e12, 32 * GB, 1638 * GB, "32 GB", "cloud.google.com/tpu/docs/v6e",
-                           "Trillium; an older version of the page: 1640 GB/s"),
+                           "Trillium; an older version of the page: 1640 GB/s",
+                           "TPU v6( lite|e)", 918e12),
+    # NVIDIA's A100 datasheet (nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/
+    # nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf; read here in a copy of its table):
+    # BF16 Tensor Core 312 TFLOP/s (624 with sparsity), TF32 156 (312), the same for every
+    # A100; 80 GB HBM2e at 2,039 GB/s (SXM4; the 40 GB part has 1,555 GB/s).
+    "a100": Accelerator(312e12, 80 * GB, 2039 * GB, "80 GB", "nvidia.com/en-us/data-center/a100",
+                        "SXM4 80 GB; 624 with sparsity", "NVIDIA A100.*", 156e12),
+    # TF32 Tensor Core: 989 TFLOP/s with sparsity, 494.5 dense (H100 SXM and H200 SXM);
+    # the PCIe and NVL parts are slower and match no device_kind here.
     "h100": Accelerator(989e12, 80 * GB, 3350 * GB, "80 GB", "nvidia.com/en-us/data-center/h100",
                         "SXM; 1,979 with sparsity; vendor page not readable here, figures "
-                        "from copies of its table"),
+                        "from copies of its table", "NVIDIA H100 80GB HBM3", 494.5e12),
     "h200": Accelerator(989e12, 141 * GB, 4800 * GB, "141 GB",
                         "nvidia.com/en-us/data-center/h200",
-                        "SXM; vendor page not readable here, figures from secondary sources"),
+                        "SXM; vendor page not readable here, figures from secondary sources",
+                        "NVIDIA H200", 494.5e12),
 }
 
 # (train examples, classes) of the datasets the configs name; --num_train and
@@ -220,9 +241,7 @@ def plan(config, num_devices: int, *, num_train: int = 0, num_classes: int = -1)
   memory = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
             "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes,
             "generated_code": stats.generated_code_size_in_bytes}
-  cost = compiled.cost_analysis()
-  if isinstance(cost, (list, tuple)):  # Older JAX: one dict per program.
-    cost = cost[0]
+  cost = common.cost(compiled)
   return Plan(config_name="", method=config.method,
               num_devices=num_devices, global_batch=config.batch_size, image_size=size,
               num_train=num_train, steps_per_epoch=steps_per_epoch, num_steps=num_steps,
@@ -380,9 +399,7 @@ def main(argv):
     p = plan(args.config, args.devices, num_train=args.num_train, num_classes=args.num_classes)
   except (JobError, ValueError) as e:  # One line, as the job reports a config it cannot run.
     sys.exit(f"error: {e}")
-  overrides = config_flags.get_override_values(args["config"])
-  p.config_name = config_flags.get_config_filename(args["config"]) + "".join(
-      f" --config.{k}={v}" for k, v in sorted(overrides.items()))
+  p.config_name = common.config_name(args["config"])
   print(report(p, accelerators, args.mfu))
   print()
   print(sources())

@@ -13,18 +13,19 @@ its own buffer (no copy of the K x D queue per step):
       --variants='moco.queue_size=4096;moco.queue_size=65536' --pipeline_batches=0
 """
 import ast
-import time
+import os
+import sys
 
-import jax
-import numpy as np
+# Time the package this script sits in, not another installed copy of it.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=g-import-not-at-top
 from absl import app
 from absl import flags
 from ml_collections import config_flags
 
-from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.data import input_pipeline
+from benchmarks import common
 from contrastive_jax.data import sources
-from contrastive_jax.jobs import pretrain
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base config.")
 _VARIANTS = flags.DEFINE_string("variants", "", "';'-separated override sets.")
@@ -51,25 +52,12 @@ def override(config, assignments: str):
 
 def time_step(config):
   """Seconds per step, and whether MoCo's queue buffer was reused (None for other methods)."""
-  mesh = mesh_lib.make_mesh()
-  # The step the jobs run: with the online probe of a labelled dataset.
-  num_classes = sources.get_source(config, {}).num_classes or 0
-  run = pretrain.setup(config, mesh, steps_per_epoch=100, num_steps=1000,
-                       num_classes=num_classes)
-  state = run.init()
-  images = np.random.default_rng(0).integers(
-      0, 256, (config.batch_size, 2, config.image_size, config.image_size, 3), np.uint8)
-  labels = np.zeros(config.batch_size, np.int32)
-  batch = jax.device_put({"image": images, "label": labels}, mesh_lib.batch_sharded(mesh))
+  run, state, batch = common.step_setup(config)
   state, metrics = run.train_step(state, batch)
   jax.block_until_ready(metrics)
   queue = state.extra.get("queue")
   pointer = queue.addressable_data(0).unsafe_buffer_pointer() if queue is not None else None
-  t0 = time.perf_counter()
-  for _ in range(_STEPS.value):
-    state, metrics = run.train_step(state, batch)
-  jax.block_until_ready(metrics)
-  seconds = (time.perf_counter() - t0) / _STEPS.value
+  seconds, state = common.seconds_per_step(run.train_step, state, batch, _STEPS.value)
   in_place = (None if queue is None else
               state.extra["queue"].addressable_data(0).unsafe_buffer_pointer() == pointer)
   return seconds, in_place
@@ -77,17 +65,8 @@ def time_step(config):
 
 def time_pipeline(config) -> float:
   source = sources.get_source(config, {"train_split": config.train_split})
-  ds = input_pipeline.train_dataset(
-      source, config.train_split, local_batch=config.batch_size, image_size=config.image_size,
-      crop_sampler=config.crop_sampler, crop_area_min=config.crop_area_min,
-      crop_resize=config.crop_resize, seed=0, start_step=0, cache=False,
-      shuffle_buffer=1000, threads=config.data_threads)
-  it = iter(ds)
-  next(it)
-  t0 = time.perf_counter()
-  for _ in range(_PIPELINE_BATCHES.value):
-    next(it)
-  return (time.perf_counter() - t0) / _PIPELINE_BATCHES.value
+  batches = iter(common.train_pipeline(config, source, shuffle_buffer=1000))
+  return common.seconds_per_batch(batches, warmup=1, timed=_PIPELINE_BATCHES.value)
 
 
 def main(_):

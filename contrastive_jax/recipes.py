@@ -84,7 +84,11 @@ def data_fields(config):
   config.dataset = "cifar10"
   config.data_dir = config_dict.placeholder(str)  # None: TFDS_DATA_DIR or ~/tensorflow_datasets.
   config.train_split = "train"
-  config.cache = True  # Keep decoded images in host memory (small datasets only).
+  # Keep decoded images in host memory (small datasets only), and shuffle
+  # through a buffer of shuffle_buffer images: for training, TFRecord datasets
+  # only (streamed in file order); ArrayRecord ones are read by index in a
+  # full permutation every epoch (input_pipeline.py). Evaluation caches either.
+  config.cache = True
   config.shuffle_buffer = 50_000
   config.data_threads = 2
   return config

@@ -14,6 +14,8 @@ compiled alike or against tolerances that hold at any level.
 import os
 import tempfile
 
+import pytest
+
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
                                                  "--xla_backend_optimization_level=0"]))
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -24,3 +26,23 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+@pytest.fixture(scope="session")
+def array_record_cifar(tmp_path_factory):
+  """data_dir holding 'cifar_array_record': CIFAR-10's first 2,000 training images as ArrayRecord.
+
+  Read from the shared TFRecord CIFAR-10 (TFDS_DATA_DIR), stored with their
+  labels and ids in the same order (disable_shuffling), PNG-encoded as there:
+  record i is train[i] of the shared dataset.
+  """
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+  from helpers import TFDS_DIR  # pylint: disable=g-import-not-at-top
+  cifar = tfds.builder("cifar10", data_dir=TFDS_DIR)
+  examples = tfds.as_numpy(cifar.as_dataset(split="train[:2000]", shuffle_files=False))
+  data_dir = str(tmp_path_factory.mktemp("array_record"))
+  tfds.dataset_builders.store_as_tfds_dataset(
+      name="cifar_array_record", version="1.0.0", features=cifar.info.features,
+      split_datasets={"train": ((i, e) for i, e in enumerate(examples))}, data_dir=data_dir,
+      file_format="array_record", disable_shuffling=True)
+  return data_dir

@@ -20,6 +20,15 @@ def load_config(name: str, variant: str = ""):
   return module.get_config(variant)
 
 
+def load_benchmark(name: str):
+  """benchmarks/NAME.py as a module (its flags are defined by define_flags(), not at import)."""
+  path = os.path.join(TESTS, "..", "benchmarks", name + ".py")
+  spec = importlib.util.spec_from_file_location(name, path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module
+
+
 def tiny_config(method: str = "simclr", variant: str = "runlocal"):
   """configs/METHOD_cifar10.py:VARIANT shrunk to seconds: 8 devices x 2 images, 4 steps,
   a ResNet-18 at width 0.0625 or a 1-block ViT of D = 12 (runlocal_vit).

@@ -1,27 +1,18 @@
 """benchmarks/capacity.py's plan against independent references, on a tiny SimCLR config
 (ResNet-18 at width 0.0625, 32x32 images) compiled for 2 of the 8 test devices."""
-import importlib.util
 import math
-import os
 
 import jax
 import jax.numpy as jnp
 import pytest
+from helpers import load_benchmark
 from helpers import load_config
 
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import get_method
 
 
-def _load_capacity():
-  path = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "capacity.py")
-  spec = importlib.util.spec_from_file_location("capacity", path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module
-
-
-capacity = _load_capacity()
+capacity = load_benchmark("capacity")
 DEVICES = 2
 
 

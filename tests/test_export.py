@@ -48,8 +48,10 @@ def _project_h(pretrained, images):
   """The project's h of uint8 images after the evaluation's centre crop."""
   encoder = downstream.restore_encoder(export_config(pretrained, "safetensors"),
                                        mesh_lib.make_mesh())
-  size, fraction = encoder.pretrained.image_size, encoder.pretrained.eval_crop_fraction
-  crops = np.stack([input_pipeline.center_crop(tf.constant(image), size, fraction).numpy()
+  pretrained = encoder.pretrained
+  crops = np.stack([input_pipeline.center_crop(tf.constant(image), pretrained.image_size,
+                                               pretrained.eval_crop_fraction,
+                                               pretrained.crop_resize).numpy()
                     for image in images])
   return encoder, np.asarray(models.encode(encoder.module, encoder.variables, crops))
 

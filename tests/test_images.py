@@ -252,11 +252,11 @@ def test_pipelines_crop_variable_sizes_and_upscale_small_images(prepared):
     batch = next(iter(tfds.as_numpy(train)))
     assert batch["image"].shape == (8, 2, 48, 48, 3) and batch["image"].dtype == np.uint8
   ev = input_pipeline.eval_dataset(source, "train", local_batch=8, image_size=48,
-                                   crop_fraction=0.875, threads=1)
+                                   crop_fraction=0.875, crop_resize="pil_bilinear", threads=1)
   assert next(iter(tfds.as_numpy(ev)))["image"].shape == (8, 48, 48, 3)
   one_pixel = np.full((1, 1, 3), 7, np.uint8)
-  np.testing.assert_array_equal(input_pipeline.center_crop(one_pixel, 4, 0.875).numpy(),
-                                np.full((4, 4, 3), 7))
+  np.testing.assert_array_equal(
+      input_pipeline.center_crop(one_pixel, 4, 0.875, "tf_bicubic").numpy(), np.full((4, 4, 3), 7))
 
 
 def test_preparing_again_is_a_no_op_and_new_files_need_overwrite(prepared, tmp_path):

@@ -1,16 +1,27 @@
-"""Host pipeline and data sources on the real CIFAR-10 in ../shared."""
+"""Host pipeline and data sources on the real CIFAR-10 in ../shared (TFRecord, and 2,000 of
+its images as ArrayRecord: conftest's array_record_cifar) and the shared photos."""
+import glob
 import inspect
+import logging
+import os
+import time
 
+import jax
 import ml_collections
 import numpy as np
 import pytest
+import tensorflow as tf
 import tensorflow_datasets as tfds
 from PIL import Image
+from helpers import SHARED
 from helpers import TFDS_DIR
 
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.data import crops
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
+
+PHOTOS = os.path.join(SHARED, "images")
 
 
 def _source(dataset="cifar10", data_dir=TFDS_DIR, splits=None):
@@ -24,12 +35,19 @@ def cifar():
   return _source(splits={"train_split": "train"}), tfds.builder("cifar10", data_dir=TFDS_DIR)
 
 
-def _train(cifar, start_step=0, area=0.08, **kw):
+@pytest.fixture(scope="module")
+def array_record(array_record_cifar):
+  """The ArrayRecord copy of CIFAR-10's train[:2000] as a source."""
+  return _source("cifar_array_record", array_record_cifar)
+
+
+def _train(cifar, start_step=0, area=0.08, split="train[:40]", **kw):
   args = dict(local_batch=8, image_size=32, crop_sampler="tensorflow", crop_area_min=area,
               crop_resize="tf_bicubic", seed=3, start_step=start_step,
               cache=False, shuffle_buffer=64, threads=1)
   args.update(kw)
-  return input_pipeline.train_dataset(cifar[0], "train[:40]", **args)
+  source = cifar[0] if isinstance(cifar, tuple) else cifar
+  return input_pipeline.train_dataset(source, split, **args)
 
 
 def test_two_views_of_a_row_come_from_the_same_image(cifar):
@@ -51,13 +69,16 @@ def test_random_crops_differ_between_views(cifar):
   assert not any(np.array_equal(v1, v2) for v1, v2 in batch)
 
 
-def test_stream_from_a_later_step_equals_the_uninterrupted_stream(cifar):
+@pytest.mark.parametrize("stored", ["tfrecord", "array_record"])
+def test_stream_from_a_later_step_equals_the_uninterrupted_stream(cifar, array_record, stored):
+  cifar = cifar if stored == "tfrecord" else array_record
   # 40 examples, batch 8: steps 4..7 cross the epoch boundary at step 5.
-  full = [b["image"] for _, b in zip(range(10), tfds.as_numpy(_train(cifar, area=1.0)))]
-  resumed = [b["image"] for _, b in
-             zip(range(6), tfds.as_numpy(_train(cifar, area=1.0, start_step=4)))]
-  for a, b in zip(full[4:], resumed):
-    np.testing.assert_array_equal(a, b)
+  for area in (0.08, 1.0):
+    full = [b["image"] for _, b in zip(range(10), tfds.as_numpy(_train(cifar, area=area)))]
+    resumed = [b["image"] for _, b in
+               zip(range(6), tfds.as_numpy(_train(cifar, area=area, start_step=4)))]
+    for a, b in zip(full[4:], resumed):
+      np.testing.assert_array_equal(a, b)
   # Full-area views are the image or its mirror: name each image by the smaller
   # of the two. Each epoch visits every image once, in a new order.
   names = [min(v.tobytes(), v[:, ::-1].tobytes()) for b in full for v in b[:, 0]]
@@ -67,7 +88,7 @@ def test_stream_from_a_later_step_equals_the_uninterrupted_stream(cifar):
 
 def test_eval_dataset_counts_every_image_once(cifar):
   ds = input_pipeline.eval_dataset(cifar[0], "test[:37]", local_batch=8, image_size=32,
-                                   crop_fraction=1.0, threads=1)
+                                   crop_fraction=1.0, crop_resize="tf_bicubic", threads=1)
   batches = list(tfds.as_numpy(ds))
   assert len(batches) == 5
   mask = np.concatenate([b["mask"] for b in batches])
@@ -115,3 +136,158 @@ def test_every_source_has_the_source_interface(cifar, tmp_path):
   assert [int(label) for _, label, _ in named] == list(subset.labels)
   assert [name.decode() for _, _, name in tfds.as_numpy(
       folder.read(folder.SPLIT, drop_remainder=False, names=True))] == folder.files
+
+
+def test_array_record_source_reads_what_the_tfrecord_source_reads(cifar, array_record):
+  assert array_record.random_access and not cifar[0].random_access
+  evals = [list(tfds.as_numpy(input_pipeline.eval_dataset(
+      source, "train[:300]", local_batch=128, image_size=32, crop_fraction=1.0,
+      crop_resize="tf_bicubic", threads=1, names=True))) for source in (cifar[0], array_record)]
+  for a, b in zip(*evals):
+    for key in a:
+      np.testing.assert_array_equal(a[key], b[key])
+  for a, b in zip(cifar[0].ids_and_labels("train[:2000]"), array_record.ids_and_labels("train")):
+    np.testing.assert_array_equal(a, b)
+  subsets = [sources.LabelledSubset(source, split, 0.05, seed=1)
+             for source, split in ((cifar[0], "train[:2000]"), (array_record, "train"))]
+  reads = [list(tfds.as_numpy(subset.read(subset._split, drop_remainder=False, names=True)))
+           for subset in subsets]
+  assert len(reads[0]) == len(reads[1]) > 90
+  for (image_a, label_a, name_a), (image_b, label_b, name_b) in zip(*reads):
+    np.testing.assert_array_equal(image_a, image_b)
+    assert (label_a, name_a) == (label_b, name_b)
+  np.testing.assert_array_equal(cifar[0].images("train", [7, 3])[1],
+                                array_record.images("train", [7, 3])[1])
+  # The subset of an ArrayRecord source trains by index too, on its own records.
+  records = subsets[1].records("train")
+  _, labels, names = records.read(tf.range(len(records), dtype=tf.int64))
+  assert [name.decode() for name in names.numpy()] == list(subsets[1].ids)
+  np.testing.assert_array_equal(labels, subsets[1].labels)
+  batch = next(iter(tfds.as_numpy(_train(subsets[1], split="train"))))
+  assert batch["image"].shape == (8, 2, 32, 32, 3) and set(batch["label"]) <= set(labels.numpy())
+
+
+def _spearman(a, b):
+  rank_a, rank_b = np.argsort(np.argsort(a)), np.argsort(np.argsort(b))
+  return np.corrcoef(rank_a, rank_b)[0, 1]
+
+
+def test_each_epoch_is_a_fresh_permutation_of_the_whole_part(array_record):
+  num = 2000  # 10 x the shuffle buffer (200) a stream would need to match it.
+  order = np.array(list(tf.data.Dataset.range(2 * num).map(
+      lambda p: input_pipeline.epoch_order(p, num, seed=3)).as_numpy_iterator()))
+  first, second = order[:num], order[num:]
+  np.testing.assert_array_equal(np.sort(first), np.arange(num))
+  np.testing.assert_array_equal(np.sort(second), np.arange(num))
+  # Each record's position in epoch 0 against epoch 1: uncorrelated (a stream
+  # through a 200-record buffer has ~0.97).
+  assert abs(_spearman(np.argsort(first), np.argsort(second))) < 0.05
+  # The training stream reads the records in that order: full-area crops of
+  # 32 px images are the images, flipped or not.
+  records = array_record.records("train")
+  batches = [b for _, b in zip(range(3), tfds.as_numpy(_train(array_record, area=1.0,
+                                                             split="train")))]
+  views = np.concatenate([b["image"][:, 0] for b in batches])
+  images = [records.decode(image) for image in records.read(tf.constant(order[:24]))[0]]
+  for view, image in zip(views, images):
+    assert np.array_equal(view, image) or np.array_equal(view, image.numpy()[:, ::-1])
+  np.testing.assert_array_equal(np.concatenate([b["label"] for b in batches]),
+                                records.read(tf.constant(order[:24]))[1])
+
+
+def _records_read_for_first_batch(source, start_step):
+  before = source.records_read
+  it = iter(tfds.as_numpy(_train(source, split="train", start_step=start_step, threads=2)))
+  next(it)
+  # The prefetch buffers fill after the first batch: wait until the count stops.
+  counts = [source.records_read]
+  while len(counts) < 4 or len(set(counts[-4:])) > 1:
+    time.sleep(0.1)
+    counts.append(source.records_read)
+  return counts[-1] - before
+
+
+def test_a_resume_late_in_an_epoch_reads_no_more_than_one_at_its_start(array_record):
+  # 2000 records, batch 8: 250 steps per epoch; step 225 is at 90 % of the epoch.
+  at_start = _records_read_for_first_batch(array_record, 250)
+  late = _records_read_for_first_batch(array_record, 225)
+  # Both read what the prefetch buffers hold (128 records); a stream would first read 1,800.
+  assert 8 <= late <= at_start < 500, (late, at_start)
+
+
+def _photos():
+  jpegs = sorted(glob.glob(os.path.join(PHOTOS, "clothing", "**", "*.jpg"), recursive=True))
+  groceries = sorted(glob.glob(os.path.join(PHOTOS, "grocery", "**", "*.jpg"), recursive=True))
+  pngs = sorted(glob.glob(os.path.join(PHOTOS, "chest_xray", "images", "*.png")))
+  return jpegs[::300] + groceries[:2] + pngs[:2]
+
+
+@pytest.mark.parametrize("sampler", crops.SAMPLERS)
+def test_views_of_a_jpeg_decoded_over_their_windows_equal_those_of_the_whole_image(sampler):
+  for i, path in enumerate(_photos()):
+    encoded = tf.io.read_file(path)
+    image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+    seeds = tf.random.experimental.stateless_split(tf.constant([i, 5], tf.int64), 2)
+    views = crops.decode_random_resized_crops(encoded, seeds, 64, sampler, 0.08, "pil_bilinear")
+    for v in range(2):
+      np.testing.assert_array_equal(views[v], crops.random_resized_crop(
+          image, seeds[v], 64, sampler, 0.08, "pil_bilinear"))
+  # Why the margin: without it the window's edge pixels differ from a whole decode's.
+  encoded = tf.io.read_file(_photos()[0])
+  whole = tf.io.decode_jpeg(encoded, channels=3)
+  diffs = [np.abs(tf.image.decode_and_crop_jpeg(encoded, [t, t, 101, 77], channels=3).numpy()
+                  .astype(int) - whole[t:t + 101, t:t + 77].numpy()).max() for t in (9, 37, 101)]
+  assert max(diffs) > 0
+
+
+def test_centre_crops_are_antialiased_as_pils_resize():
+  for path in _photos()[:2]:
+    photo = np.asarray(Image.open(path).convert("RGB"))
+    side = int(min(photo.shape[:2]) * np.float32(0.875))
+    top, left = (photo.shape[0] - side) // 2, (photo.shape[1] - side) // 2
+    crop = Image.fromarray(photo[top:top + side, left:left + side])
+    for size in (64, 224):
+      for resize, pil_filter, bound in (("pil_bilinear", Image.BILINEAR, 1),
+                                        ("tf_bicubic", Image.BICUBIC, 3)):
+        ours = input_pipeline.center_crop(tf.constant(photo), size, 0.875, resize).numpy()
+        diff = np.abs(ours.astype(int) - np.asarray(crop.resize((size, size), pil_filter)))
+        # Measured on the shared photos: max 1 (bilinear) and 3 (bicubic), mean
+        # < 0.18; without antialiasing, max 15-132 and mean 0.5-18.
+        assert diff.max() <= bound and diff.mean() < 0.25, (path, size, resize)
+
+
+def test_cifar_centre_crops_keep_their_pixels(cifar):
+  image = cifar[0].images("test", [0])[0]
+  for resize in crops.RESIZES:
+    np.testing.assert_array_equal(input_pipeline.center_crop(image, 32, 1.0, resize), image)
+
+
+def test_a_costly_stream_is_warned_about_once_with_its_numbers(cifar, array_record, caplog):
+  def warnings(source, **fields):
+    config = ml_collections.ConfigDict(dict(train_split="train", **fields))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+      input_pipeline.train_batches(source, config, sharding=None, image_size=32)
+    return [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+
+  logged = warnings(cifar[0], cache=False, shuffle_buffer=10_000)
+  assert len(logged) == 1
+  assert ("shuffle_buffer=10000 of this process's 50000 records" in logged[0]
+          and "mod 50000 records" in logged[0] and "tfds convert_format" in logged[0])
+  assert not warnings(cifar[0], cache=True, shuffle_buffer=50_000)  # CIFAR-10's presets.
+  assert not warnings(array_record, cache=False, shuffle_buffer=100)
+
+
+def test_each_process_reads_by_index_the_part_it_would_stream(cifar, array_record, monkeypatch):
+  monkeypatch.setattr(jax, "process_count", lambda: 3)
+  ids = cifar[0].ids_and_labels("train[:2000]")[0]
+  for process in range(3):
+    monkeypatch.setattr(jax, "process_index", lambda p=process: p)
+    records = array_record.records("train")
+    assert len(records) == array_record.process_counts("train", drop_remainder=True)[process]
+    names = records.read(tf.range(len(records), dtype=tf.int64))[2].numpy()
+    streamed = [name for _, _, name in tfds.as_numpy(
+        cifar[0].read("train[:2000]", drop_remainder=True, names=True))]
+    assert list(names) == streamed
+    # tfds.even_splits: 666 contiguous records each, the last two dropped.
+    assert [name.decode() for name in names] == list(ids[666 * process:666 * (process + 1)])

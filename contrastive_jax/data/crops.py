@@ -137,17 +137,80 @@ def crop_window(height, width, seed, sampler: str, area_min: float):
   return _WINDOWS[sampler](tf.cast(height, tf.int32), tf.cast(width, tf.int32), seed, area_min)
 
 
+def _split(seed):
+  """The crop window's and the flip's seeds, [2] each, from a view's seed [2]."""
+  return tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+
+
+def resize_and_flip(crop, flip_seed, size: int, resize: str):
+  """uint8 crop [h, w, 3] resized to [size, size] (RESIZES[resize]), flipped with p 1/2.
+
+  Returns uint8 [size, size, 3], rounded and clipped.
+  """
+  method, antialias = RESIZES[resize]
+  crop = tf.image.resize(crop, [size, size], method=method, antialias=antialias)
+  crop = tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)
+  # A cond, not a tf.where over both images: the mirrored copy is made only
+  # when it is kept, and of uint8 pixels (a where of float32 views cost a
+  # quarter of the host pipeline's time).
+  return tf.cond(tf.random.stateless_uniform([], flip_seed) < 0.5,
+                 lambda: crop, lambda: tf.reverse(crop, [1]))
+
+
 def random_resized_crop(image, seed, size: int, sampler: str, area_min: float, resize: str):
   """A random crop of uint8 image [H, W, 3], resized to [size, size] and flipped with p 1/2.
 
   The crop window is crop_window's; the resize is RESIZES[resize]. Returns
   uint8 [size, size, 3].
   """
-  crop_seed, flip_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
+  crop_seed, flip_seed = _split(seed)
   shape = tf.shape(image)
   top, left, h, w = crop_window(shape[0], shape[1], crop_seed, sampler, area_min)
-  crop = image[top:top + h, left:left + w]
-  method, antialias = RESIZES[resize]
-  crop = tf.image.resize(crop, [size, size], method=method, antialias=antialias)
-  crop = tf.where(tf.random.stateless_uniform([], flip_seed) < 0.5, crop, crop[:, ::-1])
-  return tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)
+  return resize_and_flip(image[top:top + h, left:left + w], flip_seed, size, resize)
+
+
+# Pixels decoded around the crop windows of a JPEG: its decoder upsamples the
+# chroma at a window's edge as at the image's edge, which changes the outermost
+# pixel (by up to 28 grey levels measured on the shared photos); one pixel of
+# margin already gives exactly the pixels of a whole decode on every window
+# tested, 8 (a DCT block) leaves room for any chroma subsampling.
+JPEG_MARGIN = 8
+
+
+def decode_random_resized_crops(encoded, seeds, size: int, sampler: str, area_min: float,
+                                resize: str):
+  """random_resized_crop of an encoded image with each of seeds [V, 2]: uint8 [V, size, size, 3].
+
+  Exactly random_resized_crop of the decoded image (same windows, same
+  pixels), but a JPEG is decoded only over the union of the V windows (plus
+  JPEG_MARGIN pixels, so that its pixels equal a whole decode's), its size
+  read from its header (tf.io.extract_jpeg_shape). Other formats
+  (tf.io.decode_image: PNG, GIF, BMP, WebP) are decoded whole.
+  """
+  split = [_split(seeds[v]) for v in range(seeds.shape[0])]
+
+  def windows(shape):  # [V, 4] int32: top, left, height, width.
+    return tf.stack([tf.stack(crop_window(shape[0], shape[1], crop_seed, sampler, area_min))
+                     for crop_seed, _ in split])
+
+  def views(image, boxes):
+    return tf.stack([resize_and_flip(image[t:t + h, l:l + w], flip_seed, size, resize)
+                     for (t, l, h, w), (_, flip_seed) in
+                     zip((tf.unstack(box) for box in tf.unstack(boxes)), split)])
+
+  def jpeg():
+    shape = tf.io.extract_jpeg_shape(encoded)
+    boxes = windows(shape)
+    top = tf.maximum(tf.reduce_min(boxes[:, 0]) - JPEG_MARGIN, 0)
+    left = tf.maximum(tf.reduce_min(boxes[:, 1]) - JPEG_MARGIN, 0)
+    bottom = tf.minimum(tf.reduce_max(boxes[:, 0] + boxes[:, 2]) + JPEG_MARGIN, shape[0])
+    right = tf.minimum(tf.reduce_max(boxes[:, 1] + boxes[:, 3]) + JPEG_MARGIN, shape[1])
+    image = tf.image.decode_and_crop_jpeg(
+        encoded, tf.stack([top, left, bottom - top, right - left]), channels=3)
+    return views(image, boxes - tf.stack([top, left, 0, 0]))
+
+  def other():
+    image = tf.io.decode_image(encoded, channels=3, expand_animations=False)
+    return views(image, windows(tf.shape(image)))
+
+  return tf.cond(tf.io.is_jpeg(encoded), jpeg, other)

@@ -6,10 +6,23 @@ transfers stay small; the photometric augmentations run on the device
 (augment.py).
 
 Exact resume: the order of the stream and every random crop are functions of
-(seed, process, position in the stream). Epoch e is shuffled with a seed made
-from (seed, e) and the crop of the example at stream position p is drawn with a
-stateless seed made from (seed, process, p), so a pipeline started at step s
-yields exactly what an uninterrupted one yields from step s on.
+(seed, process, position in the stream), so a pipeline started at step s
+yields exactly what an uninterrupted one yields from step s on. The crop of
+the example at stream position p is drawn with a stateless seed made from
+(seed, process, p). The order depends on how the source stores the data:
+
+  random access (ArrayRecord, sources.Records): position p of a process whose
+      part holds n records reads record perm_e(p mod n) of its part in epoch
+      e = p // n, perm_e a stateless permutation of the whole part
+      (tf.random.experimental.index_shuffle) seeded by (seed, e): a fresh order
+      every epoch, and a resume at any step reads only what it uses.
+  a stream (TFRecord): epoch e is the part in file order through a shuffle
+      buffer seeded by (seed, e), a full permutation only if the buffer holds
+      the whole part (CIFAR-10's presets); a resume skips the records before
+      its position in the epoch. train_batches warns when either costs.
+
+JPEG images are decoded only over their crop windows
+(crops.decode_random_resized_crops), with the same pixels as a whole decode.
 """
 import collections
 import functools
@@ -19,6 +32,7 @@ import jax
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from absl import logging
 
 from contrastive_jax.data import crops
 
@@ -29,11 +43,17 @@ def _seed_pair(seed: int, a, b):
                    tf.cast(b, tf.int64)])
 
 
-def center_crop(image, size: int, crop_fraction: float):
+def center_crop(image, size: int, crop_fraction: float, resize: str):
   """Central crop of crop_fraction of the shorter side, resized to [size, size] uint8.
 
-  Images of any size: a crop smaller than size is upscaled (bilinear), down
-  to a single pixel.
+  image: uint8 [H, W, 3] of any size; resize: a crops.RESIZES name, whose
+  method (bilinear or bicubic) resizes the crop, always with antialiasing
+  when it shrinks, as PIL's resize in torchvision's evaluation transform
+  (MoCo). SimCLR's and BYOL's TF evaluation resizes without antialiasing; we
+  antialias on purpose, so that a large photo is not aliased. A crop smaller
+  than size is upscaled (antialiasing does nothing then), down to a single
+  pixel. An image of exactly [size, size] with crop_fraction 1 (CIFAR) keeps
+  its pixels.
   """
   if crop_fraction == 1.0 and tuple(image.shape[:2]) == (size, size):
     return image  # Already the right size (CIFAR): keep the exact pixels.
@@ -41,7 +61,8 @@ def center_crop(image, size: int, crop_fraction: float):
   side = tf.cast(tf.cast(tf.minimum(shape[0], shape[1]), tf.float32) * crop_fraction, tf.int32)
   side = tf.maximum(side, 1)
   top, left = (shape[0] - side) // 2, (shape[1] - side) // 2
-  crop = tf.image.resize(image[top:top + side, left:left + side], [size, size], method="bilinear")
+  crop = tf.image.resize(image[top:top + side, left:left + side], [size, size],
+                         method=crops.RESIZES[resize][0], antialias=True)
   return tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)
 
 
@@ -53,6 +74,50 @@ def _options(threads: int) -> tf.data.Options:
   options.threading.private_threadpool_size = threads
   options.threading.max_intra_op_parallelism = 1
   return options
+
+
+def epoch_order(position, num: int, seed: int):
+  """The index into a part of `num` records read at stream position `position` (int64 scalars).
+
+  Position p reads perm_e(p mod num) in epoch e = p // num, perm_e the
+  stateless permutation of [0, num) that index_shuffle draws from the seed
+  pair (seed * 1_000_003 + e, -1) (-1: the crops' seeds, (seed, process, p),
+  have a second half >= 0). Scalars only: index_shuffle pads a batch of
+  seeds [k, 2] wrongly (TF 2.21).
+  """
+  epoch = position // num
+  order_seed = tf.stack([tf.cast(seed, tf.int64) * 1_000_003 + epoch, tf.constant(-1, tf.int64)])
+  return tf.random.experimental.index_shuffle(position % num, order_seed, max_index=num - 1)
+
+
+# Records fetched per call into Python on the random-access path.
+_FETCH = 32
+
+
+def _random_access_stream(records, seed: int, first: int, threads: int) -> tf.data.Dataset:
+  """(encoded image, label) at stream positions first, first + 1, ... (epoch_order of records)."""
+  num = len(records)
+  indices = tf.data.Dataset.range(first, np.iinfo(np.int64).max).map(
+      lambda position: epoch_order(position, num, seed))
+  return (indices.batch(_FETCH).map(lambda i: records.read(i)[:2], num_parallel_calls=threads)
+          .unbatch())
+
+
+def _stream(source, split: str, *, num: int, seed: int, first: int, cache: bool,
+            shuffle_buffer: int) -> tf.data.Dataset:
+  """(image, label) at stream positions first, first + 1, ... of a source read in file order.
+
+  Each epoch passes through a shuffle buffer seeded by (seed, epoch); images are
+  decoded if cached, else encoded (uncached, large datasets keep them encoded
+  through the shuffle buffer and the skip of a resume).
+  """
+  base = source.read(split, drop_remainder=True, decode=cache)
+  if cache:
+    base = base.cache()
+  start_epoch, offset = divmod(first, num)
+  ds = tf.data.Dataset.range(start_epoch, np.iinfo(np.int64).max).flat_map(
+      lambda epoch: base.shuffle(shuffle_buffer, seed=seed * 10_007 + epoch))
+  return ds.skip(offset)
 
 
 def train_dataset(source, split: str, *, local_batch: int, image_size: int,
@@ -67,42 +132,70 @@ def train_dataset(source, split: str, *, local_batch: int, image_size: int,
   crop_area_min and crop_resize). The stream is never padded: batches run across
   epoch boundaries as after repeat() and batch(drop_remainder=True).
   Steps per epoch for schedules: split size // global batch.
+
+  A source with random_access is read by index in epoch_order (cache and
+  shuffle_buffer unused); any other is streamed (module docstring).
   """
   num_local = source.process_counts(split, drop_remainder=True)[jax.process_index()]
-  # Uncached (large) datasets keep images encoded through the shuffle buffer
-  # and the skip of a resume; they are decoded in views().
-  base = source.read(split, drop_remainder=True, decode=cache)
-  if cache:
-    base = base.cache()
   first = start_step * local_batch
-  start_epoch, offset = divmod(first, num_local)
-  ds = tf.data.Dataset.range(start_epoch, np.iinfo(np.int64).max).flat_map(
-      lambda epoch: base.shuffle(shuffle_buffer, seed=seed * 10_007 + epoch))
-  ds = ds.skip(offset)
+  decoded = cache and not source.random_access
+  if source.random_access:
+    ds = _random_access_stream(source.records(split), seed, first, threads)
+  else:
+    ds = _stream(source, split, num=num_local, seed=seed, first=first, cache=cache,
+                 shuffle_buffer=shuffle_buffer)
   positions = tf.data.Dataset.range(first, np.iinfo(np.int64).max)
   process = jax.process_index()
 
   def views(example, position):
     image, label = example
-    if not cache:
-      image = tf.io.decode_image(image, channels=3, expand_animations=False)
     seeds = tf.random.experimental.stateless_split(_seed_pair(seed, process, position), num_views)
-    return {"image": tf.stack([crops.random_resized_crop(image, seeds[v], image_size,
-                                                         crop_sampler, crop_area_min, crop_resize)
-                               for v in range(num_views)]),
-            "label": label}
+    if decoded:
+      image = tf.stack([crops.random_resized_crop(image, seeds[v], image_size, crop_sampler,
+                                                  crop_area_min, crop_resize)
+                        for v in range(num_views)])
+    else:
+      image = crops.decode_random_resized_crops(image, seeds, image_size, crop_sampler,
+                                                crop_area_min, crop_resize)
+    return {"image": image, "label": label}
 
   ds = tf.data.Dataset.zip(ds, positions).map(views, num_parallel_calls=threads)
   ds = ds.batch(local_batch, drop_remainder=True).prefetch(2)
   return ds.with_options(_options(threads))
 
 
+def stream_cost_warning(source, split: str, *, cache: bool, shuffle_buffer: int):
+  """The warning line train_batches logs for a streamed source whose order or resume costs, or None.
+
+  A stream (not source.random_access) is only window-shuffled when this
+  process's part exceeds shuffle_buffer, and an uncached one reads its files
+  up to a resume's position in its epoch before the first batch.
+  """
+  num = source.process_counts(split, drop_remainder=True)[jax.process_index()]
+  costs = []
+  if num > shuffle_buffer:
+    costs.append(f"each epoch is shuffled only within windows of shuffle_buffer={shuffle_buffer} "
+                 f"of this process's {num} records, in the same file order every epoch")
+  if not cache:
+    costs.append(f"a resume at step s first reads and skips the (s x local batch) mod {num} "
+                 "records before its position in the epoch")
+  if source.random_access or not costs:
+    return None
+  return (f"{source.name} {split} is stored as TFRecord and read as a stream: "
+          f"{'; '.join(costs)}. Convert it once to ArrayRecord for a fresh full shuffle every "
+          "epoch and resumes at no cost: pip install apache-beam; tfds convert_format "
+          "--dataset_version_dir=DATA_DIR/NAME/VERSION --out_file_format=array_record "
+          "--out_dir=NEW_DATA_DIR/NAME/VERSION, then set data_dir=NEW_DATA_DIR "
+          "(docs/design.md, Data order).")
+
+
 def eval_dataset(source, split: str, *, local_batch: int, image_size: int,
-                 crop_fraction: float, threads: int, cache: bool = False,
+                 crop_fraction: float, crop_resize: str, threads: int, cache: bool = False,
                  names: bool = False) -> tf.data.Dataset:
   """This process's part of `split`, every example once, in fixed order.
 
-  Elements are {'image': uint8 [local_batch, S, S, 3], 'label': int32 [b],
+  Elements are {'image': uint8 [local_batch, S, S, 3] (center_crop with
+  crop_fraction and crop_resize), 'label': int32 [b],
   'mask': bool [b]}, and with names=True 'name': string [b] (source.read's
   names). The last batches are padded with mask False (name '') so that
   every process yields the same number of batches (multi-host collectives
@@ -112,7 +205,7 @@ def eval_dataset(source, split: str, *, local_batch: int, image_size: int,
 
   def example(image, label, name=None):
     named = {} if name is None else {"name": name}
-    return {"image": center_crop(image, image_size, crop_fraction), "label": label,
+    return {"image": center_crop(image, image_size, crop_fraction, crop_resize), "label": label,
             "mask": True, **named}
 
   ds = source.read(split, drop_remainder=False, names=names).map(
@@ -133,8 +226,13 @@ def train_batches(source, config, sharding, *, image_size: int, num_views: int =
 
   Reads config.train_split, batch_size (global), crop_sampler, crop_area_min,
   crop_resize, seed, cache, shuffle_buffer and data_threads; each process reads
-  its own part.
+  its own part. Logs stream_cost_warning's line, if any, now: before any compute.
   """
+  warning = stream_cost_warning(source, config.train_split, cache=config.cache,
+                                shuffle_buffer=config.shuffle_buffer)
+  if warning:
+    logging.warning(warning)
+
   def batches(start_step: int) -> Iterator[dict]:
     return device_batches(
         train_dataset(source, config.train_split,
@@ -164,11 +262,13 @@ def device_batches(ds: tf.data.Dataset, sharding, prefetch: int = 2) -> Iterator
     yield queue.popleft()
 
 
-def eval_datasets(source, *, image_size: int, crop_fraction: float, threads: int, cache: bool):
+def eval_datasets(source, *, image_size: int, crop_fraction: float, crop_resize: str,
+                  threads: int, cache: bool):
   """(split, local_batch) -> eval tf.data (eval_dataset), built once per pair so that an
   in-memory cache persists across evaluations."""
   @functools.lru_cache(maxsize=None)
   def dataset(split, local_batch):
     return eval_dataset(source, split, local_batch=local_batch, image_size=image_size,
-                        crop_fraction=crop_fraction, threads=threads, cache=cache)
+                        crop_fraction=crop_fraction, crop_resize=crop_resize, threads=threads,
+                        cache=cache)
   return dataset

@@ -7,11 +7,18 @@ Nothing is ever downloaded. A source has `name`, `num_classes`,
 `num_examples`, `process_counts` and `read`; fine-tuning's LabelledSubset, a
 source over another one, also needs its `ids_and_labels` and `read_range`.
 FolderSource reads a folder of image files as they are, for the embed job.
+
+A TFDS dataset stored in a random-access format (ArrayRecord) also serves any
+record by its index (`random_access`, `records`): training reads it in a fresh
+order every epoch and resumes anywhere at no cost (input_pipeline.py). TFDS
+reads such a dataset only through its data source (as_dataset refuses it), so
+every read of it goes through Records, sequentially for evaluation.
 """
 import functools
 import hashlib
 import operator
 import os
+import threading
 from typing import Optional, Protocol, runtime_checkable
 
 import jax
@@ -42,10 +49,13 @@ class Source(Protocol):
     name: what the source reads (a TFDS name, a folder), for messages.
     num_classes: the number of classes, or None for unlabeled images.
     class_names: the classes' names in label order, or None.
+    random_access: whether `records(split)` serves this process's training
+      part by index (then the input pipeline reads it through that).
   """
   name: str
   num_classes: Optional[int]
   class_names: Optional[list]
+  random_access: bool
 
   def num_examples(self, split: str, field: str) -> int:
     """Examples in `split`. Raises ConfigError naming `field` for an unknown or empty split."""
@@ -64,6 +74,66 @@ class Source(Protocol):
     are contiguous and in process order: together they are the split in order.
     Raises ValueError for an option the source cannot serve (named in the message).
     """
+
+
+# Records fetched per call into Python when a dataset is read in order.
+READ_BATCH = 256
+
+
+class Records:
+  """Records of a TFDS dataset in a random-access format, by index: a tf.data bridge.
+
+  Reads the serialized tf.Example records of one split spec through TFDS's
+  data source (builder.as_data_source with DeserializeMethod.RAW_BYTES,
+  batches of indices at once), and parses them in the tf.data graph with the
+  builder's own feature spec. Record i is the split spec's i-th in TFDS's
+  order (that of as_dataset for other formats); with `indices`, record i is
+  the spec's indices[i]-th (a LabelledSubset's part).
+
+  Use len(records) and read(): indices int64 [k] -> (image, label int32 [k],
+  name string [k]), image the encoded bytes string [k]; decode each later with
+  decode(image) (TFDS's decoding: uint8 [H, W, 3]) or crops.decode_random_resized_crops.
+  Every record fetched adds one to the source's records_read.
+  """
+
+  def __init__(self, source, spec, indices: Optional[np.ndarray] = None):
+    self._source, self._spec = source, spec
+    self._data = source._builder.as_data_source(  # pylint: disable=protected-access
+        spec, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
+    self._indices = indices
+
+  def __len__(self) -> int:
+    return len(self._data) if self._indices is None else len(self._indices)
+
+  def _fetch(self, indices):
+    fetched = self._data.__getitems__(indices.numpy().tolist())
+    self._source.count_read(len(fetched))
+    return tf.constant(fetched, tf.string, shape=[len(fetched)])
+
+  def read(self, indices):
+    """(image string [k], label int32 [k], name string [k]) of the records at int64 indices [k].
+
+    name: the example's first of ID_FEATURES, else '<spec>__<index>' (its
+    position in the split spec, as TFDS's record ids name a position).
+    """
+    at = indices if self._indices is None else tf.gather(self._indices, indices)
+    serialized = tf.py_function(self._fetch, [at], tf.string)
+    serialized.set_shape(indices.shape)
+    return self._source.parse(serialized, at, str(self._spec))
+
+  def decode(self, image):
+    """uint8 [H, W, 3] of one encoded image, decoded as TFDS's as_dataset decodes it."""
+    return self._source.features["image"].decode_example(image)
+
+  def in_order(self, *, decode: bool, names: bool) -> tf.data.Dataset:
+    """Every record once, in index order, as Source.read's (image, label[, name])."""
+    ds = tf.data.Dataset.range(len(self)).batch(READ_BATCH).map(self.read).unbatch()
+
+    def example(image, label, name):
+      image = self.decode(image) if decode else image
+      return (image, label, name) if names else (image, label)
+
+    return ds.map(example)
 
 
 class TfdsSource:
@@ -104,10 +174,15 @@ class TfdsSource:
           f"{self._builder.data_dir} (data_dir={looked}). Prepare it with "
           f"tfds.builder('{name}').download_and_prepare() on a machine with internet, or "
           "point data_dir / TFDS_DATA_DIR at a copy")
-    features = self._builder.info.features
+    self.features = features = self._builder.info.features
     self._num_classes = features["label"].num_classes if "label" in features else None
     self.class_names = features["label"].names if "label" in features else None
     self._id_feature = next((name for name in ID_FEATURES if name in features), None)
+    self.random_access = (self._builder.info.file_format
+                          in tfds.core.file_adapters.FileFormat.with_random_access())
+    # Records fetched by index (Records.read), counted for tests and benchmarks.
+    self.records_read = 0
+    self._lock = threading.Lock()
 
   @property
   def num_classes(self) -> Optional[int]:
@@ -135,6 +210,37 @@ class TfdsSource:
     return [self._builder.info.splits[s].num_examples
             for s in tfds.even_splits(split, n=jax.process_count(),
                                       drop_remainder=drop_remainder)]
+
+  def records(self, split: str) -> Records:
+    """This process's part of `split` by index: the records read(drop_remainder=True) reads.
+
+    Raises:
+      ValueError: the dataset is not stored in a random-access format.
+    """
+    self._check_random_access()
+    return Records(self, tfds.split_for_jax_process(split, drop_remainder=True))
+
+  def count_read(self, count: int):
+    """Adds `count` records to records_read (Records' fetches; thread-safe)."""
+    with self._lock:
+      self.records_read += count
+
+  def parse(self, serialized, indices, spec: str):
+    """Records.read's (image, label, name) of serialized tf.Examples string [k]."""
+    wanted = ["image"] + (["label"] if self._num_classes is not None else [])
+    wanted += [self._id_feature] if self._id_feature else []
+    example_spec = self.features.tf_example_spec
+    parsed = tf.io.parse_example(serialized, {k: example_spec[k] for k in wanted})
+    label = (tf.cast(parsed["label"], tf.int32) if self._num_classes is not None
+             else -tf.ones_like(indices, tf.int32))
+    name = (parsed[self._id_feature] if self._id_feature
+            else tf.strings.join([spec, tf.strings.as_string(indices)], separator="__"))
+    return parsed["image"], label, name
+
+  def _check_random_access(self):
+    if not self.random_access:
+      raise ValueError(f"{self.name} is stored as {self._builder.info.file_format.value}, "
+                       "not in a random-access format (ArrayRecord)")
 
   def read(self, split: str, *, drop_remainder: bool, decode: bool = True,
            names: bool = False) -> tf.data.Dataset:
@@ -170,6 +276,12 @@ class TfdsSource:
     TFDS's record id (file and position); labels: int32 [N] (-1 if unlabeled).
     Every process reads the whole split.
     """
+    if self.random_access:
+      ids, labels = [], []
+      for _, label, name in tfds.as_numpy(self._read(split, False, names=True).batch(10_000)):
+        ids.extend(n.decode("utf-8") for n in name)
+        labels.append(label)
+      return np.array(ids, dtype=object), np.concatenate(labels).astype(np.int32)
     wanted = {"label": True} if self._num_classes is not None else {}
     if self._id_feature:
       wanted[self._id_feature] = True
@@ -185,6 +297,8 @@ class TfdsSource:
 
   def _read(self, split, decode: bool, names: bool = False) -> tf.data.Dataset:
     """(image, label[, name]) of a split spec or tfds.core.ReadInstruction, in read order."""
+    if self.random_access:
+      return Records(self, split).in_order(decode=decode, names=names)
     ds = self._builder.as_dataset(
         split=split, shuffle_files=False,
         decoders=None if decode else {"image": tfds.decode.SkipDecoding()},
@@ -232,6 +346,7 @@ class FolderSource:
   SPLIT = "all"
   num_classes = None
   class_names = None
+  random_access = False
 
   def __init__(self, folder: str, *, max_pixels: int, shorter_side: int):
     if not os.path.isdir(folder):
@@ -353,6 +468,7 @@ class LabelledSubset:
     self.ids, self.labels = ids[self._indices], labels[self._indices]
     self.name, self.num_classes = source.name, source.num_classes
     self.class_names = source.class_names
+    self.random_access = source.random_access
     self._source, self._split = source, split
 
   def num_examples(self, split: str, field: str) -> int:
@@ -367,14 +483,28 @@ class LabelledSubset:
     self._check(split)
     return [len(part) for part in np.array_split(self._indices, jax.process_count())]
 
+  def _part(self):
+    """Positions in the subset and indices in the split of this process's part of it."""
+    positions = np.array_split(np.arange(len(self._indices)),
+                               jax.process_count())[jax.process_index()]
+    return positions, self._indices[positions]
+
+  def records(self, split: str) -> Records:
+    """TfdsSource.records of this process's part of the subset (the source's records by index).
+
+    Raises:
+      ValueError: the source is not stored in a random-access format.
+    """
+    self._check(split)
+    self._source._check_random_access()  # pylint: disable=protected-access
+    return Records(self._source, split, indices=self._part()[1])
+
   def read(self, split: str, *, drop_remainder: bool, decode: bool = True,
            names: bool = False) -> tf.data.Dataset:
     """Source.read of this process's part of the subset, in read order; names are its ids."""
     del drop_remainder
     self._check(split)
-    positions = np.array_split(np.arange(len(self._indices)),
-                               jax.process_count())[jax.process_index()]
-    part = self._indices[positions]
+    positions, part = self._part()
     start, stop = int(part[0]), int(part[-1]) + 1
     keep = np.zeros(stop - start, bool)
     keep[part - start] = True

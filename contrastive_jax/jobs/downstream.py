@@ -162,8 +162,9 @@ def _imported_encoder(config, mesh) -> Encoder:
 
 
 def eval_datasets(source, config, encoder: Encoder):
-  """The evaluators' datasets (input_pipeline.eval_datasets) at the encoder's image size and
-  crop."""
+  """The evaluators' datasets (input_pipeline.eval_datasets) at the encoder's image size,
+  centre crop and resize method."""
   return input_pipeline.eval_datasets(source, image_size=encoder.pretrained.image_size,
                                       crop_fraction=encoder.pretrained.eval_crop_fraction,
+                                      crop_resize=encoder.pretrained.crop_resize,
                                       threads=config.data_threads, cache=config.cache)

@@ -108,6 +108,7 @@ def _embed_and_write(config, workdir: str, mesh, model: index.EmbedModel, source
   local_batch = config.batch_size // jax.process_count()
   ds = input_pipeline.eval_dataset(source, split, local_batch=local_batch,
                                    image_size=model.image_size, crop_fraction=model.crop_fraction,
+                                   crop_resize=model.crop_resize,
                                    threads=config.data_threads, names=True)
   num_images = source.num_examples(split, "split")
   num_batches = -(-max(source.process_counts(split)) // local_batch)

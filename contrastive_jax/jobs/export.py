@@ -11,7 +11,7 @@ Formats (FORMATS; docs/weights.md says what reads each):
   'pth': OUT/encoder.pth, the same state dict through torch.save (needs torch);
   'saved_model': OUT/saved_model/, a TF SavedModel whose 'serving_default' signature
       takes uint8 images [N, H, W, 3] of any size, does the evaluation preprocessing
-      (input_pipeline.center_crop at the checkpoint's image size and eval crop, then the
+      (input_pipeline.center_crop at the checkpoint's image size, eval crop and resize, then the
       model's [0, 1] scaling and standardisation) and returns {'h': float32 [N, D]}
       (jax2tf, the batch size polymorphic), for TF Serving; with config.projection
       also 'z', the projection head's eval-mode output.
@@ -145,12 +145,14 @@ def serving_function(module, variables, pretrained, projector=None):
   (and 'z': float32 [N, d], the projection head's eval-mode output, with a projector).
 
   Each image is centre-cropped and resized as the evaluation does
-  (input_pipeline.center_crop at pretrained.image_size, eval_crop_fraction), then
+  (input_pipeline.center_crop at pretrained.image_size, eval_crop_fraction and
+  crop_resize), then
   encoded (models.encode) by the jax2tf conversion, with the variables as TF
   variables of the returned function's `tf_variables` attribute. projector:
   None, or (module, variables) of restore_projector.
   """
-  size, fraction = pretrained.image_size, pretrained.eval_crop_fraction
+  size, fraction, resize = (pretrained.image_size, pretrained.eval_crop_fraction,
+                            pretrained.crop_resize)
 
   def outputs(all_variables, images):
     h = models.encode(module, all_variables["encoder"], images)
@@ -166,7 +168,8 @@ def serving_function(module, variables, pretrained, projector=None):
   @tf.function(input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="images")],
                autograph=False)
   def serve(images):
-    crops = tf.map_fn(lambda image: input_pipeline.center_crop(image, size, fraction), images,
+    crops = tf.map_fn(lambda image: input_pipeline.center_crop(image, size, fraction, resize),
+                      images,
                       fn_output_signature=tf.TensorSpec([size, size, 3], tf.uint8))
     return converted(tf_variables, crops)
 

@@ -40,19 +40,20 @@ class EmbedModel(NamedTuple):
 
   embed: uint8 images [B, S, S, 3] (a jax.Array on the mesh) -> float32
     [B, D] L2-normalised h, sharded like the images.
-  image_size: S, the pretraining run's; crop_fraction: its eval centre crop.
-  step: the checkpoint's step.
+  image_size: S, the pretraining run's; crop_fraction and crop_resize: its
+  eval centre crop (input_pipeline.center_crop). step: the checkpoint's step.
   """
   embed: Callable
   image_size: int
   crop_fraction: float
+  crop_resize: str
   step: int
 
 
 def shorter_side(image_size: int, crop_fraction: float) -> int:
   """The shorter side image files are downscaled to (antialiased) before their centre crop.
 
-  The crop's own scale, so that the crop's bilinear resize to image_size
+  The crop's own scale, so that the crop's resize to image_size
   hardly resamples: a large photo is not aliased.
   """
   return math.ceil(image_size / crop_fraction)
@@ -67,7 +68,7 @@ def load_model(config, mesh) -> EmbedModel:
   encoder, variables, pretrained, step, _ = downstream.restore_encoder(config, mesh)
   features = jax.jit(lambda v, x: common.l2_normalize(models.encode(encoder, v, x)))
   return EmbedModel(lambda images: features(variables, images), pretrained.image_size,
-                    pretrained.eval_crop_fraction, step)
+                    pretrained.eval_crop_fraction, pretrained.crop_resize, step)
 
 
 def write(workdir, config, model, source, h, labels, names, num_unreadable: int):
@@ -84,7 +85,8 @@ def write(workdir, config, model, source, h, labels, names, num_unreadable: int)
           for name, label in zip(names, labels)]
   files.write_atomic(f"{workdir}/{INDEX}", "".join(json.dumps(r) + "\n" for r in rows).encode())
   meta = {"config": config.to_dict(), "image_size": model.image_size,
-          "crop_fraction": model.crop_fraction, "num_images": len(h), "dim": int(h.shape[1]),
+          "crop_fraction": model.crop_fraction, "crop_resize": model.crop_resize,
+          "num_images": len(h), "dim": int(h.shape[1]),
           "class_names": source.class_names, "unreadable": num_unreadable}
   files.write_atomic(f"{workdir}/{META}", json.dumps(meta, indent=1).encode())
 
@@ -94,14 +96,15 @@ class Index(NamedTuple):
 
   embeddings: float32 [N, D] unit rows (memory-mapped for a local workdir).
   rows: N dicts {'name'[, 'label']}.
-  config: the embed job's config; image_size, crop_fraction: how its images
-  were cropped; class_names: list or None.
+  config: the embed job's config; image_size, crop_fraction, crop_resize: how
+  its images were cropped (input_pipeline.center_crop); class_names: list or None.
   """
   embeddings: np.ndarray
   rows: list
   config: ml_collections.ConfigDict
   image_size: int
   crop_fraction: float
+  crop_resize: str
   class_names: list
 
 
@@ -122,5 +125,7 @@ def load_index(workdir: str) -> Index:
       embeddings = np.load(io.BytesIO(f.read()))
   else:  # Memory-mapped: the neighbours job reads it chunk by chunk.
     embeddings = np.load(path, mmap_mode="r")
+  # An index written before crop_resize was recorded was cropped bilinear.
   return Index(embeddings, rows, ml_collections.ConfigDict(meta["config"]), meta["image_size"],
-               meta["crop_fraction"], meta["class_names"])
+               meta["crop_fraction"], meta.get("crop_resize", "pil_bilinear"),
+               meta["class_names"])

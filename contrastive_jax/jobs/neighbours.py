@@ -193,7 +193,7 @@ def _queries(config, index: index_lib.Index):
       except ImageError as e:
         raise _query_error(config, item, line,
                            f"an image file that can be read: {e.reason}") from None
-      found.append((item, None, _crop(image, index.image_size, index.crop_fraction)))
+      found.append((item, None, _crop(image, index.image_size, index)))
   return found
 
 
@@ -252,9 +252,10 @@ def _search_and_write(config, workdir: str, index_workdir: str, index: index_lib
   return results
 
 
-def _crop(image: np.ndarray, size: int, crop_fraction: float) -> np.ndarray:
-  """The centre crop the eval pipeline takes (input_pipeline.center_crop), uint8 [size, size, 3]."""
-  return input_pipeline.center_crop(tf.constant(image), size, crop_fraction).numpy()
+def _crop(image: np.ndarray, size: int, index: index_lib.Index) -> np.ndarray:
+  """The centre crop the index's images had (input_pipeline.center_crop), uint8 [size, size, 3]."""
+  return input_pipeline.center_crop(tf.constant(image), size, index.crop_fraction,
+                                    index.crop_resize).numpy()
 
 
 def _images(index: index_lib.Index, rows, shorter_side: int) -> dict:
@@ -295,6 +296,6 @@ def _picture(config, index: index_lib.Index, queries, scores, rows) -> np.ndarra
     query = read[row] if row is not None else images.load_image(
         item, max_pixels=config.max_pixels, shorter_side=side)
     shown = [query] + [read[int(r)] for r in line_rows]
-    lines.append([_crop(x, config.cell, index.crop_fraction) for x in shown])
+    lines.append([_crop(x, config.cell, index) for x in shown])
     captions.append(["query"] + [caption(s, int(r)) for s, r in zip(line_scores, line_rows)])
   return pictures.grid(lines, captions, cell=config.cell)
