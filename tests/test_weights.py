@@ -232,3 +232,24 @@ def test_a_field_added_since_a_checkpoint_and_left_unset_is_no_resume_difference
   config.pretrain_config = "configs/x.py"
   assert checkpointing.config_differences({"a": 1}, config, ()) == [
       ("pretrain_config", "<absent>", "configs/x.py")]
+
+
+@pytest.mark.skipif(not HAVE_TORCH, reason="needs the torch extra")
+def test_a_moco_pth_tar_checkpoint_is_read_with_its_prefix_and_heads_left_out(tmp_path):
+  """main_moco.py's checkpoint: {'epoch', 'arch', 'state_dict', 'optimizer'}, the query
+  encoder under module.encoder_q. with its MLP head in fc.*, the key encoder and queue."""
+  import torch  # pylint: disable=import-outside-toplevel
+  tensors = make.random_state_dict("torchvision_resnet18")
+  state = {f"module.encoder_q.{k}": torch.tensor(v) for k, v in tensors.items()}
+  state.update({f"module.encoder_k.{k}": torch.tensor(v + 1) for k, v in tensors.items()})
+  state["module.encoder_q.fc.0.weight"] = torch.zeros(512, 512)
+  state["module.queue"] = torch.zeros(128, 16)
+  path = str(tmp_path / "checkpoint_0199.pth.tar")
+  torch.save({"epoch": 200, "arch": "resnet18", "state_dict": state,
+              "optimizer": {"state": {}, "param_groups": [{"lr": 0.03}]}}, path)
+  variables = state_dicts.from_state_dict(tensor_files.read(path), path, _resnet(), 64)
+  plain = state_dicts.from_state_dict(tensors, "x", _resnet(), 64)
+  jax.tree.map(np.testing.assert_array_equal, variables, plain)
+  (tmp_path / "junk.pth").write_bytes(b"not a pickle")
+  with pytest.raises(WeightsError, match="not a PyTorch checkpoint torch can read safely"):
+    tensor_files.read(str(tmp_path / "junk.pth"))
