@@ -156,7 +156,16 @@ def test_downstream_jobs_take_a_weights_file_as_their_pretrain_config_says(pretr
                       dataset="cifar10", data_dir=TFDS_DIR, split="test[:16]", batch_size=16)
   h = embed.run(embed_config, str(tmp_path / "index"))
   assert h.shape == (16, source.dim)
+  # Without pretrain_config: the export job's export.json beside the file says it.
   config.pretrain_config = None
+  again = downstream.restore_encoder(config, mesh_lib.make_mesh())
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(again.variables),
+               jax.device_get(source.variables))
+  assert again.pretrained.to_dict() == source.pretrained.to_dict()
+  alone = tmp_path / "alone" / "encoder.safetensors"
+  alone.parent.mkdir()
+  alone.write_bytes(open(path, "rb").read())
+  config.pretrain_workdir = str(alone)
   with pytest.raises(ConfigError, match="config.pretrain_config=None: must be the pretraining"):
     downstream.restore_encoder(config, mesh_lib.make_mesh())
   config.pretrain_config = str(tmp_path / "tinny.py")

@@ -10,6 +10,8 @@ one random crop-and-flip per labelled image and are evaluated at the
 pretraining run's image size and eval crop.
 """
 import functools
+import json
+import os
 from typing import Any, NamedTuple
 
 import jax
@@ -36,6 +38,10 @@ from contrastive_jax.methods import optim
 from contrastive_jax import models
 from contrastive_jax.models import state_dicts
 from contrastive_jax import recipes
+
+# What the export job (export.py) writes beside an export, last: its run's config included.
+EXPORT_META = "export.json"
+
 
 class Encoder(NamedTuple):
   """A restored encoder.
@@ -136,29 +142,46 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
 
 def _imported_encoder(config, mesh) -> Encoder:
   """The encoder of the weights file config.pretrain_workdir, as config.pretrain_config's model
-  (models/state_dicts.py); that config's image size and eval crop, step 0.
+  (models/state_dicts.py), or, for a file the export job wrote, its run's config from
+  EXPORT_META beside it; that config's image size and eval crop, step 0.
 
   Raises:
     ConfigError: no pretrain_config, random_init set, a model_name that differs.
     JobError: a config file that cannot be loaded; a weights file that does not fit.
   """
-  if not config.get("pretrain_config"):
-    raise ConfigError("pretrain_config", config.get("pretrain_config"),
-                      "the pretraining config (configs/X.py[:VARIANT]) whose model the weights "
-                      f"file {config.pretrain_workdir} holds, e.g. configs/moco_v2_imagenet.py")
+  path = config.pretrain_workdir
   if config.random_init:
     raise ConfigError("random_init", config.random_init,
-                      "False with a weights file, which comes from no run of this package")
-  pretrained = recipes.load_config_file(config.pretrain_config, "config.pretrain_config")
+                      "False with a weights file: its run's initialisation is not in it")
+  if config.get("pretrain_config"):
+    pretrained = recipes.load_config_file(config.pretrain_config, "config.pretrain_config")
+  else:
+    pretrained = _exported_config(path)
+    if pretrained is None:
+      raise ConfigError("pretrain_config", config.get("pretrain_config"),
+                        "the pretraining config (configs/X.py[:VARIANT]) whose model the "
+                        f"weights file {path} holds, e.g. configs/moco_v2_imagenet.py (a file "
+                        f"the export job wrote has it in its {EXPORT_META})")
   if config.model_name and config.model_name != pretrained.model.name:
     raise ConfigError("model_name", config.model_name,
                       f"{pretrained.model.name!r}, the model of {config.pretrain_config}")
-  path = config.pretrain_workdir
   variables = jax.device_put(state_dicts.from_state_dict(
       tensor_files.read(path), path, pretrained.model, pretrained.image_size),
       mesh_lib.replicated(mesh))
   encoder = models.build_encoder(pretrained.model)
   return Encoder(encoder, variables, pretrained, 0, models.encoder_width(pretrained.model))
+
+
+def _exported_config(path: str):
+  """The pretraining config the export job recorded for the weights file path, or None."""
+  meta_path = f"{os.path.dirname(path)}/{EXPORT_META}"
+  if not tf.io.gfile.exists(meta_path):
+    return None
+  with tf.io.gfile.GFile(meta_path) as f:
+    meta = json.load(f)
+  if os.path.basename(meta.get("path", "")) != os.path.basename(path):
+    return None
+  return ml_collections.ConfigDict(meta["pretrained_config"])
 
 
 def eval_datasets(source, config, encoder: Encoder):

@@ -43,7 +43,7 @@ from contrastive_jax.models import state_dicts
 
 FORMATS = {"safetensors": "encoder.safetensors", "pth": "encoder.pth",
            "saved_model": "saved_model"}
-META = "export.json"
+META = downstream.EXPORT_META
 SIGNATURE = "serving_default"
 PROJECTOR = "projector"  # The projection head's name in a method's model (heads.ContrastiveModel).
 
@@ -99,7 +99,9 @@ def run(config, workdir: str) -> str:
               "random_init": config.random_init, "projection": config.projection,
               "image_size": encoder.pretrained.image_size,
               "eval_crop_fraction": encoder.pretrained.eval_crop_fraction,
-              "model": encoder.pretrained.model.to_dict(), "dim": encoder.dim}
+              "model": encoder.pretrained.model.to_dict(), "dim": encoder.dim,
+              # Read back when a downstream job takes the file (downstream.py).
+              "pretrained_config": encoder.pretrained.to_dict()}
       files.write_atomic(f"{workdir}/{META}", json.dumps(meta, indent=1, default=str))
   return path
 
