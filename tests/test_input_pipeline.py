@@ -273,7 +273,7 @@ def test_a_costly_stream_is_warned_about_once_with_its_numbers(cifar, array_reco
   logged = warnings(cifar[0], cache=False, shuffle_buffer=10_000)
   assert len(logged) == 1
   assert ("shuffle_buffer=10000 of this process's 50000 records" in logged[0]
-          and "mod 50000 records" in logged[0] and "tfds convert_format" in logged[0])
+          and "mod 50000 records" in logged[0] and "file_format='array_record'" in logged[0])
   assert not warnings(cifar[0], cache=True, shuffle_buffer=50_000)  # CIFAR-10's presets.
   assert not warnings(array_record, cache=False, shuffle_buffer=100)
 

@@ -182,11 +182,11 @@ def stream_cost_warning(source, split: str, *, cache: bool, shuffle_buffer: int)
   if source.random_access or not costs:
     return None
   return (f"{source.name} {split} is stored as TFRecord and read as a stream: "
-          f"{'; '.join(costs)}. Convert it once to ArrayRecord for a fresh full shuffle every "
-          "epoch and resumes at no cost: pip install apache-beam; tfds convert_format "
-          "--dataset_version_dir=DATA_DIR/NAME/VERSION --out_file_format=array_record "
-          "--out_dir=NEW_DATA_DIR/NAME/VERSION, then set data_dir=NEW_DATA_DIR "
-          "(docs/design.md, Data order).")
+          f"{'; '.join(costs)}. Prepare it once as ArrayRecord for a fresh full shuffle every "
+          "epoch and resumes at no cost: an image folder with prepare_images (it writes "
+          f"ArrayRecord), a TFDS dataset with tfds.builder('{source.name}', "
+          "data_dir=NEW_DATA_DIR, file_format='array_record').download_and_prepare(), then "
+          "set data_dir=NEW_DATA_DIR (docs/design.md, Data order).")
 
 
 def eval_dataset(source, split: str, *, local_batch: int, image_size: int,

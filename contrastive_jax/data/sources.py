@@ -14,11 +14,13 @@ order every epoch and resumes anywhere at no cost (input_pipeline.py). TFDS
 reads such a dataset only through its data source (as_dataset refuses it), so
 every read of it goes through Records, sequentially for evaluation.
 """
+import atexit
 import functools
 import hashlib
 import operator
 import os
 import threading
+import time
 from typing import Optional, Protocol, runtime_checkable
 
 import jax
@@ -80,6 +82,47 @@ class Source(Protocol):
 READ_BATCH = 256
 
 
+class _Fetches:
+  """The Records fetches (tf.py_function calls into Python) in flight, process-wide.
+
+  A tf.py_function call still running when Python finalizes never gets the
+  GIL back, and destroying a tf.data iterator waits for its calls: a job that
+  exits while its pipeline is still filling its buffers would hang at exit
+  (seen about one exit in three). wait_until_idle, run at exit before
+  finalization, lets the pipelines fill their buffers and stop fetching.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._running = 0
+    self._last = 0.0
+    self._registered = False
+
+  def start(self):
+    with self._lock:
+      self._running += 1
+      if not self._registered:
+        atexit.register(self.wait_until_idle)
+        self._registered = True
+
+  def end(self):
+    with self._lock:
+      self._running -= 1
+      self._last = time.monotonic()
+
+  def wait_until_idle(self, quiet: float = 0.5, timeout: float = 60.0):
+    """Returns once no fetch has run for `quiet` seconds (or after `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+      with self._lock:
+        if self._running == 0 and time.monotonic() - self._last >= quiet:
+          return
+      time.sleep(0.05)
+
+
+_FETCHES = _Fetches()
+
+
 class Records:
   """Records of a TFDS dataset in a random-access format, by index: a tf.data bridge.
 
@@ -106,7 +149,13 @@ class Records:
     return len(self._data) if self._indices is None else len(self._indices)
 
   def _fetch(self, indices):
-    fetched = self._data.__getitems__(indices.numpy().tolist())
+    _FETCHES.start()
+    try:
+      # One record at a time: __getitems__ reads through a thread pool, which
+      # refuses work once the interpreter shuts down (a traceback at every exit).
+      fetched = [self._data[i] for i in indices.numpy().tolist()]
+    finally:
+      _FETCHES.end()
     self._source.count_read(len(fetched))
     return tf.constant(fetched, tf.string, shape=[len(fetched)])
 
