@@ -2,9 +2,17 @@
 
   python -m contrastive_jax.data.prepare_images --src=DIR --name=NAME --data_dir=DIR2
 
-writes DIR2/NAME/1.0.0/ (TFDS's on-disk format, written by TFDS's own
-store_as_tfds_dataset) and its report, DIR2/NAME/1.0.0/prepare_report.json.
-Jobs then read it with --config.dataset=NAME --config.data_dir=DIR2.
+writes DIR2/NAME/1.0.0/ (TFDS's on-disk format in ArrayRecord files, which
+can be read at random, written by TFDS's own store_as_tfds_dataset) and its
+report, DIR2/NAME/1.0.0/prepare_report.json. Jobs then read it with
+--config.dataset=NAME --config.data_dir=DIR2.
+
+Decoding, resizing and encoding run as an Apache Beam pipeline (the [beam]
+extra: pip install -e '.[beam]'): by default Beam's DirectRunner on every
+local core (--direct_num_workers), or any Beam runner (--runner, with more
+pipeline options in --beam_options, e.g. Dataflow's project, region and
+temp_location). --src and --data_dir may be gs:// folders; a runner with
+remote workers needs both there.
 
 Features: 'image' (tfds.features.Image, uint8 [H, W, 3], stored JPEG or PNG),
 'file_name' (Text: the path relative to --src, '/'-separated) and, when the
@@ -21,6 +29,10 @@ The layout (see `layout` for the exact rules):
   'hat'. With fewer than two classes the dataset is unlabeled
   (chest_xray/images/x.png).
 
+The layout is computed from the file list alone (no file is opened before the
+Beam stage): a file that is not an image counts for it, e.g. it can be held
+out, or make its folder a class; it is then skipped in the Beam stage.
+
 Every file is tried; a file Pillow cannot read or decode, one claiming more
 than --max_pixels pixels, one outside the split folders or outside any class
 folder, and hidden files and folders (names starting with '.') are skipped,
@@ -28,8 +40,10 @@ counted and listed in the report with the reason. Images are stored with
 their shorter side at most --image_size (never upscaled); smaller ones are
 listed in the report too: the input pipeline's crops upscale them (bilinear).
 
-Preparing the same files with the same options again changes nothing; other
-files or options under an existing name are refused unless --overwrite. The
+Preparing the same files (the same paths, sizes and modification times; on
+gs://, sizes and CRC32C checksums) with the same options again changes
+nothing; other files or options under an existing name are refused unless
+--overwrite. The
 dataset is written to a temporary folder in data_dir and renamed into place,
 so a failed or interrupted preparation leaves the previous one intact; Ctrl-C
 ends it with one line saying so (the temporary folder is removed), and one
@@ -39,13 +53,14 @@ import collections
 import contextlib
 import hashlib
 import json
+import logging as std_logging
 import os
 import re
-import shutil
+import shlex
 import signal
 import sys
-import tempfile
 import threading
+import uuid
 import zlib
 
 from absl import app
@@ -53,20 +68,25 @@ from absl import flags
 from absl import logging
 import numpy as np
 from PIL import Image
+import tensorflow as tf
 import tensorflow_datasets as tfds
 
 from contrastive_jax.core.errors import ImageError
 from contrastive_jax.core.errors import JobError
+from contrastive_jax.core import gcs
 from contrastive_jax.core import metrics
 from contrastive_jax.data import images
 
 VERSION = "1.0.0"
 REPORT = "prepare_report.json"
 SPLIT_FOLDERS = ("train", "validation", "test")
+# What a runner that cannot start lacks, by runner name.
+_RUNNER_PACKAGES = {"DataflowRunner": "pip install 'apache-beam[gcp]==2.77.0'"}
 
-_SRC = flags.DEFINE_string("src", None, "Folder of image files (any depth).")
+_SRC = flags.DEFINE_string("src", None, "Folder of image files (any depth), local or gs://.")
 _NAME = flags.DEFINE_string("name", None, "Dataset name: lowercase letters, digits and '_'.")
-_DATA_DIR = flags.DEFINE_string("data_dir", None, "TFDS data directory to write the dataset to.")
+_DATA_DIR = flags.DEFINE_string("data_dir", None,
+                                "TFDS data directory to write the dataset to, local or gs://.")
 _IMAGE_SIZE = flags.DEFINE_integer(
     "image_size", 256, "Stored shorter side in pixels (larger images are downscaled, keeping "
     "the aspect ratio; smaller ones are kept); 0 stores every image at its own size.",
@@ -83,29 +103,82 @@ _SEED = flags.DEFINE_integer("seed", 0, "Seed of the held-out choice.")
 _OVERWRITE = flags.DEFINE_bool("overwrite", False,
                                "Replace a dataset of this name prepared from other files or "
                                "with other options.")
+_RUNNER = flags.DEFINE_string("runner", "DirectRunner",
+                              "Apache Beam runner, e.g. DirectRunner (this machine) or "
+                              "DataflowRunner.")
+_DIRECT_NUM_WORKERS = flags.DEFINE_integer(
+    "direct_num_workers", 0, "DirectRunner's worker processes; 0: one per local core.",
+    lower_bound=0)
+_BEAM_OPTIONS = flags.DEFINE_string(
+    "beam_options", "", "More Beam pipeline options, as on a command line, e.g. "
+    "'--project=P --region=R --temp_location=gs://B/tmp' for Dataflow.")
 
 
-def fingerprint(src: str, files, options: dict) -> str:
-  """sha256 of the options and of every file's relative path and content."""
+def _absolute(path: str) -> str:
+  return path if path.startswith("gs://") else os.path.abspath(path)
+
+
+def _list_gcs(src: str):
+  """(files, skipped, stamps) of a gs:// folder: one listing, no object read.
+
+  stamps {file: 'size crc32c'}. Hidden entries: the first hidden part of the
+  path, once. Raises JobError when nothing is under src.
+  """
+  from google.cloud import storage  # pylint: disable=g-import-not-at-top  (only for gs://)
+  bucket, _, prefix = src[len("gs://"):].partition("/")
+  prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
+  files, hidden, stamps = [], set(), {}
+  for blob in storage.Client().list_blobs(bucket, prefix=prefix):
+    rel = blob.name[len(prefix):]
+    if not rel or rel.endswith("/"):  # A folder marker.
+      continue
+    parts = rel.split("/")
+    first_hidden = next((i for i, part in enumerate(parts) if part.startswith(".")), None)
+    if first_hidden is not None:
+      hidden.add("/".join(parts[:first_hidden + 1]))
+      continue
+    files.append(rel)
+    stamps[rel] = f"{blob.size} {blob.crc32c}"
+  if not files and not hidden:
+    raise JobError(f"--src={src!r}: does not exist or holds no file")
+  return sorted(files), [(f, "hidden") for f in sorted(hidden)], stamps
+
+
+def list_source(src: str):
+  """Every file below src (local or gs://) and what identifies its content, cheaply.
+
+  Returns:
+    (files, skipped, stamps): files relative, '/'-separated and sorted;
+    skipped [(file, reason)] (images.list_files' reasons, or hidden on gs://);
+    stamps {file: str}, 'size mtime_ns' locally, 'size crc32c' on gs://.
+  Raises:
+    JobError: src missing, not a folder or a symbolic link loop (images.list_files).
+  """
+  if src.startswith("gs://"):
+    return _list_gcs(src)
+  files, skipped = images.list_files(src, flag="--src")
+  stamps = {}
+  for rel in files:
+    try:
+      stat = os.stat(os.path.join(src, rel))
+      stamps[rel] = f"{stat.st_size} {stat.st_mtime_ns}"
+    except OSError as e:
+      stamps[rel] = f"error {e.errno}"  # Reported as skipped later.
+  return files, skipped, stamps
+
+
+def fingerprint(files, stamps: dict, options: dict) -> str:
+  """sha256 of the options and of every file's relative path and stamp (list_source)."""
   digest = hashlib.sha256(json.dumps(options, sort_keys=True).encode())
   for rel in files:
-    digest.update(rel.encode() + b"\0")
-    try:
-      with open(os.path.join(src, rel), "rb") as f:
-        content = hashlib.sha256()
-        for block in iter(lambda: f.read(1 << 20), b""):
-          content.update(block)
-      digest.update(content.digest())
-    except OSError as e:
-      digest.update(str(e.errno).encode())  # Reported as skipped later.
+    digest.update(rel.encode() + b"\0" + stamps[rel].encode() + b"\0")
   return digest.hexdigest()
-
-
 def layout(files, *, holdout_fraction: float, seed: int):
   """Assigns image files to splits and classes.
 
   Args:
-    files: relative paths of the files whose header Pillow read.
+    files: relative paths of the files listed (images or not: the files that
+      turn out not to be images are skipped later, where they are decoded).
   Returns:
     (examples, classes, skipped, warnings): examples {split: [(file, class)]}
     with class '' when unlabeled; classes the sorted class names ([] when
@@ -176,42 +249,47 @@ def layout(files, *, holdout_fraction: float, seed: int):
   return dict(examples), classes, skipped, warnings
 
 
-def _examples(src, split, split_examples, *, labelled, max_pixels, image_size, skipped, small,
-              counts):
-  """Yields TFDS's (key, example) pairs of a split, decoding as it goes.
+def beam_args(runner: str, direct_num_workers: int, beam_options: str):
+  """Beam's pipeline arguments for the flags --runner, --direct_num_workers, --beam_options.
 
-  Files that fail to decode go to skipped, images whose shorter side is
-  below image_size to small; counts[split] (set when the split starts)
-  counts the examples of each class.
+  DirectRunner is run as FnApiRunner, the local runner it falls back to:
+  Beam 2.77's DirectRunner first tries Prism, a Go binary it downloads from
+  GitHub, which ignores direct_num_workers. It runs direct_num_workers worker
+  processes (0: one per local core); processes, not threads, since decoding
+  in threads of one process would share one interpreter lock; one worker runs
+  in this process. beam_options is split as a shell would.
   """
-  counts[split] = collections.Counter()
-  for rel, name in split_examples:
-    try:
-      image = images.load_image(os.path.join(src, rel), max_pixels=max_pixels,
-                                shorter_side=image_size or None)
-    except ImageError as e:
-      skipped.append((rel, e.reason))
-      continue
-    if image_size and min(image.shape[:2]) < image_size:
-      small.append((rel, image.shape[1], image.shape[0]))
-    counts[split][name] += 1
-    example = {"image": image, "file_name": rel}
-    if labelled:
-      example["label"] = name
-    yield rel, example
+  if runner != "DirectRunner":
+    return [f"--runner={runner}"] + shlex.split(beam_options)
+  workers = direct_num_workers or os.cpu_count()
+  mode = "multi_processing" if workers > 1 else "in_memory"
+  return ["--runner=FnApiRunner", f"--direct_num_workers={workers}",
+          f"--direct_running_mode={mode}"] + shlex.split(beam_options)
+
+
+def _import_beam():
+  """The prepare_beam module. Raises JobError when Apache Beam is not installed."""
+  try:
+    from contrastive_jax.data import prepare_beam  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    if e.name is None or not e.name.startswith("apache_beam"):
+      raise
+    raise JobError("prepare_images runs on Apache Beam, which is not installed: pip install "
+                   "-e '.[beam]' (or pip install apache-beam==2.77.0)") from None
+  return prepare_beam
 
 
 def _previous_report(final: str):
   """The report of the dataset in `final`, or None (absent or not prepare_images's)."""
   try:
-    with open(os.path.join(final, VERSION, REPORT)) as f:
+    with tf.io.gfile.GFile(os.path.join(final, VERSION, REPORT)) as f:
       return json.load(f)
-  except (OSError, ValueError):
+  except (tf.errors.OpError, ValueError):
     return None
 
 
-def _store(tmp, name, *, encoding, classes, split_datasets, description):
-  """Writes the dataset with TFDS into tmp/name/VERSION (no download, no GCS lookup)."""
+def _store(tmp, name, *, encoding, classes, split_datasets, description, beam_options):
+  """Writes the dataset with TFDS into tmp/name/VERSION as ArrayRecord, on Beam."""
   features = {"image": tfds.features.Image(shape=(None, None, 3), encoding_format=encoding),
               "file_name": tfds.features.Text()}
   if classes:
@@ -219,18 +297,35 @@ def _store(tmp, name, *, encoding, classes, split_datasets, description):
   tfds.dataset_builders.store_as_tfds_dataset(
       name=name, version=VERSION, features=tfds.features.FeaturesDict(features),
       split_datasets=split_datasets, data_dir=tmp, description=description,
-      download_config=tfds.download.DownloadConfig(try_download_gcs=False))
+      file_format="array_record",
+      download_config=tfds.download.DownloadConfig(try_download_gcs=False,
+                                                   beam_options=beam_options))
+
+
+def _gathered(tmp: str):
+  """The files the pipeline skipped [(file, reason)] and found small [(file, w, h)]."""
+  found = {}
+  for tag in ("skipped", "small"):
+    found[tag] = []
+    for path in sorted(tf.io.gfile.glob(os.path.join(tmp, f"*.{tag}-*.jsonl"))):
+      with tf.io.gfile.GFile(path) as f:
+        found[tag] += [tuple(json.loads(line)) for line in f]
+  return found["skipped"], found["small"]
 
 
 def _replace(new: str, final: str, aside: str):
-  """Renames new to final; an existing final is moved to aside first and back on failure."""
-  if os.path.exists(final):
-    os.rename(final, aside)
+  """Renames new to final; an existing final is moved to aside first and back on failure.
+
+  Local folders are renamed at once; on gs://, TensorFlow's file system renames
+  each file (not atomic).
+  """
+  if tf.io.gfile.exists(final):
+    tf.io.gfile.rename(final, aside)
   try:
-    os.rename(new, final)
-  except OSError:
-    if os.path.exists(aside):
-      os.rename(aside, final)
+    tf.io.gfile.rename(new, final)
+  except (OSError, tf.errors.OpError):
+    if tf.io.gfile.exists(aside):
+      tf.io.gfile.rename(aside, final)
     raise
 
 
@@ -239,9 +334,62 @@ def _first(skipped, n=3) -> str:
       f"; ... ({len(skipped) - n} more)" if len(skipped) > n else "")
 
 
+def _pipeline_error(runner: str, error: Exception) -> str:
+  """One line for a pipeline that failed: the runner, the error and, if known, the fix."""
+  lines = [line for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+  if isinstance(error, ImportError):
+    fix = _RUNNER_PACKAGES.get(runner, "install the runner's package")
+    return f"--runner={runner}: cannot start ({lines[-1]}); {fix}"
+  return f"the Beam pipeline failed on --runner={runner}: {type(error).__name__}: {lines[0]}"
+
+
+def _is_ctrl_c(error: BaseException) -> bool:
+  """Whether error is, or was raised for, a KeyboardInterrupt (Beam wraps them)."""
+  while error is not None:
+    if isinstance(error, KeyboardInterrupt) or str(error).startswith("KeyboardInterrupt"):
+      return True
+    error = error.__cause__ or error.__context__
+  return False
+
+
+def _no_image(src: str, split: str, split_examples, prepare_beam, max_pixels: int) -> str:
+  """The error of a split that no file of could be decoded, with the first files' reasons."""
+  reasons = []
+  for rel, _ in split_examples[:3]:  # Decoded again here: the pipeline stopped, unreported.
+    try:
+      prepare_beam.read_image(f"{src}/{rel}", max_pixels=max_pixels, shorter_side=None)
+      reasons.append((rel, "decoded here, but not in the pipeline"))
+    except ImageError as e:
+      reasons.append((rel, e.reason))
+  more = f"; ... ({len(split_examples) - 3} more)" if len(split_examples) > 3 else ""
+  return (f"--src={src!r}: no image of split {split!r} could be decoded; skipped: "
+          f"{_first(reasons)}{more}")
+
+
+def _check_counts(src: str, examples: dict, failed) -> dict:
+  """{split: Counter of classes} of the examples not in failed [(file, reason)].
+
+  Raises:
+    JobError: a split has no example left.
+  """
+  failed_files = {f for f, _ in failed}
+  counts = {split: collections.Counter(c for f, c in split_examples if f not in failed_files)
+            for split, split_examples in sorted(examples.items())}
+  for split, c in counts.items():
+    if not c:
+      raise JobError(f"--src={src!r}: no image of split {split!r} could be decoded; "
+                     f"skipped: {_first(sorted(failed))}")
+  return counts
+
+
 def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: str,
-            max_pixels: int, holdout_fraction: float, seed: int, overwrite: bool) -> dict:
+            max_pixels: int, holdout_fraction: float, seed: int, overwrite: bool,
+            beam_args=("--runner=FnApiRunner",)) -> dict:
   """Prepares src as the TFDS dataset data_dir/name (module docstring); returns its report.
+
+  Args:
+    beam_args: Beam pipeline arguments (see the function beam_args); the
+      default runs Beam's FnApiRunner in this process, on one worker.
 
   The report (also written to data_dir/name/VERSION/prepare_report.json):
   src, name, fingerprint, options, classes ([] when unlabeled), splits
@@ -252,9 +400,11 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
 
   Raises:
     JobError: a bad argument, src missing or not a folder, a symbolic link
-      loop, no decodable image (in train), or an existing dataset of that
-      name from other files or options without overwrite. Nothing under
-      data_dir/name has changed then.
+      loop, no Google Cloud credentials for a gs:// path, Apache Beam or the
+      runner not installed, no decodable image (in a split), an existing
+      dataset of that name from other files or options without overwrite,
+      or the pipeline failing (e.g. a worker dying). Nothing under
+      data_dir/name has changed then, and no temporary folder is left.
   """
   if not re.fullmatch(r"[a-z][a-z0-9_]*", name or ""):
     raise JobError(f"--name={name!r}: must be lowercase letters, digits and '_', starting "
@@ -268,74 +418,94 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
                    "instead; choose another name")
   if not 0 < holdout_fraction < 1:
     raise JobError(f"--holdout_fraction={holdout_fraction}: must be in (0, 1)")
-  src, data_dir = os.path.abspath(src), os.path.abspath(data_dir)
-  files, skipped = images.list_files(src, flag="--src")
+  gcs.check_credentials(src, "--src")
+  gcs.check_credentials(data_dir, "--data_dir")
+  prepare_beam = _import_beam()
+  beam_options = prepare_beam.pipeline_options(beam_args)
+  runner = prepare_beam.runner_name(beam_options)
+  try:
+    prepare_beam.create_runner(runner)
+  except ValueError as e:
+    raise JobError(f"--runner={runner}: {e}") from None
+  src, data_dir = _absolute(src), _absolute(data_dir)
+  if runner == "DataflowRunner" and not (src.startswith("gs://")
+                                         and data_dir.startswith("gs://")):
+    raise JobError(f"--runner={runner}: its workers read --src={src!r} and write "
+                   f"--data_dir={data_dir!r}: both must be gs:// folders")
+  files, skipped, stamps = list_source(src)
   num_entries = len(files) + len(skipped)
   if (os.path.realpath(data_dir) + os.sep).startswith(os.path.realpath(src) + os.sep):
     raise JobError(f"--data_dir={data_dir!r}: is inside --src={src!r}; choose a folder "
                    "outside it")
   options = dict(image_size=image_size, format=encoding, max_pixels=max_pixels,
                  holdout_fraction=holdout_fraction, seed=seed)
-  digest = fingerprint(src, files, options)
+  digest = fingerprint(files, stamps, options)
   final = os.path.join(data_dir, name)
   previous = _previous_report(final)
   if previous and previous.get("fingerprint") == digest:
     logging.info("%s already holds %s prepared from the same files with the same options.",
                  final, src)
     return previous
-  if os.path.exists(final) and not overwrite:
+  if tf.io.gfile.exists(final) and not overwrite:
     what = (f"a dataset prepared from other files or options (from {previous.get('src')}, "
             "see its prepare_report.json)" if previous else
             "something prepare_images did not write")
     raise JobError(f"--name={name!r}: {final} already holds {what}; pass --overwrite to "
                    "replace it")
 
-  readable = []
-  for rel in files:  # Headers only: the layout needs to know which files are images.
-    try:
-      with images.open_image(os.path.join(src, rel), max_pixels=max_pixels):
-        readable.append(rel)
-    except ImageError as e:
-      skipped.append((rel, e.reason))
+  # From the file list alone: opening 10^7 files here would be a one-process pass.
   examples, classes, layout_skipped, warnings = layout(
-      readable, holdout_fraction=holdout_fraction, seed=seed)
+      files, holdout_fraction=holdout_fraction, seed=seed)
   skipped += layout_skipped
   if not examples.get("train"):
     raise JobError(f"--src={src!r}: no image to prepare for the train split ({num_entries} "
                    "files" + (f"; skipped: {_first(skipped)})" if skipped else ")"))
 
-  os.makedirs(data_dir, exist_ok=True)
-  tmp = tempfile.mkdtemp(prefix=f".{name}.preparing.", dir=data_dir)
+  tf.io.gfile.makedirs(data_dir)
+  tmp = os.path.join(data_dir, f".{name}.preparing.{uuid.uuid4().hex[:12]}")
+  tf.io.gfile.makedirs(tmp)
   try:
-    small, counts = [], {}
-    split_datasets = {split: _examples(src, split, split_examples, labelled=bool(classes),
-                                       max_pixels=max_pixels, image_size=image_size,
-                                       skipped=skipped, small=small, counts=counts)
-                      for split, split_examples in sorted(examples.items())}
+    decode = prepare_beam.DecodeImage(src, labelled=bool(classes), max_pixels=max_pixels,
+                                      image_size=image_size)
+    split_datasets = {}
+    for split, split_examples in sorted(examples.items()):
+      list_file = os.path.join(tmp, f"{split}.files.jsonl")
+      with tf.io.gfile.GFile(list_file, "w") as f:
+        f.write("".join(json.dumps(example) + "\n" for example in split_examples))
+      split_datasets[split] = prepare_beam.PrepareSplit(list_file, os.path.join(tmp, split),
+                                                        decode)
     try:
       _store(tmp, name, encoding=encoding, classes=classes, split_datasets=split_datasets,
-             description=f"Images of {src}, prepared by contrastive_jax.data.prepare_images.")
-    except AssertionError:  # TFDS refuses a split that yielded no example.
-      last = list(counts)[-1] if counts else None
-      if last is None or counts[last]:
-        raise
-      raise JobError(f"--src={src!r}: no image of split {last!r} could be decoded; "
-                     f"skipped: {_first(skipped)}") from None
+             description=f"Images of {src}, prepared by contrastive_jax.data.prepare_images.",
+             beam_options=beam_options)
+    except Exception as e:  # pylint: disable=broad-except  (any runner's, any failure)
+      if _is_ctrl_c(e):  # Beam re-raises a DoFn's KeyboardInterrupt as a RuntimeError.
+        raise KeyboardInterrupt from e
+      empty = re.search(r"generated examples is 0 for split (\w+)", str(e))  # TFDS's check.
+      if empty:
+        raise JobError(_no_image(src, empty[1], examples[empty[1]], prepare_beam, max_pixels))
+      raise JobError(_pipeline_error(runner, e)) from e
+    failed, small = _gathered(tmp)
+    skipped += failed
+    counts = _check_counts(src, examples, failed)
+    warnings += [f"class {c!r}: no image of it could be decoded (its label is kept)"
+                 for c in classes if not any(counts[split][c] for split in counts)]
     report = dict(
         src=src, name=name, fingerprint=digest, options=options, classes=classes,
         splits={split: dict(images=sum(c.values()),
                             per_class=dict(sorted(c.items())) if classes else {})
-                for split, c in sorted(counts.items())},
+                for split, c in counts.items()},
         files=num_entries, skipped=[dict(file=f, reason=r) for f, r in sorted(skipped)],
         smaller_than_image_size=[dict(file=f, width=w, height=h) for f, w, h in sorted(small)],
         warnings=warnings)
-    with open(os.path.join(tmp, name, VERSION, REPORT), "w") as f:
+    with tf.io.gfile.GFile(os.path.join(tmp, name, VERSION, REPORT), "w") as f:
       json.dump(report, f, indent=1)
     with _ctrl_c_deferred("moving the dataset into place"):
       _replace(os.path.join(tmp, name), final, os.path.join(tmp, "previous"))
   finally:
     with _ctrl_c_deferred("removing the temporary folder"):
-      shutil.rmtree(tmp, ignore_errors=True)
+      if tf.io.gfile.exists(tmp):
+        tf.io.gfile.rmtree(tmp)
   return report
 
 
@@ -386,19 +556,26 @@ def main(argv):
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   metrics.quiet_library_logs()
+  # Beam logs its progress, and a failed DoFn's traceback before raising the error, which
+  # prepare reports in one line.
+  std_logging.getLogger("apache_beam").setLevel(std_logging.WARNING)
+  logging.get_absl_handler().addFilter(
+      lambda record: not (record.exc_info and record.name.startswith("apache_beam")))
   Image.MAX_IMAGE_PIXELS = None  # --max_pixels is the limit (images.open_image checks it).
   try:
     report = prepare(_SRC.value, _NAME.value, _DATA_DIR.value, image_size=_IMAGE_SIZE.value,
                      encoding=_FORMAT.value, max_pixels=_MAX_PIXELS.value,
                      holdout_fraction=_HOLDOUT_FRACTION.value, seed=_SEED.value,
-                     overwrite=_OVERWRITE.value)
+                     overwrite=_OVERWRITE.value,
+                     beam_args=beam_args(_RUNNER.value, _DIRECT_NUM_WORKERS.value,
+                                         _BEAM_OPTIONS.value))
   except JobError as e:
     sys.exit(f"error: {e}")
   except KeyboardInterrupt:
-    final = os.path.join(os.path.abspath(_DATA_DIR.value), _NAME.value)
+    final = os.path.join(_absolute(_DATA_DIR.value), _NAME.value)
     sys.exit(f"error: interrupted (Ctrl-C): nothing was replaced: {final} is as it was, and "
              "no partly written copy is left")
-  print(summary(report, os.path.abspath(_DATA_DIR.value)), flush=True)
+  print(summary(report, _absolute(_DATA_DIR.value)), flush=True)
 
 
 if __name__ == "__main__":
