@@ -4,6 +4,7 @@ Small real photos from ../shared/images (clothing JPEGs, chest X-ray PNGs),
 converted and damaged here; every expected pixel comes from numpy.
 """
 import glob
+import importlib
 import os
 import shutil
 import signal
@@ -13,10 +14,13 @@ import sys
 import zlib
 
 from absl import flags
+from array_record.python.array_record_data_source import ArrayRecordDataSource
 from absl.testing import flagsaver
+from google.auth.compute_engine import _metadata
 import jax
 import numpy as np
 import pytest
+import tensorflow as tf
 import tensorflow_datasets as tfds
 from PIL import Image
 
@@ -390,6 +394,108 @@ def test_command_line_error_is_one_line(tmp_path, monkeypatch):
   assert e.value.code == f"error: --src='{tmp_path}/nowhere': does not exist"
 
 
+def _files_and_contents(folder):
+  found = {}
+  for directory, _, names in os.walk(folder):
+    for name in names:
+      with open(os.path.join(directory, name), "rb") as f:
+        found[os.path.relpath(os.path.join(directory, name), folder)] = f.read()
+  return found
+
+
+def test_one_and_two_workers_write_the_same_dataset(prepared, tmp_path):
+  src, data_dir, report = prepared  # Prepared on one worker, in this process.
+  two = prepare_images.prepare(str(src), "mini", str(tmp_path), image_size=32, encoding="jpeg",
+                               max_pixels=BIG, holdout_fraction=0.1, seed=0, overwrite=False,
+                               beam_args=prepare_images.beam_args("DirectRunner", 2, ""))
+  assert two == report
+  for split in ("train", "test"):
+    records = _records(data_dir, split)
+    assert len(records) == report["splits"][split]["images"]
+    assert _records(str(tmp_path), split) == records  # The same records, in the same order.
+
+
+def _records(data_dir, split):
+  """The stored records of a split of 'mini', in order, as tf.train.Example.
+
+  Parsed: their bytes differ from one process to the next, since protobuf writes
+  the map of an Example's features in an order it varies; their content does not.
+  """
+  shards = sorted(glob.glob(os.path.join(data_dir, "mini", "1.0.0",
+                                         f"mini-{split}.array_record-*")))
+  source = ArrayRecordDataSource(shards)
+  return [tf.train.Example.FromString(source[i]) for i in range(len(source))]
+
+
+_KWARGS = dict(image_size=32, encoding="jpeg", max_pixels=BIG, holdout_fraction=0.1, seed=0)
+
+
+def test_without_apache_beam_prepare_says_what_to_install(prepared, tmp_path, monkeypatch):
+  import contrastive_jax.data  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "apache_beam", None)  # Importing it raises ImportError.
+  monkeypatch.delitem(sys.modules, "contrastive_jax.data.prepare_beam", raising=False)
+  monkeypatch.delattr(contrastive_jax.data, "prepare_beam", raising=False)
+  with pytest.raises(JobError, match=r"^prepare_images runs on Apache Beam, which is not "
+                     r"installed: pip install -e '\.\[beam\]'"):
+    prepare_images.prepare(str(prepared[0]), "mini", str(tmp_path), overwrite=False, **_KWARGS)
+  assert not os.listdir(tmp_path)
+
+
+def _dataflow_installed():
+  try:
+    importlib.import_module("apache_beam.runners.dataflow.internal.apiclient")
+    return True
+  except ImportError:
+    return False
+
+
+@pytest.mark.parametrize("runner,match", [
+    ("NoSuchRunner", r"^--runner=NoSuchRunner: Unexpected pipeline runner: NoSuchRunner"),
+    pytest.param("DataflowRunner", r"^--runner=DataflowRunner: cannot start \(.*\); pip "
+                 r"install 'apache-beam\[gcp\]==2.77.0'$", marks=pytest.mark.skipif(
+                     _dataflow_installed(), reason="apache-beam[gcp] is installed"))])
+def test_runner_that_cannot_start_is_one_error_naming_what_to_install(prepared, tmp_path,
+                                                                      runner, match):
+  with pytest.raises(JobError, match=match):
+    prepare_images.prepare(str(prepared[0]), "mini", str(tmp_path), overwrite=False,
+                           beam_args=[f"--runner={runner}"], **_KWARGS)
+  assert not os.listdir(tmp_path)
+
+
+def test_failing_worker_replaces_nothing_and_leaves_no_temporary_folder(prepared, tmp_path,
+                                                                          monkeypatch):
+  src, prepared_dir, _ = prepared
+  data_dir = tmp_path / "tfds"
+  shutil.copytree(prepared_dir, data_dir)
+  before = _files_and_contents(data_dir)
+  load_image = images.load_image
+
+  def dies_on_the_xray(path, **kwargs):  # Not an ImageError: no skip, a failure.
+    if path.endswith("xray.png"):
+      raise RuntimeError("the worker died")
+    return load_image(path, **kwargs)
+
+  monkeypatch.setattr(images, "load_image", dies_on_the_xray)
+  with pytest.raises(JobError, match=r"^the Beam pipeline failed on FnApiRunner: "
+                     r"RuntimeError: the worker died") as e:
+    prepare_images.prepare(str(src), "mini", str(data_dir), overwrite=True,
+                           **dict(_KWARGS, image_size=48))  # Other options: a replacement.
+  assert "\n" not in str(e.value)
+  assert _files_and_contents(data_dir) == before  # No temporary folder either.
+
+
+def test_gs_source_without_credentials_is_one_clear_error(tmp_path, monkeypatch):
+  for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))  # No gcloud credentials file there.
+  monkeypatch.setattr(_metadata, "is_on_gce", lambda request: False)  # As test_gcs.py.
+  with pytest.raises(JobError, match="^--src=gs://no-credentials/photos: no Google Cloud "
+                     "credentials"):
+    prepare_images.prepare("gs://no-credentials/photos", "photos", str(tmp_path / "tfds"),
+                           overwrite=False, **_KWARGS)
+  assert not (tmp_path / "tfds").exists()
+
+
 # prepare_images' command line, each image decoded slowly: time to press Ctrl-C mid-way.
 _SLOW_PREPARE = """
 import time
@@ -410,15 +516,7 @@ def test_ctrl_c_replaces_nothing_and_leaves_no_temporary_folder(prepared, tmp_pa
   data_dir = tmp_path / "tfds"
   shutil.copytree(prepared_dir, data_dir)
 
-  def files_and_contents():
-    found = {}
-    for directory, _, names in os.walk(data_dir):
-      for name in names:
-        with open(os.path.join(directory, name), "rb") as f:
-          found[os.path.relpath(os.path.join(directory, name), data_dir)] = f.read()
-    return found
-
-  before = files_and_contents()
+  before = _files_and_contents(data_dir)
   log = tmp_path / "stderr"
   with open(log, "w") as stderr:  # Other options: it would replace the dataset.
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_PREPARE, f"--src={src}", "--name=mini",
@@ -443,4 +541,4 @@ def test_ctrl_c_replaces_nothing_and_leaves_no_temporary_folder(prepared, tmp_pa
   assert stderr.strip().splitlines()[-1] == (
       f"error: interrupted (Ctrl-C): nothing was replaced: {data_dir}/mini is as it was, and no "
       "partly written copy is left")
-  assert files_and_contents() == before  # No temporary folder either.
+  assert _files_and_contents(data_dir) == before  # No temporary folder either.

@@ -52,6 +52,7 @@ during the final renames waits for them.
 import collections
 import contextlib
 import hashlib
+import importlib
 import json
 import logging as std_logging
 import os
@@ -80,8 +81,10 @@ from contrastive_jax.data import images
 VERSION = "1.0.0"
 REPORT = "prepare_report.json"
 SPLIT_FOLDERS = ("train", "validation", "test")
-# What a runner that cannot start lacks, by runner name.
-_RUNNER_PACKAGES = {"DataflowRunner": "pip install 'apache-beam[gcp]==2.77.0'"}
+# Runners that import more than Beam's base install when they start: (a module they
+# need, what installs it).
+_RUNNER_PACKAGES = {"DataflowRunner": ("apache_beam.runners.dataflow.internal.apiclient",
+                                       "pip install 'apache-beam[gcp]==2.77.0'")}
 
 _SRC = flags.DEFINE_string("src", None, "Folder of image files (any depth), local or gs://.")
 _NAME = flags.DEFINE_string("name", None, "Dataset name: lowercase letters, digits and '_'.")
@@ -338,9 +341,9 @@ def _pipeline_error(runner: str, error: Exception) -> str:
   """One line for a pipeline that failed: the runner, the error and, if known, the fix."""
   lines = [line for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
   if isinstance(error, ImportError):
-    fix = _RUNNER_PACKAGES.get(runner, "install the runner's package")
+    fix = _RUNNER_PACKAGES.get(runner, (None, "install the runner's package"))[1]
     return f"--runner={runner}: cannot start ({lines[-1]}); {fix}"
-  return f"the Beam pipeline failed on --runner={runner}: {type(error).__name__}: {lines[0]}"
+  return f"the Beam pipeline failed on {runner}: {type(error).__name__}: {lines[0]}"
 
 
 def _is_ctrl_c(error: BaseException) -> bool:
@@ -425,8 +428,12 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
   runner = prepare_beam.runner_name(beam_options)
   try:
     prepare_beam.create_runner(runner)
+    if runner in _RUNNER_PACKAGES:
+      importlib.import_module(_RUNNER_PACKAGES[runner][0])
   except ValueError as e:
     raise JobError(f"--runner={runner}: {e}") from None
+  except ImportError as e:
+    raise JobError(_pipeline_error(runner, e)) from None
   src, data_dir = _absolute(src), _absolute(data_dir)
   if runner == "DataflowRunner" and not (src.startswith("gs://")
                                          and data_dir.startswith("gs://")):
