@@ -34,6 +34,7 @@ from contrastive_jax.data import prepare_images
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.jobs import runner
+import gcs_emulator
 from helpers import SHARED
 from helpers import load_config
 from helpers import subprocess_env
@@ -482,6 +483,27 @@ def test_failing_worker_replaces_nothing_and_leaves_no_temporary_folder(prepared
                            **dict(_KWARGS, image_size=48))  # Other options: a replacement.
   assert "\n" not in str(e.value)
   assert _files_and_contents(data_dir) == before  # No temporary folder either.
+
+
+def test_gs_source_is_listed_and_read_as_a_local_one(prepared, tmp_path, monkeypatch):
+  src, data_dir, report = prepared
+  (tmp_path / "gcs").mkdir()
+  emulator = gcs_emulator.start(str(tmp_path / "gcs"), "bucket")
+  try:
+    for name in _files_and_contents(src):  # Every file of the local source, hidden ones too.
+      with open(src / name, "rb") as f:
+        gcs_emulator.upload(emulator, f"photos/{name}", f.read())
+    for name, value in emulator.env.items():
+      monkeypatch.setenv(name, value)
+    on_gs = prepare_images.prepare("gs://bucket/photos", "mini", str(tmp_path / "tfds"),
+                                   overwrite=False, **_KWARGS)
+  finally:
+    emulator.stop()
+  assert on_gs["src"] == "gs://bucket/photos" and on_gs["fingerprint"] != report["fingerprint"]
+  for key in ("classes", "splits", "skipped", "smaller_than_image_size", "warnings", "files"):
+    assert on_gs[key] == report[key], key
+  for split in ("train", "test"):
+    assert _records(str(tmp_path / "tfds"), split) == _records(data_dir, split)
 
 
 def test_gs_source_without_credentials_is_one_clear_error(tmp_path, monkeypatch):
