@@ -43,11 +43,12 @@ listed in the report too: the input pipeline's crops upscale them (bilinear).
 Preparing the same files (the same paths, sizes and modification times; on
 gs://, sizes and CRC32C checksums) with the same options again changes
 nothing; other files or options under an existing name are refused unless
---overwrite. The
-dataset is written to a temporary folder in data_dir and renamed into place,
-so a failed or interrupted preparation leaves the previous one intact; Ctrl-C
-ends it with one line saying so (the temporary folder is removed), and one
-during the final renames waits for them.
+--overwrite. The dataset is written to a temporary folder in data_dir and
+renamed into place, so a failed or interrupted preparation leaves the previous
+one intact; Ctrl-C ends it with one line saying so (the temporary folder is
+removed; DirectRunner's worker processes, which a terminal's Ctrl-C reaches
+too, print their own tracebacks before it), and one during the final renames
+waits for them.
 """
 import collections
 import contextlib
