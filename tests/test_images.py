@@ -43,6 +43,7 @@ from helpers import tiny_config
 PHOTOS = sorted(glob.glob(os.path.join(SHARED, "images", "clothing", "train", "*", "*.jpg")))
 XRAYS = sorted(glob.glob(os.path.join(SHARED, "images", "chest_xray", "images", "*.png")))
 BIG = 10**8  # max_pixels that every real file here passes.
+_KWARGS = dict(image_size=32, encoding="jpeg", max_pixels=BIG, holdout_fraction=0.1, seed=0)
 
 
 def photo(width=40, height=30) -> np.ndarray:
@@ -304,6 +305,21 @@ def test_preparing_again_is_a_no_op_and_new_files_need_overwrite(prepared, tmp_p
     os.remove(src / "train" / "hat" / "new.jpg")
 
 
+def test_folder_of_files_that_are_not_images_is_a_class_with_a_warning(tmp_path):
+  # The layout comes from the file list: notes/ is a class before any file is decoded.
+  for name, path in (("hat", PHOTOS[0]), ("shoes", PHOTOS[4]), ("hat", PHOTOS[1])):
+    os.makedirs(tmp_path / "src" / name, exist_ok=True)
+    shutil.copy(path, tmp_path / "src" / name)
+  os.makedirs(tmp_path / "src" / "notes")
+  (tmp_path / "src" / "notes" / "todo.txt").write_text("not an image")
+  report = prepare_images.prepare(str(tmp_path / "src"), "notes", str(tmp_path / "tfds"),
+                                  overwrite=False, **_KWARGS)
+  assert report["classes"] == ["hat", "notes", "shoes"]
+  assert report["skipped"] == [{"file": "notes/todo.txt",
+                                "reason": "not an image Pillow can decode"}]
+  assert "class 'notes': no image of it could be decoded (its label is kept)" in report["warnings"]
+
+
 def _bad_source(tmp_path, kind):
   """(--src, match) for a folder that cannot be prepared."""
   if kind == "missing":
@@ -426,9 +442,6 @@ def _records(data_dir, split):
                                          f"mini-{split}.array_record-*")))
   source = ArrayRecordDataSource(shards)
   return [tf.train.Example.FromString(source[i]) for i in range(len(source))]
-
-
-_KWARGS = dict(image_size=32, encoding="jpeg", max_pixels=BIG, holdout_fraction=0.1, seed=0)
 
 
 def test_without_apache_beam_prepare_says_what_to_install(prepared, tmp_path, monkeypatch):
