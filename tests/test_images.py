@@ -330,11 +330,14 @@ def _bad_source(tmp_path, kind):
   src.mkdir()
   if kind == "empty":
     return src, "no image to prepare for the train split \\(0 files\\)"
-  if kind == "no_images":
-    (src / "a.txt").write_text("text")
-    truncated(PHOTOS[0], src / "b.jpg")
-    # The layout is computed from the file list: a.txt is held out as the test split.
-    return src, "no image of split .train. could be decoded; skipped: b.jpg: cannot be decoded: truncated"
+  if kind == "no_images":  # In train; validation has one.
+    (src / "train").mkdir()
+    (src / "train" / "a.txt").write_text("text")
+    truncated(PHOTOS[0], src / "train" / "b.jpg")
+    (src / "validation").mkdir()
+    shutil.copy(PHOTOS[1], src / "validation")
+    return src, ("no image of split .train. could be decoded; skipped: train/a.txt: not an "
+                 "image Pillow can decode; train/b.jpg: cannot be decoded: truncated")
   if kind == "loop":
     (src / "cats").mkdir()
     shutil.copy(PHOTOS[0], src / "cats" / "a.jpg")

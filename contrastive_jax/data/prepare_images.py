@@ -177,6 +177,8 @@ def fingerprint(files, stamps: dict, options: dict) -> str:
   for rel in files:
     digest.update(rel.encode() + b"\0" + stamps[rel].encode() + b"\0")
   return digest.hexdigest()
+
+
 def layout(files, *, holdout_fraction: float, seed: int):
   """Assigns image files to splits and classes.
 
@@ -370,20 +372,11 @@ def _no_image(src: str, split: str, split_examples, prepare_beam, max_pixels: in
           f"{_first(reasons)}{more}")
 
 
-def _check_counts(src: str, examples: dict, failed) -> dict:
-  """{split: Counter of classes} of the examples not in failed [(file, reason)].
-
-  Raises:
-    JobError: a split has no example left.
-  """
+def _counts(examples: dict, failed) -> dict:
+  """{split: Counter of classes} of the examples not in failed [(file, reason)]."""
   failed_files = {f for f, _ in failed}
-  counts = {split: collections.Counter(c for f, c in split_examples if f not in failed_files)
-            for split, split_examples in sorted(examples.items())}
-  for split, c in counts.items():
-    if not c:
-      raise JobError(f"--src={src!r}: no image of split {split!r} could be decoded; "
-                     f"skipped: {_first(sorted(failed))}")
-  return counts
+  return {split: collections.Counter(c for f, c in split_examples if f not in failed_files)
+          for split, split_examples in sorted(examples.items())}
 
 
 def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: str,
@@ -495,7 +488,7 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
       raise JobError(_pipeline_error(runner, e)) from e
     failed, small = _gathered(tmp)
     skipped += failed
-    counts = _check_counts(src, examples, failed)
+    counts = _counts(examples, failed)  # None empty: TFDS fails a split without example.
     warnings += [f"class {c!r}: no image of it could be decoded (its label is kept)"
                  for c in classes if not any(counts[split][c] for split in counts)]
     report = dict(
