@@ -106,8 +106,9 @@ def pipeline_options(args):
 
 
 def runner_name(options) -> str:
-  """The runner options select ('DirectRunner' when none is given)."""
-  return options.view_as(beam.options.pipeline_options.StandardOptions).runner or "DirectRunner"
+  """The runner options select, as Beam names it ('Dataflow' is 'DataflowRunner')."""
+  name = options.view_as(beam.options.pipeline_options.StandardOptions).runner or "DirectRunner"
+  return name if name.endswith("Runner") else name + "Runner"
 
 
 def create_runner(name: str):

@@ -342,7 +342,10 @@ def _first(skipped, n=3) -> str:
 
 def _pipeline_error(runner: str, error: Exception) -> str:
   """One line for a pipeline that failed: the runner, the error and, if known, the fix."""
-  lines = [line for line in str(error).splitlines() if line.strip()] or [type(error).__name__]
+  lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+  lines = lines or [type(error).__name__]
+  if lines[0].endswith(":"):  # A heading with its items below, e.g. Dataflow's missing options.
+    lines = [" ".join(lines)[:1000]]
   if isinstance(error, ImportError):
     fix = _RUNNER_PACKAGES.get(runner, (None, "install the runner's package"))[1]
     return f"--runner={runner}: cannot start ({lines[-1]}); {fix}"
