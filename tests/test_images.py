@@ -501,6 +501,21 @@ def test_failing_worker_replaces_nothing_and_leaves_no_temporary_folder(prepared
   assert _files_and_contents(data_dir) == before  # No temporary folder either.
 
 
+def test_files_a_runner_loses_are_an_error_not_a_smaller_dataset(prepared, tmp_path,
+                                                                 monkeypatch):
+  from contrastive_jax.data import prepare_beam  # pylint: disable=g-import-not-at-top
+  read_list = prepare_beam.read_list
+  # As FnApiRunner's splitting of ReadFromText did with 2 workers: a file never read.
+  monkeypatch.setattr(prepare_beam, "read_list",
+                      lambda path: [pair for pair in read_list(path)
+                                    if pair[0] != "train/shoes/xray.png"])
+  with pytest.raises(JobError, match=r"^the Beam pipeline on FnApiRunner lost files: split "
+                     r"'train' has 7 examples, but 8 of its 9 files were not reported as "
+                     r"skipped; nothing was replaced$"):
+    prepare_images.prepare(str(prepared[0]), "mini", str(tmp_path), overwrite=False, **_KWARGS)
+  assert not os.listdir(tmp_path)
+
+
 def test_gs_source_is_listed_and_read_as_a_local_one(prepared, tmp_path, monkeypatch):
   src, data_dir, report = prepared
   (tmp_path / "gcs").mkdir()

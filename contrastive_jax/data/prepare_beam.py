@@ -15,6 +15,7 @@ import json
 
 import apache_beam as beam
 from PIL import Image
+import tensorflow as tf
 
 from contrastive_jax.core.errors import ImageError
 from contrastive_jax.data import images
@@ -31,7 +32,6 @@ def read_image(path: str, *, max_pixels: int, shorter_side):
   """
   if not path.startswith("gs://"):
     return images.load_image(path, max_pixels=max_pixels, shorter_side=shorter_side)
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top  (only for gs://)
   try:
     with tf.io.gfile.GFile(path, "rb") as f:
       return images.load_image(f, max_pixels=max_pixels, shorter_side=shorter_side)
@@ -73,24 +73,34 @@ class DecodeImage(beam.DoFn):
     yield rel, example
 
 
+def read_list(path: str):
+  """Yields the [file, class] pairs of a list file (JSON lines)."""
+  with tf.io.gfile.GFile(path) as f:
+    for line in f:
+      yield json.loads(line)
+
+
 class PrepareSplit(beam.PTransform):
   """Pipeline -> PCollection of a split's (file, example); writes its skipped and small files.
 
-  Reads the split's file list (JSON lines [file, class]: a text file, not an
-  in-memory list, so that millions of files do not go into the pipeline's
-  graph), redistributes it (Reshuffle: otherwise the one list file is read and
-  decoded by one worker) and decodes with DecodeImage. The SKIPPED and SMALL
-  outputs go to text files OUT_PREFIX.skipped-*.jsonl and OUT_PREFIX.small-*.jsonl.
+  Reads the split's file lists (JSON lines [file, class] in list files of a
+  few thousand lines: files, not an in-memory list, so that millions of files
+  do not go into the pipeline's graph; read whole by a plain FlatMap, since
+  ReadFromText's splitting of a file between workers lost lines on
+  FnApiRunner with 2 workers), redistributes the pairs (Reshuffle: otherwise
+  each list's files are decoded by the worker that read it) and decodes them
+  with DecodeImage. The SKIPPED and SMALL outputs go to text files
+  OUT_PREFIX.skipped-*.jsonl and OUT_PREFIX.small-*.jsonl.
   """
 
-  def __init__(self, list_file: str, out_prefix: str, decode: DecodeImage):
+  def __init__(self, list_files, out_prefix: str, decode: DecodeImage):
     super().__init__()
-    self._list_file, self._out_prefix, self._decode = list_file, out_prefix, decode
+    self._list_files, self._out_prefix, self._decode = list(list_files), out_prefix, decode
 
   def expand(self, pipeline):
     outputs = (pipeline
-               | "List" >> beam.io.ReadFromText(self._list_file)
-               | "Parse" >> beam.Map(json.loads)
+               | "Lists" >> beam.Create(self._list_files)
+               | "Read" >> beam.FlatMap(read_list)
                | "Redistribute" >> beam.Reshuffle()
                | "Decode" >> beam.ParDo(self._decode).with_outputs(SKIPPED, SMALL,
                                                                   main="examples"))

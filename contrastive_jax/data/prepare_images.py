@@ -82,6 +82,7 @@ from contrastive_jax.data import images
 VERSION = "1.0.0"
 REPORT = "prepare_report.json"
 SPLIT_FOLDERS = ("train", "validation", "test")
+_LIST_FILE_LINES = 5000  # Files per list file that the pipeline reads (prepare_beam.read_list).
 # Runners that import more than Beam's base install when they start: (a module they
 # need, what installs it).
 _RUNNER_PACKAGES = {"DataflowRunner": ("apache_beam.runners.dataflow.internal.apiclient",
@@ -295,12 +296,12 @@ def _previous_report(final: str):
 
 
 def _store(tmp, name, *, encoding, classes, split_datasets, description, beam_options):
-  """Writes the dataset with TFDS into tmp/name/VERSION as ArrayRecord, on Beam."""
+  """Writes the dataset with TFDS into tmp/name/VERSION as ArrayRecord, on Beam; its builder."""
   features = {"image": tfds.features.Image(shape=(None, None, 3), encoding_format=encoding),
               "file_name": tfds.features.Text()}
   if classes:
     features["label"] = tfds.features.ClassLabel(names=classes)
-  tfds.dataset_builders.store_as_tfds_dataset(
+  return tfds.dataset_builders.store_as_tfds_dataset(
       name=name, version=VERSION, features=tfds.features.FeaturesDict(features),
       split_datasets=split_datasets, data_dir=tmp, description=description,
       file_format="array_record",
@@ -473,15 +474,19 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
                                       image_size=image_size)
     split_datasets = {}
     for split, split_examples in sorted(examples.items()):
-      list_file = os.path.join(tmp, f"{split}.files.jsonl")
-      with tf.io.gfile.GFile(list_file, "w") as f:
-        f.write("".join(json.dumps(example) + "\n" for example in split_examples))
-      split_datasets[split] = prepare_beam.PrepareSplit(list_file, os.path.join(tmp, split),
+      list_files = []
+      for start in range(0, len(split_examples), _LIST_FILE_LINES):
+        list_files.append(os.path.join(tmp, f"{split}.files-{start // _LIST_FILE_LINES}.jsonl"))
+        with tf.io.gfile.GFile(list_files[-1], "w") as f:
+          f.write("".join(json.dumps(example) + "\n"
+                          for example in split_examples[start:start + _LIST_FILE_LINES]))
+      split_datasets[split] = prepare_beam.PrepareSplit(list_files, os.path.join(tmp, split),
                                                         decode)
     try:
-      _store(tmp, name, encoding=encoding, classes=classes, split_datasets=split_datasets,
-             description=f"Images of {src}, prepared by contrastive_jax.data.prepare_images.",
-             beam_options=beam_options)
+      builder = _store(
+          tmp, name, encoding=encoding, classes=classes, split_datasets=split_datasets,
+          description=f"Images of {src}, prepared by contrastive_jax.data.prepare_images.",
+          beam_options=beam_options)
     except Exception as e:  # pylint: disable=broad-except  (any runner's, any failure)
       if _is_ctrl_c(e):  # Beam re-raises a DoFn's KeyboardInterrupt as a RuntimeError.
         raise KeyboardInterrupt from e
@@ -492,6 +497,12 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
     failed, small = _gathered(tmp)
     skipped += failed
     counts = _counts(examples, failed)  # None empty: TFDS fails a split without example.
+    for split, c in counts.items():  # Every file is written or reported, whatever the runner.
+      if builder.info.splits[split].num_examples != sum(c.values()):
+        raise JobError(f"the Beam pipeline on {runner} lost files: split {split!r} has "
+                       f"{builder.info.splits[split].num_examples} examples, but "
+                       f"{sum(c.values())} of its {len(examples[split])} files were not "
+                       "reported as skipped; nothing was replaced")
     warnings += [f"class {c!r}: no image of it could be decoded (its label is kept)"
                  for c in classes if not any(counts[split][c] for split in counts)]
     report = dict(
