@@ -24,7 +24,7 @@ SKIPPED = "skipped"  # Tagged output: [file, reason].
 SMALL = "small"  # Tagged output: [file, width, height].
 
 
-def read_image(path: str, *, max_pixels: int, shorter_side):
+def read_image(path: str, *, max_pixels: int, shorter_side: int | None):
   """images.load_image of a local or gs:// path; uint8 [H, W, 3].
 
   Raises:
