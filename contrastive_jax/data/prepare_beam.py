@@ -85,9 +85,8 @@ class PrepareSplit(beam.PTransform):
 
   Reads the split's file lists (JSON lines [file, class] in list files of a
   few thousand lines: files, not an in-memory list, so that millions of files
-  do not go into the pipeline's graph; read whole by a plain FlatMap, not by
-  ReadFromText, whose splittable read once lost a third of a split's files on
-  FnApiRunner with 2 workers), redistributes the pairs (Reshuffle: otherwise
+  do not go into the pipeline's graph; read whole by a plain FlatMap rather than
+  split between workers by ReadFromText), redistributes the pairs (Reshuffle: otherwise
   each list's files are decoded by the worker that read it) and decodes them
   with DecodeImage. The SKIPPED and SMALL outputs go to text files
   OUT_PREFIX.skipped-*.jsonl and OUT_PREFIX.small-*.jsonl.
