@@ -505,7 +505,7 @@ def test_files_a_runner_loses_are_an_error_not_a_smaller_dataset(prepared, tmp_p
                                                                  monkeypatch):
   from contrastive_jax.data import prepare_beam  # pylint: disable=g-import-not-at-top
   read_list = prepare_beam.read_list
-  # As FnApiRunner's splitting of ReadFromText did with 2 workers: a file never read.
+  # A file of a shard never read, as the previous design's ReadFromText did with 2 workers.
   monkeypatch.setattr(prepare_beam, "read_list",
                       lambda path: [pair for pair in read_list(path)
                                     if pair[0] != "train/shoes/xray.png"])

@@ -1,27 +1,30 @@
-"""The Apache Beam stage of prepare_images: decoding and resizing image files in parallel.
+"""The Apache Beam stage of prepare_images: each shard's files decoded, resized and written.
 
 Imports apache_beam (the [beam] extra), so prepare_images imports this module
 only when it prepares a folder: the base install reads prepared datasets
 without Beam.
 
-Each split is one PTransform, given to TFDS's store_as_tfds_dataset, which
-applies it to its pipeline and writes its (key, example) output (key: the
-file's path relative to --src, so the written order is the same on any number
-of workers). Files that fail, and images smaller than --image_size, leave the
-DoFn on tagged outputs, written as JSON lines to text files that prepare_images
-reads after the pipeline.
+Each element of the pipeline is one shard: the paths of its list file (JSON
+lines [file, class], written by prepare_images), of the ArrayRecord file to
+write and of a small JSON file saying what was written (examples, per-class
+counts, skipped files with reasons, images smaller than --image_size). The
+DoFn decodes and encodes the shard's files and writes both files itself, so
+no record travels between workers or through the runner: only paths do.
+Writing a shard again (a retried bundle) replaces it whole.
 """
+import collections
 import json
+import os
+import tempfile
+import uuid
 
 import apache_beam as beam
+from array_record.python.array_record_module import ArrayRecordWriter
 from PIL import Image
 import tensorflow as tf
 
 from contrastive_jax.core.errors import ImageError
 from contrastive_jax.data import images
-
-SKIPPED = "skipped"  # Tagged output: [file, reason].
-SMALL = "small"  # Tagged output: [file, width, height].
 
 
 def read_image(path: str, *, max_pixels: int, shorter_side: int | None):
@@ -39,17 +42,69 @@ def read_image(path: str, *, max_pixels: int, shorter_side: int | None):
     raise ImageError(path, f"cannot be read ({e.message})") from None
 
 
-class DecodeImage(beam.DoFn):
-  """(file, class) -> (file, example) of TFDS's features; failures to tagged outputs.
+def write_atomically(path: str, scratch: str, write) -> None:
+  """Calls write(local_path), then puts that file at path (local or gs://) in one step.
 
-  The example is {'image': uint8 [H, W, 3], 'file_name': file} and, when
-  labelled, 'label': the class name. An ImageError is a skip ([file, reason]
-  on SKIPPED); any other exception fails the pipeline.
+  Locally the file is written in scratch (a folder on path's file system) and
+  renamed over path; for gs:// it is written to a local temporary file and
+  copied (an object appears whole on GCS). So path is either absent, as it
+  was, or complete, and writing it twice leaves the second copy.
+  """
+  if path.startswith("gs://"):
+    fd, local = tempfile.mkstemp(suffix=".part")
+    os.close(fd)
+    try:
+      write(local)
+      tf.io.gfile.copy(local, path, overwrite=True)
+    finally:
+      os.remove(local)
+    return
+  part = os.path.join(scratch, f"{uuid.uuid4().hex}.part")
+  try:
+    write(part)
+    os.replace(part, path)
+  finally:
+    if os.path.exists(part):
+      os.remove(part)
+
+
+def _write_records(path: str, records) -> None:
+  # group_size:1, as TFDS's own ArrayRecord writer: each record can be read alone.
+  writer = ArrayRecordWriter(path, "group_size:1")
+  try:
+    for record in records:
+      writer.write(record)
+  finally:
+    writer.close()
+
+
+def _write_text(path: str, text: str) -> None:
+  with open(path, "w") as f:
+    f.write(text)
+
+
+def read_list(path: str):
+  """The [file, class] pairs of a shard's list file (JSON lines), local or gs://."""
+  with tf.io.gfile.GFile(path) as f:
+    return [json.loads(line) for line in f]
+
+
+class WriteShard(beam.DoFn):
+  """A shard (list, records, done paths) -> its ArrayRecord file and done file.
+
+  Each file of the list, in order, becomes one record: TFDS's serialization
+  (features.serialize_example) of {'image': uint8 [H, W, 3], 'file_name':
+  file} and, when labelled, 'label': the class name. A file read_image
+  cannot read is skipped (listed in the done file with the reason); any other
+  exception fails the pipeline. The done file (JSON) is written after the
+  records, so it exists only for a complete shard: {'examples': n,
+  'num_bytes': size of the records file, 'per_class': {class: n},
+  'skipped': [[file, reason]], 'small': [[file, width, height]]}.
   """
 
-  def __init__(self, src: str, *, labelled: bool, max_pixels: int, image_size: int):
+  def __init__(self, src: str, scratch: str, features, *, max_pixels: int, image_size: int):
     super().__init__()
-    self._src, self._labelled = src, labelled
+    self._src, self._scratch, self._features = src, scratch, features
     self._max_pixels, self._image_size = max_pixels, image_size
 
   def setup(self):
@@ -57,56 +112,46 @@ class DecodeImage(beam.DoFn):
     # process only, and workers may be other processes.
     Image.MAX_IMAGE_PIXELS = None
 
+  def _records(self, pairs, done: dict):
+    labelled = "label" in self._features
+    for rel, name in pairs:
+      try:
+        image = read_image(f"{self._src}/{rel}", max_pixels=self._max_pixels,
+                           shorter_side=self._image_size or None)
+      except ImageError as e:
+        done["skipped"].append([rel, e.reason])
+        continue
+      if self._image_size and min(image.shape[:2]) < self._image_size:
+        done["small"].append([rel, image.shape[1], image.shape[0]])
+      example = {"image": image, "file_name": rel}
+      if labelled:
+        example["label"] = name
+      done["examples"] += 1
+      done["per_class"][name] += 1
+      yield self._features.serialize_example(example)
+
   def process(self, element):
-    rel, name = element
-    try:
-      image = read_image(f"{self._src}/{rel}", max_pixels=self._max_pixels,
-                         shorter_side=self._image_size or None)
-    except ImageError as e:
-      yield beam.pvalue.TaggedOutput(SKIPPED, json.dumps([rel, e.reason]))
-      return
-    if self._image_size and min(image.shape[:2]) < self._image_size:
-      yield beam.pvalue.TaggedOutput(SMALL, json.dumps([rel, image.shape[1], image.shape[0]]))
-    example = {"image": image, "file_name": rel}
-    if self._labelled:
-      example["label"] = name
-    yield rel, example
+    list_path, records_path, done_path = element
+    done = dict(examples=0, per_class=collections.Counter(), skipped=[], small=[])
+    pairs = read_list(list_path)
+    write_atomically(records_path, self._scratch,
+                     lambda path: _write_records(path, self._records(pairs, done)))
+    done["num_bytes"] = tf.io.gfile.stat(records_path).length
+    write_atomically(done_path, self._scratch,
+                     lambda path: _write_text(path, json.dumps(done)))
+    yield done_path
 
 
-def read_list(path: str):
-  """Yields the [file, class] pairs of a list file (JSON lines)."""
-  with tf.io.gfile.GFile(path) as f:
-    for line in f:
-      yield json.loads(line)
+def write_shards(shards, options, write_shard: WriteShard) -> None:
+  """Runs the pipeline of options over shards [(list, records, done paths)]; waits for it.
 
-
-class PrepareSplit(beam.PTransform):
-  """Pipeline -> PCollection of a split's (file, example); writes its skipped and small files.
-
-  Reads the split's file lists (JSON lines [file, class] in list files of a
-  few thousand lines: files, not an in-memory list, so that millions of files
-  do not go into the pipeline's graph; read whole by a plain FlatMap rather than
-  split between workers by ReadFromText), redistributes the pairs (Reshuffle: otherwise
-  each list's files are decoded by the worker that read it) and decodes them
-  with DecodeImage. The SKIPPED and SMALL outputs go to text files
-  OUT_PREFIX.skipped-*.jsonl and OUT_PREFIX.small-*.jsonl.
+  Create redistributes the shards among the workers (it reshuffles more than
+  one element); each is written by write_shard. Raises what the runner raises.
   """
-
-  def __init__(self, list_files, out_prefix: str, decode: DecodeImage):
-    super().__init__()
-    self._list_files, self._out_prefix, self._decode = list(list_files), out_prefix, decode
-
-  def expand(self, pipeline):
-    outputs = (pipeline
-               | "Lists" >> beam.Create(self._list_files)
-               | "Read" >> beam.FlatMap(read_list)
-               | "Redistribute" >> beam.Reshuffle()
-               | "Decode" >> beam.ParDo(self._decode).with_outputs(SKIPPED, SMALL,
-                                                                  main="examples"))
-    for tag in (SKIPPED, SMALL):
-      _ = outputs[tag] | f"Write_{tag}" >> beam.io.WriteToText(
-          f"{self._out_prefix}.{tag}", file_name_suffix=".jsonl")
-    return outputs.examples
+  with beam.Pipeline(options=options) as pipeline:
+    _ = (pipeline
+         | "Shards" >> beam.Create(list(shards))
+         | "Write" >> beam.ParDo(write_shard))
 
 
 def pipeline_options(args):

@@ -73,7 +73,6 @@ from PIL import Image
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
-from contrastive_jax.core.errors import ImageError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import gcs
 from contrastive_jax.core import metrics
@@ -82,7 +81,8 @@ from contrastive_jax.data import images
 VERSION = "1.0.0"
 REPORT = "prepare_report.json"
 SPLIT_FOLDERS = ("train", "validation", "test")
-_LIST_FILE_LINES = 5000  # Files per list file that the pipeline reads (prepare_beam.read_list).
+# Files per shard: the bounds of shard_examples's choice.
+_MIN_SHARD, _MAX_SHARD = 100, 1000
 # Runners that import more than Beam's base install when they start: (a module they
 # need, what installs it).
 _RUNNER_PACKAGES = {"DataflowRunner": ("apache_beam.runners.dataflow.internal.apiclient",
@@ -297,29 +297,73 @@ def _previous_report(final: str):
     return None
 
 
-def _store(tmp, name, *, encoding, classes, split_datasets, description, beam_options):
-  """Writes the dataset with TFDS into tmp/name/VERSION as ArrayRecord, on Beam; its builder."""
-  features = {"image": tfds.features.Image(shape=(None, None, 3), encoding_format=encoding),
-              "file_name": tfds.features.Text()}
+def features(encoding: str, classes) -> tfds.features.FeaturesDict:
+  """The dataset's features (module docstring); 'label' only when classes is not empty."""
+  found = {"image": tfds.features.Image(shape=(None, None, 3), encoding_format=encoding),
+           "file_name": tfds.features.Text()}
   if classes:
-    features["label"] = tfds.features.ClassLabel(names=classes)
-  return tfds.dataset_builders.store_as_tfds_dataset(
-      name=name, version=VERSION, features=tfds.features.FeaturesDict(features),
-      split_datasets=split_datasets, data_dir=tmp, description=description,
-      file_format="array_record",
-      download_config=tfds.download.DownloadConfig(try_download_gcs=False,
-                                                   beam_options=beam_options))
+    found["label"] = tfds.features.ClassLabel(names=classes)
+  return tfds.features.FeaturesDict(found)
 
 
-def _gathered(tmp: str):
-  """The files the pipeline skipped [(file, reason)] and found small [(file, w, h)]."""
-  found = {}
-  for tag in ("skipped", "small"):
-    found[tag] = []
-    for path in sorted(tf.io.gfile.glob(os.path.join(tmp, f"*.{tag}-*.jsonl"))):
-      with tf.io.gfile.GFile(path) as f:
-        found[tag] += [tuple(json.loads(line)) for line in f]
-  return found["skipped"], found["small"]
+def shard_examples(examples: dict) -> dict:
+  """{split: [(file, class)]} -> {split: shards, each [(file, class)]}, in the stored order.
+
+  A split's files are ordered by a hash of their path (blake2b), not by class:
+  evaluation on several hosts and tfds.even_splits read contiguous parts, which
+  must each hold every class. They are then cut into contiguous shards of
+  equal size (+-1). Files per shard: one 64th of all files, but at least
+  _MIN_SHARD (few shard files for small folders) and at most _MAX_SHARD (one
+  shard is a few seconds of one worker's work, about 30 MB at 256 px). Both
+  depend on the files only, so the dataset is the same for any number of
+  workers; at least 64 equal shards from 6,400 files on divide evenly among a
+  few workers.
+  """
+  total = sum(len(split_examples) for split_examples in examples.values())
+  per_shard = min(max(-(-total // 64), _MIN_SHARD), _MAX_SHARD)
+  sharded = {}
+  for split, split_examples in sorted(examples.items()):
+    ordered = sorted(split_examples,
+                     key=lambda example: hashlib.blake2b(example[0].encode()).digest())
+    n = len(ordered)
+    num_shards = -(-n // per_shard)
+    sharded[split] = [ordered[i * n // num_shards:(i + 1) * n // num_shards]
+                      for i in range(num_shards)]
+  return sharded
+
+
+def _shard_paths(tmp: str, name: str, split: str, index: int, num_shards: int):
+  """(list file, ArrayRecord file in TFDS's naming, done file) of a shard, in tmp."""
+  stem = os.path.join(tmp, "shards", f"{split}-{index:05d}")
+  records = os.path.join(tmp, name, VERSION,
+                         f"{name}-{split}.array_record-{index:05d}-of-{num_shards:05d}")
+  return f"{stem}.files.jsonl", records, f"{stem}.done.json"
+
+
+def _read_done(path: str):
+  """A shard's done file (prepare_beam.WriteShard), or None when it was not written."""
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      return json.load(f)
+  except tf.errors.NotFoundError:
+    return None
+
+
+def _write_metadata(folder: str, feature_dict, shard_lengths: dict, num_bytes: dict,
+                    description: str) -> None:
+  """TFDS's metadata (dataset_info.json, features.json, ...) of the shards in folder.
+
+  With TFDS's tfds.folder_dataset.write_metadata (for datasets written
+  outside TFDS), given each split's shard lengths (in shard order) and bytes.
+  Its check of the data reads with as_dataset, which TFDS 4.9.10 cannot for
+  ArrayRecord; tests read the result with as_data_source instead.
+  """
+  tfds.folder_dataset.write_metadata(
+      data_dir=folder, features=feature_dict, version=VERSION, check_data=False,
+      split_infos=[tfds.core.SplitInfo(name=split, shard_lengths=lengths,
+                                       num_bytes=num_bytes[split])
+                   for split, lengths in sorted(shard_lengths.items())],
+      description=description)
 
 
 def _replace(new: str, final: str, aside: str):
@@ -364,25 +408,21 @@ def _is_ctrl_c(error: BaseException) -> bool:
   return False
 
 
-def _no_image(src: str, split: str, split_examples, prepare_beam, max_pixels: int) -> str:
-  """The error of a split that no file of could be decoded, with the first files' reasons."""
-  reasons = []
-  for rel, _ in split_examples[:3]:  # Decoded again here: the pipeline stopped, unreported.
-    try:
-      prepare_beam.read_image(f"{src}/{rel}", max_pixels=max_pixels, shorter_side=None)
-      reasons.append((rel, "decoded here, but not in the pipeline"))
-    except ImageError as e:
-      reasons.append((rel, e.reason))
-  more = f"; ... ({len(split_examples) - 3} more)" if len(split_examples) > 3 else ""
-  return (f"--src={src!r}: no image of split {split!r} could be decoded; skipped: "
-          f"{_first(reasons)}{more}")
+def _check_written(runner: str, shards: dict, done: dict) -> None:
+  """Raises JobError unless every file of every shard was written or reported as skipped.
 
-
-def _counts(examples: dict, failed) -> dict:
-  """{split: Counter of classes} of the examples not in failed [(file, reason)]."""
-  failed_files = {f for f, _ in failed}
-  return {split: collections.Counter(c for f, c in split_examples if f not in failed_files)
-          for split, split_examples in sorted(examples.items())}
+  shards {split: [[(file, class)]]}; done {split: [done file or None]} (None:
+  the shard was not written). A runner that drops an element, or a shard's
+  records, would otherwise give a smaller dataset.
+  """
+  for split, split_shards in shards.items():
+    listed = sum(len(shard) for shard in split_shards)
+    written = sum(d["examples"] for d in done[split] if d)
+    reported = sum(len(d["skipped"]) for d in done[split] if d)
+    if written + reported != listed:
+      raise JobError(f"the Beam pipeline on {runner} lost files: split {split!r} has "
+                     f"{written} examples, but {listed - reported} of its {listed} files "
+                     "were not reported as skipped; nothing was replaced")
 
 
 def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: str,
@@ -470,41 +510,11 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
 
   tf.io.gfile.makedirs(data_dir)
   tmp = os.path.join(data_dir, f".{name}.preparing.{uuid.uuid4().hex[:12]}")
-  tf.io.gfile.makedirs(tmp)
   try:
-    decode = prepare_beam.DecodeImage(src, labelled=bool(classes), max_pixels=max_pixels,
-                                      image_size=image_size)
-    split_datasets = {}
-    for split, split_examples in sorted(examples.items()):
-      list_files = []
-      for start in range(0, len(split_examples), _LIST_FILE_LINES):
-        list_files.append(os.path.join(tmp, f"{split}.files-{start // _LIST_FILE_LINES}.jsonl"))
-        with tf.io.gfile.GFile(list_files[-1], "w") as f:
-          f.write("".join(json.dumps(example) + "\n"
-                          for example in split_examples[start:start + _LIST_FILE_LINES]))
-      split_datasets[split] = prepare_beam.PrepareSplit(list_files, os.path.join(tmp, split),
-                                                        decode)
-    try:
-      builder = _store(
-          tmp, name, encoding=encoding, classes=classes, split_datasets=split_datasets,
-          description=f"Images of {src}, prepared by contrastive_jax.data.prepare_images.",
-          beam_options=beam_options)
-    except Exception as e:  # pylint: disable=broad-except  (any runner's, any failure)
-      if _is_ctrl_c(e):  # Beam re-raises a DoFn's KeyboardInterrupt as a RuntimeError.
-        raise KeyboardInterrupt from e
-      empty = re.search(r"generated examples is 0 for split (\w+)", str(e))  # TFDS's check.
-      if empty:
-        raise JobError(_no_image(src, empty[1], examples[empty[1]], prepare_beam, max_pixels))
-      raise JobError(_pipeline_error(runner, e)) from e
-    failed, small = _gathered(tmp)
+    counts, failed, small = _write(prepare_beam, tmp, src, name, runner, examples, classes,
+                                   beam_options, max_pixels=max_pixels,
+                                   image_size=image_size, encoding=encoding)
     skipped += failed
-    counts = _counts(examples, failed)  # None empty: TFDS fails a split without example.
-    for split, c in counts.items():  # Every file is written or reported, whatever the runner.
-      if builder.info.splits[split].num_examples != sum(c.values()):
-        raise JobError(f"the Beam pipeline on {runner} lost files: split {split!r} has "
-                       f"{builder.info.splits[split].num_examples} examples, but "
-                       f"{sum(c.values())} of its {len(examples[split])} files were not "
-                       "reported as skipped; nothing was replaced")
     warnings += [f"class {c!r}: no image of it could be decoded (its label is kept)"
                  for c in classes if not any(counts[split][c] for split in counts)]
     report = dict(
@@ -524,6 +534,62 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
       if tf.io.gfile.exists(tmp):
         tf.io.gfile.rmtree(tmp)
   return report
+
+
+def _write(prepare_beam, tmp, src, name, runner, examples, classes, beam_options, *,
+           max_pixels, image_size, encoding):
+  """Writes the dataset tmp/name/VERSION on Beam, but for its report.
+
+  Each shard's list file goes to tmp/shards; the pipeline writes the shards
+  (prepare_beam.WriteShard); then this process checks that no file was lost
+  and writes TFDS's metadata.
+
+  Returns:
+    (counts, failed, small): counts {split: Counter of classes} written;
+    failed [(file, reason)] skipped by the workers; small [(file, width,
+    height)], images with a shorter side below image_size.
+  Raises:
+    JobError: a failed pipeline, lost files, a split without any decoded image.
+    KeyboardInterrupt: Ctrl-C during the pipeline.
+  """
+  shards = shard_examples(examples)
+  paths = {split: [_shard_paths(tmp, name, split, i, len(split_shards))
+                   for i in range(len(split_shards))]
+           for split, split_shards in shards.items()}
+  for folder in (os.path.join(tmp, "shards"), os.path.join(tmp, name, VERSION)):
+    tf.io.gfile.makedirs(folder)
+  for split, split_shards in shards.items():
+    for shard, (list_path, _, _) in zip(split_shards, paths[split]):
+      with tf.io.gfile.GFile(list_path, "w") as f:
+        f.write("".join(json.dumps(example) + "\n" for example in shard))
+  feature_dict = features(encoding, classes)
+  write_shard = prepare_beam.WriteShard(src, os.path.join(tmp, "shards"), feature_dict,
+                                        max_pixels=max_pixels, image_size=image_size)
+  try:
+    prepare_beam.write_shards([p for split in sorted(paths) for p in paths[split]],
+                              beam_options, write_shard)
+  except Exception as e:  # pylint: disable=broad-except  (any runner's, any failure)
+    if _is_ctrl_c(e):  # Beam re-raises a DoFn's KeyboardInterrupt as a RuntimeError.
+      raise KeyboardInterrupt from e
+    raise JobError(_pipeline_error(runner, e)) from e
+  done = {split: [_read_done(done_path) for _, _, done_path in paths[split]]
+          for split in paths}
+  _check_written(runner, shards, done)
+  failed = {split: sorted(tuple(s) for d in done[split] for s in d["skipped"])
+            for split in done}
+  for split in done:
+    if not any(d["examples"] for d in done[split]):
+      raise JobError(f"--src={src!r}: no image of split {split!r} could be decoded; "
+                     f"skipped: {_first(failed[split])}")
+  _write_metadata(os.path.join(tmp, name, VERSION), feature_dict,
+                  {split: [d["examples"] for d in done[split]] for split in done},
+                  {split: sum(d["num_bytes"] for d in done[split]) for split in done},
+                  description=f"Images of {src}, prepared by "
+                              "contrastive_jax.data.prepare_images.")
+  counts = {split: sum((collections.Counter(d["per_class"]) for d in done[split]),
+                       collections.Counter()) for split in sorted(done)}
+  small = [tuple(s) for split in done for d in done[split] for s in d["small"]]
+  return counts, [s for split in failed for s in failed[split]], small
 
 
 @contextlib.contextmanager
