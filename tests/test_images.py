@@ -595,3 +595,30 @@ def test_ctrl_c_replaces_nothing_and_leaves_no_temporary_folder(prepared, tmp_pa
       f"error: interrupted (Ctrl-C): nothing was replaced: {data_dir}/mini is as it was, and no "
       "partly written copy is left")
   assert _files_and_contents(data_dir) == before  # No temporary folder either.
+
+
+def test_shards_hold_files_in_hashed_order_of_equal_sizes():
+  examples = {"train": [(f"{c}/{i}.jpg", c) for c in ("a", "b") for i in range(125)],
+              "test": [(f"{c}/t{i}.jpg", c) for c in ("a", "b") for i in range(5)]}
+  shards = prepare_images.shard_examples(examples)  # 100 files a shard at most, here.
+  assert [len(s) for s in shards["train"]] == [83, 83, 84]
+  assert [len(s) for s in shards["test"]] == [10]
+  train = [e for shard in shards["train"] for e in shard]
+  assert sorted(train) == sorted(examples["train"])
+  for shard in shards["train"]:  # Not class by class: a contiguous part holds both.
+    assert 30 < sum(c == "a" for _, c in shard) < 53
+  reordered = {"train": examples["train"][::-1], "test": examples["test"]}
+  assert prepare_images.shard_examples(reordered) == shards  # A function of the files.
+
+
+def test_many_shards_one_empty_read_as_one(prepared, tmp_path, monkeypatch):
+  src, data_dir, report = prepared
+  monkeypatch.setattr(prepare_images, "_MIN_SHARD", 1)  # A shard per file: broken.jpg's empty.
+  many = prepare_images.prepare(str(src), "mini", str(tmp_path), overwrite=False, **_KWARGS)
+  assert many == report
+  shards = glob.glob(os.path.join(tmp_path, "mini", "1.0.0", "mini-train.array_record-*"))
+  assert len(shards) == 9
+  for split in ("train", "test"):
+    assert _records(str(tmp_path), split) == _records(data_dir, split)
+    assert [ex["file_name"] for ex in _examples("mini", str(tmp_path), split)] == [
+        ex["file_name"] for ex in _examples("mini", data_dir, split)]
