@@ -3,16 +3,21 @@
   python -m contrastive_jax.data.prepare_images --src=DIR --name=NAME --data_dir=DIR2
 
 writes DIR2/NAME/1.0.0/ (TFDS's on-disk format in ArrayRecord files, which
-can be read at random, written by TFDS's own store_as_tfds_dataset) and its
-report, DIR2/NAME/1.0.0/prepare_report.json. Jobs then read it with
+can be read at random; records serialized by TFDS's features, metadata by
+tfds.folder_dataset.write_metadata) and its report,
+DIR2/NAME/1.0.0/prepare_report.json. Jobs then read it with
 --config.dataset=NAME --config.data_dir=DIR2.
 
-Decoding, resizing and encoding run as an Apache Beam pipeline (the [beam]
-extra: pip install -e '.[beam]'): by default Beam's DirectRunner in this
-process (--direct_num_workers for more), or any Beam runner (--runner, with more
-pipeline options in --beam_options, e.g. Dataflow's project, region and
+Decoding, resizing, encoding and writing run as an Apache Beam pipeline (the
+[beam] extra: pip install -e '.[beam]') whose elements are shards (see
+shard_examples): each worker writes whole shard files, and only paths and
+counts pass between processes. By default Beam's DirectRunner with one worker
+process per core (--direct_num_workers), or any Beam runner (--runner, with
+more pipeline options in --beam_options, e.g. Dataflow's project, region and
 temp_location). --src and --data_dir may be gs:// folders; a runner with
-remote workers needs both there.
+remote workers needs both there. The stored order is by a hash of each
+file's path, so any contiguous part of a split holds every class, and the
+dataset is the same for any runner and number of workers.
 
 Features: 'image' (tfds.features.Image, uint8 [H, W, 3], stored JPEG or PNG),
 'file_name' (Text: the path relative to --src, '/'-separated) and, when the
