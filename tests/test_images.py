@@ -537,6 +537,35 @@ def test_gs_source_is_listed_and_read_as_a_local_one(prepared, tmp_path, monkeyp
     assert _records(str(tmp_path / "tfds"), split) == _records(data_dir, split)
 
 
+def _copy_down(gs_folder, local_folder):
+  """A gs:// folder's files, copied to local_folder (ArrayRecord reads local files)."""
+  for directory, _, names in tf.io.gfile.walk(gs_folder):
+    rel = directory[len(gs_folder):].strip("/")
+    os.makedirs(os.path.join(local_folder, rel), exist_ok=True)
+    for name in names:
+      tf.io.gfile.copy(f"{directory.rstrip('/')}/{name}", os.path.join(local_folder, rel, name))
+
+
+def test_gs_data_dir_gets_the_same_dataset(prepared, tmp_path, monkeypatch):
+  src, data_dir, report = prepared
+  (tmp_path / "gcs").mkdir()
+  emulator = gcs_emulator.start(str(tmp_path / "gcs"), "bucket")
+  try:
+    for name, value in emulator.env.items():
+      monkeypatch.setenv(name, value)
+    on_gs = prepare_images.prepare(str(src), "mini", "gs://bucket/tfds", overwrite=False,
+                                   **_KWARGS)
+    assert tf.io.gfile.listdir("gs://bucket/tfds") == ["mini/"]  # No temporary folder left.
+    _copy_down("gs://bucket/tfds", str(tmp_path / "copy"))
+  finally:
+    emulator.stop()
+  assert on_gs == report
+  for split in ("train", "test"):
+    assert _records(str(tmp_path / "copy"), split) == _records(data_dir, split)
+  assert [ex["file_name"] for ex in _examples("mini", str(tmp_path / "copy"), "train")] == [
+      ex["file_name"] for ex in _examples("mini", data_dir, "train")]
+
+
 def test_gs_source_without_credentials_is_one_clear_error(tmp_path, monkeypatch):
   for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
     monkeypatch.delenv(name, raising=False)

@@ -369,19 +369,31 @@ def _write_metadata(folder: str, feature_dict, shard_lengths: dict, num_bytes: d
       description=description)
 
 
-def _replace(new: str, final: str, aside: str):
-  """Renames new to final; an existing final is moved to aside first and back on failure.
+def _rename(src: str, dst: str) -> None:
+  """Renames the folder src to dst: locally at once; on gs://, file by file (not atomic).
 
-  Local folders are renamed at once; on gs://, TensorFlow's file system renames
-  each file (not atomic).
+  On gs:// each object is renamed by itself: TensorFlow's rename of a gs://
+  folder failed (HTTP 404) on the GCS emulator of the tests.
   """
+  if not src.startswith("gs://"):
+    tf.io.gfile.rename(src, dst)
+    return
+  for folder, _, names in tf.io.gfile.walk(src):
+    rel = folder[len(src):].strip("/")
+    for name in names:
+      tf.io.gfile.rename(f"{folder.rstrip('/')}/{name}",
+                         "/".join(part for part in (dst, rel, name) if part))
+
+
+def _replace(new: str, final: str, aside: str):
+  """Renames new to final (_rename); an existing final is moved to aside first, back on failure."""
   if tf.io.gfile.exists(final):
-    tf.io.gfile.rename(final, aside)
+    _rename(final, aside)
   try:
-    tf.io.gfile.rename(new, final)
+    _rename(new, final)
   except (OSError, tf.errors.OpError):
     if tf.io.gfile.exists(aside):
-      tf.io.gfile.rename(aside, final)
+      _rename(aside, final)
     raise
 
 
