@@ -4,6 +4,7 @@ Small real photos from ../shared/images (clothing JPEGs, chest X-ray PNGs),
 converted and damaged here; every expected pixel comes from numpy.
 """
 import glob
+import json
 import importlib
 import os
 import shutil
@@ -651,3 +652,24 @@ def test_many_shards_one_empty_read_as_one(prepared, tmp_path, monkeypatch):
     assert _records(str(tmp_path), split) == _records(data_dir, split)
     assert [ex["file_name"] for ex in _examples("mini", str(tmp_path), split)] == [
         ex["file_name"] for ex in _examples("mini", data_dir, split)]
+
+
+def test_shard_written_twice_is_replaced_whole(prepared, tmp_path):
+  from contrastive_jax.data import prepare_beam  # pylint: disable=g-import-not-at-top
+  src = prepared[0]
+  shard = [["train/hat/0.jpg", "hat"], ["train/hat/broken.jpg", "hat"]]
+  (tmp_path / "files.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in shard))
+  write = prepare_beam.WriteShard(str(src), str(tmp_path),
+                                  prepare_images.features("jpeg", ["hat", "shoes"]),
+                                  max_pixels=BIG, image_size=32)
+  write.setup()
+  element = (str(tmp_path / "files.jsonl"), str(tmp_path / "records"), str(tmp_path / "done"))
+  contents = []
+  for _ in range(2):  # As a retried bundle.
+    assert list(write.process(element)) == [str(tmp_path / "done")]
+    contents.append(ArrayRecordDataSource([str(tmp_path / "records")])[0])
+    done = json.loads((tmp_path / "done").read_text())
+    assert (done["examples"], done["per_class"]) == (1, {"hat": 1})
+    assert [f for f, _ in done["skipped"]] == ["train/hat/broken.jpg"]
+    assert sorted(os.listdir(tmp_path)) == ["done", "files.jsonl", "records"]  # No .part.
+  assert tf.train.Example.FromString(contents[0]) == tf.train.Example.FromString(contents[1])
