@@ -25,7 +25,12 @@ setuptools.setup(
         "tensorflow-cpu==2.21.0",
         "tensorflow-datasets==4.9.10",
     ],
-    # tests/gcs_emulator.py patches gaps of this emulator version; cryptography makes its
-    # TLS certificate.
-    extras_require={"test": ["pytest", "gcp-storage-emulator==2026.7.19", "cryptography"]},
+    extras_require={
+        # prepare_images runs on Apache Beam (reading prepared datasets does not).
+        "beam": ["apache-beam==2.77.0"],
+        # tests/gcs_emulator.py patches gaps of this emulator version; cryptography makes its
+        # TLS certificate.
+        "test": ["pytest", "gcp-storage-emulator==2026.7.19", "cryptography",
+                 "apache-beam==2.77.0"],
+    },
 )
