@@ -249,14 +249,6 @@ def test_prepared_folder_reads_by_name_with_labels_and_file_names(prepared):
   assert os.path.exists(on_disk) and not glob.glob(os.path.join(data_dir, ".*"))
 
 
-# TFDS 4.9.10's as_dataset (tf.data) cannot read ArrayRecord, which prepare_images writes;
-# strict: these pass again, and fail as XPASS, once TfdsSource reads it at random.
-_NEEDS_RANDOM_ACCESS_READER = pytest.mark.xfail(
-    raises=NotImplementedError, strict=True,
-    reason="TfdsSource reads with as_dataset, which does not read ArrayRecord")
-
-
-@_NEEDS_RANDOM_ACCESS_READER
 def test_pipelines_crop_variable_sizes_and_upscale_small_images(prepared):
   _, data_dir, _ = prepared
   source = sources.TfdsSource("mini", data_dir)
@@ -371,7 +363,6 @@ def test_bad_arguments_are_refused(prepared, tmp_path, name, fraction, data_dir,
                            max_pixels=BIG, holdout_fraction=fraction, seed=0, overwrite=False)
 
 
-@_NEEDS_RANDOM_ACCESS_READER
 def test_unlabeled_folder_pretrains_and_refuses_label_evaluators(tmp_path):
   src = tmp_path / "xrays" / "images"
   src.mkdir(parents=True)
