@@ -291,3 +291,25 @@ def test_each_process_reads_by_index_the_part_it_would_stream(cifar, array_recor
     assert list(names) == streamed
     # tfds.even_splits: 666 contiguous records each, the last two dropped.
     assert [name.decode() for name in names] == list(ids[666 * process:666 * (process + 1)])
+
+
+def test_a_parquet_dataset_is_read_as_a_stream(tmp_path):
+  # Parquet is TFDS's other random-access format; its records are not bytes, so it is
+  # streamed with as_dataset as before rather than read by index.
+  cifar = tfds.builder("cifar10", data_dir=TFDS_DIR)
+  examples = tfds.as_numpy(cifar.as_dataset(split="train[:20]", shuffle_files=False))
+  tfds.dataset_builders.store_as_tfds_dataset(
+      name="cifar_parquet", version="1.0.0", features=cifar.info.features,
+      split_datasets={"train": ((i, e) for i, e in enumerate(examples))},
+      data_dir=str(tmp_path), file_format="parquet", disable_shuffling=True)
+  source = sources.TfdsSource("cifar_parquet", str(tmp_path))
+  assert not source.random_access
+  ids, labels = source.ids_and_labels("train")
+  expected = tfds.as_numpy(cifar.as_dataset(split="train[:20]", shuffle_files=False))
+  assert [(e["id"].decode(), e["label"]) for e in expected] == list(zip(ids, labels))
+
+
+def test_byol_crop_of_a_one_pixel_image_is_one_pixel_upscaled():
+  view = crops.random_resized_crop(tf.fill([1, 1, 3], tf.constant(7, tf.uint8)),
+                                   tf.constant([1, 2], tf.int64), 8, "byol", 0.08, "tf_bicubic")
+  assert view.shape == (8, 8, 3) and np.all(view.numpy() == 7)
