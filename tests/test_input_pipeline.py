@@ -313,3 +313,20 @@ def test_byol_crop_of_a_one_pixel_image_is_one_pixel_upscaled():
   view = crops.random_resized_crop(tf.fill([1, 1, 3], tf.constant(7, tf.uint8)),
                                    tf.constant([1, 2], tf.int64), 8, "byol", 0.08, "tf_bicubic")
   assert view.shape == (8, 8, 3) and np.all(view.numpy() == 7)
+
+
+@pytest.mark.parametrize("which", ["tfrecord", "array_record"])
+def test_a_process_with_no_example_of_a_split_yields_only_padding(cifar, array_record, which,
+                                                                  monkeypatch):
+  # One image on two hosts: the second host reads nothing but must yield the same
+  # number of batches, all masked.
+  source, split = (cifar[0], "test[:1]") if which == "tfrecord" else (array_record, "train[:1]")
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  batches = {}
+  for process in range(2):
+    monkeypatch.setattr(jax, "process_index", lambda p=process: p)
+    batches[process] = list(tfds.as_numpy(input_pipeline.eval_dataset(
+        source, split, local_batch=4, image_size=32, crop_fraction=1.0,
+        crop_resize="pil_bilinear", threads=1, names=True)))
+  assert [b["mask"].tolist() for b in batches[0]] == [[True, False, False, False]]
+  assert [b["mask"].tolist() for b in batches[1]] == [[False] * 4]
