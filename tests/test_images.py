@@ -666,3 +666,16 @@ def test_shard_written_twice_is_replaced_whole(prepared, tmp_path):
     assert [f for f, _ in done["skipped"]] == ["train/hat/broken.jpg"]
     assert sorted(os.listdir(tmp_path)) == ["done", "files.jsonl", "records"]  # No .part.
   assert tf.train.Example.FromString(contents[0]) == tf.train.Example.FromString(contents[1])
+
+
+def test_a_dataset_of_an_earlier_version_is_named_as_such(prepared, tmp_path):
+  # Earlier versions wrote TFRecord and fingerprinted contents: same files, other digest.
+  src, _, report = prepared
+  old = tmp_path / "mini" / "1.0.0"
+  old.mkdir(parents=True)
+  (old / "mini-train.tfrecord-00000-of-00001").write_bytes(b"")
+  (old / "prepare_report.json").write_text(json.dumps(dict(report, fingerprint="0" * 64)))
+  with pytest.raises(JobError, match="a TFRecord dataset prepared by an earlier version .* "
+                     "pass --overwrite to prepare it again as ArrayRecord"):
+    prepare_images.prepare(str(src), "mini", str(tmp_path), overwrite=False, image_size=32,
+                           encoding="jpeg", max_pixels=BIG, holdout_fraction=0.1, seed=0)

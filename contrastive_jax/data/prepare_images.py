@@ -512,6 +512,12 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
     what = (f"a dataset prepared from other files or options (from {previous.get('src')}, "
             "see its prepare_report.json)" if previous else
             "something prepare_images did not write")
+    if previous and tf.io.gfile.glob(os.path.join(final, VERSION, "*.tfrecord-*")):
+      # Earlier versions wrote TFRecord (and fingerprinted file contents, not stamps).
+      what = (f"a TFRecord dataset prepared by an earlier version (from {previous.get('src')}), "
+              "which training reads as a stream; pass --overwrite to prepare it again as "
+              "ArrayRecord, read in a fresh order every epoch")
+      raise JobError(f"--name={name!r}: {final} already holds {what}")
     raise JobError(f"--name={name!r}: {final} already holds {what}; pass --overwrite to "
                    "replace it")
 
