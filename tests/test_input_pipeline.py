@@ -330,3 +330,25 @@ def test_a_process_with_no_example_of_a_split_yields_only_padding(cifar, array_r
         crop_resize="pil_bilinear", threads=1, names=True)))
   assert [b["mask"].tolist() for b in batches[0]] == [[True, False, False, False]]
   assert [b["mask"].tolist() for b in batches[1]] == [[False] * 4]
+
+
+def test_records_without_ids_are_named_by_their_position_in_the_split(tmp_path, monkeypatch):
+  cifar = tfds.builder("cifar10", data_dir=TFDS_DIR)
+  features = tfds.features.FeaturesDict({"image": cifar.info.features["image"],
+                                         "label": cifar.info.features["label"]})
+  examples = tfds.as_numpy(cifar.as_dataset(split="train[:10]", shuffle_files=False))
+  tfds.dataset_builders.store_as_tfds_dataset(
+      name="cifar_no_id", version="1.0.0", features=features,
+      split_datasets={"train": ((i, {"image": e["image"], "label": e["label"]})
+                                for i, e in enumerate(examples))},
+      data_dir=str(tmp_path), file_format="array_record", disable_shuffling=True)
+  source = sources.TfdsSource("cifar_no_id", str(tmp_path))
+  ids = list(source.ids_and_labels("train")[0])
+  assert ids == [f"train__{i}" for i in range(10)]
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  read = [n.decode() for _, _, n in tfds.as_numpy(
+      source.read("train", drop_remainder=False, names=True))]
+  by_index = source.records("train")
+  named = by_index.read(tf.range(len(by_index), dtype=tf.int64))[2].numpy()
+  assert read == ids[5:] == [n.decode() for n in named]
