@@ -25,9 +25,14 @@ setuptools.setup(
         "tensorflow-cpu==2.21.0",
         "tensorflow-datasets==4.9.10",
     ],
-    # tests/gcs_emulator.py patches gaps of this emulator version; cryptography makes its
-    # TLS certificate.
-    extras_require={"test": ["pytest", "gcp-storage-emulator==2026.7.19", "cryptography"],
-                    # Reading and writing .pth weights, the live reference tests (docs/weights.md).
-                    "torch": ["torch", "torchvision", "timm"]},
+    extras_require={
+        # prepare_images runs on Apache Beam (reading prepared datasets does not).
+        "beam": ["apache-beam==2.77.0"],
+        # tests/gcs_emulator.py patches gaps of this emulator version; cryptography makes its
+        # TLS certificate.
+        "test": ["pytest", "gcp-storage-emulator==2026.7.19", "cryptography",
+                 "apache-beam==2.77.0"],
+        # Reading and writing .pth weights, the live reference tests (docs/weights.md).
+        "torch": ["torch", "torchvision", "timm"],
+    },
 )

@@ -4,6 +4,8 @@ Small real photos from ../shared/images (clothing JPEGs, chest X-ray PNGs),
 converted and damaged here; every expected pixel comes from numpy.
 """
 import glob
+import json
+import importlib
 import os
 import shutil
 import signal
@@ -13,10 +15,13 @@ import sys
 import zlib
 
 from absl import flags
+from array_record.python.array_record_data_source import ArrayRecordDataSource
 from absl.testing import flagsaver
+from google.auth.compute_engine import _metadata
 import jax
 import numpy as np
 import pytest
+import tensorflow as tf
 import tensorflow_datasets as tfds
 from PIL import Image
 
@@ -30,6 +35,7 @@ from contrastive_jax.data import prepare_images
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.jobs import runner
+import gcs_emulator
 from helpers import SHARED
 from helpers import load_config
 from helpers import subprocess_env
@@ -38,6 +44,7 @@ from helpers import tiny_config
 PHOTOS = sorted(glob.glob(os.path.join(SHARED, "images", "clothing", "train", "*", "*.jpg")))
 XRAYS = sorted(glob.glob(os.path.join(SHARED, "images", "chest_xray", "images", "*.png")))
 BIG = 10**8  # max_pixels that every real file here passes.
+_KWARGS = dict(image_size=32, encoding="jpeg", max_pixels=BIG, holdout_fraction=0.1, seed=0)
 
 
 def photo(width=40, height=30) -> np.ndarray:
@@ -133,7 +140,9 @@ def bad_files(tmp_path_factory):
     ("notes.jpg", "not an image"), ("missing.jpg", "No such file"),
     ("folder.png", "Is a directory"), ("bomb.png", "too many pixels"),
     ("big.png", "5000 x 5000 = 25,000,000 pixels, more than max_pixels=1,000,000")])
-def test_unreadable_file_is_one_error_naming_it(bad_files, name, reason):
+def test_unreadable_file_is_one_error_naming_it(bad_files, name, reason, monkeypatch):
+  # Pillow's own limit (its default), which an in-process preparation lifts.
+  monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", 89_478_485)
   with pytest.raises(ImageError, match=reason) as e:
     images.load_image(str(bad_files[name]), max_pixels=1_000_000)
   assert str(e.value).startswith(str(bad_files[name]) + ": ")
@@ -206,9 +215,10 @@ def prepared(tmp_path_factory):
 
 
 def _examples(name, data_dir, split):
-  builder = tfds.builder(name, data_dir=data_dir)
-  return [{k: v.decode() if isinstance(v, bytes) else v for k, v in ex.items()}
-          for ex in tfds.as_numpy(builder.as_dataset(split=split, shuffle_files=False))]
+  """The split's examples in their stored order, read at random (ArrayRecord)."""
+  source = tfds.builder(name, data_dir=data_dir).as_data_source(split=split)
+  return [{k: v.decode() if isinstance(v, bytes) else v for k, v in source[i].items()}
+          for i in range(len(source))]
 
 
 def test_prepared_folder_reads_by_name_with_labels_and_file_names(prepared):
@@ -227,9 +237,11 @@ def test_prepared_folder_reads_by_name_with_labels_and_file_names(prepared):
   for ex in train:
     shorter = 6 if ex["file_name"].endswith("tiny.png") else 32
     assert ex["image"].dtype == np.uint8 and min(ex["image"].shape[:2]) == shorter
+  assert builder.info.file_format == tfds.core.FileFormat.ARRAY_RECORD
+  # The layout is computed from the file list: LICENSE is outside the split folders.
   assert report["skipped"] == [
       {"file": ".DS_Store", "reason": "hidden"},
-      {"file": "LICENSE", "reason": "not an image Pillow can decode"},
+      {"file": "LICENSE", "reason": "outside the train/, validation/ and test/ folders"},
       {"file": "train/hat/broken.jpg", "reason": report["skipped"][2]["reason"]}]
   assert "truncated" in report["skipped"][2]["reason"]
   assert report["smaller_than_image_size"] == [
@@ -261,7 +273,7 @@ def test_pipelines_crop_variable_sizes_and_upscale_small_images(prepared):
 
 def test_preparing_again_is_a_no_op_and_new_files_need_overwrite(prepared, tmp_path):
   src, data_dir, report = prepared
-  shard = glob.glob(os.path.join(data_dir, "mini", "1.0.0", "*train.tfrecord*"))[0]
+  shard = glob.glob(os.path.join(data_dir, "mini", "1.0.0", "*train.array_record*"))[0]
   mtime = os.stat(shard).st_mtime_ns
   kwargs = dict(image_size=32, encoding="jpeg", max_pixels=BIG, holdout_fraction=0.1, seed=0)
   assert prepare_images.prepare(str(src), "mini", data_dir, overwrite=False, **kwargs) == report
@@ -288,6 +300,21 @@ def test_preparing_again_is_a_no_op_and_new_files_need_overwrite(prepared, tmp_p
     os.remove(src / "train" / "hat" / "new.jpg")
 
 
+def test_folder_of_files_that_are_not_images_is_a_class_with_a_warning(tmp_path):
+  # The layout comes from the file list: notes/ is a class before any file is decoded.
+  for name, path in (("hat", PHOTOS[0]), ("shoes", PHOTOS[4]), ("hat", PHOTOS[1])):
+    os.makedirs(tmp_path / "src" / name, exist_ok=True)
+    shutil.copy(path, tmp_path / "src" / name)
+  os.makedirs(tmp_path / "src" / "notes")
+  (tmp_path / "src" / "notes" / "todo.txt").write_text("not an image")
+  report = prepare_images.prepare(str(tmp_path / "src"), "notes", str(tmp_path / "tfds"),
+                                  overwrite=False, **_KWARGS)
+  assert report["classes"] == ["hat", "notes", "shoes"]
+  assert report["skipped"] == [{"file": "notes/todo.txt",
+                                "reason": "not an image Pillow can decode"}]
+  assert "class 'notes': no image of it could be decoded (its label is kept)" in report["warnings"]
+
+
 def _bad_source(tmp_path, kind):
   """(--src, match) for a folder that cannot be prepared."""
   if kind == "missing":
@@ -298,11 +325,14 @@ def _bad_source(tmp_path, kind):
   src.mkdir()
   if kind == "empty":
     return src, "no image to prepare for the train split \\(0 files\\)"
-  if kind == "no_images":
-    (src / "a.txt").write_text("text")
-    truncated(PHOTOS[0], src / "b.jpg")
-    return src, ("no image of split .train. could be decoded; skipped: a.txt: not an image "
-                 "Pillow can decode; b.jpg: cannot be decoded: truncated")
+  if kind == "no_images":  # In train; validation has one.
+    (src / "train").mkdir()
+    (src / "train" / "a.txt").write_text("text")
+    truncated(PHOTOS[0], src / "train" / "b.jpg")
+    (src / "validation").mkdir()
+    shutil.copy(PHOTOS[1], src / "validation")
+    return src, ("no image of split .train. could be decoded; skipped: train/a.txt: not an "
+                 "image Pillow can decode; train/b.jpg: cannot be decoded: truncated")
   if kind == "loop":
     (src / "cats").mkdir()
     shutil.copy(PHOTOS[0], src / "cats" / "a.jpg")
@@ -378,6 +408,170 @@ def test_command_line_error_is_one_line(tmp_path, monkeypatch):
   assert e.value.code == f"error: --src='{tmp_path}/nowhere': does not exist"
 
 
+def _files_and_contents(folder):
+  found = {}
+  for directory, _, names in os.walk(folder):
+    for name in names:
+      with open(os.path.join(directory, name), "rb") as f:
+        found[os.path.relpath(os.path.join(directory, name), folder)] = f.read()
+  return found
+
+
+def test_one_and_two_workers_write_the_same_dataset(prepared, tmp_path):
+  src, data_dir, report = prepared  # Prepared on one worker, in this process.
+  two = prepare_images.prepare(str(src), "mini", str(tmp_path), image_size=32, encoding="jpeg",
+                               max_pixels=BIG, holdout_fraction=0.1, seed=0, overwrite=False,
+                               beam_args=prepare_images.beam_args("DirectRunner", 2, ""))
+  assert two == report
+  for split in ("train", "test"):
+    records = _records(data_dir, split)
+    assert len(records) == report["splits"][split]["images"]
+    assert _records(str(tmp_path), split) == records  # The same records, in the same order.
+
+
+def _records(data_dir, split):
+  """The stored records of a split of 'mini', in order, as tf.train.Example.
+
+  Parsed: their bytes differ from one process to the next, since protobuf writes
+  the map of an Example's features in an order it varies; their content does not.
+  """
+  shards = sorted(glob.glob(os.path.join(data_dir, "mini", "1.0.0",
+                                         f"mini-{split}.array_record-*")))
+  source = ArrayRecordDataSource(shards)
+  return [tf.train.Example.FromString(source[i]) for i in range(len(source))]
+
+
+def test_without_apache_beam_prepare_says_what_to_install(prepared, tmp_path, monkeypatch):
+  import contrastive_jax.data  # pylint: disable=g-import-not-at-top
+  monkeypatch.setitem(sys.modules, "apache_beam", None)  # Importing it raises ImportError.
+  monkeypatch.delitem(sys.modules, "contrastive_jax.data.prepare_beam", raising=False)
+  monkeypatch.delattr(contrastive_jax.data, "prepare_beam", raising=False)
+  with pytest.raises(JobError, match=r"^prepare_images runs on Apache Beam, which is not "
+                     r"installed: pip install -e '\.\[beam\]'"):
+    prepare_images.prepare(str(prepared[0]), "mini", str(tmp_path), overwrite=False, **_KWARGS)
+  assert not os.listdir(tmp_path)
+
+
+def _dataflow_installed():
+  try:
+    importlib.import_module("apache_beam.runners.dataflow.internal.apiclient")
+    return True
+  except ImportError:
+    return False
+
+
+@pytest.mark.parametrize("runner,match", [
+    ("NoSuchRunner", r"^--runner=NoSuchRunner: Unexpected pipeline runner: NoSuchRunner"),
+    pytest.param("DataflowRunner", r"^--runner=DataflowRunner: cannot start \(.*\); pip "
+                 r"install 'apache-beam\[gcp\]==2.77.0'$", marks=pytest.mark.skipif(
+                     _dataflow_installed(), reason="apache-beam[gcp] is installed"))])
+def test_runner_that_cannot_start_is_one_error_naming_what_to_install(prepared, tmp_path,
+                                                                      runner, match):
+  with pytest.raises(JobError, match=match):
+    prepare_images.prepare(str(prepared[0]), "mini", str(tmp_path), overwrite=False,
+                           beam_args=[f"--runner={runner}"], **_KWARGS)
+  assert not os.listdir(tmp_path)
+
+
+def test_failing_worker_replaces_nothing_and_leaves_no_temporary_folder(prepared, tmp_path,
+                                                                          monkeypatch):
+  src, prepared_dir, _ = prepared
+  data_dir = tmp_path / "tfds"
+  shutil.copytree(prepared_dir, data_dir)
+  before = _files_and_contents(data_dir)
+  load_image = images.load_image
+
+  def dies_on_the_xray(path, **kwargs):  # Not an ImageError: no skip, a failure.
+    if path.endswith("xray.png"):
+      raise RuntimeError("the worker died")
+    return load_image(path, **kwargs)
+
+  monkeypatch.setattr(images, "load_image", dies_on_the_xray)
+  with pytest.raises(JobError, match=r"^the Beam pipeline failed on FnApiRunner: "
+                     r"RuntimeError: the worker died") as e:
+    prepare_images.prepare(str(src), "mini", str(data_dir), overwrite=True,
+                           **dict(_KWARGS, image_size=48))  # Other options: a replacement.
+  assert "\n" not in str(e.value)
+  assert _files_and_contents(data_dir) == before  # No temporary folder either.
+
+
+def test_files_a_runner_loses_are_an_error_not_a_smaller_dataset(prepared, tmp_path,
+                                                                 monkeypatch):
+  from contrastive_jax.data import prepare_beam  # pylint: disable=g-import-not-at-top
+  read_list = prepare_beam.read_list
+  # A file of a shard never read, as the previous design's ReadFromText did with 2 workers.
+  monkeypatch.setattr(prepare_beam, "read_list",
+                      lambda path: [pair for pair in read_list(path)
+                                    if pair[0] != "train/shoes/xray.png"])
+  with pytest.raises(JobError, match=r"^the Beam pipeline on FnApiRunner lost files: split "
+                     r"'train' has 7 examples, but 8 of its 9 files were not reported as "
+                     r"skipped; nothing was replaced$"):
+    prepare_images.prepare(str(prepared[0]), "mini", str(tmp_path), overwrite=False, **_KWARGS)
+  assert not os.listdir(tmp_path)
+
+
+def test_gs_source_is_listed_and_read_as_a_local_one(prepared, tmp_path, monkeypatch):
+  src, data_dir, report = prepared
+  (tmp_path / "gcs").mkdir()
+  emulator = gcs_emulator.start(str(tmp_path / "gcs"), "bucket")
+  try:
+    for name in _files_and_contents(src):  # Every file of the local source, hidden ones too.
+      with open(src / name, "rb") as f:
+        gcs_emulator.upload(emulator, f"photos/{name}", f.read())
+    for name, value in emulator.env.items():
+      monkeypatch.setenv(name, value)
+    on_gs = prepare_images.prepare("gs://bucket/photos", "mini", str(tmp_path / "tfds"),
+                                   overwrite=False, **_KWARGS)
+  finally:
+    emulator.stop()
+  assert on_gs["src"] == "gs://bucket/photos" and on_gs["fingerprint"] != report["fingerprint"]
+  for key in ("classes", "splits", "skipped", "smaller_than_image_size", "warnings", "files"):
+    assert on_gs[key] == report[key], key
+  for split in ("train", "test"):
+    assert _records(str(tmp_path / "tfds"), split) == _records(data_dir, split)
+
+
+def _copy_down(gs_folder, local_folder):
+  """A gs:// folder's files, copied to local_folder (ArrayRecord reads local files)."""
+  for directory, _, names in tf.io.gfile.walk(gs_folder):
+    rel = directory[len(gs_folder):].strip("/")
+    os.makedirs(os.path.join(local_folder, rel), exist_ok=True)
+    for name in names:
+      tf.io.gfile.copy(f"{directory.rstrip('/')}/{name}", os.path.join(local_folder, rel, name))
+
+
+def test_gs_data_dir_gets_the_same_dataset(prepared, tmp_path, monkeypatch):
+  src, data_dir, report = prepared
+  (tmp_path / "gcs").mkdir()
+  emulator = gcs_emulator.start(str(tmp_path / "gcs"), "bucket")
+  try:
+    for name, value in emulator.env.items():
+      monkeypatch.setenv(name, value)
+    on_gs = prepare_images.prepare(str(src), "mini", "gs://bucket/tfds", overwrite=False,
+                                   **_KWARGS)
+    assert tf.io.gfile.listdir("gs://bucket/tfds") == ["mini/"]  # No temporary folder left.
+    _copy_down("gs://bucket/tfds", str(tmp_path / "copy"))
+  finally:
+    emulator.stop()
+  assert on_gs == report
+  for split in ("train", "test"):
+    assert _records(str(tmp_path / "copy"), split) == _records(data_dir, split)
+  assert [ex["file_name"] for ex in _examples("mini", str(tmp_path / "copy"), "train")] == [
+      ex["file_name"] for ex in _examples("mini", data_dir, "train")]
+
+
+def test_gs_source_without_credentials_is_one_clear_error(tmp_path, monkeypatch):
+  for name in ("STORAGE_EMULATOR_HOST", "GOOGLE_APPLICATION_CREDENTIALS"):
+    monkeypatch.delenv(name, raising=False)
+  monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))  # No gcloud credentials file there.
+  monkeypatch.setattr(_metadata, "is_on_gce", lambda request: False)  # As test_gcs.py.
+  with pytest.raises(JobError, match="^--src=gs://no-credentials/photos: no Google Cloud "
+                     "credentials"):
+    prepare_images.prepare("gs://no-credentials/photos", "photos", str(tmp_path / "tfds"),
+                           overwrite=False, **_KWARGS)
+  assert not (tmp_path / "tfds").exists()
+
+
 # prepare_images' command line, each image decoded slowly: time to press Ctrl-C mid-way.
 _SLOW_PREPARE = """
 import time
@@ -398,19 +592,12 @@ def test_ctrl_c_replaces_nothing_and_leaves_no_temporary_folder(prepared, tmp_pa
   data_dir = tmp_path / "tfds"
   shutil.copytree(prepared_dir, data_dir)
 
-  def files_and_contents():
-    found = {}
-    for directory, _, names in os.walk(data_dir):
-      for name in names:
-        with open(os.path.join(directory, name), "rb") as f:
-          found[os.path.relpath(os.path.join(directory, name), data_dir)] = f.read()
-    return found
-
-  before = files_and_contents()
+  before = _files_and_contents(data_dir)
   log = tmp_path / "stderr"
   with open(log, "w") as stderr:  # Other options: it would replace the dataset.
     proc = subprocess.Popen([sys.executable, "-c", _SLOW_PREPARE, f"--src={src}", "--name=mini",
-                             f"--data_dir={data_dir}", "--image_size=48", "--overwrite"],
+                             f"--data_dir={data_dir}", "--image_size=48", "--overwrite",
+                             "--direct_num_workers=1"],  # In this process: patched.
                             stdout=subprocess.PIPE, stderr=stderr, text=True,
                             env=subprocess_env())
   try:
@@ -430,4 +617,65 @@ def test_ctrl_c_replaces_nothing_and_leaves_no_temporary_folder(prepared, tmp_pa
   assert stderr.strip().splitlines()[-1] == (
       f"error: interrupted (Ctrl-C): nothing was replaced: {data_dir}/mini is as it was, and no "
       "partly written copy is left")
-  assert files_and_contents() == before  # No temporary folder either.
+  assert _files_and_contents(data_dir) == before  # No temporary folder either.
+
+
+def test_shards_hold_files_in_hashed_order_of_equal_sizes():
+  examples = {"train": [(f"{c}/{i}.jpg", c) for c in ("a", "b") for i in range(125)],
+              "test": [(f"{c}/t{i}.jpg", c) for c in ("a", "b") for i in range(5)]}
+  shards = prepare_images.shard_examples(examples)  # 100 files a shard at most, here.
+  assert [len(s) for s in shards["train"]] == [83, 83, 84]
+  assert [len(s) for s in shards["test"]] == [10]
+  train = [e for shard in shards["train"] for e in shard]
+  assert sorted(train) == sorted(examples["train"])
+  for shard in shards["train"]:  # Not class by class: a contiguous part holds both.
+    assert 30 < sum(c == "a" for _, c in shard) < 53
+  reordered = {"train": examples["train"][::-1], "test": examples["test"]}
+  assert prepare_images.shard_examples(reordered) == shards  # A function of the files.
+
+
+def test_many_shards_one_empty_read_as_one(prepared, tmp_path, monkeypatch):
+  src, data_dir, report = prepared
+  monkeypatch.setattr(prepare_images, "_MIN_SHARD", 1)  # A shard per file: broken.jpg's empty.
+  many = prepare_images.prepare(str(src), "mini", str(tmp_path), overwrite=False, **_KWARGS)
+  assert many == report
+  shards = glob.glob(os.path.join(tmp_path, "mini", "1.0.0", "mini-train.array_record-*"))
+  assert len(shards) == 9
+  for split in ("train", "test"):
+    assert _records(str(tmp_path), split) == _records(data_dir, split)
+    assert [ex["file_name"] for ex in _examples("mini", str(tmp_path), split)] == [
+        ex["file_name"] for ex in _examples("mini", data_dir, split)]
+
+
+def test_shard_written_twice_is_replaced_whole(prepared, tmp_path):
+  from contrastive_jax.data import prepare_beam  # pylint: disable=g-import-not-at-top
+  src = prepared[0]
+  shard = [["train/hat/0.jpg", "hat"], ["train/hat/broken.jpg", "hat"]]
+  (tmp_path / "files.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in shard))
+  write = prepare_beam.WriteShard(str(src), str(tmp_path),
+                                  prepare_images.features("jpeg", ["hat", "shoes"]),
+                                  max_pixels=BIG, image_size=32)
+  write.setup()
+  element = (str(tmp_path / "files.jsonl"), str(tmp_path / "records"), str(tmp_path / "done"))
+  contents = []
+  for _ in range(2):  # As a retried bundle.
+    assert list(write.process(element)) == [str(tmp_path / "done")]
+    contents.append(ArrayRecordDataSource([str(tmp_path / "records")])[0])
+    done = json.loads((tmp_path / "done").read_text())
+    assert (done["examples"], done["per_class"]) == (1, {"hat": 1})
+    assert [f for f, _ in done["skipped"]] == ["train/hat/broken.jpg"]
+    assert sorted(os.listdir(tmp_path)) == ["done", "files.jsonl", "records"]  # No .part.
+  assert tf.train.Example.FromString(contents[0]) == tf.train.Example.FromString(contents[1])
+
+
+def test_a_dataset_of_an_earlier_version_is_named_as_such(prepared, tmp_path):
+  # Earlier versions wrote TFRecord and fingerprinted contents: same files, other digest.
+  src, _, report = prepared
+  old = tmp_path / "mini" / "1.0.0"
+  old.mkdir(parents=True)
+  (old / "mini-train.tfrecord-00000-of-00001").write_bytes(b"")
+  (old / "prepare_report.json").write_text(json.dumps(dict(report, fingerprint="0" * 64)))
+  with pytest.raises(JobError, match="a TFRecord dataset prepared by an earlier version .* "
+                     "pass --overwrite to prepare it again as ArrayRecord"):
+    prepare_images.prepare(str(src), "mini", str(tmp_path), overwrite=False, image_size=32,
+                           encoding="jpeg", max_pixels=BIG, holdout_fraction=0.1, seed=0)

@@ -273,7 +273,7 @@ def test_a_costly_stream_is_warned_about_once_with_its_numbers(cifar, array_reco
   logged = warnings(cifar[0], cache=False, shuffle_buffer=10_000)
   assert len(logged) == 1
   assert ("shuffle_buffer=10000 of this process's 50000 records" in logged[0]
-          and "mod 50000 records" in logged[0] and "tfds convert_format" in logged[0])
+          and "mod 50000 records" in logged[0] and "file_format='array_record'" in logged[0])
   assert not warnings(cifar[0], cache=True, shuffle_buffer=50_000)  # CIFAR-10's presets.
   assert not warnings(array_record, cache=False, shuffle_buffer=100)
 
@@ -291,3 +291,64 @@ def test_each_process_reads_by_index_the_part_it_would_stream(cifar, array_recor
     assert list(names) == streamed
     # tfds.even_splits: 666 contiguous records each, the last two dropped.
     assert [name.decode() for name in names] == list(ids[666 * process:666 * (process + 1)])
+
+
+def test_a_parquet_dataset_is_read_as_a_stream(tmp_path):
+  # Parquet is TFDS's other random-access format; its records are not bytes, so it is
+  # streamed with as_dataset as before rather than read by index.
+  cifar = tfds.builder("cifar10", data_dir=TFDS_DIR)
+  examples = tfds.as_numpy(cifar.as_dataset(split="train[:20]", shuffle_files=False))
+  tfds.dataset_builders.store_as_tfds_dataset(
+      name="cifar_parquet", version="1.0.0", features=cifar.info.features,
+      split_datasets={"train": ((i, e) for i, e in enumerate(examples))},
+      data_dir=str(tmp_path), file_format="parquet", disable_shuffling=True)
+  source = sources.TfdsSource("cifar_parquet", str(tmp_path))
+  assert not source.random_access
+  ids, labels = source.ids_and_labels("train")
+  expected = tfds.as_numpy(cifar.as_dataset(split="train[:20]", shuffle_files=False))
+  assert [(e["id"].decode(), e["label"]) for e in expected] == list(zip(ids, labels))
+
+
+def test_byol_crop_of_a_one_pixel_image_is_one_pixel_upscaled():
+  view = crops.random_resized_crop(tf.fill([1, 1, 3], tf.constant(7, tf.uint8)),
+                                   tf.constant([1, 2], tf.int64), 8, "byol", 0.08, "tf_bicubic")
+  assert view.shape == (8, 8, 3) and np.all(view.numpy() == 7)
+
+
+@pytest.mark.parametrize("which", ["tfrecord", "array_record"])
+def test_a_process_with_no_example_of_a_split_yields_only_padding(cifar, array_record, which,
+                                                                  monkeypatch):
+  # One image on two hosts: the second host reads nothing but must yield the same
+  # number of batches, all masked.
+  source, split = (cifar[0], "test[:1]") if which == "tfrecord" else (array_record, "train[:1]")
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  batches = {}
+  for process in range(2):
+    monkeypatch.setattr(jax, "process_index", lambda p=process: p)
+    batches[process] = list(tfds.as_numpy(input_pipeline.eval_dataset(
+        source, split, local_batch=4, image_size=32, crop_fraction=1.0,
+        crop_resize="pil_bilinear", threads=1, names=True)))
+  assert [b["mask"].tolist() for b in batches[0]] == [[True, False, False, False]]
+  assert [b["mask"].tolist() for b in batches[1]] == [[False] * 4]
+
+
+def test_records_without_ids_are_named_by_their_position_in_the_split(tmp_path, monkeypatch):
+  cifar = tfds.builder("cifar10", data_dir=TFDS_DIR)
+  features = tfds.features.FeaturesDict({"image": cifar.info.features["image"],
+                                         "label": cifar.info.features["label"]})
+  examples = tfds.as_numpy(cifar.as_dataset(split="train[:10]", shuffle_files=False))
+  tfds.dataset_builders.store_as_tfds_dataset(
+      name="cifar_no_id", version="1.0.0", features=features,
+      split_datasets={"train": ((i, {"image": e["image"], "label": e["label"]})
+                                for i, e in enumerate(examples))},
+      data_dir=str(tmp_path), file_format="array_record", disable_shuffling=True)
+  source = sources.TfdsSource("cifar_no_id", str(tmp_path))
+  ids = list(source.ids_and_labels("train")[0])
+  assert ids == [f"train__{i}" for i in range(10)]
+  monkeypatch.setattr(jax, "process_count", lambda: 2)
+  monkeypatch.setattr(jax, "process_index", lambda: 1)
+  read = [n.decode() for _, _, n in tfds.as_numpy(
+      source.read("train", drop_remainder=False, names=True))]
+  by_index = source.records("train")
+  named = by_index.read(tf.range(len(by_index), dtype=tf.int64))[2].numpy()
+  assert read == ids[5:] == [n.decode() for n in named]

@@ -86,7 +86,8 @@ def load_image(path: str, *, max_pixels: int, shorter_side: Optional[int] = None
   at least shorter_side (Pillow's draft mode), which makes large photos cheap.
 
   Args:
-    path: the file.
+    path: the file, or a binary file object open on it (e.g. tf.io.gfile's,
+      for gs://).
     max_pixels: the largest width x height the header may claim.
     shorter_side: the largest shorter side (pixels) of the result, or None.
   Returns:

@@ -182,11 +182,11 @@ def stream_cost_warning(source, split: str, *, cache: bool, shuffle_buffer: int)
   if source.random_access or not costs:
     return None
   return (f"{source.name} {split} is stored as TFRecord and read as a stream: "
-          f"{'; '.join(costs)}. Convert it once to ArrayRecord for a fresh full shuffle every "
-          "epoch and resumes at no cost: pip install apache-beam; tfds convert_format "
-          "--dataset_version_dir=DATA_DIR/NAME/VERSION --out_file_format=array_record "
-          "--out_dir=NEW_DATA_DIR/NAME/VERSION, then set data_dir=NEW_DATA_DIR "
-          "(docs/design.md, Data order).")
+          f"{'; '.join(costs)}. Prepare it once as ArrayRecord for a fresh full shuffle every "
+          "epoch and resumes at no cost: an image folder with prepare_images (it writes "
+          f"ArrayRecord), a TFDS dataset with tfds.builder('{source.name}', "
+          "data_dir=NEW_DATA_DIR, file_format='array_record').download_and_prepare(), then "
+          "set data_dir=NEW_DATA_DIR (docs/design.md, Data order).")
 
 
 def eval_dataset(source, split: str, *, local_batch: int, image_size: int,
@@ -201,22 +201,27 @@ def eval_dataset(source, split: str, *, local_batch: int, image_size: int,
   every process yields the same number of batches (multi-host collectives
   need it).
   """
-  num_batches = -(-max(source.process_counts(split)) // local_batch)
+  counts = source.process_counts(split)
+  num_batches = -(-max(counts) // local_batch)
 
   def example(image, label, name=None):
     named = {} if name is None else {"name": name}
     return {"image": center_crop(image, image_size, crop_fraction, crop_resize), "label": label,
             "mask": True, **named}
 
-  ds = source.read(split, drop_remainder=False, names=names).map(
-      example, num_parallel_calls=threads)
-  if cache:
-    ds = ds.cache()
   pad = tf.data.Dataset.from_tensors({
       "image": tf.zeros([image_size, image_size, 3], tf.uint8),
       "label": tf.constant(0, tf.int32), "mask": False,
       **({"name": tf.constant("")} if names else {})}).repeat()
-  ds = ds.concatenate(pad).take(num_batches * local_batch)
+  if counts[jax.process_index()]:
+    ds = source.read(split, drop_remainder=False, names=names).map(
+        example, num_parallel_calls=threads)
+    if cache:
+      ds = ds.cache()
+    ds = ds.concatenate(pad)
+  else:  # A split smaller than the process count leaves this process nothing to read.
+    ds = pad
+  ds = ds.take(num_batches * local_batch)
   ds = ds.batch(local_batch, drop_remainder=True).prefetch(2)
   return ds.with_options(_options(threads))
 

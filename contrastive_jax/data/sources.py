@@ -14,11 +14,13 @@ order every epoch and resumes anywhere at no cost (input_pipeline.py). TFDS
 reads such a dataset only through its data source (as_dataset refuses it), so
 every read of it goes through Records, sequentially for evaluation.
 """
+import atexit
 import functools
 import hashlib
 import operator
 import os
 import threading
+import time
 from typing import Optional, Protocol, runtime_checkable
 
 import jax
@@ -80,6 +82,47 @@ class Source(Protocol):
 READ_BATCH = 256
 
 
+class _Fetches:
+  """The Records fetches (tf.py_function calls into Python) in flight, process-wide.
+
+  A tf.py_function call still running when Python finalizes never gets the
+  GIL back, and destroying a tf.data iterator waits for its calls: a job that
+  exits while its pipeline is still filling its buffers would hang at exit
+  (seen about one exit in three). wait_until_idle, run at exit before
+  finalization, lets the pipelines fill their buffers and stop fetching.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._running = 0
+    self._last = 0.0
+    self._registered = False
+
+  def start(self):
+    with self._lock:
+      self._running += 1
+      if not self._registered:
+        atexit.register(self.wait_until_idle)
+        self._registered = True
+
+  def end(self):
+    with self._lock:
+      self._running -= 1
+      self._last = time.monotonic()
+
+  def wait_until_idle(self, quiet: float = 0.5, timeout: float = 60.0):
+    """Returns once no fetch has run for `quiet` seconds (or after `timeout` seconds)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+      with self._lock:
+        if self._running == 0 and time.monotonic() - self._last >= quiet:
+          return
+      time.sleep(0.05)
+
+
+_FETCHES = _Fetches()
+
+
 class Records:
   """Records of a TFDS dataset in a random-access format, by index: a tf.data bridge.
 
@@ -96,8 +139,12 @@ class Records:
   Every record fetched adds one to the source's records_read.
   """
 
-  def __init__(self, source, spec, indices: Optional[np.ndarray] = None):
+  def __init__(self, source, spec, indices: Optional[np.ndarray] = None, *,
+               names: Optional[tuple] = None):
+    # Names of id-less records: (split, position of record 0 in it), so that a
+    # process's part names its records as the whole split does (ids_and_labels).
     self._source, self._spec = source, spec
+    self._names = names or (str(spec), 0)
     self._data = source._builder.as_data_source(  # pylint: disable=protected-access
         spec, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
     self._indices = indices
@@ -106,20 +153,28 @@ class Records:
     return len(self._data) if self._indices is None else len(self._indices)
 
   def _fetch(self, indices):
-    fetched = self._data.__getitems__(indices.numpy().tolist())
+    _FETCHES.start()
+    try:
+      # One record at a time: __getitems__ reads through a thread pool, which
+      # refuses work once the interpreter shuts down (a traceback at every exit).
+      fetched = [self._data[i] for i in indices.numpy().tolist()]
+    finally:
+      _FETCHES.end()
     self._source.count_read(len(fetched))
     return tf.constant(fetched, tf.string, shape=[len(fetched)])
 
   def read(self, indices):
     """(image string [k], label int32 [k], name string [k]) of the records at int64 indices [k].
 
-    name: the example's first of ID_FEATURES, else '<spec>__<index>' (its
-    position in the split spec, as TFDS's record ids name a position).
+    name: the example's first of ID_FEATURES, else '<split>__<position in the
+    split>' (the names given, else the spec and the index in it), as TFDS's
+    record ids name a position.
     """
     at = indices if self._indices is None else tf.gather(self._indices, indices)
     serialized = tf.py_function(self._fetch, [at], tf.string)
     serialized.set_shape(indices.shape)
-    return self._source.parse(serialized, at, str(self._spec))
+    prefix, offset = self._names
+    return self._source.parse(serialized, at + offset, prefix)
 
   def decode(self, image):
     """uint8 [H, W, 3] of one encoded image, decoded as TFDS's as_dataset decodes it."""
@@ -178,8 +233,10 @@ class TfdsSource:
     self._num_classes = features["label"].num_classes if "label" in features else None
     self.class_names = features["label"].names if "label" in features else None
     self._id_feature = next((name for name in ID_FEATURES if name in features), None)
+    # ArrayRecord only: TFDS's other random-access format, Parquet, hands its records
+    # over as memoryviews, and its datasets are read as a stream (as_dataset) as before.
     self.random_access = (self._builder.info.file_format
-                          in tfds.core.file_adapters.FileFormat.with_random_access())
+                          == tfds.core.file_adapters.FileFormat.ARRAY_RECORD)
     # Records fetched by index (Records.read), counted for tests and benchmarks.
     self.records_read = 0
     self._lock = threading.Lock()
@@ -218,7 +275,9 @@ class TfdsSource:
       ValueError: the dataset is not stored in a random-access format.
     """
     self._check_random_access()
-    return Records(self, tfds.split_for_jax_process(split, drop_remainder=True))
+    counts = self.process_counts(split, drop_remainder=True)
+    return Records(self, tfds.split_for_jax_process(split, drop_remainder=True),
+                   names=(split, sum(counts[:jax.process_index()])))
 
   def count_read(self, count: int):
     """Adds `count` records to records_read (Records' fetches; thread-safe)."""
@@ -249,8 +308,9 @@ class TfdsSource:
     A name is the first of ID_FEATURES the dataset has ('file_name' for
     prepared image folders), else its TFDS record id.
     """
+    counts = self.process_counts(split, drop_remainder=drop_remainder)
     return self._read(tfds.split_for_jax_process(split, drop_remainder=drop_remainder),
-                      decode, names)
+                      decode, names, (split, sum(counts[:jax.process_index()])))
 
   def read_range(self, split: str, start: int, stop: int, *, decode: bool = True):
     """Examples start to stop - 1 of `split` in read order (that of ids_and_labels), as read().
@@ -267,13 +327,15 @@ class TfdsSource:
         parts.append(tfds.core.ReadInstruction(part.splitname, from_=first + lo, to=first + hi,
                                                unit="abs"))
       offset += last - first
-    return self._read(functools.reduce(operator.add, parts), decode)
+    return self._read(functools.reduce(operator.add, parts), decode, names=False,
+                      record_names=(split, start))
 
   def ids_and_labels(self, split: str):
     """(ids, labels) of every example of `split` in read order; images are not decoded.
 
     ids: object [N] of str, the first of ID_FEATURES the dataset has, else
-    TFDS's record id (file and position); labels: int32 [N] (-1 if unlabeled).
+    TFDS's record id (file and position; '<split>__<position>' for ArrayRecord);
+    labels: int32 [N] (-1 if unlabeled).
     Every process reads the whole split.
     """
     if self.random_access:
@@ -295,10 +357,14 @@ class TfdsSource:
       labels.append(batch.get("label", np.full(len(names), -1)))
     return np.array(ids, dtype=object), np.concatenate(labels).astype(np.int32)
 
-  def _read(self, split, decode: bool, names: bool = False) -> tf.data.Dataset:
-    """(image, label[, name]) of a split spec or tfds.core.ReadInstruction, in read order."""
+  def _read(self, split, decode: bool, names: bool = False,
+            record_names: Optional[tuple] = None) -> tf.data.Dataset:
+    """(image, label[, name]) of a split spec or tfds.core.ReadInstruction, in read order.
+
+    record_names: Records' names of id-less ArrayRecord records, (split, first position).
+    """
     if self.random_access:
-      return Records(self, split).in_order(decode=decode, names=names)
+      return Records(self, split, names=record_names).in_order(decode=decode, names=names)
     ds = self._builder.as_dataset(
         split=split, shuffle_files=False,
         decoders=None if decode else {"image": tfds.decode.SkipDecoding()},
@@ -415,8 +481,10 @@ def select_labelled(ids, labels, fraction: float, seed: int):
   smallest (ties by id): the semi-supervised subsets of SimCLR (Chen et al.
   2020, Sec. 6: 1% and 10% of ImageNet, sampled class-balanced). The choice is
   a function of the (id, label) pairs and the seed only, never of their order,
-  of how the data is stored or of the process count; images added to a class
-  change its subset only where they outrank kept ones or change its count.
+  of how the data is stored or of the process count (for a dataset without an
+  id feature the ids are TFDS's record positions, which name the file in
+  TFRecord and not in ArrayRecord); images added to a class change its subset
+  only where they outrank kept ones or change its count.
 
   Args:
     ids: [N] str, unique per example; labels: int [N], >= 0.
