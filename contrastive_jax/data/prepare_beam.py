@@ -23,6 +23,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from PIL import Image
 import tensorflow as tf
 
+from contrastive_jax.core import files
 from contrastive_jax.core.errors import ImageError
 from contrastive_jax.data import images
 
@@ -44,6 +45,9 @@ def read_image(path: str, *, max_pixels: int, shorter_side: int | None):
 
 def write_atomically(path: str, scratch: str, write) -> None:
   """Calls write(local_path), then puts that file at path (local or gs://) in one step.
+
+  For writers that need a local path (ArrayRecordWriter); content held in
+  memory goes through core.files.write_atomic.
 
   Locally the file is written in scratch (a folder on path's file system) and
   renamed over path; for gs:// it is written to a local temporary file and
@@ -76,11 +80,6 @@ def _write_records(path: str, records) -> None:
       writer.write(record)
   finally:
     writer.close()
-
-
-def _write_text(path: str, text: str) -> None:
-  with open(path, "w") as f:
-    f.write(text)
 
 
 def read_list(path: str):
@@ -137,8 +136,7 @@ class WriteShard(beam.DoFn):
     write_atomically(records_path, self._scratch,
                      lambda path: _write_records(path, self._records(pairs, done)))
     done["num_bytes"] = tf.io.gfile.stat(records_path).length
-    write_atomically(done_path, self._scratch,
-                     lambda path: _write_text(path, json.dumps(done)))
+    files.write_atomic(done_path, json.dumps(done))
     yield done_path
 
 
