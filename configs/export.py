@@ -4,8 +4,9 @@
       --config.pretrain_workdir=PRETRAIN_DIR --config.format=saved_model
 
 config.format: 'safetensors' (a torchvision / timm state dict, numpy only), 'pth'
-(the same through torch.save; needs torch) or 'saved_model' (TF SavedModel with a
-serving signature on uint8 images of any size). The encoder's architecture, image
+(the same through torch.save; needs torch), 'saved_model' (TF SavedModel with a
+serving signature on uint8 images of any size) or 'onnx' (an ONNX model on uint8 images
+centre-cropped to the image size; needs the onnx extra). The encoder's architecture, image
 size and eval crop come from the checkpoint's own config.
 """
 import ml_collections
@@ -21,5 +22,5 @@ def get_config(variant: str = ""):
   config.job = "export"
   recipes.pretrained_encoder_fields(config)
   config.format = "safetensors"
-  config.projection = False  # saved_model only: serve z (the projection head's output) too.
+  config.projection = False  # saved_model and onnx: serve z (the projection head's output) too.
   return config

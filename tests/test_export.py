@@ -56,6 +56,15 @@ def _project_h(pretrained, images):
   return encoder, np.asarray(models.encode(encoder.module, encoder.variables, crops))
 
 
+def _crops(pretrained, images):
+  """uint8 images centre-cropped as the evaluation of the checkpoint in workdir pretrained does."""
+  encoder, _ = _project_h(pretrained, images[:1])
+  config = encoder.pretrained
+  return np.stack([input_pipeline.center_crop(tf.constant(image), config.image_size,
+                                              config.eval_crop_fraction,
+                                              config.crop_resize).numpy() for image in images])
+
+
 def _relative(h, ref):
   return float(np.max(np.abs(np.asarray(h) - ref)) / np.max(np.abs(ref)))
 
@@ -85,8 +94,8 @@ def test_an_export_is_never_overwritten(pretrained, tmp_path):
 
 
 def test_bad_export_formats_are_refused_before_anything_is_read(tmp_path):
-  with pytest.raises(ConfigError, match="config.format='onnx': must be one of"):
-    export.run(export_config(str(tmp_path), "onnx"), str(tmp_path / "out"))
+  with pytest.raises(ConfigError, match="config.format='tflite': must be one of"):
+    export.run(export_config(str(tmp_path), "tflite"), str(tmp_path / "out"))
   if importlib.util.find_spec("torch") is None:
     with pytest.raises(ConfigError, match=r"'pth' needs torch"):
       export.run(export_config(str(tmp_path), "pth"), str(tmp_path / "out"))
@@ -197,3 +206,30 @@ def test_saved_model_serves_the_projection_too_when_asked(pretrained, tmp_path):
   config.format = "safetensors"
   with pytest.raises(ConfigError, match="config.projection=True: must be False for a state"):
     export.run(config, str(tmp_path / "out2"))
+
+
+def test_onnx_export_gives_the_projects_h_and_z_under_onnx_runtime(pretrained, tmp_path):
+  import onnx
+  import onnxruntime
+  config = export_config(pretrained, "onnx")
+  config.projection = True
+  path = export.run(config, str(tmp_path / "out"))
+  images = np.random.default_rng(3).integers(0, 256, (3, 45, 38, 3), dtype=np.uint8)
+  encoder, h = _project_h(pretrained, images)
+  projector, variables = export.restore_projector(config, encoder, mesh_lib.make_mesh())
+  z = np.asarray(projector.apply(variables, h, train=False))
+  session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
+  got_h, got_z = session.run(["h", "z"], {"images": _crops(pretrained, images)})
+  assert _relative(got_h, h) < TOLERANCE and _relative(got_z, z) < TOLERANCE
+  metadata = {p.key: p.value for p in onnx.load(path).metadata_props}
+  assert metadata["image_size"] == "32" and metadata["pretrain_step"] == str(encoder.step)
+  assert metadata["crop_resize"] == encoder.pretrained.crop_resize
+
+
+def test_onnx_export_without_the_onnx_package_is_refused_in_one_line(tmp_path, monkeypatch):
+  find_spec = importlib.util.find_spec
+  monkeypatch.setattr(importlib.util, "find_spec",
+                      lambda name, *a: None if name == "onnx" else find_spec(name, *a))
+  with pytest.raises(ConfigError, match=r"'onnx' needs the onnx package \(pip install"):
+    export.run(export_config(str(tmp_path), "onnx"), str(tmp_path / "out"))
+  assert not (tmp_path / "out" / export.META).exists()

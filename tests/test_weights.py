@@ -20,6 +20,7 @@ from reference_outputs import make
 from contrastive_jax.core.errors import WeightsError
 from contrastive_jax.core import tensor_files
 from contrastive_jax import models
+from contrastive_jax.models import onnx_graph
 from contrastive_jax.models import state_dicts
 
 HAVE_TORCH = all(importlib.util.find_spec(m) for m in ("torch", "torchvision", "timm"))
@@ -253,3 +254,38 @@ def test_a_moco_pth_tar_checkpoint_is_read_with_its_prefix_and_heads_left_out(tm
   (tmp_path / "junk.pth").write_bytes(b"not a pickle")
   with pytest.raises(WeightsError, match="not a PyTorch checkpoint torch can read safely"):
     tensor_files.read(str(tmp_path / "junk.pth"))
+
+
+def _onnx_h(config, tensors, size, images):
+  import onnxruntime
+  model = onnx_graph.build(config, tensors, size)
+  session = onnxruntime.InferenceSession(model.SerializeToString(),
+                                         providers=["CPUExecutionProvider"])
+  return session.run([onnx_graph.H], {onnx_graph.INPUT: images})[0]
+
+
+@pytest.mark.parametrize("case", list(make.CASES))
+def test_onnx_graph_gives_the_reference_implementations_h(case):
+  config, size = make.model_config(case), make.CASES[case][1]
+  variables = state_dicts.from_state_dict(make.random_state_dict(case), "x", config, size)
+  tensors = state_dicts.to_state_dict(config, variables, size)
+  assert _relative(_onnx_h(config, tensors, size, make.images(case)), _committed(case)) < TOLERANCE
+
+
+@pytest.mark.parametrize("stem", ["imagenet", "cifar"])
+@pytest.mark.parametrize("padding", ["tensorflow", "same", "legacy"])
+@pytest.mark.parametrize("size", [32, 45])
+def test_onnx_graph_pads_as_each_rule_on_even_and_odd_images(stem, padding, size):
+  config = make.model_config("torchvision_resnet18")
+  config.update(stem=stem, padding=padding, width=0.125)
+  encoder = models.build_encoder(config)
+  rng = np.random.default_rng(size)
+  variables = encoder.init(jax.random.PRNGKey(0), np.zeros((1, size, size, 3), np.float32),
+                           train=False)
+  # Non-trivial BN statistics and shifts, so that a misplaced one shows.
+  variables = jax.tree.map(lambda v: np.asarray(v) + rng.uniform(0.1, 0.5, v.shape)
+                           .astype(np.float32), variables)
+  images = rng.integers(0, 256, (3, size, size, 3), dtype=np.uint8)
+  want = np.asarray(models.encode(encoder, variables, images))
+  tensors = state_dicts.to_state_dict(config, variables, size)
+  assert _relative(_onnx_h(config, tensors, size, images), want) < TOLERANCE

@@ -14,7 +14,11 @@ Formats (FORMATS; docs/weights.md says what reads each):
       (input_pipeline.center_crop at the checkpoint's image size, eval crop and resize, then the
       model's [0, 1] scaling and standardisation) and returns {'h': float32 [N, D]}
       (jax2tf, the batch size polymorphic), for TF Serving; with config.projection
-      also 'z', the projection head's eval-mode output.
+      also 'z', the projection head's eval-mode output;
+  'onnx': OUT/encoder.onnx (needs the onnx package), an ONNX model (models/onnx_graph.py)
+      that takes uint8 images [N, S, S, 3] already centre-cropped to the checkpoint's image
+      size S as the evaluation crops them (its metadata says how), scales and standardises
+      them inside and returns 'h' (and 'z' with config.projection), for ONNX Runtime.
 Beside it OUT/export.json records what was exported from where; it is written last,
 so a workdir holding it holds a complete export and is refused. Not a training loop,
 so not run by runner.run.
@@ -39,10 +43,12 @@ from contrastive_jax.data import input_pipeline
 from contrastive_jax.jobs import downstream
 from contrastive_jax.methods import get_method
 from contrastive_jax import models
+from contrastive_jax.models import onnx_graph
 from contrastive_jax.models import state_dicts
 
 FORMATS = {"safetensors": "encoder.safetensors", "pth": "encoder.pth",
-           "saved_model": "saved_model"}
+           "saved_model": "saved_model", "onnx": "encoder.onnx"}
+SERVING = ("saved_model", "onnx")  # The formats that run the encoder, and can serve z too.
 META = downstream.EXPORT_META
 SIGNATURE = "serving_default"
 PROJECTOR = "projector"  # The projection head's name in a method's model (heads.ContrastiveModel).
@@ -53,10 +59,10 @@ def check_config(config):
   projection asked of a format or an encoder that has none."""
   if config.format not in FORMATS:
     raise ConfigError("format", config.format, f"one of {list(FORMATS)}")
-  if config.projection and config.format != "saved_model":
+  if config.projection and config.format not in SERVING:
     raise ConfigError("projection", config.projection,
                       "False for a state dict: torchvision's and timm's models have no "
-                      "projection head (format 'saved_model' serves z too)")
+                      f"projection head (the formats {list(SERVING)} serve z too)")
   if config.projection and (config.random_init or tensor_files.is_weights_file(
       config.pretrain_workdir or "")):
     raise ConfigError("projection", config.projection,
@@ -66,6 +72,10 @@ def check_config(config):
     raise ConfigError("format", config.format, "a format whose writer is installed: 'pth' "
                       "needs torch (pip install 'contrastive_jax[torch]'); 'safetensors' holds "
                       "the same state dict without it")
+  if config.format == "onnx" and importlib.util.find_spec("onnx") is None:
+    raise ConfigError("format", config.format, "a format whose writer is installed: 'onnx' "
+                      "needs the onnx package (pip install 'contrastive_jax[onnx]', which "
+                      "adds ONNX Runtime to read it)")
 
 
 def run(config, workdir: str) -> str:
@@ -89,6 +99,10 @@ def run(config, workdir: str) -> str:
     if jax.process_index() == 0:
       if config.format == "saved_model":
         write_saved_model(path, encoder.module, variables, encoder.pretrained, projector)
+      elif config.format == "onnx":
+        write_onnx(path, variables, encoder.pretrained, projector,
+                   {"pretrain_workdir": str(config.pretrain_workdir),
+                    "pretrain_step": str(encoder.step)})
       else:
         _warn_if_not_the_references_network(encoder.pretrained.model)
         size = encoder.pretrained.image_size
@@ -191,3 +205,18 @@ def write_saved_model(path: str, module, variables, pretrained, projector=None):
   holder.serve = serve
   tf.saved_model.save(holder, tmp, signatures={SIGNATURE: serve})
   tf.io.gfile.rename(tmp, path, overwrite=False)
+
+
+def write_onnx(path: str, variables, pretrained, projector=None, source=None):
+  """Writes the encoder (and projector: None, or restore_projector's) as an ONNX model to
+  path atomically (models/onnx_graph.py). Its metadata records the input it expects: the
+  image size, eval crop fraction and resize method of the checkpoint's evaluation, and
+  source (a dict of strings: where the weights come from)."""
+  model_config, size = pretrained.model, pretrained.image_size
+  tensors = state_dicts.to_state_dict(model_config, variables, size)
+  metadata = {"input": f"uint8 [N, {size}, {size}, 3] RGB, centre-cropped as "
+                       "contrastive_jax.data.input_pipeline.center_crop does",
+              "image_size": str(size), "eval_crop_fraction": str(pretrained.eval_crop_fraction),
+              "crop_resize": pretrained.crop_resize, **(source or {})}
+  model = onnx_graph.build(model_config, tensors, size, projector, metadata)
+  files.write_atomic(path, model.SerializeToString())

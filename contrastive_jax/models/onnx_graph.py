@@ -1,0 +1,237 @@
+"""The encoder (and optionally its projection head) as an ONNX model, for ONNX Runtime and
+the runtimes that read ONNX (TensorRT, Triton, OpenVINO).
+
+The graph is built node by node with the onnx package's helpers from the encoder's
+reference-layout state dict (state_dicts.to_state_dict) and computes this package's
+forward pass: the ResNet of resnet.py under its config's padding rule (PADDINGS, each
+'SAME' made explicit for the export's image size) and the ViT of vit.py. It is built here
+rather than converted because no converter handles these models: jax2tf emits an
+XlaCallModule op that tf2onnx cannot read, and jax2onnx requires an older orbax and
+mis-lays the ResNet's BN outputs (docs/weights.md).
+
+The model's input 'images' is uint8 [N, S, S, 3] (N dynamic; S the pretraining image
+size), already centre-cropped and resized as the evaluation does (the ONNX metadata
+names the crop); inside, the pixels are scaled to [0, 1] and standardised as
+models.encode and the model do. Outputs: 'h' float32 [N, D] and, with a projection head,
+'z' float32 [N, d] (its eval-mode output). Everything computes in float32, whatever the
+config's compute dtype. Opset 17 (LayerNormalization; GELU as its erf formula).
+"""
+from typing import Dict, Optional
+
+import flax
+import jax
+import numpy as np
+
+from contrastive_jax import models
+from contrastive_jax.models import resnet
+from contrastive_jax.models import vit
+
+OPSET = 17
+INPUT, H, Z = "images", "h", "z"
+BN_EPSILON = 1e-5  # resnet.py's and heads.py's BatchNorm.
+
+
+class _Graph:
+  """Nodes and initialisers of one graph; each op's single output gets a fresh name."""
+
+  def __init__(self):
+    from onnx import helper, numpy_helper  # The 'onnx' extra: imported only to export.
+    self._helper, self._numpy_helper = helper, numpy_helper
+    self.nodes, self.initializers, self._count = [], [], 0
+
+  def const(self, array, dtype=np.float32) -> str:
+    name = f"const_{len(self.initializers)}"
+    self.initializers.append(self._numpy_helper.from_array(np.asarray(array, dtype), name))
+    return name
+
+  def op(self, op_type: str, *inputs: str, output: Optional[str] = None, **attributes) -> str:
+    self._count += 1
+    output = output or f"{op_type.lower()}_{self._count}"
+    self.nodes.append(self._helper.make_node(op_type, list(inputs), [output], **attributes))
+    return output
+
+
+def _explicit(padding, size: int, kernel: int, stride: int):
+  """(before, after) pixels of a flax padding (an explicit [(b, a), (b, a)] or 'SAME', which
+  pads max(0, (ceil(size / stride) - 1) * stride + kernel - size) split with the odd pixel
+  after) on a size-pixel side."""
+  if padding != "SAME":
+    return tuple(padding[0])
+  total = max(0, (-(-size // stride) - 1) * stride + kernel - size)
+  return total // 2, total - total // 2
+
+
+def _conv(g: _Graph, x: str, size: int, weight: np.ndarray, stride: int, padding,
+          bias: Optional[np.ndarray] = None):
+  """A [O, I, k, k] convolution of NCHW x on size x size pixels; returns (y, its size)."""
+  kernel = weight.shape[-1]
+  before, after = _explicit(padding, size, kernel, stride)
+  inputs = [x, g.const(weight)] + ([] if bias is None else [g.const(bias)])
+  y = g.op("Conv", *inputs, kernel_shape=[kernel, kernel], strides=[stride, stride],
+           pads=[before, before, after, after])
+  return y, (size + before + after - kernel) // stride + 1
+
+
+def _bn(g: _Graph, x: str, scale, bias, mean, var) -> str:
+  """Eval-mode BN of [N, C, ...] x: (x - mean) / sqrt(var + eps) * scale + bias."""
+  return g.op("BatchNormalization", x, *(g.const(v) for v in (scale, bias, mean, var)),
+              epsilon=BN_EPSILON)
+
+
+def _torch_bn(g: _Graph, x: str, tensors, name: str) -> str:
+  return _bn(g, x, *(tensors[f"{name}.{k}"] for k in ("weight", "bias", "running_mean",
+                                                       "running_var")))
+
+
+def _pixels(g: _Graph, model_config) -> str:
+  """uint8 NHWC images -> standardised float32 NCHW, as models.encode and the model do."""
+  mean = np.asarray(model_config.get("input_mean", (0.0, 0.0, 0.0)), np.float32)
+  std = np.asarray(model_config.get("input_std", (1.0, 1.0, 1.0)), np.float32)
+  x = g.op("Div", g.op("Cast", INPUT, to=1), g.const(255.0))  # to=1: FLOAT.
+  x = g.op("Div", g.op("Sub", x, g.const(mean)), g.const(std))
+  return g.op("Transpose", x, perm=[0, 3, 1, 2])
+
+
+def _resnet(g: _Graph, x: str, size: int, model_config, tensors) -> str:
+  """resnet.ResNet's forward pass on NCHW x; returns h [N, C]."""
+  block_type, stage_sizes = models.RESNET_SPECS[model_config.name]
+  rule = models.resnet_padding(model_config)
+  conv = lambda x, size, name, stride=1, stem=False: _conv(
+      g, x, size, tensors[name], stride,
+      resnet.conv_padding(tensors[name].shape[-1], stride, rule, stem))
+  if model_config.stem == "cifar":
+    x, size = conv(x, size, "conv1.weight")
+    x = g.op("Relu", _torch_bn(g, x, tensors, "bn1"))
+  else:
+    x, size = conv(x, size, "conv1.weight", 2, stem=True)
+    x = g.op("Relu", _torch_bn(g, x, tensors, "bn1"))
+    before, after = _explicit(resnet.max_pool_padding(rule), size, 3, 2)
+    x = g.op("MaxPool", x, kernel_shape=[3, 3], strides=[2, 2],
+             pads=[before, before, after, after])  # ONNX pads never win the max (-inf).
+    size = (size + before + after - 3) // 2 + 1
+  convs = 2 if block_type == "basic" else 3
+  strided = 1 if block_type == "basic" else 2  # The conv that strides (torchvision v1.5).
+  for stage, blocks in enumerate(stage_sizes):
+    for j in range(blocks):
+      name, stride = f"layer{stage + 1}.{j}", 2 if stage > 0 and j == 0 else 1
+      y, y_size = x, size
+      for c in range(1, convs + 1):
+        y, y_size = conv(y, y_size, f"{name}.conv{c}.weight", stride if c == strided else 1)
+        y = _torch_bn(g, y, tensors, f"{name}.bn{c}")
+        if c < convs:
+          y = g.op("Relu", y)
+      if f"{name}.downsample.0.weight" in tensors:
+        x, _ = conv(x, size, f"{name}.downsample.0.weight", stride)
+        x = _torch_bn(g, x, tensors, f"{name}.downsample.1")
+      x, size = g.op("Relu", g.op("Add", y, x)), y_size
+  return g.op("Flatten", g.op("GlobalAveragePool", x), axis=1)
+
+
+def _layer_norm(g: _Graph, x: str, tensors, name: str) -> str:
+  return g.op("LayerNormalization", x, g.const(tensors[f"{name}.weight"]),
+              g.const(tensors[f"{name}.bias"]), axis=-1, epsilon=vit.LN_EPSILON)
+
+
+def _linear(g: _Graph, x: str, tensors, name: str) -> str:
+  """A torch Linear ([out, in] weight) on [..., in] x."""
+  y = g.op("MatMul", x, g.const(tensors[f"{name}.weight"].T))
+  return g.op("Add", y, g.const(tensors[f"{name}.bias"]))
+
+
+def _vit(g: _Graph, x: str, size: int, model_config, tensors) -> str:
+  """vit.ViT's forward pass on NCHW x; returns h [N, D] (the class token after the last LN)."""
+  d, heads = models.vit_width(model_config), models.vit_heads(model_config)
+  p = model_config.patch_size
+  x, grid = _conv(g, x, size, tensors["patch_embed.proj.weight"], p, [(0, 0), (0, 0)],
+                  tensors["patch_embed.proj.bias"])
+  x = g.op("Transpose", g.op("Reshape", x, g.const([0, d, grid * grid], np.int64)),
+           perm=[0, 2, 1])  # [N, T - 1, D], patches row-major as vit.py's reshape.
+  batch = g.op("Slice", g.op("Shape", x), g.const([0], np.int64), g.const([1], np.int64))
+  cls = g.op("Expand", g.const(tensors["cls_token"]),
+             g.op("Concat", batch, g.const([1, d], np.int64), axis=0))
+  # pos_embed: learned, or the sin-cos table with the class token's row zero (state_dicts).
+  x = g.op("Add", g.op("Concat", cls, x, axis=1), g.const(tensors["pos_embed"]))
+  head_dim = d // heads
+  for i in range(model_config.depth):
+    name = f"blocks.{i}"
+    qkv = _linear(g, _layer_norm(g, x, tensors, f"{name}.norm1"), tensors, f"{name}.attn.qkv")
+    qkv = g.op("Transpose", g.op("Reshape", qkv, g.const([0, 0, 3, heads, head_dim], np.int64)),
+               perm=[2, 0, 3, 1, 4])  # [3, N, heads, T, head_dim]
+    q, k, v = (g.op("Gather", qkv, g.const(j, np.int64), axis=0) for j in range(3))
+    logits = g.op("MatMul", q, g.op("Transpose", k, perm=[0, 1, 3, 2]))
+    weights = g.op("Softmax", g.op("Div", logits, g.const(head_dim**0.5)), axis=-1)
+    out = g.op("Transpose", g.op("MatMul", weights, v), perm=[0, 2, 1, 3])
+    out = g.op("Reshape", out, g.const([0, 0, d], np.int64))
+    x = g.op("Add", x, _linear(g, out, tensors, f"{name}.attn.proj"))
+    y = _linear(g, _layer_norm(g, x, tensors, f"{name}.norm2"), tensors, f"{name}.mlp.fc1")
+    # Exact GELU, y * (1 + erf(y / sqrt(2))) / 2 (vit.py: approximate=False).
+    y = g.op("Mul", g.op("Mul", y, g.const(0.5)),
+             g.op("Add", g.const(1.0), g.op("Erf", g.op("Div", y, g.const(2.0**0.5)))))
+    x = g.op("Add", x, _linear(g, y, tensors, f"{name}.mlp.fc2"))
+  x = _layer_norm(g, x, tensors, "norm")
+  return g.op("Gather", x, g.const(0, np.int64), axis=1)
+
+
+def _projection(g: _Graph, h: str, module, variables) -> str:
+  """heads.MLP's eval-mode forward pass on h [N, D]; module: the MLP, variables its
+  {'params', 'batch_stats'}."""
+  params, stats = variables["params"], variables.get("batch_stats", {})
+  dense = iter(range(len(module.hidden_dims) + 1))
+  norm = iter(range(len(module.hidden_dims) + 1))
+
+  def linear(x):
+    layer = params[f"Dense_{next(dense)}"]
+    x = g.op("MatMul", x, g.const(layer["kernel"]))
+    return g.op("Add", x, g.const(layer["bias"])) if "bias" in layer else x
+
+  def bn(x):
+    name = f"BatchNorm_{next(norm)}"
+    width = stats[name]["mean"].shape[0]
+    return _bn(g, x, params[name].get("scale", np.ones(width)),
+               params[name].get("bias", np.zeros(width)), stats[name]["mean"], stats[name]["var"])
+
+  x = h
+  for _ in module.hidden_dims:
+    x = linear(x)
+    x = g.op("Relu", bn(x) if module.use_bn else x)
+  x = linear(x)
+  return bn(x) if module.final_bn else x
+
+
+def build(model_config, tensors: Dict[str, np.ndarray], image_size: int, projector=None,
+          metadata: Optional[Dict[str, str]] = None):
+  """The onnx.ModelProto of the encoder (see the module docstring), checked by onnx.checker.
+
+  Args:
+    model_config: the encoder's model config (models.build_encoder's).
+    tensors: its state dict, state_dicts.to_state_dict(model_config, variables, image_size).
+    image_size: S, the side of the input images in pixels.
+    projector: None, or (heads.MLP module, its {'params', 'batch_stats'}) to output 'z' too.
+    metadata: strings stored as the model's metadata_props (the eval crop, the source).
+  Raises:
+    ImportError: the onnx package is not installed (the 'onnx' extra).
+  """
+  from onnx import TensorProto, checker, helper
+  g = _Graph()
+  x = _pixels(g, model_config)
+  family = _vit if model_config.name in models.VIT_SPECS else _resnet
+  h = g.op("Identity", family(g, x, image_size, model_config, tensors), output=H)
+  outputs = [helper.make_tensor_value_info(H, TensorProto.FLOAT,
+                                           ["batch", models.encoder_width(model_config)])]
+  if projector is not None:
+    module, variables = projector
+    variables = jax.tree.map(np.asarray, flax.core.unfreeze(variables))
+    g.op("Identity", _projection(g, h, module, variables), output=Z)
+    outputs.append(helper.make_tensor_value_info(Z, TensorProto.FLOAT,
+                                                 ["batch", module.out_dim]))
+  graph = helper.make_graph(
+      g.nodes, "contrastive_jax_encoder",
+      [helper.make_tensor_value_info(INPUT, TensorProto.UINT8,
+                                     ["batch", image_size, image_size, 3])],
+      outputs, g.initializers)
+  model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
+                            producer_name="contrastive_jax")
+  model.ir_version = 8  # The IR of opset 17 (ONNX 1.12): older runtimes read it too.
+  helper.set_model_props(model, metadata or {})
+  checker.check_model(model)
+  return model
