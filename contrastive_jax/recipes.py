@@ -194,21 +194,24 @@ def model(name: str, stem: str, dtype: str, reference: str) -> dict:
   """A model config with the reference's initialisation and input scaling.
 
   reference 'simclr': variance-scaling (TF) convs, zero-initialised last BN
-  scale of each block, inputs in [0, 1], SimCLR's TF padding; 'byol': the same
-  (Haiku's defaults, BYOL's zero-init) with ImageNet standardisation and
-  Haiku's 'SAME' padding; 'torchvision': He-normal fan-out convs, last BN
-  scale 1, ImageNet standardisation, torchvision's symmetric padding (MoCo).
+  scale of each block, inputs in [0, 1], SimCLR's TF padding and a projection
+  shortcut in every stage's first block; 'byol': the same (Haiku's defaults,
+  BYOL's zero-init and projections) with ImageNet standardisation and Haiku's
+  'SAME' padding; 'torchvision': He-normal fan-out convs, last BN scale 1,
+  ImageNet standardisation, torchvision's symmetric padding and shortcuts
+  projected only where the shape changes (MoCo).
   (resnet.PADDINGS says where each pads.) CIFAR-10 recipes replace
   input_mean/input_std with their own statistics.
   """
   imagenet = dict(input_mean=IMAGENET_MEAN, input_std=IMAGENET_STD)
   fields = {"simclr": dict(zero_init_residual=True, conv_init="variance_scaling",
-                           padding="tensorflow", input_mean=(0.0, 0.0, 0.0),
+                           padding="tensorflow", stage_projection=True,
+                           input_mean=(0.0, 0.0, 0.0),
                            input_std=(1.0, 1.0, 1.0)),
             "byol": dict(zero_init_residual=True, conv_init="variance_scaling", padding="same",
-                         **imagenet),
+                         stage_projection=True, **imagenet),
             "torchvision": dict(zero_init_residual=False, conv_init="he_normal",
-                                padding="torchvision", **imagenet)}
+                                padding="torchvision", stage_projection=False, **imagenet)}
   return dict(name=name, width=1.0, stem=stem, dtype=dtype, **fields[reference])
 
 

@@ -20,6 +20,7 @@ from reference_outputs import make
 from contrastive_jax.core.errors import WeightsError
 from contrastive_jax.core import tensor_files
 from contrastive_jax import models
+from contrastive_jax import recipes
 from contrastive_jax.models import onnx_graph
 from contrastive_jax.models import state_dicts
 
@@ -277,7 +278,9 @@ def test_onnx_graph_gives_the_reference_implementations_h(case):
 @pytest.mark.parametrize("size", [32, 45])
 def test_onnx_graph_pads_as_each_rule_on_even_and_odd_images(stem, padding, size):
   config = make.model_config("torchvision_resnet18")
-  config.update(stem=stem, padding=padding, width=0.125)
+  # The references padded so (SimCLR's, BYOL's) project every stage's first shortcut.
+  config.update(stem=stem, padding=padding, width=0.125,
+                stage_projection=padding in ("tensorflow", "same"))
   encoder = models.build_encoder(config)
   rng = np.random.default_rng(size)
   variables = encoder.init(jax.random.PRNGKey(0), np.zeros((1, size, size, 3), np.float32),
@@ -289,3 +292,20 @@ def test_onnx_graph_pads_as_each_rule_on_even_and_odd_images(stem, padding, size
   want = np.asarray(models.encode(encoder, variables, images))
   tensors = state_dicts.to_state_dict(config, variables, size)
   assert _relative(_onnx_h(config, tensors, size, images), want) < TOLERANCE
+
+
+def test_simclr_and_byol_resnets_project_every_stages_first_shortcut():
+  """SimCLR's TF ResNet and BYOL's Haiku ResNet-18 have a 1x1 projection (and its BN) in
+  layer1.0 too: torchvision's ResNet-18 encoder has 11,176,512 parameters, theirs 64 * 64
+  + 2 * 64 = 4,224 more."""
+  count = lambda config: sum(v.size for v in jax.tree.leaves(
+      state_dicts.variable_shapes(ml_collections.ConfigDict(config), 64)["params"]))
+  for reference, want in (("torchvision", 11_176_512), ("simclr", 11_180_736),
+                          ("byol", 11_180_736)):
+    config = recipes.model("resnet18", "imagenet", "float32", reference)
+    assert count(config) == want, reference
+    assert ("layer1.0.downsample.0.weight" in {e.name for e in state_dicts.entries(
+        ml_collections.ConfigDict(config), 64)}) == (reference != "torchvision")
+  # A bottleneck stage's first block changes the width: ResNet-50 is the same network.
+  r50 = [recipes.model("resnet50", "imagenet", "float32", r) for r in ("torchvision", "simclr")]
+  assert count(r50[0]) == count(r50[1]) == 23_508_032

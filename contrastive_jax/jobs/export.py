@@ -121,14 +121,18 @@ def run(config, workdir: str) -> str:
 
 
 def _warn_if_not_the_references_network(model_config):
-  """Logs a warning when the stock model given the state dict computes another h: a ResNet
-  padded otherwise than torchvision (models/resnet.py PADDINGS)."""
+  """Logs a warning when the state dict is not a torchvision network's: a ResNet padded
+  otherwise than torchvision (models/resnet.py PADDINGS), whose dict loads into it but
+  then computes another h, or one with a projection shortcut in every stage's first block
+  (SimCLR's, BYOL's), whose extra layer1.0.downsample tensors a strict load refuses."""
   padding = models.resnet_padding(model_config)
-  if padding not in (None, "torchvision"):
+  if padding not in (None, "torchvision") or model_config.get("stage_projection", False):
     logging.warning(
-        "The checkpoint's ResNet pads as %r, torchvision's ResNet as 'torchvision': the state "
-        "dict loads into it, but that network computes another h from it (docs/weights.md, "
-        "measured differences). The SavedModel computes this package's h.", padding)
+        "The checkpoint's ResNet is not torchvision's (padding %r, a projection shortcut in "
+        "every stage's first block: %s): the state dict holds its tensors in torchvision's "
+        "names, but torchvision's network computes another h from them or refuses them "
+        "(docs/weights.md). The SavedModel and ONNX exports compute this package's h.",
+        padding, bool(model_config.get("stage_projection", False)))
 
 
 def _refuse_existing_export(workdir: str):

@@ -41,14 +41,14 @@ def encode(encoder, variables, images):
 # a saved config without them gets the values the code had then.
 _MODEL_DEFAULTS = dict(zero_init_residual=True, conv_init="he_normal",
                        input_mean=(0.0, 0.0, 0.0), input_std=(1.0, 1.0, 1.0), padding="legacy",
-                       position_embedding="sincos", num_heads=None)
+                       stage_projection=False, position_embedding="sincos", num_heads=None)
 _MLP_DEFAULTS = dict(final_bn=False, init="lecun_normal", final_bn_scale=True, final_bias=True)
 
 
 def build_encoder(model_config, bn_axis_name=None) -> nn.Module:
   """Builds the encoder named by `model_config`: a ResNet of RESNET_SPECS (fields
-  name, width, stem, dtype, zero_init_residual, conv_init, padding, input_mean,
-  input_std) or a ViT of VIT_SPECS (name, width, depth, patch_size, dtype,
+  name, width, stem, dtype, zero_init_residual, conv_init, padding,
+  stage_projection, input_mean, input_std) or a ViT of VIT_SPECS (name, width, depth, patch_size, dtype,
   random_patch_projection, position_embedding, num_heads, input_mean,
   input_std; no BN, so bn_axis_name is unused): D = vit_width(model_config),
   depth blocks, num_heads heads (None: the spec's).
@@ -67,8 +67,9 @@ def build_encoder(model_config, bn_axis_name=None) -> nn.Module:
   return ResNet(RESNET_SPECS[model_config.name], width=model_config.width,
                 stem=model_config.stem, dtype=DTYPES[model_config.dtype],
                 bn_axis_name=bn_axis_name, zero_init_residual=get("zero_init_residual"),
-                conv_init=get("conv_init"), padding=get("padding"), input_mean=tuple(get("input_mean")),
-                input_std=tuple(get("input_std")))
+                conv_init=get("conv_init"), padding=get("padding"),
+                stage_projection=bool(get("stage_projection")),
+                input_mean=tuple(get("input_mean")), input_std=tuple(get("input_std")))
 
 
 def build_mlp(mlp_config, dtype_name, bn_axis_name=None) -> MLP:

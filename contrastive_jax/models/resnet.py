@@ -58,13 +58,14 @@ def max_pool_padding(padding: str):
   return [(1, 1), (1, 1)] if padding == "torchvision" else "SAME"
 
 
-def _residual_out(x, y, strides: int, conv, norm):
-  """relu(y + x), x projected by a strided 1x1 conv + BN where the shapes differ.
+def _residual_out(x, y, strides: int, conv, norm, project: bool):
+  """relu(y + x), x projected by a strided 1x1 conv + BN where the shapes differ or
+  project says so.
 
   Called from a block's compact __call__, so the projection's layers belong to
   that block.
   """
-  if x.shape != y.shape:
+  if project or x.shape != y.shape:
     x = norm()(conv(y.shape[-1], 1, strides)(x))
   return nn.relu(y + x)
 
@@ -74,13 +75,14 @@ class BasicBlock(nn.Module):
 
   conv(features, kernel, strides=1) builds a convolution padded as the ResNet's
   padding rule says; last_norm builds the block's last BN (zero-initialised
-  scale or not).
+  scale or not); project: a projection shortcut even where the shapes agree.
   """
   features: int
   strides: int
   conv: Callable
   norm: Callable
   last_norm: Callable
+  project: bool = False
 
   @nn.compact
   def __call__(self, x):
@@ -88,7 +90,7 @@ class BasicBlock(nn.Module):
     y = nn.relu(self.norm()(y))
     y = self.conv(self.features, 3)(y)
     y = self.last_norm()(y)
-    return _residual_out(x, y, self.strides, self.conv, self.norm)
+    return _residual_out(x, y, self.strides, self.conv, self.norm, self.project)
 
 
 class BottleneckBlock(nn.Module):
@@ -98,6 +100,7 @@ class BottleneckBlock(nn.Module):
   conv: Callable
   norm: Callable
   last_norm: Callable
+  project: bool = False
 
   @nn.compact
   def __call__(self, x):
@@ -106,7 +109,7 @@ class BottleneckBlock(nn.Module):
     y = nn.relu(self.norm()(y))
     y = self.conv(self.features * 4, 1)(y)
     y = self.last_norm()(y)
-    return _residual_out(x, y, self.strides, self.conv, self.norm)
+    return _residual_out(x, y, self.strides, self.conv, self.norm, self.project)
 
 
 class ResNet(nn.Module):
@@ -125,6 +128,13 @@ class ResNet(nn.Module):
       BYOL's code), or at 1 (torchvision's default: MoCo).
     conv_init: a key of CONV_INITS.
     padding: a PADDINGS rule.
+    stage_projection: the first block of every stage has a projection shortcut
+      (SimCLR's TF ResNet: BlockGroup's use_projection=True; Haiku's ResNet,
+      which BYOL's networks.py builds with use_projection True for all four
+      groups), the first stage's too, where its input and output have the same
+      shape; otherwise only blocks that change the shape have one (torchvision).
+      Only ResNet-18/34 differ: a bottleneck stage's first block always changes
+      the width.
     input_mean, input_std: per-channel (R, G, B) statistics subtracted from
       and divided into the [0, 1] input (MoCo and BYOL standardise with the
       ImageNet statistics; (0, 0, 0) and (1, 1, 1) leave it as SimCLR does).
@@ -137,6 +147,7 @@ class ResNet(nn.Module):
   zero_init_residual: bool = True
   conv_init: str = "he_normal"
   padding: str = "torchvision"
+  stage_projection: bool = False
   input_mean: Sequence[float] = (0.0, 0.0, 0.0)
   input_std: Sequence[float] = (1.0, 1.0, 1.0)
 
@@ -168,5 +179,6 @@ class ResNet(nn.Module):
     for i, num_blocks in enumerate(stage_sizes):
       for j in range(num_blocks):
         strides = 2 if i > 0 and j == 0 else 1
-        x = block_cls(base * 2**i, strides, conv, norm, last_norm)(x)
+        x = block_cls(base * 2**i, strides, conv, norm, last_norm,
+                      project=self.stage_projection and j == 0)(x)
     return jnp.mean(x, axis=(1, 2)).astype(jnp.float32)
