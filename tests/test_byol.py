@@ -79,11 +79,17 @@ def stem_stats_per_view(model_config, params, batch_stats, images):
   var = np.asarray(batch_stats["encoder"]["stem_bn"]["var"], np.float64)
   k = kernel.shape[0]  # The stem: 3x3 stride 1 ('cifar') or 7x7 stride 2 ('imagenet').
   stride = 1 if model_config.stem == "cifar" else 2
-  size = (images.shape[2] + 2 * (k // 2) - k) // stride + 1
+  side = images.shape[2]
+  if model_config.padding == "same":  # Haiku's 'SAME' (BYOL): an odd total pads after more.
+    total = max(0, (-(-side // stride) - 1) * stride + k - side)
+    before, after = total // 2, total - total // 2
+  else:  # A stem pads k // 2 on each side under the other rules.
+    before = after = k // 2
+  size = (side + before + after - k) // stride + 1
   for v in range(2):  # Identity augmentation: the views are the host crops.
     x = (images[:, v] / 255.0 - np.asarray(model_config.input_mean)) / np.asarray(
         model_config.input_std)
-    x = np.pad(x, ((0, 0), (k // 2, k // 2), (k // 2, k // 2), (0, 0)))
+    x = np.pad(x, ((0, 0), (before, after), (before, after), (0, 0)))
     y = sum(np.einsum("bhwc,cd->bhwd",
                       x[:, i:i + stride * size:stride, j:j + stride * size:stride], kernel[i, j])
             for i in range(k) for j in range(k))

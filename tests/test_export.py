@@ -107,6 +107,7 @@ def test_pretraining_from_an_imported_file_starts_every_network_from_it(pretrain
                                                                         method):
   path = export.run(export_config(pretrained, "safetensors"), str(tmp_path / "out"))
   config = tiny_config(method)
+  config.model.stage_projection = True  # The exported SimCLR ResNet's shortcuts.
   config.init_from = path
   imported = pretrain.imported_encoder(config)
   task = pretrain.build(config, mesh_lib.make_mesh(), None, str(tmp_path / "run"))
