@@ -15,10 +15,12 @@ import ml_collections
 import numpy as np
 import pytest
 from helpers import load_config
+from helpers import tiny_config
 from reference_outputs import make
 
 from contrastive_jax.core.errors import WeightsError
 from contrastive_jax.core import tensor_files
+from contrastive_jax.methods import get_method
 from contrastive_jax import models
 from contrastive_jax import recipes
 from contrastive_jax.models import onnx_graph
@@ -309,3 +311,41 @@ def test_simclr_and_byol_resnets_project_every_stages_first_shortcut():
   # A bottleneck stage's first block changes the width: ResNet-50 is the same network.
   r50 = [recipes.model("resnet50", "imagenet", "float32", r) for r in ("torchvision", "simclr")]
   assert count(r50[0]) == count(r50[1]) == 23_508_032
+
+
+@pytest.mark.parametrize("method,variant", [("simclr", "runlocal"), ("moco_v2", "runlocal"),
+                                            ("byol", "runlocal"), ("mocov3", "runlocal"),
+                                            ("mocov3", "runlocal_vit")])
+def test_onnx_graph_gives_each_methods_projection(method, variant):
+  """z of every projection head shape: SimCLR's last BN with a scale only, MoCo v2's without
+  BN, BYOL's, MoCo v3's last BN without scale or bias (no params at all)."""
+  config = tiny_config(method, variant)
+  model = get_method(config.method).build_model(config)
+  size, rng = 32, np.random.default_rng(7)
+  variables = model.init(jax.random.PRNGKey(0), np.zeros((1, size, size, 3), np.float32),
+                         train=False)
+  variables = jax.tree.map(lambda v: np.asarray(v) + rng.uniform(0.1, 0.5, v.shape)
+                           .astype(np.float32), variables)
+  part = lambda name: {c: variables[c][name] for c in variables if name in variables[c]}
+  images = rng.integers(0, 256, (3, size, size, 3), dtype=np.uint8)
+  h = np.asarray(models.encode(model.encoder, part("encoder"), images))
+  z = np.asarray(model.projector.apply(part("projector"), h, train=False))
+  tensors = state_dicts.to_state_dict(config.model, part("encoder"), size)
+  import onnxruntime
+  onnx_model = onnx_graph.build(config.model, tensors, size, (model.projector, part("projector")))
+  session = onnxruntime.InferenceSession(onnx_model.SerializeToString(),
+                                         providers=["CPUExecutionProvider"])
+  got_h, got_z = session.run([onnx_graph.H, onnx_graph.Z], {onnx_graph.INPUT: images})
+  assert _relative(got_h, h) < TOLERANCE and _relative(got_z, z) < TOLERANCE
+
+
+@pytest.mark.parametrize("source,target", [("torchvision", "simclr"), ("byol", "torchvision")])
+def test_a_file_with_or_without_the_first_stage_projection_names_the_field(source, target):
+  config = ml_collections.ConfigDict(recipes.model("resnet18", "imagenet", "float32", source))
+  zeros = jax.tree.map(lambda s: np.zeros(s.shape, np.float32),
+                       state_dicts.variable_shapes(config, 32))
+  tensors = state_dicts.to_state_dict(config, zeros, 32)
+  fix = "False" if source == "torchvision" else "True"
+  with pytest.raises(WeightsError, match=f"layer1.0.downsample.*stage_projection={fix}$"):
+    state_dicts.from_state_dict(tensors, "w.safetensors", ml_collections.ConfigDict(
+        recipes.model("resnet18", "imagenet", "float32", target)), 32)

@@ -126,13 +126,16 @@ def _warn_if_not_the_references_network(model_config):
   then computes another h, or one with a projection shortcut in every stage's first block
   (SimCLR's, BYOL's), whose extra layer1.0.downsample tensors a strict load refuses."""
   padding = models.resnet_padding(model_config)
-  if padding not in (None, "torchvision") or model_config.get("stage_projection", False):
+  # A bottleneck stage's first block widens anyway: only ResNet-18/34 gain tensors.
+  extra = (padding is not None and model_config.get("stage_projection", False)
+           and models.RESNET_SPECS[model_config.name][0] == "basic")
+  if padding not in (None, "torchvision") or extra:
     logging.warning(
         "The checkpoint's ResNet is not torchvision's (padding %r, a projection shortcut in "
         "every stage's first block: %s): the state dict holds its tensors in torchvision's "
         "names, but torchvision's network computes another h from them or refuses them "
         "(docs/weights.md). The SavedModel and ONNX exports compute this package's h.",
-        padding, bool(model_config.get("stage_projection", False)))
+        padding, extra)
 
 
 def _refuse_existing_export(workdir: str):
@@ -221,6 +224,8 @@ def write_onnx(path: str, variables, pretrained, projector=None, source=None):
   metadata = {"input": f"uint8 [N, {size}, {size}, 3] RGB, centre-cropped as "
                        "contrastive_jax.data.input_pipeline.center_crop does",
               "image_size": str(size), "eval_crop_fraction": str(pretrained.eval_crop_fraction),
-              "crop_resize": pretrained.crop_resize, **(source or {})}
+              "crop_resize": pretrained.crop_resize,
+              # The checkpoint may compute in bfloat16 (model.dtype); the graph does not.
+              "compute_dtype": "float32", **(source or {})}
   model = onnx_graph.build(model_config, tensors, size, projector, metadata)
   files.write_atomic(path, model.SerializeToString())

@@ -68,7 +68,7 @@ def build_encoder(model_config, bn_axis_name=None) -> nn.Module:
                 stem=model_config.stem, dtype=DTYPES[model_config.dtype],
                 bn_axis_name=bn_axis_name, zero_init_residual=get("zero_init_residual"),
                 conv_init=get("conv_init"), padding=get("padding"),
-                stage_projection=bool(get("stage_projection")),
+                stage_projection=get("stage_projection"),
                 input_mean=tuple(get("input_mean")), input_std=tuple(get("input_std")))
 
 
@@ -135,6 +135,9 @@ def check_model_config(model_config, image_size: int = None):
   padding = resnet_padding(model_config)
   if padding not in PADDINGS:
     raise ConfigError("model.padding", padding, f"one of {list(PADDINGS)}")
+  stage_projection = model_config.get("stage_projection", _MODEL_DEFAULTS["stage_projection"])
+  if not isinstance(stage_projection, bool):
+    raise ConfigError("model.stage_projection", stage_projection, "True or False")
   _check_input_statistics(model_config)
 
 

@@ -187,8 +187,9 @@ def _projection(g: _Graph, h: str, module, variables) -> str:
   def bn(x):
     name = f"BatchNorm_{next(norm)}"
     width = stats[name]["mean"].shape[0]
-    return _bn(g, x, params[name].get("scale", np.ones(width)),
-               params[name].get("bias", np.zeros(width)), stats[name]["mean"], stats[name]["var"])
+    affine = params.get(name, {})  # MoCo v3's last BN has neither scale nor bias: no params.
+    return _bn(g, x, affine.get("scale", np.ones(width)), affine.get("bias", np.zeros(width)),
+               stats[name]["mean"], stats[name]["var"])
 
   x = h
   for _ in module.hidden_dims:

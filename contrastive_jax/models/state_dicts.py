@@ -201,6 +201,17 @@ def encoder_tensors(tensors: Dict[str, np.ndarray], path: str, model_config) -> 
           and not name.endswith("num_batches_tracked")}
 
 
+def _mismatch(names: List[str], stage_projection: str) -> str:
+  """Why tensors named so do not fit: only layer1.0's projection shortcut (a ResNet-18/34 with
+  or without model.stage_projection, resnet.py) or another architecture."""
+  if all(name.startswith("layer1.0.downsample.") for name in names):
+    return ("the file's ResNet has the same depth but "
+            + ("no" if stage_projection == "False" else "a")
+            + " projection shortcut in its first block (torchvision's has none, SimCLR's and "
+            f"BYOL's have one): --config.model.stage_projection={stage_projection}")
+  return "another architecture or depth"
+
+
 def from_state_dict(tensors: Dict[str, np.ndarray], path: str, model_config,
                     image_size: int) -> dict:
   """The encoder's {'params', 'batch_stats'} (float32 numpy) from a file's named tensors.
@@ -223,12 +234,12 @@ def from_state_dict(tensors: Dict[str, np.ndarray], path: str, model_config,
   missing = [e.name for e in expected if e.name not in found]
   if missing:
     raise WeightsError(path, f"has no tensor {missing[0]!r} ({len(missing)} of the "
-                       f"{len(expected)} tensors of a {describe} are missing): not this "
-                       "architecture or depth")
+                       f"{len(expected)} tensors of a {describe} are missing): "
+                       + _mismatch(missing, "False"))
   unexpected = sorted(name for name in found if name not in names)
   if unexpected:
     raise WeightsError(path, f"has a tensor {unexpected[0]!r} that a {describe} does not have "
-                       f"({len(unexpected)} such): another architecture or depth")
+                       f"({len(unexpected)} such): " + _mismatch(unexpected, "True"))
   flat = {"params": {}, "batch_stats": {}}
   for entry in expected:
     value = np.asarray(found[entry.name], np.float32)
