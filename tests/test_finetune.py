@@ -189,7 +189,8 @@ def test_finetune_trains_the_whole_encoder_and_reports_the_test_split(finetuned)
   assert all(jax.tree.leaves(moved["batch_stats"]))
   kernels = [changed for path, changed in jax.tree_util.tree_leaves_with_path(moved["params"])
              if path[-1].key == "kernel"]
-  assert len(kernels) == 20 and all(kernels)  # ResNet-18: stem, 16 in blocks, 3 shortcuts.
+  # SimCLR's ResNet-18: the stem, 16 in blocks, 4 shortcuts (every stage's first block).
+  assert len(kernels) == 21 and all(kernels)
   assert np.any(jax.device_get(state.params["head"]["kernel"]))
   with open(workdir / "metrics.jsonl") as f:
     records = [json.loads(line) for line in f]
