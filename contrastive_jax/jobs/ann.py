@@ -1,0 +1,225 @@
+"""The approximate-nearest-neighbour (ANN) index of an embed job's output, built with FAISS.
+
+Two files beside the embeddings (index.py), so that a search service can load
+the index with FAISS alone, without this package:
+
+  ann.G.faiss  the FAISS index in FAISS's own format (faiss.read_index), G
+               the index's generation (0, then one more per add); row i of
+               the embeddings is FAISS id i. Inner product metric: the rows
+               are unit vectors, so scores are cosine similarities.
+  ann.json     what it is: {"format_version", "library": "faiss",
+               "library_version", "file", "bytes", "type" ('flat', 'hnsw'
+               or 'ivf'), "factory" (faiss.index_factory's string),
+               "params" (build and search parameters), "metric", "rows",
+               "dim", "embed_run" (embed.json's run_id)}.
+
+The type comes from the row count by default (choose): an exact flat index
+below EXACT_BELOW rows, HNSW above, the default parameters measured by
+benchmarks/ann.py (docs/search.md). FAISS is an extra
+(pip install 'contrastive_jax[search]'), imported only when an index is
+built or read.
+
+Sources: Malkov & Yashunin 2018, "Efficient and robust approximate nearest
+neighbor search using Hierarchical Navigable Small World graphs" (HNSW, M,
+efConstruction, efSearch); Jegou et al. 2011, "Product quantization for
+nearest neighbor search" (the inverted file, nlist, nprobe); the FAISS
+documentation (github.com/facebookresearch/faiss/wiki: index_factory strings,
+HNSW and IVF parameters).
+"""
+import json
+
+import numpy as np
+import tensorflow as tf
+
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core import files
+
+FORMAT_VERSION = 1
+META = "ann.json"
+TYPES = ("auto", "none", "flat", "hnsw", "ivf")
+# Below this many rows the exact flat index is chosen: an exact search of
+# 100,000 x 128 rows answers a query in about a millisecond here, and the
+# HNSW graph's build time and its recall below 1 buy nothing (docs/search.md).
+EXACT_BELOW = 100_000
+# The defaults that meet recall@10 >= 0.95 at >= 20 times exact search's
+# queries/s on 1,000,000 random unit vectors of dimension 128, the hardest
+# case (benchmarks/ann.py, docs/search.md).
+HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 80, 128
+IVF_NPROBE_FRACTION = 1 / 32  # nprobe = nlist / 32 unless given.
+_ADD_CHUNK = 65_536  # Rows handed to FAISS at a time: a memory-mapped part is read piecewise.
+
+
+def faiss_module(field: str, value):
+  """FAISS, imported here so that the base install (without it) imports every module.
+
+  Raises:
+    ConfigError: FAISS is not installed, naming the field that needs it.
+  """
+  try:
+    import faiss  # pylint: disable=g-import-not-at-top
+  except ImportError as e:
+    raise ConfigError(field, value, "'none' (or 'exact') unless FAISS is installed: pip "
+                      f"install 'contrastive_jax[search]' ({e})") from None
+  return faiss
+
+
+def check_config(ann):
+  """Raises ConfigError for config.ann fields that cannot build an index."""
+  if ann.type not in TYPES:
+    raise ConfigError("ann.type", ann.type, f"one of {TYPES}")
+  for field in ("hnsw_m", "ef_construction", "ef_search", "nlist", "nprobe"):
+    if ann[field] < 0:
+      raise ConfigError(f"ann.{field}", ann[field], "an integer >= 0 (0: chosen from the rows)")
+  if ann.threads < 0:
+    raise ConfigError("ann.threads", ann.threads, "an integer >= 0 (0: every core)")
+
+
+def choose(num_rows: int, ann) -> dict:
+  """The index type and parameters for num_rows rows: config.ann's, or chosen from num_rows.
+
+  Returns {"type", "factory", "params"}, or None for ann.type 'none'.
+  'auto' is 'flat' below EXACT_BELOW rows and 'hnsw' from there; a parameter
+  of 0 takes its default (IVF: nlist 4 sqrt(N) rounded to a power of two,
+  FAISS's guideline; nprobe nlist / 32).
+  """
+  kind = ann.type
+  if kind == "none":
+    return None
+  if kind == "auto":
+    kind = "flat" if num_rows < EXACT_BELOW else "hnsw"
+  if kind == "flat":
+    return {"type": "flat", "factory": "Flat", "params": {}}
+  if kind == "hnsw":
+    m = ann.hnsw_m or HNSW_M
+    params = {"M": m, "efConstruction": ann.ef_construction or HNSW_EF_CONSTRUCTION,
+              "efSearch": ann.ef_search or HNSW_EF_SEARCH}
+    return {"type": "hnsw", "factory": f"HNSW{m},Flat", "params": params}
+  nlist = ann.nlist or int(2 ** round(np.log2(4 * np.sqrt(max(num_rows, 1)))))
+  nlist = min(nlist, max(num_rows, 1))  # k-means needs at least one row per list.
+  nprobe = min(ann.nprobe or max(1, round(nlist * IVF_NPROBE_FRACTION)), nlist)
+  return {"type": "ivf", "factory": f"IVF{nlist},Flat", "params": {"nlist": nlist,
+                                                                     "nprobe": nprobe}}
+
+
+def _set_search_params(faiss, index, spec: dict):
+  """Sets the spec's search-time parameters (HNSW efSearch, IVF nprobe) on a FAISS index."""
+  if spec["type"] == "hnsw":
+    faiss.downcast_index(index).hnsw.efSearch = spec["params"]["efSearch"]
+  elif spec["type"] == "ivf":
+    faiss.extract_index_ivf(index).nprobe = spec["params"]["nprobe"]
+
+
+def build(embeddings, spec: dict, *, threads: int = 0):
+  """A FAISS index of spec (choose) holding every row of embeddings, id i for row i.
+
+  Args:
+    embeddings: float32 [N, D] unit rows; any array-like with len, shape and
+      slices (a memory-mapped .npy, index.Parts).
+    spec: {"type", "factory", "params"} from choose.
+    threads: FAISS's OpenMP threads (0: every core).
+  Returns:
+    The faiss.Index, its search parameters set. An IVF index trains its
+    k-means on at most 256 rows per list, drawn with a fixed seed.
+  """
+  faiss = faiss_module("ann.type", spec["type"])
+  if threads:
+    faiss.omp_set_num_threads(threads)
+  dim = embeddings.shape[1]
+  index = faiss.index_factory(dim, spec["factory"], faiss.METRIC_INNER_PRODUCT)
+  if spec["type"] == "hnsw":
+    faiss.downcast_index(index).hnsw.efConstruction = spec["params"]["efConstruction"]
+  if spec["type"] == "ivf":
+    count = min(len(embeddings), 256 * spec["params"]["nlist"])
+    sample = np.sort(np.random.default_rng(0).choice(len(embeddings), count, replace=False))
+    index.train(np.ascontiguousarray(embeddings[sample], np.float32))
+  add(index, embeddings, 0)
+  _set_search_params(faiss, index, spec)
+  return index
+
+
+def add(index, embeddings, start: int):
+  """Adds rows start.. of embeddings (float32 [N, D]) to a FAISS index, in chunks."""
+  for begin in range(start, len(embeddings), _ADD_CHUNK):
+    index.add(np.ascontiguousarray(embeddings[begin:begin + _ADD_CHUNK], np.float32))
+
+
+def write(workdir: str, index, spec: dict, *, generation: int, embed_run: str) -> dict:
+  """Writes the FAISS index to WORKDIR/ann.GENERATION.faiss atomically; returns its description.
+
+  The description is what ann.json holds (the module docstring); the caller
+  writes it (index.py writes embed.json, then ann.json).
+  """
+  faiss = faiss_module("ann.type", spec["type"])
+  name = f"ann.{generation}.faiss"
+  content = faiss.serialize_index(index).tobytes()
+  files.write_atomic(f"{workdir}/{name}", content)
+  return {"format_version": FORMAT_VERSION, "library": "faiss",
+          "library_version": faiss.__version__, "file": name, "bytes": len(content),
+          "type": spec["type"], "factory": spec["factory"], "params": spec["params"],
+          "metric": "inner_product", "rows": int(index.ntotal), "dim": int(index.d),
+          "embed_run": embed_run}
+
+
+def write_meta(workdir: str, description: dict):
+  """Writes ann.json (atomically)."""
+  files.write_atomic(f"{workdir}/{META}", json.dumps(description, indent=1).encode())
+
+
+def check(description: dict, *, rows: int, dim: int, embed_run: str, where: str):
+  """Raises JobError if an ANN description does not fit its index, naming what differs.
+
+  Args:
+    description: embed.json's "ann" (ann.json's content).
+    rows, dim, embed_run: embed.json's row count, dimension and run_id.
+    where: the index folder as the user gave it, for the message.
+  """
+  version = description.get("format_version")
+  if version != FORMAT_VERSION:
+    raise JobError(f"{where}: the ANN index's format_version={version!r}: must be "
+                   f"{FORMAT_VERSION} (written by another version of contrastive_jax; embed "
+                   "again, or build it with --config.ann.type)")
+  for key, want in (("embed_run", embed_run), ("dim", dim), ("rows", rows)):
+    if description.get(key) != want:
+      raise JobError(f"{where}: the ANN index {description.get('file')} has {key}="
+                     f"{description.get(key)!r}: must be the embeddings' ({want!r}); it was "
+                     "built from another embed run or dimension")
+
+
+def load(workdir: str, description: dict, *, where: str):
+  """The FAISS index description names in workdir, its search parameters set.
+
+  Raises:
+    ConfigError: FAISS is not installed.
+    JobError: the file is missing, truncated (fewer bytes than described) or
+      not a FAISS index.
+  """
+  faiss = faiss_module("search", "auto")
+  path = f"{workdir}/{description['file']}"
+  if not tf.io.gfile.exists(path):
+    raise JobError(f"{where}: the ANN index {description['file']} is missing; it must be "
+                   f"the file {META} describes")
+  size = tf.io.gfile.stat(path).length
+  if size != description["bytes"]:
+    raise JobError(f"{where}: the ANN index {description['file']} has {size} bytes: must have "
+                   f"{description['bytes']} ({META}); it is truncated or was replaced")
+  with tf.io.gfile.GFile(path, "rb") as f:
+    content = np.frombuffer(f.read(), np.uint8)
+  try:
+    index = faiss.deserialize_index(content)
+  except RuntimeError as e:
+    raise JobError(f"{where}: the ANN index {description['file']} must be a FAISS index "
+                   f"({str(e).splitlines()[-1]})") from None
+  _set_search_params(faiss, index, description)
+  return index
+
+
+def search(index, queries: np.ndarray, k: int):
+  """(scores float32 [Q, k], rows int64 [Q, k]) of the k best rows per query, best first.
+
+  queries: float32 [Q, D] unit vectors. An approximate index may find fewer
+  than k rows for a query (IVF with few lists probed); the missing ones are
+  row -1 with score -inf, last.
+  """
+  scores, rows = index.search(np.ascontiguousarray(queries, np.float32), k)
+  return np.where(rows < 0, -np.inf, scores).astype(np.float32), rows
