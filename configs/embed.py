@@ -14,8 +14,8 @@ the folder's files not yet in the index of EMBED_DIR are added to it, with
 the index's checkpoint (pretrain_workdir may be left unset).
 
 ann: the ANN index built beside the embeddings (jobs/ann.py, docs/search.md):
-type 'auto' (exact 'flat' below 100,000 rows, 'hnsw' from there), 'flat',
-'hnsw', 'ivf' or 'none'; a parameter of 0 takes its measured default.
+type 'auto' (exact 'flat' below 100,000 rows, 'ivfpq' from there), 'flat',
+'hnsw', 'ivf', 'ivfpq' or 'none'; a parameter of 0 takes its measured default.
 """
 import ml_collections
 from ml_collections import config_dict
@@ -46,10 +46,11 @@ def get_config(variant: str = ""):
   config.ann = ml_collections.ConfigDict(dict(
       type="auto",
       hnsw_m=0,  # HNSW: graph links per node (M); 0: 32.
-      ef_construction=0,  # HNSW: candidates kept while linking (efConstruction); 0: 80.
-      ef_search=0,  # HNSW: candidates kept while searching (efSearch); 0: 128.
-      nlist=0,  # IVF: k-means lists; 0: 4 sqrt(N), a power of two.
-      nprobe=0,  # IVF: lists searched per query; 0: nlist / 32.
+      ef_construction=0,  # HNSW: candidates kept while linking (efConstruction); 0: 40.
+      ef_search=0,  # HNSW: candidates kept while searching (efSearch); 0: 256.
+      nlist=0,  # IVF, IVFPQ: k-means lists; 0: sqrt(N), a power of two.
+      nprobe=0,  # IVF, IVFPQ: lists searched per query; 0: nlist / 4.
+      k_factor=0,  # IVFPQ: candidates re-ranked exactly per neighbour; 0: 10.
       threads=0,  # FAISS threads while building; 0: every core.
   ))
   return config

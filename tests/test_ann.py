@@ -44,38 +44,39 @@ def _ann_config(**fields):
 
 def test_choose_is_exact_below_the_measured_size_and_hnsw_above_unless_told():
   auto = _ann_config()
-  assert ann_lib.choose(ann_lib.EXACT_BELOW - 1, auto)["type"] == "flat"
-  chosen = ann_lib.choose(ann_lib.EXACT_BELOW, auto)
-  assert chosen == {"type": "hnsw", "factory": f"HNSW{ann_lib.HNSW_M},Flat",
-                    "params": {"M": ann_lib.HNSW_M, "efConstruction": ann_lib.HNSW_EF_CONSTRUCTION,
-                               "efSearch": ann_lib.HNSW_EF_SEARCH}}
-  assert ann_lib.choose(10, _ann_config(type="hnsw", hnsw_m=8, ef_search=20))["params"] == {
+  assert ann_lib.choose(ann_lib.EXACT_BELOW - 1, 128, auto)["type"] == "flat"
+  assert ann_lib.choose(1_000_000, 128, auto) == {
+      "type": "ivfpq", "factory": "IVF1024,PQ64x4fs,RFlat",
+      "params": {"nlist": 1024, "nprobe": 256, "k_factor": ann_lib.IVFPQ_K_FACTOR}}
+  assert ann_lib.choose(10, 7, _ann_config(type="ivfpq", nlist=4))["factory"] == "IVF4,PQ7x4fs,RFlat"
+  assert ann_lib.choose(10, 128, _ann_config(type="hnsw", hnsw_m=8, ef_search=20))["params"] == {
       "M": 8, "efConstruction": ann_lib.HNSW_EF_CONSTRUCTION, "efSearch": 20}
-  assert ann_lib.choose(1_000_000, _ann_config(type="ivf"))["params"] == {"nlist": 4096,
-                                                                        "nprobe": 128}
-  assert ann_lib.choose(10, _ann_config(type="none")) is None
+  assert ann_lib.choose(1_000_000, 128, _ann_config(type="ivf", nprobe=9))["params"] == {
+      "nlist": 1024, "nprobe": 9}
+  assert ann_lib.choose(10, 128, _ann_config(type="none")) is None
 
 
-@pytest.mark.parametrize("kind", ["flat", "hnsw", "ivf"])
+@pytest.mark.parametrize("kind", ["flat", "hnsw", "ivf", "ivfpq"])
 def test_each_index_type_written_and_read_back_finds_numpy_exact_neighbours(kind, tmp_path):
   rng = np.random.default_rng(0)
   bank, queries = _unit(rng, 3000, 32), _unit(rng, 200, 32)
-  # IVF probing every list is exact; HNSW is approximate: recall@10 against numpy.
-  config = _ann_config(type=kind, nlist=16, nprobe=16 if kind == "ivf" else 0, threads=1)
-  spec = ann_lib.choose(len(bank), config)
+  # IVF probing every list is exact; HNSW and IVFPQ (4-bit codes, then the best
+  # 10 x 10 re-ranked) are approximate: recall@10 against numpy.
+  config = _ann_config(type=kind, nlist=16, nprobe=16, threads=1)
+  spec = ann_lib.choose(len(bank), 32, config)
   description = ann_lib.write(str(tmp_path), ann_lib.build(bank, spec, threads=1), spec,
                               generation=0, embed_run="run")
   assert description["rows"] == 3000 and description["dim"] == 32
   scores, rows = ann_lib.search(ann_lib.load(str(tmp_path), description, where="x"), queries, 10)
   want_scores, want_rows = _exact(queries, bank, 10)
-  if kind == "hnsw":
+  if kind in ("hnsw", "ivfpq"):
     recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(rows, want_rows)])
     assert recall >= 0.95, recall
   else:
     np.testing.assert_array_equal(rows, want_rows)
   found = np.take_along_axis(queries @ bank.T, rows, axis=1)
   np.testing.assert_allclose(scores, found, atol=1e-5)  # Scores are the cosines of the rows.
-  if kind != "hnsw":
+  if kind in ("flat", "ivf"):
     np.testing.assert_allclose(scores, want_scores, atol=1e-5)
 
 
@@ -294,7 +295,7 @@ def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_hnsw(tmp_path, monk
   index_lib.append(workdir, index_lib.load_index(workdir), config.ann, second,
                    [str(i) for i in range(100, 200)], "/y", 0)
   grown = index_lib.load_index(workdir)
-  assert grown.ann["type"] == "hnsw" and grown.ann["rows"] == 200
+  assert grown.ann["type"] == "ivfpq" and grown.ann["rows"] == 200
   assert sorted(f for f in os.listdir(workdir) if f.endswith(".faiss")) == ["ann.1.faiss"]
   bank = np.concatenate([first, second])
   scores, rows = ann_lib.search(ann_lib.load(workdir, grown.ann, where="x"), bank[150:], 1)

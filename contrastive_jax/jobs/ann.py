@@ -8,22 +8,30 @@ the index with FAISS alone, without this package:
                the embeddings is FAISS id i. Inner product metric: the rows
                are unit vectors, so scores are cosine similarities.
   ann.json     what it is: {"format_version", "library": "faiss",
-               "library_version", "file", "bytes", "type" ('flat', 'hnsw'
-               or 'ivf'), "factory" (faiss.index_factory's string),
+               "library_version", "file", "bytes", "type" ('flat', 'hnsw',
+               'ivf' or 'ivfpq'), "factory" (faiss.index_factory's string),
                "params" (build and search parameters), "metric", "rows",
                "dim", "embed_run" (embed.json's run_id)}.
 
 The type comes from the row count by default (choose): an exact flat index
-below EXACT_BELOW rows, HNSW above, the default parameters measured by
-benchmarks/ann.py (docs/search.md). FAISS is an extra
+below EXACT_BELOW rows, 'ivfpq' from there: an inverted file whose lists hold
+4-bit product-quantization codes of 2 dimensions each, scanned with SIMD
+lookups (FAISS's "fast scan"), the best k_factor x k re-ranked exactly with
+the stored vectors. The defaults were measured with benchmarks/ann.py
+(docs/search.md): on random unit vectors, the hardest case, it gave the most
+recall per query time of FAISS's structures, and built several times faster
+than HNSW. FAISS is an extra
 (pip install 'contrastive_jax[search]'), imported only when an index is
 built or read.
 
 Sources: Malkov & Yashunin 2018, "Efficient and robust approximate nearest
 neighbor search using Hierarchical Navigable Small World graphs" (HNSW, M,
 efConstruction, efSearch); Jegou et al. 2011, "Product quantization for
-nearest neighbor search" (the inverted file, nlist, nprobe); the FAISS
-documentation (github.com/facebookresearch/faiss/wiki: index_factory strings,
+nearest neighbor search" (the inverted file, nlist, nprobe, product
+quantization, re-ranking); André et al. 2017, "Accelerated nearest neighbor
+search with quick ADC" (4-bit codes scanned with SIMD lookups); Guo et al.
+2020, "Accelerating large-scale inference with anisotropic vector
+quantization" (ScaNN, 2 dimensions per 4-bit code); the FAISS documentation (github.com/facebookresearch/faiss/wiki: index_factory strings,
 HNSW and IVF parameters).
 """
 import json
@@ -37,16 +45,16 @@ from contrastive_jax.core import files
 
 FORMAT_VERSION = 1
 META = "ann.json"
-TYPES = ("auto", "none", "flat", "hnsw", "ivf")
-# Below this many rows the exact flat index is chosen: an exact search of
-# 100,000 x 128 rows answers a query in about a millisecond here, and the
-# HNSW graph's build time and its recall below 1 buy nothing (docs/search.md).
+TYPES = ("auto", "none", "flat", "hnsw", "ivf", "ivfpq")
+# Below this many rows the exact flat index is chosen: exact search of 20,000
+# rows was as fast as any ANN index measured (benchmarks/ann.py, docs/search.md),
+# and up to 100,000 rows it answers a batch of queries in milliseconds each.
 EXACT_BELOW = 100_000
-# The defaults that meet recall@10 >= 0.95 at >= 20 times exact search's
-# queries/s on 1,000,000 random unit vectors of dimension 128, the hardest
-# case (benchmarks/ann.py, docs/search.md).
-HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 80, 128
-IVF_NPROBE_FRACTION = 1 / 32  # nprobe = nlist / 32 unless given.
+# Defaults measured on random unit vectors (docs/search.md). HNSW: FAISS's
+# efConstruction 40 (higher values made the build of 1,000,000 rows too long here).
+HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 40, 256
+IVF_NPROBE_FRACTION = 1 / 4  # nprobe = nlist / 4 unless given.
+IVFPQ_K_FACTOR = 10  # Candidates re-ranked exactly per neighbour asked for.
 _ADD_CHUNK = 65_536  # Rows handed to FAISS at a time: a memory-mapped part is read piecewise.
 
 
@@ -68,26 +76,26 @@ def check_config(ann):
   """Raises ConfigError for config.ann fields that cannot build an index."""
   if ann.type not in TYPES:
     raise ConfigError("ann.type", ann.type, f"one of {TYPES}")
-  for field in ("hnsw_m", "ef_construction", "ef_search", "nlist", "nprobe"):
+  for field in ("hnsw_m", "ef_construction", "ef_search", "nlist", "nprobe", "k_factor"):
     if ann[field] < 0:
       raise ConfigError(f"ann.{field}", ann[field], "an integer >= 0 (0: chosen from the rows)")
   if ann.threads < 0:
     raise ConfigError("ann.threads", ann.threads, "an integer >= 0 (0: every core)")
 
 
-def choose(num_rows: int, ann) -> dict:
-  """The index type and parameters for num_rows rows: config.ann's, or chosen from num_rows.
+def choose(num_rows: int, dim: int, ann) -> dict:
+  """The index type and parameters for num_rows rows of dimension dim: config.ann's, or chosen.
 
   Returns {"type", "factory", "params"}, or None for ann.type 'none'.
-  'auto' is 'flat' below EXACT_BELOW rows and 'hnsw' from there; a parameter
-  of 0 takes its default (IVF: nlist 4 sqrt(N) rounded to a power of two,
-  FAISS's guideline; nprobe nlist / 32).
+  'auto' is 'flat' below EXACT_BELOW rows and 'ivfpq' from there; a
+  parameter of 0 takes its default (IVF: nlist sqrt(N) rounded to a power of
+  two, nprobe nlist / 4; 'ivfpq': dim / 2 codes of 4 bits, k_factor 10).
   """
   kind = ann.type
   if kind == "none":
     return None
   if kind == "auto":
-    kind = "flat" if num_rows < EXACT_BELOW else "hnsw"
+    kind = "flat" if num_rows < EXACT_BELOW else "ivfpq"
   if kind == "flat":
     return {"type": "flat", "factory": "Flat", "params": {}}
   if kind == "hnsw":
@@ -95,19 +103,27 @@ def choose(num_rows: int, ann) -> dict:
     params = {"M": m, "efConstruction": ann.ef_construction or HNSW_EF_CONSTRUCTION,
               "efSearch": ann.ef_search or HNSW_EF_SEARCH}
     return {"type": "hnsw", "factory": f"HNSW{m},Flat", "params": params}
-  nlist = ann.nlist or int(2 ** round(np.log2(4 * np.sqrt(max(num_rows, 1)))))
+  # sqrt(N) lists: k-means of 4 sqrt(N) (FAISS's guideline) took minutes at 1,000,000 rows here.
+  nlist = ann.nlist or int(2 ** round(np.log2(np.sqrt(max(num_rows, 1)))))
   nlist = min(nlist, max(num_rows, 1))  # k-means needs at least one row per list.
   nprobe = min(ann.nprobe or max(1, round(nlist * IVF_NPROBE_FRACTION)), nlist)
-  return {"type": "ivf", "factory": f"IVF{nlist},Flat", "params": {"nlist": nlist,
-                                                                     "nprobe": nprobe}}
+  if kind == "ivf":
+    return {"type": "ivf", "factory": f"IVF{nlist},Flat", "params": {"nlist": nlist,
+                                                                       "nprobe": nprobe}}
+  codes = dim // 2 if dim % 2 == 0 else dim  # 2 dimensions per 4-bit code (1 if dim is odd).
+  return {"type": "ivfpq", "factory": f"IVF{nlist},PQ{codes}x4fs,RFlat",
+          "params": {"nlist": nlist, "nprobe": nprobe,
+                     "k_factor": ann.k_factor or IVFPQ_K_FACTOR}}
 
 
 def _set_search_params(faiss, index, spec: dict):
-  """Sets the spec's search-time parameters (HNSW efSearch, IVF nprobe) on a FAISS index."""
+  """Sets the spec's search-time parameters (efSearch, nprobe, k_factor) on a FAISS index."""
   if spec["type"] == "hnsw":
     faiss.downcast_index(index).hnsw.efSearch = spec["params"]["efSearch"]
-  elif spec["type"] == "ivf":
+  if spec["type"] in ("ivf", "ivfpq"):
     faiss.extract_index_ivf(index).nprobe = spec["params"]["nprobe"]
+  if spec["type"] == "ivfpq":
+    faiss.downcast_index(index).k_factor = spec["params"]["k_factor"]
 
 
 def build(embeddings, spec: dict, *, threads: int = 0):
@@ -120,7 +136,8 @@ def build(embeddings, spec: dict, *, threads: int = 0):
     threads: FAISS's OpenMP threads (0: every core).
   Returns:
     The faiss.Index, its search parameters set. An IVF index trains its
-    k-means on at most 256 rows per list, drawn with a fixed seed.
+    k-means (and product quantizer) on at most 64 rows per list or 65,536
+    rows, whichever is more, drawn with a fixed seed.
   """
   faiss = faiss_module("ann.type", spec["type"])
   if threads:
@@ -129,8 +146,8 @@ def build(embeddings, spec: dict, *, threads: int = 0):
   index = faiss.index_factory(dim, spec["factory"], faiss.METRIC_INNER_PRODUCT)
   if spec["type"] == "hnsw":
     faiss.downcast_index(index).hnsw.efConstruction = spec["params"]["efConstruction"]
-  if spec["type"] == "ivf":
-    count = min(len(embeddings), 256 * spec["params"]["nlist"])
+  if spec["type"] in ("ivf", "ivfpq"):
+    count = min(len(embeddings), max(64 * spec["params"]["nlist"], 65_536))
     sample = np.sort(np.random.default_rng(0).choice(len(embeddings), count, replace=False))
     index.train(np.ascontiguousarray(embeddings[sample], np.float32))
   add(index, embeddings, 0)

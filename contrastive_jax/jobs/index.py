@@ -113,7 +113,7 @@ def _write_part(workdir: str, part: int, h, rows: list, folder: Optional[str]) -
 
 def _write_ann(workdir: str, config, h, *, generation: int, run_id: str):
   """Builds the ANN index config.ann asks for of h and writes its file; its description or None."""
-  spec = ann_lib.choose(len(h), config.ann)
+  spec = ann_lib.choose(len(h), h.shape[1], config.ann)
   if spec is None:
     return None
   logging.info("Building a FAISS %s index (%s) of %d rows.", spec["type"], spec["params"], len(h))
@@ -180,7 +180,7 @@ def append(workdir, index: "Index", ann, h, names, folder: str, num_unreadable: 
   parts = Parts([*(index.embeddings.parts if isinstance(index.embeddings, Parts) else
                    [index.embeddings]), h])
   old_ann = meta.get("ann")
-  wanted = ann_lib.choose(len(parts), ann) if ann.type == "auto" else old_ann
+  wanted = ann_lib.choose(len(parts), parts.shape[1], ann) if ann.type == "auto" else old_ann
   generation = int(old_ann["file"].split(".")[1]) + 1 if old_ann else number
   if wanted and old_ann and wanted["type"] == old_ann["type"]:
     faiss_index = ann_lib.load(workdir, old_ann, where=f"--workdir={workdir}")
