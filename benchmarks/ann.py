@@ -34,9 +34,12 @@ import numpy as np
 from absl import app
 from absl import flags
 
+from contrastive_jax import recipes
 from contrastive_jax.jobs import ann as ann_lib
 from contrastive_jax.jobs import index as index_lib
 
+CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
+                      "embed.py")
 _ROWS = flags.DEFINE_integer("rows", 1_000_000, "Random unit vectors in the index.")
 _DIM = flags.DEFINE_integer("dim", 128, "Their dimension.")
 _QUERIES = flags.DEFINE_integer("queries", 1000, "Queries (random unit vectors, or index rows "
@@ -126,8 +129,7 @@ def main(_):
   exact_rows, exact_s = timed_search(lambda q: flat.search(q, k)[1], queries)
   row("exact: faiss IndexFlatIP", flat_build, n * d * 4, exact_rows, exact_s)
 
-  auto = ml_collections.ConfigDict(dict(type="auto", hnsw_m=0, ef_construction=0, ef_search=0,
-                                        nlist=0, nprobe=0, threads=_THREADS.value))
+  auto = recipes.load_config_file(CONFIG, "CONFIG").ann  # The embed job's defaults.
   default = ann_lib.choose(n, d, auto)
   specs = [default] if default["type"] != "flat" else []
   specs += [spec for spec in (ann_lib.choose(n, d, ml_collections.ConfigDict(dict(auto, type=t)))
