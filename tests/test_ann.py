@@ -47,7 +47,7 @@ def test_choose_is_exact_below_the_measured_size_and_hnsw_above_unless_told():
   assert ann_lib.choose(ann_lib.EXACT_BELOW - 1, 128, auto)["type"] == "flat"
   assert ann_lib.choose(1_000_000, 128, auto) == {
       "type": "ivfpq", "factory": "IVF1024,PQ64x4fs,RFlat",
-      "params": {"nlist": 1024, "nprobe": 256, "k_factor": ann_lib.IVFPQ_K_FACTOR}}
+      "params": {"nlist": 1024, "nprobe": 512, "k_factor": ann_lib.IVFPQ_K_FACTOR}}
   assert ann_lib.choose(10, 7, _ann_config(type="ivfpq", nlist=4))["factory"] == "IVF4,PQ7x4fs,RFlat"
   assert ann_lib.choose(10, 128, _ann_config(type="hnsw", hnsw_m=8, ef_search=20))["params"] == {
       "M": 8, "efConstruction": ann_lib.HNSW_EF_CONSTRUCTION, "efSearch": 20}

@@ -17,12 +17,12 @@ The type comes from the row count by default (choose): an exact flat index
 below EXACT_BELOW rows, 'ivfpq' from there: an inverted file whose lists hold
 4-bit product-quantization codes of 2 dimensions each, scanned with SIMD
 lookups (FAISS's "fast scan"), the best k_factor x k re-ranked exactly with
-the stored vectors. The defaults were measured with benchmarks/ann.py
-(docs/search.md): on random unit vectors, the hardest case, it gave the most
-recall per query time of FAISS's structures, and built several times faster
-than HNSW. FAISS is an extra
-(pip install 'contrastive_jax[search]'), imported only when an index is
-built or read.
+the stored vectors. Chosen by benchmarks/ann.py's measurements
+(docs/search.md): on random unit vectors, the hardest case, it gave more
+recall per query time than FAISS's HNSW and IVF-Flat and than ScaNN, and
+built faster than HNSW (42 s against 131 s for 200,000 rows). FAISS is an
+extra (pip install 'contrastive_jax[search]'), imported only when an index
+is built or read.
 
 Sources: Malkov & Yashunin 2018, "Efficient and robust approximate nearest
 neighbor search using Hierarchical Navigable Small World graphs" (HNSW, M,
@@ -31,8 +31,9 @@ nearest neighbor search" (the inverted file, nlist, nprobe, product
 quantization, re-ranking); André et al. 2017, "Accelerated nearest neighbor
 search with quick ADC" (4-bit codes scanned with SIMD lookups); Guo et al.
 2020, "Accelerating large-scale inference with anisotropic vector
-quantization" (ScaNN, 2 dimensions per 4-bit code); the FAISS documentation (github.com/facebookresearch/faiss/wiki: index_factory strings,
-HNSW and IVF parameters).
+quantization" (ScaNN, 2 dimensions per 4-bit code); the FAISS documentation
+(github.com/facebookresearch/faiss/wiki: index_factory strings, HNSW and IVF
+parameters, fast-scan PQ).
 """
 import json
 
@@ -46,14 +47,18 @@ from contrastive_jax.core import files
 FORMAT_VERSION = 1
 META = "ann.json"
 TYPES = ("auto", "none", "flat", "hnsw", "ivf", "ivfpq")
-# Below this many rows the exact flat index is chosen: exact search of 20,000
-# rows was as fast as any ANN index measured (benchmarks/ann.py, docs/search.md),
-# and up to 100,000 rows it answers a batch of queries in milliseconds each.
+# Below this many rows the exact flat index is chosen: exact search took 23 ms
+# per query per 1,000,000 rows here (batched; it grows with the rows), so about
+# 2 ms below 100,000 rows, not worth the recall an ANN index gives up
+# (0.81 at 20 times the speed on random vectors; docs/search.md).
 EXACT_BELOW = 100_000
-# Defaults measured on random unit vectors (docs/search.md). HNSW: FAISS's
-# efConstruction 40 (higher values made the build of 1,000,000 rows too long here).
+# HNSW (not chosen by 'auto'): M 32 and FAISS's own efConstruction 40; efSearch 256
+# found 0.93 of the 10 nearest of 30,000 random unit vectors, at about exact
+# search's speed (docs/search.md): a graph needs structure in the data to skip rows.
 HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 40, 256
-IVF_NPROBE_FRACTION = 1 / 4  # nprobe = nlist / 4 unless given.
+# nprobe = nlist / 2 unless given: on 1,000,000 random unit vectors the
+# setting with the highest recall@10 (0.81) at 20 times exact search's speed.
+IVF_NPROBE_FRACTION = 1 / 2
 IVFPQ_K_FACTOR = 10  # Candidates re-ranked exactly per neighbour asked for.
 _ADD_CHUNK = 65_536  # Rows handed to FAISS at a time: a memory-mapped part is read piecewise.
 
@@ -89,7 +94,7 @@ def choose(num_rows: int, dim: int, ann) -> dict:
   Returns {"type", "factory", "params"}, or None for ann.type 'none'.
   'auto' is 'flat' below EXACT_BELOW rows and 'ivfpq' from there; a
   parameter of 0 takes its default (IVF: nlist sqrt(N) rounded to a power of
-  two, nprobe nlist / 4; 'ivfpq': dim / 2 codes of 4 bits, k_factor 10).
+  two, nprobe nlist / 2; 'ivfpq': dim / 2 codes of 4 bits, k_factor 10).
   """
   kind = ann.type
   if kind == "none":
