@@ -100,7 +100,7 @@ def folder_bytes(path: str) -> int:
 
 
 def main(_):
-  faiss = ann_lib.faiss_module("ann.type", "auto")
+  faiss = ann_lib.faiss_module("ann.type", "auto", "'none'")
   faiss.omp_set_num_threads(_THREADS.value)
   rng = np.random.default_rng(0)
   if _INDEX_WORKDIR.value:

@@ -48,7 +48,8 @@ def test_choose_is_exact_below_the_measured_size_and_hnsw_above_unless_told():
   assert ann_lib.choose(1_000_000, 128, auto) == {
       "type": "ivfpq", "factory": "IVF1024,PQ64x4fs,RFlat",
       "params": {"nlist": 1024, "nprobe": 512, "k_factor": ann_lib.IVFPQ_K_FACTOR}}
-  assert ann_lib.choose(10, 7, _ann_config(type="ivfpq", nlist=4))["factory"] == "IVF4,PQ7x4fs,RFlat"
+  assert ann_lib.choose(10, 7, _ann_config(type="ivfpq", nlist=4))["factory"] == (
+      "IVF4,PQ7x4fs,RFlat")
   assert ann_lib.choose(10, 128, _ann_config(type="hnsw", hnsw_m=8, ef_search=20))["params"] == {
       "M": 8, "efConstruction": ann_lib.HNSW_EF_CONSTRUCTION, "efSearch": 20}
   assert ann_lib.choose(1_000_000, 128, _ann_config(type="ivf", nprobe=9))["params"] == {
@@ -270,8 +271,10 @@ def test_bad_indexes_and_adds_are_refused_in_one_line(pretrained, photos, tmp_pa
           neighbours, neighbours_config(workdir, queries=str(broken)))
   # Without FAISS (the base install): one line saying what to install.
   monkeypatch.setitem(sys.modules, "faiss", None)
-  refused(ConfigError, r"config.search='auto': must be .*pip install 'contrastive_jax\[search\]'",
-          neighbours, search)
+  refused(ConfigError, r"config.search='auto': must be 'exact' unless FAISS is installed: pip "
+          r"install 'contrastive_jax\[search\]'", neighbours, search)
+  refused(ConfigError, r"config.ann.type='auto': must be 'none' unless FAISS is installed: pip "
+          r"install 'contrastive_jax\[search\]'", embed, add)
   assert neighbours.run(neighbours_config(workdir, query_rows="0", search="exact"),
                         out)["search"] == {"method": "exact"}
   assert open(meta_path).read() == pristine
@@ -300,3 +303,27 @@ def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_hnsw(tmp_path, monk
   bank = np.concatenate([first, second])
   scores, rows = ann_lib.search(ann_lib.load(workdir, grown.ann, where="x"), bank[150:], 1)
   np.testing.assert_array_equal(rows[:, 0], np.arange(150, 200))
+
+
+def test_an_index_from_before_ann_indexes_is_read_and_an_add_gives_it_one(photos, tmp_path):
+  workdir, folder = photos
+  meta_path = os.path.join(workdir, index_lib.META)
+  with open(meta_path) as f:
+    meta = json.load(f)
+  old = {key: value for key, value in meta.items()
+         if key not in ("format_version", "run_id", "parts", "ann")}
+  del old["config"]["ann"], old["config"]["add"]
+  with open(meta_path, "w") as f:
+    json.dump(old, f)
+  for name in (ann_lib.META, meta["ann"]["file"]):
+    os.remove(os.path.join(workdir, name))
+  before = index_lib.load_index(workdir)
+  assert before.ann is None and len(before.rows) == 6
+  results = neighbours.run(neighbours_config(workdir, query_rows="2"), str(tmp_path / "search"))
+  assert results["search"] == {"method": "exact"}
+  _folder(tmp_path, "photos", ["pants"], per_class=1)
+  embed.run(embed_config(None, dataset=None, folder=folder, add=True), workdir)
+  after = index_lib.load_index(workdir)
+  assert after.meta["format_version"] == index_lib.FORMAT_VERSION and len(after.rows) == 7
+  assert after.ann["type"] == "flat" and after.ann["embed_run"] == after.meta["run_id"]
+  assert after.rows[:6] == before.rows

@@ -63,24 +63,27 @@ IVFPQ_K_FACTOR = 10  # Candidates re-ranked exactly per neighbour asked for.
 _ADD_CHUNK = 65_536  # Rows handed to FAISS at a time: a memory-mapped part is read piecewise.
 
 
-def faiss_module(field: str, value):
+def faiss_module(field: str, value, instead: str):
   """FAISS, imported here so that the base install (without it) imports every module.
 
   Raises:
-    ConfigError: FAISS is not installed, naming the field that needs it.
+    ConfigError: FAISS is not installed, naming the field that needs it and
+      the value (`instead`) that does without.
   """
   try:
     import faiss  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise ConfigError(field, value, "'none' (or 'exact') unless FAISS is installed: pip "
-                      f"install 'contrastive_jax[search]' ({e})") from None
+    raise ConfigError(field, value, f"{instead} unless FAISS is installed: pip install "
+                      f"'contrastive_jax[search]' ({e})") from None
   return faiss
 
 
 def check_config(ann):
-  """Raises ConfigError for config.ann fields that cannot build an index."""
+  """Raises ConfigError for config.ann fields that cannot build an index (FAISS missing too)."""
   if ann.type not in TYPES:
     raise ConfigError("ann.type", ann.type, f"one of {TYPES}")
+  if ann.type != "none":
+    faiss_module("ann.type", ann.type, "'none'")
   for field in ("hnsw_m", "ef_construction", "ef_search", "nlist", "nprobe", "k_factor"):
     if ann[field] < 0:
       raise ConfigError(f"ann.{field}", ann[field], "an integer >= 0 (0: chosen from the rows)")
@@ -144,7 +147,7 @@ def build(embeddings, spec: dict, *, threads: int = 0):
     k-means (and product quantizer) on at most 64 rows per list or 65,536
     rows, whichever is more, drawn with a fixed seed.
   """
-  faiss = faiss_module("ann.type", spec["type"])
+  faiss = faiss_module("ann.type", spec["type"], "'none'")
   if threads:
     faiss.omp_set_num_threads(threads)
   dim = embeddings.shape[1]
@@ -172,7 +175,7 @@ def write(workdir: str, index, spec: dict, *, generation: int, embed_run: str) -
   The description is what ann.json holds (the module docstring); the caller
   writes it (index.py writes embed.json, then ann.json).
   """
-  faiss = faiss_module("ann.type", spec["type"])
+  faiss = faiss_module("ann.type", spec["type"], "'none'")
   name = f"ann.{generation}.faiss"
   content = faiss.serialize_index(index).tobytes()
   files.write_atomic(f"{workdir}/{name}", content)
@@ -216,7 +219,7 @@ def load(workdir: str, description: dict, *, where: str):
     JobError: the file is missing, truncated (fewer bytes than described) or
       not a FAISS index.
   """
-  faiss = faiss_module("search", "auto")
+  faiss = faiss_module("search", "auto", "'exact'")
   path = f"{workdir}/{description['file']}"
   if not tf.io.gfile.exists(path):
     raise JobError(f"{where}: the ANN index {description['file']} is missing; it must be "

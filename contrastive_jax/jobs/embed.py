@@ -74,7 +74,8 @@ def _adding_config(config, existing: index.Index):
   """
   saved = existing.config
   checkpoint = f"the index's checkpoint ({saved.pretrain_workdir}, step {saved.pretrain_step})"
-  if config.pretrain_workdir and files.resolve_dir(config.pretrain_workdir) != saved.pretrain_workdir:
+  given = config.pretrain_workdir
+  if given and files.resolve_dir(given) != saved.pretrain_workdir:
     raise ConfigError("pretrain_workdir", config.pretrain_workdir,
                       f"unset or {checkpoint} when config.add is True: new rows must come from "
                       "the encoder of the old ones")
@@ -201,7 +202,8 @@ def _embed_and_write(config, workdir: str, mesh, model: index.EmbedModel, source
   if jax.process_index() == 0:
     tf.io.gfile.makedirs(workdir)
     if unreadable:
-      files.write_atomic(f"{workdir}/{listed}", "".join(line + "\n" for line in unreadable).encode())
+      files.write_atomic(f"{workdir}/{listed}",
+                         "".join(line + "\n" for line in unreadable).encode())
       logging.warning("%d files could not be decoded and have no row; they are listed with "
                       "why in %s/%s.", len(unreadable), workdir, listed)
     if len(h) and existing:

@@ -157,8 +157,9 @@ def append(workdir, index: "Index", ann, h, names, folder: str, num_unreadable: 
 
   The new rows are numbered on from index's. The ANN index is loaded, the
   rows added, and written as its next generation; when ann.type is 'auto'
-  and the new row count calls for another type (ann.choose), it is built
-  anew from every part instead. Nothing else already written is changed.
+  and the new row count calls for another type (ann.choose), or the index
+  has none yet (one from before ANN indexes), it is built from every part
+  instead. Nothing else already written is changed.
 
   Args:
     workdir: the index's folder.
@@ -180,7 +181,8 @@ def append(workdir, index: "Index", ann, h, names, folder: str, num_unreadable: 
   parts = Parts([*(index.embeddings.parts if isinstance(index.embeddings, Parts) else
                    [index.embeddings]), h])
   old_ann = meta.get("ann")
-  wanted = ann_lib.choose(len(parts), parts.shape[1], ann) if ann.type == "auto" else old_ann
+  follow = ann.type == "auto" or not old_ann
+  wanted = ann_lib.choose(len(parts), parts.shape[1], ann) if follow else old_ann
   generation = int(old_ann["file"].split(".")[1]) + 1 if old_ann else number
   if wanted and old_ann and wanted["type"] == old_ann["type"]:
     faiss_index = ann_lib.load(workdir, old_ann, where=f"--workdir={workdir}")
@@ -300,10 +302,11 @@ def load_index(workdir: str, *, where: Optional[str] = None) -> Index:
   if version not in (1, FORMAT_VERSION):
     raise JobError(f"{where}: {META} has format_version={version!r}: must be 1 to "
                    f"{FORMAT_VERSION} (written by a newer contrastive_jax?)")
-  if version == 1:  # One part, no ANN index.
-    meta = dict(meta, parts=[{"embeddings": EMBEDDINGS, "rows": INDEX,
-                              "num_images": meta["num_images"],
-                              "folder": meta["config"].get("folder")}], ann=None)
+  if version == 1:  # One part, no ANN index, no run id: given one if an add rewrites it.
+    part = {"embeddings": EMBEDDINGS, "rows": INDEX, "num_images": meta["num_images"],
+            "folder": meta["config"].get("folder")}
+    meta = dict(meta, format_version=FORMAT_VERSION, run_id=uuid.uuid4().hex, parts=[part],
+                ann=None)
   rows, arrays = [], []
   for part in meta["parts"]:
     try:
