@@ -14,7 +14,8 @@ unit vectors are the hardest case for an ANN index (no clusters, every
 direction equally likely); embeddings of images are far easier.
 
 The rows marked 'default' are what the embed job builds for --rows rows
-(jobs/ann.py's choose with no overrides). ScaNN is measured when its
+(jobs/ann.py's choose with configs/embed.py's ann fields). The default type
+is measured at each nprobe fraction and k_factor asked for. ScaNN is measured when its
 pybind module loads (scann 1.4.2's `import scann` loads TensorFlow ops built
 against another TensorFlow than this project's, so only its pybind searcher
 is used, without its package's __init__).
@@ -40,23 +41,27 @@ from contrastive_jax.jobs import index as index_lib
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "embed.py")
-_ROWS = flags.DEFINE_integer("rows", 1_000_000, "Random unit vectors in the index.")
-_DIM = flags.DEFINE_integer("dim", 128, "Their dimension.")
-_QUERIES = flags.DEFINE_integer("queries", 1000, "Queries (random unit vectors, or index rows "
-                                "with --index_workdir).")
-_K = flags.DEFINE_integer("k", 10, "Neighbours per query (recall@k).")
-_THREADS = flags.DEFINE_integer("threads", 2, "FAISS (OpenMP) threads.")
-_INDEX_WORKDIR = flags.DEFINE_string("index_workdir", None, "An embed job's workdir: its "
-                                     "embeddings instead of random vectors.")
-_TYPES = flags.DEFINE_string("types", "ivfpq,ivf", "FAISS index types measured besides the "
-                             "default (jobs/ann.py: hnsw, ivf, ivfpq); HNSW takes the longest "
-                             "to build.")
-_EF_SEARCH = flags.DEFINE_string("ef_search", "64,128,512",
-                                 "HNSW efSearch values measured besides the default.")
-_NPROBE_FRACTIONS = flags.DEFINE_string("nprobe_fractions", "0.0625,0.125,0.5",
-                                        "IVF nprobe values, as fractions of nlist, measured "
-                                        "besides the default.")
-_SCANN = flags.DEFINE_bool("scann", True, "Measure ScaNN too, when it loads.")
+FLAGS = flags.FLAGS
+
+
+def define_flags():
+  """Registers the command-line flags (not at import, so that tests can import this file)."""
+  flags.DEFINE_integer("rows", 1_000_000, "Random unit vectors in the index.")
+  flags.DEFINE_integer("dim", 128, "Their dimension.")
+  flags.DEFINE_integer("queries", 1000, "Queries (random unit vectors, or index rows with "
+                       "--index_workdir).")
+  flags.DEFINE_integer("k", 10, "Neighbours per query (recall@k).")
+  flags.DEFINE_integer("threads", 2, "FAISS (OpenMP) threads.")
+  flags.DEFINE_string("index_workdir", None, "An embed job's workdir: its embeddings instead "
+                      "of random vectors.")
+  flags.DEFINE_string("types", "ivf", "FAISS index types measured besides the default "
+                      "(jobs/ann.py: hnsw, ivf, ivfpq); HNSW takes the longest to build.")
+  flags.DEFINE_string("ef_search", "64,128,512", "HNSW efSearch values measured besides the "
+                      "default.")
+  flags.DEFINE_string("nprobe_fractions", "0.0625,0.125,0.25,0.5", "IVF nprobe values, as "
+                      "fractions of nlist, measured besides the default.")
+  flags.DEFINE_string("k_factors", "10", "IVFPQ k_factor values measured besides the default.")
+  flags.DEFINE_bool("scann", True, "Measure ScaNN too, when it loads.")
 
 
 def unit_rows(rng, n: int, d: int) -> np.ndarray:
@@ -99,22 +104,49 @@ def folder_bytes(path: str) -> int:
   return sum(os.path.getsize(os.path.join(d, f)) for d, _, names in os.walk(path) for f in names)
 
 
-def main(_):
-  faiss = ann_lib.faiss_module("ann.type", "auto", "'none'")
-  faiss.omp_set_num_threads(_THREADS.value)
-  rng = np.random.default_rng(0)
-  if _INDEX_WORKDIR.value:
-    saved = index_lib.load_index(_INDEX_WORKDIR.value)
-    bank = np.ascontiguousarray(np.asarray(saved.embeddings), np.float32)
-    queries = bank[np.sort(rng.choice(len(bank), min(_QUERIES.value, len(bank)), replace=False))]
-    what = f"{_INDEX_WORKDIR.value}'s embeddings"
+def _ints(values: str) -> list:
+  return [int(v) for v in values.split(",") if v]
+
+
+def _settings(spec: dict, *, ef_search: list, nprobe_fractions: list, k_factors: list) -> list:
+  """[(params, name)]: the search-time settings measured on a built index of spec, its own first."""
+  params = spec["params"]
+  if spec["type"] == "hnsw":
+    options = [dict(params, efSearch=e) for e in [params["efSearch"], *ef_search]]
+  elif spec["type"] in ("ivf", "ivfpq"):
+    nprobes = [params["nprobe"], *(max(1, round(params["nlist"] * f)) for f in nprobe_fractions)]
+    factors = [params["k_factor"], *k_factors] if spec["type"] == "ivfpq" else [None]
+    options = [dict(params, nprobe=p, **({"k_factor": f} if f else {}))
+               for p in nprobes for f in factors]
   else:
-    bank, queries = unit_rows(rng, _ROWS.value, _DIM.value), unit_rows(rng, _QUERIES.value,
-                                                                       _DIM.value)
-    what = "random unit vectors"
-  n, d, k = len(bank), bank.shape[1], _K.value
-  print(f"{n} x {d} {what}, {len(queries)} queries, k={k}, {_THREADS.value} FAISS threads, "
-        f"faiss {faiss.__version__}, load average at start {os.getloadavg()[0]:.1f}")
+    options = [params]
+  unique = []
+  for option in options:
+    if option not in unique:
+      unique.append(option)
+  return [(option, " ".join(f"{key}={value}" for key, value in option.items()
+                            if key not in ("M", "nlist"))) for option in unique]
+
+
+def measure(bank: np.ndarray, queries: np.ndarray, *, k: int, threads: int, types: list,
+            ef_search: list, nprobe_fractions: list, k_factors: list, scann: bool) -> list:
+  """Measures exact search, the embed job's default index for bank and `types`, and ScaNN.
+
+  Args:
+    bank: float32 [N, D] unit rows; queries: float32 [Q, D] unit rows.
+    k: neighbours per query.
+    threads: FAISS's OpenMP threads.
+    types: FAISS index types (jobs/ann.py) measured besides the default.
+    ef_search, nprobe_fractions, k_factors: search settings measured besides
+      each index's defaults.
+    scann: whether to measure ScaNN (when it loads).
+  Returns:
+    [(name, build seconds, bytes, recall@k, queries/s, queries/s over exact's)],
+    exact search first.
+  """
+  faiss = ann_lib.faiss_module("ann.type", "auto", "'none'")
+  faiss.omp_set_num_threads(threads)
+  n, d = bank.shape
   table = []
 
   def row(name, build_s, size, found, seconds):
@@ -133,60 +165,77 @@ def main(_):
   default = ann_lib.choose(n, d, auto)
   specs = [default] if default["type"] != "flat" else []
   specs += [spec for spec in (ann_lib.choose(n, d, ml_collections.ConfigDict(dict(auto, type=t)))
-                              for t in _TYPES.value.split(",") if t)
-            if spec["factory"] != default["factory"]]
+                              for t in types) if spec["factory"] != default["factory"]]
   for spec in specs:
     start = time.perf_counter()
-    built = ann_lib.build(bank, spec, threads=_THREADS.value)
+    built = ann_lib.build(bank, spec, threads=threads)
     build_s = time.perf_counter() - start
     size = len(faiss.serialize_index(built))
-    if spec["type"] == "hnsw":
-      values = sorted({spec["params"]["efSearch"], *map(int, _EF_SEARCH.value.split(","))})
-    else:
-      nlist = spec["params"]["nlist"]
-      values = sorted({spec["params"]["nprobe"], *(max(1, round(nlist * float(f)))
-                                                   for f in _NPROBE_FRACTIONS.value.split(","))})
-    for value in values:
-      if spec["type"] == "hnsw":
-        built.hnsw.efSearch = value
-        name = f"{spec['factory']} efC={spec['params']['efConstruction']} efSearch={value}"
-        is_default = spec is default and value == spec["params"]["efSearch"]
-      else:
-        faiss.extract_index_ivf(built).nprobe = value
-        name = f"{spec['factory']} nprobe={value}" + (
-            f" k_factor={spec['params']['k_factor']}" if spec["type"] == "ivfpq" else "")
-        is_default = spec is default and value == spec["params"]["nprobe"]
+    for params, name in _settings(spec, ef_search=ef_search, nprobe_fractions=nprobe_fractions,
+                                  k_factors=k_factors):
+      ann_lib.set_search_params(faiss, built, dict(spec, params=params))
       found, seconds = timed_search(lambda q, b=built: b.search(q, k)[1], queries)
-      row(name + (" (default)" if is_default else ""), build_s, size, found, seconds)
+      is_default = spec is default and params == spec["params"]
+      row(f"{spec['factory']} {name}" + (" (default)" if is_default else ""), build_s, size,
+          found, seconds)
     del built
 
-  scann, why = load_scann() if _SCANN.value else (None, "--noscann")
-  if scann is None:
+  module, why = load_scann() if scann else (None, "--noscann")
+  if module is None:
     print(f"ScaNN not measured: {why}")
-  else:
-    leaves = int(2 ** round(np.log2(np.sqrt(n))))
-    start = time.perf_counter()
-    searcher = scann.builder(bank, k, "dot_product").tree(
-        num_leaves=leaves, num_leaves_to_search=leaves // 10,
-        training_sample_size=min(n, 250_000)).score_ah(
-            2, anisotropic_quantization_threshold=0.2).reorder(200).build()
-    build_s = time.perf_counter() - start
-    with tempfile.TemporaryDirectory() as folder:
-      searcher.serialize(folder)
-      size = folder_bytes(folder)
-    for fraction in (16, 8, 4, 2):
-      for reorder in (100, 1000):
-        found, seconds = timed_search(lambda q, f=fraction, r=reorder: searcher.search_batched(
-            q, leaves_to_search=leaves // f, pre_reorder_num_neighbors=r)[0], queries)
-        row(f"ScaNN tree {leaves} leaves, search {leaves // fraction}, AH 2, reorder {reorder}",
-            build_s, size, found, seconds)
+    return table
+  leaves = int(2 ** round(np.log2(np.sqrt(n))))
+  start = time.perf_counter()
+  searcher = module.builder(bank, k, "dot_product").tree(
+      num_leaves=leaves, num_leaves_to_search=max(1, leaves // 10),
+      training_sample_size=min(n, 250_000)).score_ah(
+          2, anisotropic_quantization_threshold=0.2).reorder(200).build()
+  build_s = time.perf_counter() - start
+  with tempfile.TemporaryDirectory() as folder:
+    searcher.serialize(folder)
+    size = folder_bytes(folder)
+  for fraction in (16, 8, 4, 2):
+    for reorder in (100, 1000):
+      searched = max(1, leaves // fraction)
+      found, seconds = timed_search(lambda q, s=searched, r=reorder: searcher.search_batched(
+          q, leaves_to_search=s, pre_reorder_num_neighbors=r)[0], queries)
+      row(f"ScaNN tree {leaves} leaves, search {searched}, AH 2, reorder {reorder}", build_s,
+          size, found, seconds)
+  return table
 
+
+def report(table: list, k: int) -> str:
+  """measure's table in markdown."""
+  lines = [f"| index | build (s) | size (MB) | recall@{k} | queries/s | x exact |",
+           "|---|---|---|---|---|---|"]
+  lines += [f"| {name} | {build_s:.1f} | {size / 1e6:.0f} | {rec:.3f} | {qps:.0f} | {ratio:.1f} |"
+            for name, build_s, size, rec, qps, ratio in table]
+  return "\n".join(lines)
+
+
+def main(argv):
+  if len(argv) > 1:
+    raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
+  rng = np.random.default_rng(0)
+  if FLAGS.index_workdir:
+    saved = index_lib.load_index(FLAGS.index_workdir)
+    bank = np.ascontiguousarray(np.asarray(saved.embeddings), np.float32)
+    queries = bank[np.sort(rng.choice(len(bank), min(FLAGS.queries, len(bank)), replace=False))]
+    what = f"{FLAGS.index_workdir}'s embeddings"
+  else:
+    bank = unit_rows(rng, FLAGS.rows, FLAGS.dim)
+    queries = unit_rows(rng, FLAGS.queries, FLAGS.dim)
+    what = "random unit vectors"
+  print(f"{len(bank)} x {bank.shape[1]} {what}, {len(queries)} queries, k={FLAGS.k}, "
+        f"{FLAGS.threads} FAISS threads, load average at start {os.getloadavg()[0]:.1f}")
+  table = measure(bank, queries, k=FLAGS.k, threads=FLAGS.threads,
+                  types=[t for t in FLAGS.types.split(",") if t], ef_search=_ints(FLAGS.ef_search),
+                  nprobe_fractions=[float(f) for f in FLAGS.nprobe_fractions.split(",") if f],
+                  k_factors=_ints(FLAGS.k_factors), scann=FLAGS.scann)
   print(f"\nload average at end {os.getloadavg()[0]:.1f}\n")
-  print("| index | build (s) | size (MB) | recall@%d | queries/s | x exact |" % k)
-  print("|---|---|---|---|---|---|")
-  for name, build_s, size, rec, qps, ratio in table:
-    print(f"| {name} | {build_s:.1f} | {size / 1e6:.0f} | {rec:.3f} | {qps:.0f} | {ratio:.1f} |")
+  print(report(table, FLAGS.k))
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

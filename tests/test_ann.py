@@ -7,7 +7,7 @@ import sys
 import ml_collections
 import numpy as np
 import pytest
-from PIL import Image
+from helpers import load_benchmark
 # The tiny pretraining workdir and the job configs of the embed and neighbours tests.
 from test_search import embed_config, neighbours_config, pretrained  # pylint: disable=unused-import
 
@@ -327,3 +327,23 @@ def test_an_index_from_before_ann_indexes_is_read_and_an_add_gives_it_one(photos
   assert after.meta["format_version"] == index_lib.FORMAT_VERSION and len(after.rows) == 7
   assert after.ann["type"] == "flat" and after.ann["embed_run"] == after.meta["run_id"]
   assert after.rows[:6] == before.rows
+
+
+def test_the_benchmark_measures_exact_search_and_each_index_against_it():
+  bench = load_benchmark("ann")
+  assert bench.recall(np.array([[1, 2, 3], [5, 6, 7]]), np.array([[3, 4, 1], [5, 6, 7]])) == (
+      pytest.approx((2 / 3 + 1) / 2))
+  rng = np.random.default_rng(0)
+  table = bench.measure(bench.unit_rows(rng, 4000, 32), bench.unit_rows(rng, 100, 32), k=10,
+                        threads=1, types=["ivf", "ivfpq"], ef_search=[], nprobe_fractions=[1.0],
+                        k_factors=[], scann=False)
+  rows = {name: numbers for name, *numbers in table}
+  assert table[0][0] == "exact: faiss IndexFlatIP" and table[0][3:6:2] == (1.0, 1.0)
+  # IVF probing all of its 64 lists is exact search; fewer lists find less.
+  assert rows["IVF64,Flat nprobe=64"][2] == 1.0
+  assert rows["IVF64,Flat nprobe=32"][2] < 1.0
+  assert {"IVF64,PQ16x4fs,RFlat nprobe=32 k_factor=10",
+          "IVF64,PQ16x4fs,RFlat nprobe=64 k_factor=10"} <= set(rows)
+  assert all(size > 0 and qps > 0 for size, qps in ((n[1], n[3]) for n in rows.values()))
+  lines = bench.report(table, 10).splitlines()
+  assert len(lines) == len(table) + 2 and lines[2].startswith("| exact: faiss IndexFlatIP | ")

@@ -124,7 +124,7 @@ def choose(num_rows: int, dim: int, ann) -> dict:
                      "k_factor": ann.k_factor or IVFPQ_K_FACTOR}}
 
 
-def _set_search_params(faiss, index, spec: dict):
+def set_search_params(faiss, index, spec: dict):
   """Sets the spec's search-time parameters (efSearch, nprobe, k_factor) on a FAISS index."""
   if spec["type"] == "hnsw":
     faiss.downcast_index(index).hnsw.efSearch = spec["params"]["efSearch"]
@@ -159,7 +159,7 @@ def build(embeddings, spec: dict, *, threads: int = 0):
     sample = np.sort(np.random.default_rng(0).choice(len(embeddings), count, replace=False))
     index.train(np.ascontiguousarray(embeddings[sample], np.float32))
   add(index, embeddings, 0)
-  _set_search_params(faiss, index, spec)
+  set_search_params(faiss, index, spec)
   return index
 
 
@@ -235,7 +235,7 @@ def load(workdir: str, description: dict, *, where: str):
   except RuntimeError as e:
     raise JobError(f"{where}: the ANN index {description['file']} must be a FAISS index "
                    f"({str(e).splitlines()[-1]})") from None
-  _set_search_params(faiss, index, description)
+  set_search_params(faiss, index, description)
   return index
 
 
