@@ -50,7 +50,7 @@ def get_config(variant: str = ""):
       ef_search=0,  # HNSW: candidates kept while searching (efSearch); 0: 256.
       nlist=0,  # IVF, IVFPQ: k-means lists; 0: sqrt(N), a power of two.
       nprobe=0,  # IVF, IVFPQ: lists searched per query; 0: nlist / 2.
-      k_factor=0,  # IVFPQ: candidates re-ranked exactly per neighbour; 0: 10.
+      k_factor=0,  # IVFPQ: candidates re-ranked exactly per neighbour; 0: 20.
       threads=0,  # FAISS threads while building; 0: every core.
   ))
   return config

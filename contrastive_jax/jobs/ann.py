@@ -47,19 +47,21 @@ from contrastive_jax.core import files
 FORMAT_VERSION = 1
 META = "ann.json"
 TYPES = ("auto", "none", "flat", "hnsw", "ivf", "ivfpq")
-# Below this many rows the exact flat index is chosen: exact search took 23 ms
-# per query per 1,000,000 rows here (batched; it grows with the rows), so about
-# 2 ms below 100,000 rows, not worth the recall an ANN index gives up
-# (0.81 at 20 times the speed on random vectors; docs/search.md).
+# Below this many rows the exact flat index is chosen: exact search took 23 to
+# 26 ms per query per 1,000,000 rows here (batched; it grows with the rows), so
+# about 2 ms below 100,000 rows, not worth the recall an ANN index gives up
+# (0.87 at 16 times the speed on random vectors; docs/search.md).
 EXACT_BELOW = 100_000
 # HNSW (not chosen by 'auto'): M 32 and FAISS's own efConstruction 40; efSearch 256
 # found 0.93 of the 10 nearest of 30,000 random unit vectors, at about exact
 # search's speed (docs/search.md): a graph needs structure in the data to skip rows.
 HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 40, 256
-# nprobe = nlist / 2 unless given: on 1,000,000 random unit vectors the
-# setting with the highest recall@10 (0.81) at 20 times exact search's speed.
+# nprobe = nlist / 2 and k_factor 20 unless given: on 1,000,000 random unit
+# vectors, recall@10 0.87 at 16 times exact search's queries/s (k_factor 10:
+# 0.81 at 10 to 20 times, two runs; recall 0.95 needed 3/4 of the lists and
+# k_factor 40, at 10 times; docs/search.md).
 IVF_NPROBE_FRACTION = 1 / 2
-IVFPQ_K_FACTOR = 10  # Candidates re-ranked exactly per neighbour asked for.
+IVFPQ_K_FACTOR = 20
 _ADD_CHUNK = 65_536  # Rows handed to FAISS at a time: a memory-mapped part is read piecewise.
 
 
@@ -97,7 +99,8 @@ def choose(num_rows: int, dim: int, ann) -> dict:
   Returns {"type", "factory", "params"}, or None for ann.type 'none'.
   'auto' is 'flat' below EXACT_BELOW rows and 'ivfpq' from there; a
   parameter of 0 takes its default (IVF: nlist sqrt(N) rounded to a power of
-  two, nprobe nlist / 2; 'ivfpq': dim / 2 codes of 4 bits, k_factor 10).
+  two, nprobe nlist / 2; 'ivfpq': dim / 2 codes of 4 bits, k_factor 20, the
+  candidates re-ranked exactly per neighbour asked for).
   """
   kind = ann.type
   if kind == "none":
