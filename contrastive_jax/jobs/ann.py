@@ -36,6 +36,7 @@ quantization" (ScaNN, 2 dimensions per 4-bit code); the FAISS documentation
 parameters, fast-scan PQ).
 """
 import json
+import logging
 
 import numpy as np
 import tensorflow as tf
@@ -72,6 +73,9 @@ def faiss_module(field: str, value, instead: str):
     ConfigError: FAISS is not installed, naming the field that needs it and
       the value (`instead`) that does without.
   """
+  # FAISS's loader logs, at INFO, each SIMD build it tries and fails to import
+  # (with a ModuleNotFoundError each) before the one it loads: noise in a job's log.
+  logging.getLogger("faiss.loader").setLevel(logging.WARNING)
   try:
     import faiss  # pylint: disable=g-import-not-at-top
   except ImportError as e:
