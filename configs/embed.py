@@ -4,10 +4,18 @@
       --config.pretrain_workdir=PRETRAIN_DIR --config.dataset=cifar10 --config.split=test
   python -m contrastive_jax.main --config=configs/embed.py --workdir=EMBED_DIR \
       --config.pretrain_workdir=PRETRAIN_DIR --config.folder=/photos
+  python -m contrastive_jax.main --config=configs/embed.py --workdir=EMBED_DIR \
+      --config.add=True --config.folder=/photos_new
 
 Set the pretraining workdir and either a dataset (data_source, dataset,
 data_dir, split) or a folder of image files. The encoder's architecture,
-image size and centre crop come from the checkpoint's own config.
+image size and centre crop come from the checkpoint's own config. With add,
+the folder's files not yet in the index of EMBED_DIR are added to it, with
+the index's checkpoint (pretrain_workdir may be left unset).
+
+ann: the ANN index built beside the embeddings (jobs/ann.py, docs/search.md):
+type 'auto' (exact 'flat' below 100,000 rows, 'ivfpq' from there), 'flat',
+'hnsw', 'ivf', 'ivfpq' or 'none'; a parameter of 0 takes its measured default.
 """
 import ml_collections
 from ml_collections import config_dict
@@ -34,4 +42,15 @@ def get_config(variant: str = ""):
   config.max_pixels = 100_000_000  # Files whose header claims more are not decoded.
   config.batch_size = 256  # Global; a multiple of the device count.
   config.data_threads = 2
+  config.add = False  # True: add config.folder's new files to the index in --workdir.
+  config.ann = ml_collections.ConfigDict(dict(
+      type="auto",
+      hnsw_m=0,  # HNSW: graph links per node (M); 0: 32.
+      ef_construction=0,  # HNSW: candidates kept while linking (efConstruction); 0: 40.
+      ef_search=0,  # HNSW: candidates kept while searching (efSearch); 0: 256.
+      nlist=0,  # IVF, IVFPQ: k-means lists; 0: sqrt(N), a power of two.
+      nprobe=0,  # IVF, IVFPQ: lists searched per query; 0: nlist / 2.
+      k_factor=0,  # IVFPQ: candidates re-ranked exactly per neighbour; 0: 20.
+      threads=0,  # FAISS threads while building; 0: every core.
+  ))
   return config

@@ -9,6 +9,9 @@ Queries: image files or names of the index's rows (index.jsonl), comma-separated
 queries or one per line in the text file queries_file (for names that have a comma:
 each line is taken as it is, blank lines skipped), and row numbers of the index in
 query_rows. Rows come first, then queries, then queries_file.
+
+search: 'auto' searches the index's ANN index (ann.json) when it has one and
+exactly otherwise; 'exact' always exactly.
 """
 import ml_collections
 from ml_collections import config_dict
@@ -27,7 +30,8 @@ def get_config(variant: str = ""):
   config.queries_file = ""  # A text file of queries, one per line.
   config.query_rows = ""
   config.k = 8
-  config.chunk_size = 65536  # Index rows scored per device step.
+  config.search = "auto"  # Or 'exact'.
+  config.chunk_size = 65536  # Index rows scored per device step (exact search).
   config.cell = 96  # Pixels per image in neighbours.png.
   config.max_pixels = 100_000_000  # Query files whose header claims more are not decoded.
   return config

@@ -403,7 +403,9 @@ class FolderSource:
   decoded when read (images.load_image: RGB, EXIF orientation applied, at
   most max_pixels pixels) and downscaled with antialiasing to a shorter side
   of at most shorter_side; a file that cannot be decoded is skipped, logged
-  and kept in `unreadable` as (path, reason), never dropped silently.
+  and kept in `unreadable` as (path, reason), never dropped silently. Files
+  whose path is in `skip` (those an index holds already) are left out; when
+  that leaves none, `files` is empty.
 
   Raises:
     ConfigError (field 'folder'): not an existing folder, or no file in it.
@@ -414,15 +416,15 @@ class FolderSource:
   class_names = None
   random_access = False
 
-  def __init__(self, folder: str, *, max_pixels: int, shorter_side: int):
+  def __init__(self, folder: str, *, max_pixels: int, shorter_side: int, skip=frozenset()):
     if not os.path.isdir(folder):
       raise ConfigError("folder", folder, "an existing folder of image files")
     self.name = folder
     files, skipped = images_lib.list_files(folder, flag="config.folder")
-    self.files = [os.path.join(folder, f) for f in files]
-    self._skipped = [(os.path.join(folder, f), why) for f, why in skipped if why != "hidden"]
-    if not self.files:
+    if not files:
       raise ConfigError("folder", folder, "a folder holding image files; it holds no file")
+    self.files = [path for path in (os.path.join(folder, f) for f in files) if path not in skip]
+    self._skipped = [(os.path.join(folder, f), why) for f, why in skipped if why != "hidden"]
     self._max_pixels, self._shorter_side = max_pixels, shorter_side
     self.unreadable = []
 

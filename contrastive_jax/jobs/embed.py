@@ -4,9 +4,17 @@
       --config.pretrain_workdir=PRETRAIN_DIR --config.dataset=cifar10 --config.split=test
   python -m contrastive_jax.main --config=configs/embed.py --workdir=DIR \
       --config.pretrain_workdir=PRETRAIN_DIR --config.folder=/photos
+  python -m contrastive_jax.main --config=configs/embed.py --workdir=DIR \
+      --config.add=True --config.folder=/photos_new
 
 Restores only the encoder of any method's pretraining checkpoint (as the
-linear probe does) and writes the index (index.py) to the workdir.
+linear probe does) and writes the index (index.py) to the workdir, with its
+ANN index (ann.py; config.ann).
+
+With config.add, the files of config.folder that the index in the workdir
+does not hold yet (by path) are embedded with the index's own checkpoint and
+added to it as a new part, their rows numbered on from its last; the ANN
+index grows with them. A checkpoint other than the index's is refused.
 
 Not a training loop, so not run by runner.run. Each process embeds its own
 part of the images; process 0 gathers the parts and writes the files, in the
@@ -17,6 +25,7 @@ written anew.
 """
 
 import jax
+import ml_collections
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
@@ -30,6 +39,7 @@ from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
+from contrastive_jax.jobs import ann as ann_lib
 from contrastive_jax.jobs import index
 
 def check_config(config, num_devices: int):
@@ -47,19 +57,57 @@ def check_config(config, num_devices: int):
   for field in ("max_pixels", "data_threads"):
     if config[field] <= 0:
       raise ConfigError(field, config[field], "an integer > 0")
+  if config.add and not config.folder:
+    raise ConfigError("folder", config.folder, "a folder of image files when config.add is "
+                      "True: the images added to an index are files")
+  ann_lib.check_config(config.ann)
 
 
-def open_source(config, *, shorter_side: int):
+def _adding_config(config, existing: index.Index):
+  """The config that embeds config.folder for the index `existing`: its own checkpoint's.
+
+  Its ANN fields are the index's, but for config.ann.threads.
+
+  Raises:
+    ConfigError: config names a checkpoint (pretrain_workdir, pretrain_step
+      other than -1, random_init) other than the index's.
+  """
+  saved = existing.config
+  checkpoint = f"the index's checkpoint ({saved.pretrain_workdir}, step {saved.pretrain_step})"
+  given = config.pretrain_workdir
+  if given and files.resolve_dir(given) != saved.pretrain_workdir:
+    raise ConfigError("pretrain_workdir", config.pretrain_workdir,
+                      f"unset or {checkpoint} when config.add is True: new rows must come from "
+                      "the encoder of the old ones")
+  if config.pretrain_step not in (-1, saved.pretrain_step):
+    raise ConfigError("pretrain_step", config.pretrain_step,
+                      f"-1 or {saved.pretrain_step}, {checkpoint}, when config.add is True")
+  if config.random_init != saved.random_init:
+    raise ConfigError("random_init", config.random_init,
+                      f"{saved.random_init}, as the index's embed, when config.add is True")
+  adding = ml_collections.ConfigDict(saved.to_dict())
+  # The index keeps the ANN type it was embedded with ('auto' follows its rows);
+  # an index from before ANN indexes gets config.ann's.
+  ann = dict(saved.ann.to_dict() if "ann" in saved else config.ann.to_dict(),
+             threads=config.ann.threads)
+  adding.update(dataset=None, folder=files.resolve_dir(config.folder), max_pixels=config.max_pixels,
+                batch_size=config.batch_size, data_threads=config.data_threads, ann=ann,
+                add=True)
+  return adding
+
+
+def open_source(config, *, shorter_side: int, skip=frozenset()):
   """(source, split) of the images config names: config.dataset's config.split or config.folder.
 
-  A folder's files are downscaled to shorter_side when read.
+  A folder's files are downscaled to shorter_side when read; those whose path
+  is in skip are left out.
 
   Raises:
     ConfigError: a missing dataset, split or folder, or an empty one.
   """
   if config.folder:
     source = sources.FolderSource(config.folder, max_pixels=config.max_pixels,
-                                  shorter_side=shorter_side)
+                                  shorter_side=shorter_side, skip=skip)
     return source, source.SPLIT
   return sources.get_source(config, {"split": config.split}), config.split
 
@@ -67,44 +115,75 @@ def open_source(config, *, shorter_side: int):
 def run(config, workdir: str):
   """Embeds the images config names with the checkpoint it names; writes the index to workdir.
 
-  Returns the embeddings, float32 [N, D] (on every process).
+  Returns the embeddings written, float32 [N, D] (on every process); with
+  config.add, those of the files added (none: [0, D]).
 
   Holds the workdir's lock (files.workdir_lock) once the inputs are checked.
 
   Raises:
-    ConfigError: see check_config, load_model, open_source.
-    JobError: a workdir that is a file, already holds an index or that
-      another job is running in; a folder none of whose files can be decoded.
+    ConfigError: see check_config, _adding_config, load_model, open_source.
+    JobError: a workdir that is a file, already holds an index (without
+      config.add) or holds none (with it), or that another job is running
+      in; an index to add to whose files do not fit (index.load_index); a
+      folder none of whose files can be decoded.
   """
   workdir = files.prepare_workdir(workdir)
-  _refuse_existing_index(workdir)
   check_config(config, jax.device_count())
+  existing = _index_to_add_to(workdir) if config.add else _refuse_existing_index(workdir)
   mesh = mesh_lib.make_mesh()
   config = config.copy_and_resolve_references()
+  if existing:
+    config = _adding_config(config, existing)
   for field in ("pretrain_workdir", "folder", "data_dir"):  # As the neighbours job will need them.
     if config[field]:
       config[field] = files.resolve_dir(config[field])
   model = index.load_model(config, mesh)
   config.pretrain_step = model.step
-  source, split = open_source(
-      config, shorter_side=index.shorter_side(model.image_size, model.crop_fraction))
+  shorter = index.shorter_side(model.image_size, model.crop_fraction)
+  if not existing:
+    source, split = open_source(config, shorter_side=shorter)
+    with files.workdir_lock(workdir):
+      _refuse_existing_index(workdir)  # Again: a job that held the lock may have written one.
+      return _embed_and_write(config, workdir, mesh, model, source, split, None)
   with files.workdir_lock(workdir):
-    _refuse_existing_index(workdir)  # Again: a job that held the lock may have written one.
-    return _embed_and_write(config, workdir, mesh, model, source, split)
+    existing = _index_to_add_to(workdir)  # Again: another add may have grown it meanwhile.
+    source, split = open_source(config, shorter_side=shorter,
+                                skip=frozenset(row["name"] for row in existing.rows))
+    if not source.files:
+      logging.info("Every file of %s is in the index already: nothing to add.", config.folder)
+      return np.zeros((0, existing.embeddings.shape[1]), np.float32)
+    return _embed_and_write(config, workdir, mesh, model, source, split, existing)
+
+
+def _index_to_add_to(workdir: str) -> index.Index:
+  """The index in workdir (config.add).
+
+  Raises:
+    JobError: there is none, or its files do not fit (index.load_index).
+  """
+  if not index.is_index(workdir):
+    raise JobError(f"--workdir={workdir}: must hold a finished embed job's index when "
+                   f"config.add is True (no {index.META} there)")
+  return index.load_index(workdir, where=f"--workdir={workdir}")
 
 
 def _refuse_existing_index(workdir: str):
   """Raises JobError if workdir holds a complete index (one is never overwritten)."""
   if index.is_index(workdir):
     raise JobError(f"--workdir={workdir}: already holds embeddings ({index.META}, "
-                   f"{index.EMBEDDINGS}); use a new workdir or delete them")
+                   f"{index.EMBEDDINGS}); use a new workdir or delete them, or add "
+                   "config.folder's new files to them with --config.add=True")
   if tf.io.gfile.exists(f"{workdir}/{index.EMBEDDINGS}"):
     logging.warning("%s/%s is left from an embed job that did not finish (no %s): embedding "
                     "again.", workdir, index.EMBEDDINGS, index.META)
 
 
-def _embed_and_write(config, workdir: str, mesh, model: index.EmbedModel, source, split: str):
-  """run's work once the inputs are checked and the workdir locked; returns the embeddings."""
+def _embed_and_write(config, workdir: str, mesh, model: index.EmbedModel, source, split: str,
+                     existing):
+  """run's work once the inputs are checked and the workdir locked; returns the embeddings.
+
+  existing: the index to add the embeddings to (index.append), or None for a new one.
+  """
   local_batch = config.batch_size // jax.process_count()
   ds = input_pipeline.eval_dataset(source, split, local_batch=local_batch,
                                    image_size=model.image_size, crop_fraction=model.crop_fraction,
@@ -119,18 +198,23 @@ def _embed_and_write(config, workdir: str, mesh, model: index.EmbedModel, source
   h, labels, names = _gather(h), _gather(labels), _gather_strings(names)
   unreadable = _gather_strings([f"{path}\t{reason}" for path, reason in
                                 (source.unreadable if config.folder else [])])
+  listed = index.part_names(len(existing.meta["parts"]) if existing else 0)["unreadable"]
   if jax.process_index() == 0:
     tf.io.gfile.makedirs(workdir)
     if unreadable:
-      files.write_atomic(f"{workdir}/{index.UNREADABLE}", "".join(line + "\n" for line in unreadable).encode())
+      files.write_atomic(f"{workdir}/{listed}",
+                         "".join(line + "\n" for line in unreadable).encode())
       logging.warning("%d files could not be decoded and have no row; they are listed with "
-                      "why in %s/%s.", len(unreadable), workdir, index.UNREADABLE)
-    if len(h):
+                      "why in %s/%s.", len(unreadable), workdir, listed)
+    if len(h) and existing:
+      index.append(workdir, existing, config.ann, h, names, config.folder, len(unreadable))
+    elif len(h):
       index.write(workdir, config, model, source, h, labels, names, len(unreadable))
   if not len(h):
     raise JobError(f"config.folder={config.folder!r}: none of its {num_images} files could be "
-                   f"decoded (listed with the reasons in {workdir}/{index.UNREADABLE})")
-  logging.info("Wrote %d embeddings of dimension %d to %s.", len(h), h.shape[1], workdir)
+                   f"decoded (listed with the reasons in {workdir}/{listed})")
+  logging.info("%s %d embeddings of dimension %d to %s.", "Added" if existing else "Wrote",
+               len(h), h.shape[1], workdir)
   return h
 
 

@@ -10,29 +10,49 @@
                   labelled datasets.
   embed.json      what was embedded and how: the job's config (the
                   checkpoint step resolved), image size, crop fraction, N, D,
-                  class names. Written last: its presence marks a complete
-                  index, which the neighbours job reads.
+                  class names, format_version, run_id (this embed run's id),
+                  parts (below) and ann (what ann.json holds, or null).
+                  Written last: its presence marks a complete index, which
+                  the neighbours job reads.
   unreadable.txt  (folders) the files that could not be decoded, with why;
                   they have no row.
+  ann.G.faiss, ann.json  the ANN index of the rows and its description
+                  (ann.py), unless config.ann.type is 'none'.
 
-Every file is written atomically, embed.json last.
+Images added later (the embed job with config.add) are a new part:
+embeddings.P.npy, index.P.jsonl (and unreadable.P.txt) for part P = 1, 2,
+..., their rows numbered on from the previous parts'; embed.json's "parts"
+lists every part ({"embeddings", "rows", "num_images", "folder"}) and
+load_index reads them all, in order. Nothing already written is rewritten
+but the ANN index (a new generation, with the new rows added) and embed.json.
+
+Every file is written atomically, embed.json after the files it lists, so an
+interrupted embed or add leaves the previous embed.json, whose files are
+untouched. ann.json follows embed.json; the ANN file it replaces is deleted
+after it.
 """
 import io
 import json
 import math
-from typing import Callable, NamedTuple
+import uuid
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import ml_collections
 import numpy as np
 import tensorflow as tf
+from absl import logging
 
+from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import files
+from contrastive_jax.jobs import ann as ann_lib
 from contrastive_jax.jobs import downstream
 from contrastive_jax.methods import common
 from contrastive_jax import models
 
 EMBEDDINGS, INDEX, META, UNREADABLE = "embeddings.npy", "index.jsonl", "embed.json", "unreadable.txt"
+# embed.json's format: 1 (no format_version, before parts and the ANN index), 2.
+FORMAT_VERSION = 2
 
 
 class EmbedModel(NamedTuple):
@@ -71,33 +91,162 @@ def load_model(config, mesh) -> EmbedModel:
                     pretrained.eval_crop_fraction, pretrained.crop_resize, step)
 
 
-def write(workdir, config, model, source, h, labels, names, num_unreadable: int):
-  """Writes embeddings.npy, index.jsonl and, last, embed.json (see the module docstring).
+def part_names(part: int) -> dict:
+  """{"embeddings", "rows", "unreadable"}: the file names of part `part` (0: the first embed)."""
+  if not part:
+    return {"embeddings": EMBEDDINGS, "rows": INDEX, "unreadable": UNREADABLE}
+  return {"embeddings": f"embeddings.{part}.npy", "rows": f"index.{part}.jsonl",
+          "unreadable": f"unreadable.{part}.txt"}
 
-  h: float32 [N, D] unit rows; labels: N ints (ignored for an unlabelled source);
-  names: N strings; model: the EmbedModel that embedded them.
-  """
+
+def _write_part(workdir: str, part: int, h, rows: list, folder: Optional[str]) -> dict:
+  """Writes one part's embeddings and row descriptions; returns its entry of embed.json's parts."""
+  names = part_names(part)
   buffer = io.BytesIO()
   np.save(buffer, h.astype(np.float32))
-  files.write_atomic(f"{workdir}/{EMBEDDINGS}", buffer.getvalue())
+  files.write_atomic(f"{workdir}/{names['embeddings']}", buffer.getvalue())
+  files.write_atomic(f"{workdir}/{names['rows']}",
+                     "".join(json.dumps(r) + "\n" for r in rows).encode())
+  return {"embeddings": names["embeddings"], "rows": names["rows"], "num_images": len(h),
+          "folder": folder}
+
+
+def _write_ann(workdir: str, config, h, *, generation: int, run_id: str):
+  """Builds the ANN index config.ann asks for of h and writes its file; its description or None."""
+  spec = ann_lib.choose(len(h), h.shape[1], config.ann)
+  if spec is None:
+    return None
+  logging.info("Building a FAISS %s index (%s) of %d rows.", spec["type"], spec["params"], len(h))
+  built = ann_lib.build(h, spec, threads=config.ann.threads)
+  return ann_lib.write(workdir, built, spec, generation=generation, embed_run=run_id)
+
+
+def _commit(workdir: str, meta: dict, old_ann: Optional[dict]):
+  """Writes embed.json (the marker), then ann.json, then deletes the ANN file old_ann names."""
+  files.write_atomic(f"{workdir}/{META}", json.dumps(meta, indent=1).encode())
+  if meta["ann"]:
+    ann_lib.write_meta(workdir, meta["ann"])
+  elif tf.io.gfile.exists(f"{workdir}/{ann_lib.META}"):
+    tf.io.gfile.remove(f"{workdir}/{ann_lib.META}")
+  if old_ann and (not meta["ann"] or old_ann["file"] != meta["ann"]["file"]):
+    tf.io.gfile.remove(f"{workdir}/{old_ann['file']}")
+
+
+def write(workdir, config, model, source, h, labels, names, num_unreadable: int):
+  """Writes a new index: embeddings.npy, index.jsonl, the ANN index and, last, embed.json.
+
+  h: float32 [N, D] unit rows; labels: N ints (ignored for an unlabelled source);
+  names: N strings; model: the EmbedModel that embedded them; config.ann:
+  which ANN index (ann.choose).
+  """
   labelled = source.num_classes is not None
   rows = [{"name": name, **({"label": int(label)} if labelled else {})}
           for name, label in zip(names, labels)]
-  files.write_atomic(f"{workdir}/{INDEX}", "".join(json.dumps(r) + "\n" for r in rows).encode())
-  meta = {"config": config.to_dict(), "image_size": model.image_size,
-          "crop_fraction": model.crop_fraction, "crop_resize": model.crop_resize,
-          "num_images": len(h), "dim": int(h.shape[1]),
-          "class_names": source.class_names, "unreadable": num_unreadable}
-  files.write_atomic(f"{workdir}/{META}", json.dumps(meta, indent=1).encode())
+  part = _write_part(workdir, 0, h, rows, config.folder)
+  run_id = uuid.uuid4().hex
+  meta = {"format_version": FORMAT_VERSION, "run_id": run_id, "config": config.to_dict(),
+          "image_size": model.image_size, "crop_fraction": model.crop_fraction,
+          "crop_resize": model.crop_resize, "num_images": len(h), "dim": int(h.shape[1]),
+          "class_names": source.class_names, "unreadable": num_unreadable, "parts": [part],
+          "ann": _write_ann(workdir, config, h, generation=0, run_id=run_id)}
+  _commit(workdir, meta, None)
+
+
+def append(workdir, index: "Index", ann, h, names, folder: str, num_unreadable: int):
+  """Adds rows to the index in workdir: a new part, the ANN index grown, then embed.json.
+
+  The new rows are numbered on from index's. The ANN index is loaded, the
+  rows added, and written as its next generation; when ann.type is 'auto'
+  and the new row count calls for another type (ann.choose), or the index
+  has none yet (one from before ANN indexes), it is built from every part
+  instead. Nothing else already written is changed.
+
+  Args:
+    workdir: the index's folder.
+    index: load_index(workdir).
+    ann: config.ann (its type 'auto' follows the rows; another is kept).
+    h: float32 [M, D] unit rows; names: M strings (file paths).
+    folder: where they come from.
+    num_unreadable: files of folder that could not be decoded.
+  Raises:
+    JobError: h's dimension is not the index's.
+  """
+  if h.shape[1] != index.embeddings.shape[1]:
+    raise JobError(f"--workdir={workdir}: holds embeddings of dimension "
+                   f"{index.embeddings.shape[1]}; the new images' are {h.shape[1]}: it must be "
+                   "the same encoder's")
+  meta = dict(index.meta)
+  number = len(meta["parts"])
+  part = _write_part(workdir, number, h, [{"name": name} for name in names], folder)
+  parts = Parts([*(index.embeddings.parts if isinstance(index.embeddings, Parts) else
+                   [index.embeddings]), h])
+  old_ann = meta.get("ann")
+  follow = ann.type == "auto" or not old_ann
+  wanted = ann_lib.choose(len(parts), parts.shape[1], ann) if follow else old_ann
+  generation = int(old_ann["file"].split(".")[1]) + 1 if old_ann else number
+  if wanted and old_ann and wanted["type"] == old_ann["type"]:
+    faiss_index = ann_lib.load(workdir, old_ann, where=f"--workdir={workdir}")
+    ann_lib.add(faiss_index, parts, len(index.rows))
+    spec = {key: old_ann[key] for key in ("type", "factory", "params")}
+    new_ann = ann_lib.write(workdir, faiss_index, spec, generation=generation,
+                            embed_run=meta["run_id"])
+  elif wanted:  # 'auto' crossed into another type (a flat index grown past EXACT_BELOW).
+    config = ml_collections.ConfigDict({"ann": ann.to_dict()})
+    new_ann = _write_ann(workdir, config, parts, generation=generation, run_id=meta["run_id"])
+  else:
+    new_ann = None
+  meta.update(num_images=len(parts), parts=[*meta["parts"], part], ann=new_ann,
+              unreadable=meta["unreadable"] + num_unreadable)
+  _commit(workdir, meta, old_ann)
+
+
+class Parts:
+  """The rows of several float32 [n_p, D] arrays as one [sum n_p, D] array, none copied.
+
+  What load_index returns for an index of several parts: len, shape, dtype,
+  an int row, a slice (step 1) or an int array of rows, and np.asarray (a copy).
+  """
+
+  def __init__(self, parts: list):
+    self.parts = parts
+    self.starts = np.cumsum([0] + [len(p) for p in parts])
+    self.shape = (int(self.starts[-1]), parts[0].shape[1])
+    self.dtype = np.dtype(np.float32)
+
+  def __len__(self):
+    return self.shape[0]
+
+  def __getitem__(self, key):
+    if isinstance(key, slice):
+      begin, stop, step = key.indices(len(self))
+      if step != 1:
+        raise ValueError("Parts: slices of step 1 only")
+      pieces = [p[max(begin - s, 0):max(stop - s, 0)] for p, s in zip(self.parts, self.starts)]
+      return np.concatenate([np.asarray(x) for x in pieces if len(x)] or
+                            [np.zeros((0, self.shape[1]), np.float32)])
+    rows = np.asarray(key)
+    if rows.ndim == 0:
+      row = int(rows) + len(self) if rows < 0 else int(rows)
+      if not 0 <= row < len(self):
+        raise IndexError(f"row {int(rows)} outside [0, {len(self)})")
+      part = int(np.searchsorted(self.starts, row, side="right")) - 1
+      return np.asarray(self.parts[part][row - self.starts[part]])
+    return np.stack([self[int(r)] for r in rows.ravel()]).reshape(rows.shape + self.shape[1:])
+
+  def __array__(self, dtype=None, copy=None):
+    del copy  # Always a new array.
+    return np.concatenate([np.asarray(p) for p in self.parts]).astype(dtype or self.dtype)
 
 
 class Index(NamedTuple):
   """An embed job's output, as load_index reads it.
 
-  embeddings: float32 [N, D] unit rows (memory-mapped for a local workdir).
+  embeddings: float32 [N, D] unit rows of every part, in order (a
+  memory-mapped array for one local part, a Parts of them for several).
   rows: N dicts {'name'[, 'label']}.
   config: the embed job's config; image_size, crop_fraction, crop_resize: how
   its images were cropped (input_pipeline.center_crop); class_names: list or None.
+  meta: embed.json as read (its "ann": the ANN index's description, or None).
   """
   embeddings: np.ndarray
   rows: list
@@ -106,6 +255,17 @@ class Index(NamedTuple):
   crop_fraction: float
   crop_resize: str
   class_names: list
+  meta: dict
+
+  @property
+  def ann(self) -> Optional[dict]:
+    """The ANN index's description (ann.json's content), or None: search it exactly."""
+    return self.meta.get("ann")
+
+  @property
+  def dataset_rows(self) -> int:
+    """How many rows, from the first, were read from config.dataset (0 for a folder's index)."""
+    return 0 if self.config.folder else self.meta["parts"][0]["num_images"]
 
 
 def is_index(workdir: str) -> bool:
@@ -113,19 +273,61 @@ def is_index(workdir: str) -> bool:
   return tf.io.gfile.exists(f"{workdir}/{META}")
 
 
-def load_index(workdir: str) -> Index:
-  """Reads the index an embed job wrote to workdir (check is_index first)."""
-  with tf.io.gfile.GFile(f"{workdir}/{META}") as f:
-    meta = json.load(f)
-  with tf.io.gfile.GFile(f"{workdir}/{INDEX}") as f:
-    rows = [json.loads(line) for line in f]
-  path = f"{workdir}/{EMBEDDINGS}"
+def _read_embeddings(path: str):
   if "://" in path:
     with tf.io.gfile.GFile(path, "rb") as f:
-      embeddings = np.load(io.BytesIO(f.read()))
-  else:  # Memory-mapped: the neighbours job reads it chunk by chunk.
-    embeddings = np.load(path, mmap_mode="r")
+      return np.load(io.BytesIO(f.read()))
+  return np.load(path, mmap_mode="r")  # The neighbours job reads it chunk by chunk.
+
+
+def load_index(workdir: str, *, where: Optional[str] = None) -> Index:
+  """Reads the index an embed job wrote to workdir, every part (check is_index first).
+
+  Args:
+    workdir: the embed job's workdir.
+    where: how the user named it, e.g. "config.index_workdir='/x'", to start
+      each error's line (default: workdir).
+  Raises:
+    JobError: embed.json of an unknown format_version or not JSON; a part's
+      file missing, truncated or of another row count or dimension than
+      embed.json says; an ANN description that does not fit (ann.check).
+  """
+  where = where or workdir
+  try:
+    with tf.io.gfile.GFile(f"{workdir}/{META}") as f:
+      meta = json.load(f)
+  except ValueError as e:
+    raise JobError(f"{where}: {META} must be the JSON an embed job writes ({e})") from None
+  version = meta.get("format_version", 1)
+  if version not in (1, FORMAT_VERSION):
+    raise JobError(f"{where}: {META} has format_version={version!r}: must be 1 to "
+                   f"{FORMAT_VERSION} (written by a newer contrastive_jax?)")
+  if version == 1:  # One part, no ANN index, no run id: given one if an add rewrites it.
+    part = {"embeddings": EMBEDDINGS, "rows": INDEX, "num_images": meta["num_images"],
+            "folder": meta["config"].get("folder")}
+    meta = dict(meta, format_version=FORMAT_VERSION, run_id=uuid.uuid4().hex, parts=[part],
+                ann=None)
+  rows, arrays = [], []
+  for part in meta["parts"]:
+    try:
+      with tf.io.gfile.GFile(f"{workdir}/{part['rows']}") as f:
+        part_rows = [json.loads(line) for line in f]
+      array = _read_embeddings(f"{workdir}/{part['embeddings']}")
+    except (ValueError, OSError, tf.errors.OpError) as e:
+      raise JobError(f"{where}: {part['embeddings']} and {part['rows']} must be the files of "
+                     f"{part['num_images']} rows {META} lists; they are missing, truncated or "
+                     f"damaged ({str(e).splitlines()[0]})") from None
+    if not len(part_rows) == len(array) == part["num_images"] or array.shape[1] != meta["dim"]:
+      raise JobError(f"{where}: {part['embeddings']} holds {array.shape} and {part['rows']} "
+                     f"{len(part_rows)} rows: must be {part['num_images']} rows of dimension "
+                     f"{meta['dim']} ({META})")
+    rows += part_rows
+    arrays.append(array)
+  if meta.get("ann"):
+    ann_lib.check(meta["ann"], rows=len(rows), dim=meta["dim"], embed_run=meta["run_id"],
+                  where=where)
   # An index written before crop_resize was recorded was cropped bilinear.
-  return Index(embeddings, rows, ml_collections.ConfigDict(meta["config"]), meta["image_size"],
+  return Index(arrays[0] if len(arrays) == 1 else Parts(arrays), rows,
+               ml_collections.ConfigDict(meta["config"]), meta["image_size"],
                meta["crop_fraction"], meta.get("crop_resize", "pil_bilinear"),
-               meta["class_names"])
+               meta["class_names"], meta)

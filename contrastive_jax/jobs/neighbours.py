@@ -17,17 +17,23 @@ For each, the k rows of the index with the
 largest cosine similarity, best first; a query that is in the index finds
 itself first, with score 1. Writes to the workdir (process 0):
 
-  neighbours.json  {"index_workdir", "k", "queries": [{"query", "row" (its
-                   row, or null for a file), "neighbours": [{"row", "name",
-                   "score"[, "label"]}, ...]}, ...]}
+  neighbours.json  {"index_workdir", "k", "search", "queries": [{"query",
+                   "row" (its row, or null for a file), "neighbours":
+                   [{"row", "name", "score"[, "label"]}, ...]}, ...]};
+                   "search" says how: {"method": "ann", "type", "params",
+                   "file"} or {"method": "exact"}.
   neighbours.png   one line per query: the query, then its k neighbours, each
                    with its score (and class) under it; every image
                    centre-cropped as the encoder saw it.
   TensorBoard      the same picture, image 'neighbours' at step 0.
 
-The search streams the index through the device in chunks (top_k_cosine), so
-an index of millions of rows never needs more than a chunk of scores per
-query batch. Not a training loop, so not run by runner.run.
+With config.search 'auto' (the default) and an ANN index beside the
+embeddings (ann.py: HNSW or IVF), FAISS searches it: approximate, fast at
+millions of rows. Otherwise (no ANN index, an exact 'flat' one, or
+config.search 'exact') the search is exact: it streams the index through the
+device in chunks (top_k_cosine), so an index of millions of rows never needs
+more than a chunk of scores per query batch. Not a training loop, so not run
+by runner.run.
 """
 import functools
 import json
@@ -48,9 +54,11 @@ from contrastive_jax.core import pictures
 from contrastive_jax.data import images
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
+from contrastive_jax.jobs import ann as ann_lib
 from contrastive_jax.jobs import index as index_lib
 
 RESULTS, PICTURE = "neighbours.json", "neighbours.png"
+SEARCHES = ("auto", "exact")
 _CHARS_PER_PIXEL = 1 / 6  # PIL's default font is about 6 pixels per character.
 
 
@@ -145,6 +153,8 @@ def check_config(config):
   for field in ("k", "chunk_size", "cell", "max_pixels"):
     if config[field] <= 0:
       raise ConfigError(field, config[field], "an integer > 0")
+  if config.search not in SEARCHES:
+    raise ConfigError("search", config.search, f"one of {SEARCHES}")
   if not _named_queries(config) and not _split(config.query_rows):
     raise ConfigError("queries", config.queries,
                       "at least one query: image files or names of index rows, "
@@ -205,23 +215,31 @@ def run(config, workdir: str) -> dict:
 
   Raises:
     ConfigError: before any compute: see check_config and _queries; k larger
-      than the index.
-    JobError: a workdir that is a file, or that another job is running in.
+      than the index; an ANN index to search without FAISS installed.
+    JobError: a workdir that is a file, or that another job is running in;
+      an index whose files do not fit its embed.json (index.load_index,
+      ann.load).
   """
   workdir = files.prepare_workdir(workdir)
   check_config(config)
   index_workdir = files.resolve_dir(config.index_workdir)
-  index = index_lib.load_index(index_workdir)
+  where = f"config.index_workdir={config.index_workdir!r}"
+  index = index_lib.load_index(index_workdir, where=where)
   if config.k > len(index.rows):
     raise ConfigError("k", config.k, f"at most the size of the index ({len(index.rows)})")
+  approximate = config.search == "auto" and index.ann and index.ann["type"] != "flat"
+  ann_index = ann_lib.load(index_workdir, index.ann, where=where) if approximate else None
   queries = _queries(config, index)
   with files.workdir_lock(workdir):
-    return _search_and_write(config, workdir, index_workdir, index, queries)
+    return _search_and_write(config, workdir, index_workdir, index, queries, ann_index)
 
 
 def _search_and_write(config, workdir: str, index_workdir: str, index: index_lib.Index,
-                      queries) -> dict:
-  """run's work once the queries are read and the workdir locked; returns the results."""
+                      queries, ann_index) -> dict:
+  """run's work once the queries are read and the workdir locked; returns the results.
+
+  ann_index: the FAISS index to search, or None to search exactly.
+  """
   new_images = [image for _, row, image in queries if row is None]
   embedded = iter([])
   if new_images:  # Embedded whole on every device: a few images.
@@ -231,14 +249,19 @@ def _search_and_write(config, workdir: str, index_workdir: str, index: index_lib
                                                           mesh_lib.replicated(mesh)))))
   vectors = np.stack([index.embeddings[row] if row is not None else next(embedded)
                       for _, row, _ in queries])
-  logging.info("Searching %d rows for the %d nearest of %d queries.", len(index.rows), config.k,
-               len(queries))
-  scores, rows = top_k_cosine(vectors, index.embeddings, config.k, chunk_size=config.chunk_size)
+  if ann_index is not None:
+    search = {"method": "ann", **{key: index.ann[key] for key in ("type", "params", "file")}}
+    scores, rows = ann_lib.search(ann_index, vectors, config.k)
+  else:
+    search = {"method": "exact"}
+    scores, rows = top_k_cosine(vectors, index.embeddings, config.k, chunk_size=config.chunk_size)
+  logging.info("Searched %d rows (%s) for the %d nearest of %d queries.", len(index.rows),
+               search, config.k, len(queries))
 
-  results = {"index_workdir": index_workdir, "k": config.k, "queries": [
+  results = {"index_workdir": index_workdir, "k": config.k, "search": search, "queries": [
       {"query": item, "row": row,
        "neighbours": [dict(index.rows[r], row=int(r), score=float(s))
-                      for r, s in zip(rows[i], scores[i])]}
+                      for r, s in zip(rows[i], scores[i]) if r >= 0]}
       for i, (item, row, _) in enumerate(queries)]}
   if jax.process_index() == 0:
     tf.io.gfile.makedirs(workdir)
@@ -262,16 +285,21 @@ def _images(index: index_lib.Index, rows, shorter_side: int) -> dict:
   """{row: uint8 [H, W, 3]} for rows of the index, read again from its folder or dataset split.
 
   Files are downscaled to shorter_side; a dataset's images are as stored.
+  Rows from index.dataset_rows on came from folders.
 
   Raises:
     ConfigError: the index's dataset is gone.
-    ImageError: a file of the index's folder cannot be decoded any more.
+    ImageError: a file of the index's folders cannot be decoded any more.
   """
-  if index.config.folder:  # A row names its file (files that could not be read have no row).
-    return {r: images.load_image(index.rows[r]["name"], max_pixels=index.config.max_pixels,
-                                 shorter_side=shorter_side) for r in rows}
-  source = sources.get_source(index.config, {"split": index.config.split})
-  return dict(zip(rows, source.images(index.config.split, rows)))
+  # A folder's row names its file (files that could not be read have no row).
+  read = {r: images.load_image(index.rows[r]["name"], max_pixels=index.config.max_pixels,
+                               shorter_side=shorter_side)
+          for r in rows if r >= index.dataset_rows}
+  from_dataset = [r for r in rows if r < index.dataset_rows]
+  if from_dataset:
+    source = sources.get_source(index.config, {"split": index.config.split})
+    read.update(zip(from_dataset, source.images(index.config.split, from_dataset)))
+  return read
 
 
 def _picture(config, index: index_lib.Index, queries, scores, rows) -> np.ndarray:
@@ -282,7 +310,8 @@ def _picture(config, index: index_lib.Index, queries, scores, rows) -> np.ndarra
   have seen them smaller).
   """
   side = index_lib.shorter_side(max(config.cell, index.image_size), index.crop_fraction)
-  wanted = sorted({int(r) for r in rows.ravel()} | {r for _, r, _ in queries if r is not None})
+  wanted = sorted({int(r) for r in rows.ravel() if r >= 0} |
+                  {r for _, r, _ in queries if r is not None})
   read = _images(index, wanted, side)
   chars = int(config.cell * _CHARS_PER_PIXEL)
 
@@ -295,7 +324,8 @@ def _picture(config, index: index_lib.Index, queries, scores, rows) -> np.ndarra
   for (item, row, _), line_scores, line_rows in zip(queries, scores, rows):
     query = read[row] if row is not None else images.load_image(
         item, max_pixels=config.max_pixels, shorter_side=side)
-    shown = [query] + [read[int(r)] for r in line_rows]
+    found = [(s, int(r)) for s, r in zip(line_scores, line_rows) if r >= 0]
+    shown = [query] + [read[r] for _, r in found]
     lines.append([_crop(x, config.cell, index) for x in shown])
-    captions.append(["query"] + [caption(s, int(r)) for s, r in zip(line_scores, line_rows)])
+    captions.append(["query"] + [caption(s, r) for s, r in found])
   return pictures.grid(lines, captions, cell=config.cell)

@@ -1,0 +1,349 @@
+"""The ANN index (jobs/ann.py) of an embed job, its search, and adding images to an index."""
+import json
+import os
+import shutil
+import sys
+
+import ml_collections
+import numpy as np
+import pytest
+from helpers import load_benchmark
+# The tiny pretraining workdir and the job configs of the embed and neighbours tests.
+from test_search import embed_config, neighbours_config, pretrained  # pylint: disable=unused-import
+
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core import files
+from contrastive_jax.jobs import ann as ann_lib
+from contrastive_jax.jobs import embed
+from contrastive_jax.jobs import index as index_lib
+from contrastive_jax.jobs import neighbours
+
+faiss = pytest.importorskip("faiss")
+CLOTHING = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "images", "clothing",
+                        "test")
+
+
+def _unit(rng, n, d):
+  x = rng.normal(size=(n, d)).astype(np.float32)
+  return x / np.linalg.norm(x, axis=1, keepdims=True)
+
+
+def _exact(queries, bank, k):
+  """numpy, float64: (scores, rows) of the k largest dot products, best first."""
+  sims = queries.astype(np.float64) @ bank.T.astype(np.float64)
+  rows = np.argsort(-sims, axis=1, kind="stable")[:, :k]
+  return np.take_along_axis(sims, rows, axis=1), rows
+
+
+def _ann_config(**fields):
+  config = embed_config("unused").ann
+  config.update(fields)
+  return config
+
+
+def test_choose_is_exact_below_the_measured_size_and_hnsw_above_unless_told():
+  auto = _ann_config()
+  assert ann_lib.choose(ann_lib.EXACT_BELOW - 1, 128, auto)["type"] == "flat"
+  assert ann_lib.choose(1_000_000, 128, auto) == {
+      "type": "ivfpq", "factory": "IVF1024,PQ64x4fs,RFlat",
+      "params": {"nlist": 1024, "nprobe": 512, "k_factor": ann_lib.IVFPQ_K_FACTOR}}
+  assert ann_lib.choose(10, 7, _ann_config(type="ivfpq", nlist=4))["factory"] == (
+      "IVF4,PQ7x4fs,RFlat")
+  assert ann_lib.choose(10, 128, _ann_config(type="hnsw", hnsw_m=8, ef_search=20))["params"] == {
+      "M": 8, "efConstruction": ann_lib.HNSW_EF_CONSTRUCTION, "efSearch": 20}
+  assert ann_lib.choose(1_000_000, 128, _ann_config(type="ivf", nprobe=9))["params"] == {
+      "nlist": 1024, "nprobe": 9}
+  assert ann_lib.choose(10, 128, _ann_config(type="none")) is None
+
+
+@pytest.mark.parametrize("kind", ["flat", "hnsw", "ivf", "ivfpq"])
+def test_each_index_type_written_and_read_back_finds_numpy_exact_neighbours(kind, tmp_path):
+  rng = np.random.default_rng(0)
+  bank, queries = _unit(rng, 3000, 32), _unit(rng, 200, 32)
+  # IVF probing every list is exact; HNSW and IVFPQ (4-bit codes, then the best
+  # 20 x 10 re-ranked) are approximate: recall@10 against numpy.
+  config = _ann_config(type=kind, nlist=16, nprobe=16, threads=1)
+  spec = ann_lib.choose(len(bank), 32, config)
+  description = ann_lib.write(str(tmp_path), ann_lib.build(bank, spec, threads=1), spec,
+                              generation=0, embed_run="run")
+  assert description["rows"] == 3000 and description["dim"] == 32
+  scores, rows = ann_lib.search(ann_lib.load(str(tmp_path), description, where="x"), queries, 10)
+  want_scores, want_rows = _exact(queries, bank, 10)
+  if kind in ("hnsw", "ivfpq"):
+    recall = np.mean([len(set(a) & set(b)) / 10 for a, b in zip(rows, want_rows)])
+    assert recall >= 0.95, recall
+  else:
+    np.testing.assert_array_equal(rows, want_rows)
+  found = np.take_along_axis(queries @ bank.T, rows, axis=1)
+  np.testing.assert_allclose(scores, found, atol=1e-5)  # Scores are the cosines of the rows.
+  if kind in ("flat", "ivf"):
+    np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+
+
+def _folder(tmp_path, name, classes, per_class=2):
+  """A folder of real photos (clothing test images), `per_class` of each class; their paths."""
+  folder = tmp_path / name
+  for cls in classes:
+    (folder / cls).mkdir(parents=True, exist_ok=True)
+    for f in sorted(os.listdir(os.path.join(CLOTHING, cls)))[:per_class]:
+      shutil.copy(os.path.join(CLOTHING, cls, f), folder / cls / f)
+  return str(folder)
+
+
+@pytest.fixture()
+def photos(pretrained, tmp_path):
+  """(index workdir, folder): an index of 6 photos with an HNSW index (forced: few rows)."""
+  folder = _folder(tmp_path, "photos", ["dress", "hat", "shoes"])
+  workdir = str(tmp_path / "index")
+  embed.run(embed_config(pretrained, dataset=None, folder=folder,
+                         ann=_ann_config(type="hnsw").to_dict()), workdir)
+  return workdir, folder
+
+
+def test_embed_writes_an_ann_index_a_service_reads_with_faiss_alone(photos):
+  workdir, _ = photos
+  with open(os.path.join(workdir, ann_lib.META)) as f:
+    description = json.load(f)
+  with open(os.path.join(workdir, index_lib.META)) as f:
+    meta = json.load(f)
+  assert meta["ann"] == description and description["embed_run"] == meta["run_id"]
+  assert (description["type"], description["rows"], description["dim"]) == ("hnsw", 6, meta["dim"])
+  assert description["format_version"] == ann_lib.FORMAT_VERSION
+  read = faiss.read_index(os.path.join(workdir, description["file"]))
+  embeddings = np.load(os.path.join(workdir, index_lib.EMBEDDINGS))
+  _, rows = read.search(embeddings, 6)
+  np.testing.assert_array_equal(rows, _exact(embeddings, embeddings, 6)[1])
+
+
+def test_neighbours_searches_the_ann_index_and_says_so(photos, tmp_path):
+  workdir, _ = photos
+  saved = index_lib.load_index(workdir)
+  want_scores, want_rows = _exact(np.asarray(saved.embeddings), np.asarray(saved.embeddings), 4)
+  results = {}
+  for search in ("auto", "exact"):
+    results[search] = neighbours.run(
+        neighbours_config(workdir, query_rows="0,1,2,3,4,5", search=search),
+        str(tmp_path / search))
+    got = results[search]["queries"]
+    np.testing.assert_array_equal([[n["row"] for n in q["neighbours"]] for q in got], want_rows)
+    np.testing.assert_allclose([[n["score"] for n in q["neighbours"]] for q in got], want_scores,
+                               atol=1e-5)
+  assert results["auto"]["search"] == {"method": "ann", "type": "hnsw",
+                                       "params": saved.ann["params"], "file": saved.ann["file"]}
+  assert results["exact"]["search"] == {"method": "exact"}
+
+
+def test_adding_files_embeds_only_new_ones_rows_continue_and_their_queries_find_them(
+    pretrained, photos, tmp_path):
+  workdir, folder = photos
+  before = index_lib.load_index(workdir)
+  first_bytes = open(os.path.join(workdir, index_lib.EMBEDDINGS), "rb").read()
+  new = _folder(tmp_path, "photos", ["pants", "skirt"], per_class=1)  # Into the same folder.
+  added = embed.run(embed_config(None, dataset=None, folder=folder, add=True), workdir)
+  assert added.shape == (2, before.embeddings.shape[1])
+  after = index_lib.load_index(workdir)
+  new_names = [os.path.join(new, cls, f) for cls in ("pants", "skirt")
+               for f in sorted(os.listdir(os.path.join(new, cls)))]
+  assert after.rows == before.rows + [{"name": name} for name in new_names]
+  # The first part is as it was; the new rows are a new part, embedded as a fresh index does.
+  assert open(os.path.join(workdir, index_lib.EMBEDDINGS), "rb").read() == first_bytes
+  assert os.path.exists(os.path.join(workdir, "embeddings.1.npy"))
+  alone = str(tmp_path / "alone")
+  only_new = _folder(tmp_path, "only_new", ["pants", "skirt"], per_class=1)
+  embed.run(embed_config(pretrained, dataset=None, folder=only_new), alone)
+  np.testing.assert_allclose(np.asarray(after.embeddings)[6:],
+                             index_lib.load_index(alone).embeddings, atol=1e-5)
+  assert after.ann["rows"] == 8 and after.ann["file"] == "ann.1.faiss"
+  assert sorted(f for f in os.listdir(workdir) if f.endswith(".faiss")) == ["ann.1.faiss"]
+  # The new files, as query files, find themselves first through the ANN index.
+  results = neighbours.run(neighbours_config(workdir, queries=",".join(new_names)),
+                           str(tmp_path / "search"))
+  assert results["search"]["method"] == "ann"
+  for i, query in enumerate(results["queries"]):
+    assert query["neighbours"][0]["row"] == 6 + i
+    assert query["neighbours"][0]["score"] == pytest.approx(1.0, abs=1e-5)
+  # Adding the same folder again embeds nothing and changes nothing.
+  assert len(embed.run(embed_config(None, dataset=None, folder=folder, add=True), workdir)) == 0
+  assert index_lib.load_index(workdir).meta == after.meta
+
+
+def test_an_interrupted_add_leaves_the_previous_index_as_it_was(photos, tmp_path, monkeypatch):
+  workdir, folder = photos
+  before = index_lib.load_index(workdir)
+  listing = {f: open(os.path.join(workdir, f), "rb").read() for f in os.listdir(workdir)
+             if f != files.LOCK}
+  _folder(tmp_path, "photos", ["pants"], per_class=1)
+  original = files.write_atomic
+
+  def killed_before_the_marker(path, content):
+    if path.endswith("/" + index_lib.META):
+      raise KeyboardInterrupt  # As a Ctrl-C between the part files and embed.json.
+    original(path, content)
+
+  monkeypatch.setattr(files, "write_atomic", killed_before_the_marker)
+  with pytest.raises(KeyboardInterrupt):
+    embed.run(embed_config(None, dataset=None, folder=folder, add=True), workdir)
+  monkeypatch.setattr(files, "write_atomic", original)
+  for name, content in listing.items():  # Every file of the index unchanged ...
+    assert open(os.path.join(workdir, name), "rb").read() == content, name
+  again = index_lib.load_index(workdir)  # ... and it loads and searches as before.
+  assert again.rows == before.rows and again.meta == before.meta
+  results = neighbours.run(neighbours_config(workdir, query_rows="5"), str(tmp_path / "search"))
+  assert results["queries"][0]["neighbours"][0]["row"] == 5
+  # The add, run again, completes over what the interrupted one left.
+  embed.run(embed_config(None, dataset=None, folder=folder, add=True), workdir)
+  assert len(index_lib.load_index(workdir).rows) == 7
+
+
+def _edit_json(path, **fields):
+  with open(path) as f:
+    content = json.load(f)
+  content.update(fields)
+  with open(path, "w") as f:
+    json.dump(content, f)
+
+
+def test_bad_indexes_and_adds_are_refused_in_one_line(pretrained, photos, tmp_path, monkeypatch):
+  workdir, folder = photos
+  out = str(tmp_path / "out")
+  meta_path = os.path.join(workdir, index_lib.META)
+  pristine = open(meta_path).read()
+  ann_file = os.path.join(workdir, json.loads(pristine)["ann"]["file"])
+  ann_bytes = open(ann_file, "rb").read()
+  search = neighbours_config(workdir, query_rows="0")
+  add = embed_config(None, dataset=None, folder=folder, add=True)
+
+  def refused(error, match, job, config):
+    with pytest.raises(error, match=match) as raised:
+      job.run(config, out if job is neighbours else workdir)
+    assert "\n" not in str(raised.value)
+
+  # Another embed run's or dimension's ANN index; an unknown format; a truncated file.
+  meta = json.loads(pristine)
+  for field, value, match in [
+      ("embed_run", "0123", "has embed_run='0123': must be the embeddings' .*another embed run"),
+      ("dim", 7, "has dim=7: must be the embeddings' .*another embed run or dimension"),
+      ("format_version", 99, "format_version=99: must be 1 ")]:
+    _edit_json(meta_path, ann=dict(meta["ann"], **{field: value}))
+    refused(JobError, "config.index_workdir=.*" + match, neighbours, search)
+    refused(JobError, f"--workdir={workdir}: .*" + match, embed, add)
+  _edit_json(meta_path, format_version=3)
+  refused(JobError, "embed.json has format_version=3: must be 1 to 2", neighbours, search)
+  open(meta_path, "w").write(pristine)
+  with open(ann_file, "wb") as f:
+    f.write(ann_bytes[:1000])
+  refused(JobError, f"ann.0.faiss has 1000 bytes: must have {len(ann_bytes)} .*truncated",
+          neighbours, search)
+  _edit_json(meta_path, ann=dict(meta["ann"], bytes=1000))  # Sizes agree: FAISS refuses it.
+  refused(JobError, "ann.0.faiss must be a FAISS index", neighbours, search)
+  open(meta_path, "w").write(pristine)
+  with open(ann_file, "wb") as f:
+    f.write(ann_bytes)
+  embeddings = os.path.join(workdir, index_lib.EMBEDDINGS)
+  whole = open(embeddings, "rb").read()
+  with open(embeddings, "wb") as f:
+    f.write(whole[:200])
+  refused(JobError, "embeddings.npy and index.jsonl must be the files of 6 rows .*truncated",
+          neighbours, search)
+  with open(embeddings, "wb") as f:
+    f.write(whole)
+  # Adds with another checkpoint, from no folder or one that cannot be read, to no index.
+  other = str(tmp_path / "other")
+  shutil.copytree(pretrained, other)
+  for config, match in [
+      (embed_config(other, dataset=None, folder=folder, add=True),
+       "config.pretrain_workdir=.*other': must be unset or the index's checkpoint .*step 0"),
+      (embed_config(None, dataset=None, folder=folder, add=True, pretrain_step=3),
+       "config.pretrain_step=3: must be -1 or 0"),
+      (embed_config(None, dataset=None, folder=str(tmp_path / "nowhere"), add=True),
+       "config.folder=.*nowhere': must be an existing folder"),
+      (embed_config(pretrained, add=True), "config.folder=None: must be .* when config.add"),
+      (embed_config(None, dataset=None, folder=folder, add=True,
+                    ann=_ann_config(type="annoy").to_dict()), "config.ann.type='annoy'")]:
+    refused(ConfigError, match, embed, config)
+  with pytest.raises(JobError, match=f"--workdir={out}: must hold a finished embed job's index"):
+    embed.run(add, out)
+  # A query file that cannot be read, with an ANN index too.
+  broken = tmp_path / "broken.jpg"
+  broken.write_bytes(b"\xff\xd8\xff not a JPEG")
+  refused(ConfigError, f"config.queries='{broken}': must be an image file that can be read",
+          neighbours, neighbours_config(workdir, queries=str(broken)))
+  # Without FAISS (the base install): one line saying what to install.
+  monkeypatch.setitem(sys.modules, "faiss", None)
+  refused(ConfigError, r"config.search='auto': must be 'exact' unless FAISS is installed: pip "
+          r"install 'contrastive_jax\[search\]'", neighbours, search)
+  refused(ConfigError, r"config.ann.type='auto': must be 'none' unless FAISS is installed: pip "
+          r"install 'contrastive_jax\[search\]'", embed, add)
+  assert neighbours.run(neighbours_config(workdir, query_rows="0", search="exact"),
+                        out)["search"] == {"method": "exact"}
+  assert open(meta_path).read() == pristine
+
+
+def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_hnsw(tmp_path, monkeypatch):
+  rng = np.random.default_rng(1)
+  monkeypatch.setattr(ann_lib, "EXACT_BELOW", 150)
+  config = ml_collections.ConfigDict(dict(ann=_ann_config().to_dict()))
+  first, second = _unit(rng, 100, 16), _unit(rng, 100, 16)
+  workdir = str(tmp_path)
+  run_id = "r"
+  description = index_lib._write_ann(workdir, config, first, generation=0, run_id=run_id)
+  assert description["type"] == "flat"
+  meta = {"format_version": 2, "run_id": run_id, "config": {"folder": "/x"}, "image_size": 32,
+          "crop_fraction": 1.0, "crop_resize": "bilinear", "num_images": 100, "dim": 16,
+          "class_names": None, "unreadable": 0, "parts": [], "ann": description}
+  meta["parts"].append(index_lib._write_part(workdir, 0, first, [{"name": str(i)}
+                                                                 for i in range(100)], "/x"))
+  index_lib._commit(workdir, meta, None)
+  index_lib.append(workdir, index_lib.load_index(workdir), config.ann, second,
+                   [str(i) for i in range(100, 200)], "/y", 0)
+  grown = index_lib.load_index(workdir)
+  assert grown.ann["type"] == "ivfpq" and grown.ann["rows"] == 200
+  assert sorted(f for f in os.listdir(workdir) if f.endswith(".faiss")) == ["ann.1.faiss"]
+  bank = np.concatenate([first, second])
+  scores, rows = ann_lib.search(ann_lib.load(workdir, grown.ann, where="x"), bank[150:], 1)
+  np.testing.assert_array_equal(rows[:, 0], np.arange(150, 200))
+
+
+def test_an_index_from_before_ann_indexes_is_read_and_an_add_gives_it_one(photos, tmp_path):
+  workdir, folder = photos
+  meta_path = os.path.join(workdir, index_lib.META)
+  with open(meta_path) as f:
+    meta = json.load(f)
+  old = {key: value for key, value in meta.items()
+         if key not in ("format_version", "run_id", "parts", "ann")}
+  del old["config"]["ann"], old["config"]["add"]
+  with open(meta_path, "w") as f:
+    json.dump(old, f)
+  for name in (ann_lib.META, meta["ann"]["file"]):
+    os.remove(os.path.join(workdir, name))
+  before = index_lib.load_index(workdir)
+  assert before.ann is None and len(before.rows) == 6
+  results = neighbours.run(neighbours_config(workdir, query_rows="2"), str(tmp_path / "search"))
+  assert results["search"] == {"method": "exact"}
+  _folder(tmp_path, "photos", ["pants"], per_class=1)
+  embed.run(embed_config(None, dataset=None, folder=folder, add=True), workdir)
+  after = index_lib.load_index(workdir)
+  assert after.meta["format_version"] == index_lib.FORMAT_VERSION and len(after.rows) == 7
+  assert after.ann["type"] == "flat" and after.ann["embed_run"] == after.meta["run_id"]
+  assert after.rows[:6] == before.rows
+
+
+def test_the_benchmark_measures_exact_search_and_each_index_against_it():
+  bench = load_benchmark("ann")
+  assert bench.recall(np.array([[1, 2, 3], [5, 6, 7]]), np.array([[3, 4, 1], [5, 6, 7]])) == (
+      pytest.approx((2 / 3 + 1) / 2))
+  rng = np.random.default_rng(0)
+  table = bench.measure(bench.unit_rows(rng, 4000, 32), bench.unit_rows(rng, 100, 32), k=10,
+                        threads=1, types=["ivf", "ivfpq"], ef_search=[], nprobe_fractions=[1.0],
+                        k_factors=[], scann=False)
+  rows = {name: numbers for name, *numbers in table}
+  assert table[0][0] == "exact: faiss IndexFlatIP" and table[0][3:6:2] == (1.0, 1.0)
+  # IVF probing all of its 64 lists is exact search; fewer lists find less.
+  assert rows["IVF64,Flat nprobe=64"][2] == 1.0
+  assert rows["IVF64,Flat nprobe=32"][2] < 1.0
+  assert {"IVF64,PQ16x4fs,RFlat nprobe=32 k_factor=20",
+          "IVF64,PQ16x4fs,RFlat nprobe=64 k_factor=20"} <= set(rows)
+  assert all(size > 0 and qps > 0 for size, qps in ((n[1], n[3]) for n in rows.values()))
+  lines = bench.report(table, 10).splitlines()
+  assert len(lines) == len(table) + 2 and lines[2].startswith("| exact: faiss IndexFlatIP | ")
