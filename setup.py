@@ -31,9 +31,12 @@ setuptools.setup(
         # tests/gcs_emulator.py patches gaps of this emulator version; cryptography makes its
         # TLS certificate.
         "test": ["pytest", "gcp-storage-emulator==2026.7.19", "cryptography",
-                 "apache-beam==2.77.0", "onnx==1.23.2", "onnxruntime==1.32.0"],
+                 "apache-beam==2.77.0", "onnx==1.23.2", "onnxruntime==1.32.0",
+                 "scikit-learn==1.9.1", "umap-learn==0.5.12"],
         # The ONNX export (configs/export.py, format 'onnx') and ONNX Runtime to read it.
         "onnx": ["onnx==1.23.2", "onnxruntime==1.32.0"],
+        # The map job (configs/map.py): UMAP, and scikit-learn's t-SNE, PCA and k-means.
+        "map": ["scikit-learn==1.9.1", "umap-learn==0.5.12"],
         # Reading and writing .pth weights, the live reference tests (docs/weights.md).
         "torch": ["torch", "torchvision", "timm"],
     },
