@@ -182,7 +182,9 @@ def test_map_of_an_embed_index_draws_lists_and_projects_the_sampled_rows(index, 
 
 
 @pytest.mark.parametrize("method", ["tsne", "umap"])
-def test_separated_clusters_stay_apart_in_2d_and_k_means_finds_them(method, tmp_path):
+def test_separated_clusters_stay_apart_in_2d_and_k_means_finds_them(method, monkeypatch, tmp_path):
+  # A sprite of 300 thumbnails of 16 px, 18 to a row, is wider than 272 px: they shrink to 15.
+  monkeypatch.setattr(embedding_map, "SPRITE_SIDE", 272)
   rng = np.random.default_rng(1)
   truth = np.arange(300) % 5
   centres = rng.normal(size=(5, 64))
@@ -201,6 +203,10 @@ def test_separated_clusters_stay_apart_in_2d_and_k_means_finds_them(method, tmp_
   found = np.asarray([int(l[3]) for l in lines])
   assert sorted(len(set(found[truth == c])) for c in range(5)) == [1] * 5
   assert len(set(found)) == 5
+  status, info = _projector(tmp_path / "map")("/info", run=".")
+  assert status == 200 and json.loads(info)["embeddings"][0]["sprite"]["singleImageDim"] == [15, 15]
+  sprite = Image.open(tmp_path / "map" / embedding_map.PROJECTOR_SPRITE)
+  assert sprite.size == (18 * 15, 17 * 15)
   # The same seed gives the same map (map.csv's 9 digits give the float32 values back).
   x = index_lib.load_index(workdir).embeddings
   with embedding_map.thread_limit(config):

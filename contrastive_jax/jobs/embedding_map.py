@@ -70,6 +70,7 @@ PROJECTOR_METADATA = "projector_metadata.tsv"
 PROJECTOR_SPRITE = "projector_sprite.png"
 PROJECTOR_CONFIG = projector_metadata.PROJECTOR_FILENAME  # Where the projector looks for its config.
 MAX_POINTS = 100_000  # Beyond this a CPU projects for hours and the projector's browser tab stalls.
+MAX_SIZE = 8192  # The largest plot side: map.png is then 200 MB of pixels in memory.
 SPRITE_SIDE = 8192  # TensorBoard's projector reads sprites of at most 8192 x 8192 pixels.
 INSTALL = "pip install 'contrastive_jax[map]'"
 _READ_CHUNK = 1000  # Images read and cropped at a time: memory stays small for large photos.
@@ -96,8 +97,8 @@ def check_config(config):
     raise ConfigError("umap.min_dist", config.umap.min_dist, "a distance >= 0")
   if config.tsne.perplexity <= 0:
     raise ConfigError("tsne.perplexity", config.tsne.perplexity, "a number > 0")
-  if not 128 <= config.size <= SPRITE_SIDE:
-    raise ConfigError("size", config.size, f"a side in pixels in [128, {SPRITE_SIDE}]")
+  if not 128 <= config.size <= MAX_SIZE:
+    raise ConfigError("size", config.size, f"a side in pixels in [128, {MAX_SIZE}]")
   if not 8 <= config.thumbnail <= config.size // 4:
     raise ConfigError("thumbnail", config.thumbnail,
                       f"a side in pixels in [8, size / 4 = {config.size // 4}]")
@@ -155,8 +156,9 @@ def project(x: np.ndarray, config):
 
   The rows are L2-normalised, so Euclidean distance orders pairs as cosine
   similarity does. A PCA to config.pca_dims dimensions comes first when that
-  is fewer than x has (0: none); it keeps the neighbourhoods of a 128-D h
-  and halves UMAP's nearest-neighbour search. Deterministic for config.seed
+  is fewer than x has (0: none): it keeps the directions the points vary
+  most in and makes both methods' nearest-neighbour searches, whose cost
+  grows with the dimension, cheaper. Deterministic for config.seed
   on one machine and library version (UMAP then runs on one thread).
 
   Args:
@@ -186,6 +188,7 @@ def clusters(x: np.ndarray, config) -> np.ndarray:
   """k-means (scikit-learn, k-means++ seeded by config.seed) of x's rows: int [N] in
   [0, config.clusters)."""
   cluster = _import("sklearn.cluster", config)
+  # 4 seeded starts, the best kept: one start can merge two clusters and split another.
   return cluster.KMeans(config.clusters, n_init=4, random_state=config.seed).fit_predict(
       np.asarray(x, np.float32))
 
