@@ -50,8 +50,8 @@ def _module(path):
     ([f"--config={CONFIG_DIR}/simclr_cifar.py"],
      f"error: --config={CONFIG_DIR}/simclr_cifar.py: no such file; did you mean "
      f"'{CONFIG_DIR}/simclr_cifar10.py'?"),
-    ([f"--config={CONFIG_DIR}/nope.py"],
-     f"error: --config={CONFIG_DIR}/nope.py: no such file (the config files in {CONFIG_DIR}: "
+    ([f"--config={CONFIG_DIR}/xyzzy.py"],
+     f"error: --config={CONFIG_DIR}/xyzzy.py: no such file (the config files in {CONFIG_DIR}: "
      + ", ".join(os.path.basename(f) for f in CONFIG_FILES) + ")"),
     ([f"--config={SIMCLR}", "--config.batch_size=abc"],
      "error: flag --config.batch_size=abc: invalid literal for int() with base 10: 'abc'"),
