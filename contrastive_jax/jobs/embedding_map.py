@@ -85,8 +85,8 @@ def check_config(config):
     raise ConfigError("method", config.method, f"one of {list(METHODS)}")
   if not 2 <= config.max_points <= MAX_POINTS:
     raise ConfigError("max_points", config.max_points,
-                      f"an integer in [2, {MAX_POINTS}] (more would take hours to project on "
-                      "a CPU and stall the projector's browser tab)")
+                      f"an integer in [2, {MAX_POINTS}] (beyond it a CPU projects for hours and "
+                      "the projector's browser tab stalls)")
   for field, value, low in (("seed", config.seed, 0), ("pca_dims", config.pca_dims, 0),
                            ("threads", config.threads, 0),
                            ("clusters", config.clusters, 2),
