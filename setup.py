@@ -32,11 +32,13 @@ setuptools.setup(
         # TLS certificate.
         "test": ["pytest", "gcp-storage-emulator==2026.7.19", "cryptography",
                  "apache-beam==2.77.0", "onnx==1.23.2", "onnxruntime==1.32.0",
-                 "faiss-cpu==1.15.1"],
+                 "faiss-cpu==1.15.1", "scikit-learn==1.9.1", "umap-learn==0.5.12"],
         # The ONNX export (configs/export.py, format 'onnx') and ONNX Runtime to read it.
         "onnx": ["onnx==1.23.2", "onnxruntime==1.32.0"],
         # The ANN index of the embed job and its search (jobs/ann.py, docs/search.md).
         "search": ["faiss-cpu==1.15.1"],
+        # The map job (configs/map.py): UMAP, and scikit-learn's t-SNE, PCA and k-means.
+        "map": ["scikit-learn==1.9.1", "umap-learn==0.5.12"],
         # Reading and writing .pth weights, the live reference tests (docs/weights.md).
         "torch": ["torch", "torchvision", "timm"],
     },

@@ -16,10 +16,11 @@ from contrastive_jax import main
 SIMCLR = os.path.join(CONFIG_DIR, "simclr_cifar10.py")
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
 # The config fields that count things (or are pixels, seeds, steps): the only int fields.
-INTEGER_FIELDS = {"batch_size", "bn_group_size", "cell", "chunk_size", "data_threads", "depth",
-                  "hidden_dims", "image_size", "k", "keep_checkpoints", "label_seed",
-                  "max_pixels", "out_dim", "patch_size", "pretrain_step", "queue_size", "seed",
-                  "shuffle_buffer"}
+INTEGER_FIELDS = {"batch_size", "bn_group_size", "cell", "chunk_size", "clusters", "data_threads",
+                  "depth", "hidden_dims", "image_size", "k", "keep_checkpoints", "label_seed",
+                  "max_pixels", "max_points", "n_neighbors", "out_dim", "patch_size", "pca_dims",
+                  "pretrain_step", "queue_size", "seed", "shuffle_buffer", "size", "threads",
+                  "thumbnail"}
 
 
 def _int_fields(config, prefix=""):
@@ -49,8 +50,8 @@ def _module(path):
     ([f"--config={CONFIG_DIR}/simclr_cifar.py"],
      f"error: --config={CONFIG_DIR}/simclr_cifar.py: no such file; did you mean "
      f"'{CONFIG_DIR}/simclr_cifar10.py'?"),
-    ([f"--config={CONFIG_DIR}/nope.py"],
-     f"error: --config={CONFIG_DIR}/nope.py: no such file (the config files in {CONFIG_DIR}: "
+    ([f"--config={CONFIG_DIR}/xyzzy.py"],
+     f"error: --config={CONFIG_DIR}/xyzzy.py: no such file (the config files in {CONFIG_DIR}: "
      + ", ".join(os.path.basename(f) for f in CONFIG_FILES) + ")"),
     ([f"--config={SIMCLR}", "--config.batch_size=abc"],
      "error: flag --config.batch_size=abc: invalid literal for int() with base 10: 'abc'"),

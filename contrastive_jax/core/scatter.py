@@ -1,0 +1,171 @@
+"""Pictures of a 2-D map of points: a coloured scatter with a legend, thumbnails at their
+places, and a sprite of thumbnails (TensorBoard's projector).
+
+Drawn with Pillow, as pictures.py draws its grids. The scatter and the
+thumbnail view share one layout (layout, to_pixels): a title band on top, a
+square plot of `size` pixels in which both axes have the same scale (so
+distances on the picture are comparable in every direction), and a legend
+column on the right.
+"""
+import colorsys
+import math
+from typing import Sequence
+
+import numpy as np
+from PIL import Image
+from PIL import ImageDraw
+
+TITLE_HEIGHT = 16    # pixels above the plot for one line of PIL's default font
+LEGEND_WIDTH = 176   # pixels right of the plot for the legend
+MARGIN = 8           # pixels between the plot's border and its outermost point
+_LINE = 12           # pixels per legend line (PIL's default font is about 11 high)
+_CHARS = 26          # characters of a class name that fit in the legend beside its swatch
+_DOT = 2             # radius in pixels of a point of the scatter
+_GOLDEN = (math.sqrt(5) - 1) / 2
+
+
+def layout(size: int):
+  """(height, width) of a picture of a plot of size x size pixels: title, plot, legend."""
+  return TITLE_HEIGHT + size, size + LEGEND_WIDTH
+
+
+def palette(n: int) -> np.ndarray:
+  """n distinct colours, uint8 [n, 3].
+
+  Hues step by the golden ratio around the circle, so any first few colours
+  are far apart whatever n; brightness alternates to separate neighbours of
+  hue among many groups.
+  """
+  colours = [colorsys.hsv_to_rgb((i * _GOLDEN) % 1.0, 0.8, 0.9 if i % 2 == 0 else 0.6)
+             for i in range(n)]
+  return np.round(np.asarray(colours, np.float64).reshape(n, 3) * 255).astype(np.uint8)
+
+
+def to_pixels(xy: np.ndarray, size: int) -> np.ndarray:
+  """Positions in a size x size plot (x right, y up), int32 [N, 2] (column, row).
+
+  The points' bounding box is scaled by one factor for both axes to fill
+  the plot less MARGIN on each side, centred on the other axis.
+
+  Args:
+    xy: float [N, 2], N >= 1.
+    size: the plot's side in pixels, > 2 * MARGIN.
+  """
+  xy = np.asarray(xy, np.float64)
+  low, high = xy.min(axis=0), xy.max(axis=0)
+  span = max(float((high - low).max()), 1e-12)  # All points in one place: the centre.
+  scale = (size - 1 - 2 * MARGIN) / span
+  offset = (size - 1 - (high - low) * scale) / 2
+  column = offset[0] + (xy[:, 0] - low[0]) * scale
+  row = size - 1 - (offset[1] + (xy[:, 1] - low[1]) * scale)
+  return np.round(np.stack([column, row], axis=1)).astype(np.int32)
+
+
+def _canvas(size: int, title: str, names: Sequence[str], colours: np.ndarray):
+  """A white picture (layout(size)) with the title and the legend drawn; returns (image, draw)."""
+  height, width = layout(size)
+  canvas = Image.new("RGB", (width, height), "white")
+  draw = ImageDraw.Draw(canvas)
+  draw.text((MARGIN, 2), title, fill="black")
+  draw.rectangle([0, TITLE_HEIGHT, size - 1, height - 1], outline=(200, 200, 200))
+  lines = (size - 2 * MARGIN) // _LINE
+  shown = len(names) if len(names) <= lines else lines - 1  # The last line says how many more.
+  left = size + MARGIN
+  for i in range(shown):
+    top = TITLE_HEIGHT + MARGIN + i * _LINE
+    draw.rectangle([left, top + 2, left + 8, top + 10], fill=tuple(int(c) for c in colours[i]))
+    draw.text((left + 14, top), str(names[i])[:_CHARS], fill="black")
+  if shown < len(names):
+    draw.text((left, TITLE_HEIGHT + MARGIN + shown * _LINE), f"... and {len(names) - shown} more",
+              fill="black")
+  return canvas, draw
+
+
+def scatter(xy: np.ndarray, groups: np.ndarray, names: Sequence[str], *, size: int, title: str,
+            seed: int = 0) -> np.ndarray:
+  """The points as dots coloured by group, with a legend of the groups' names.
+
+  Args:
+    xy: float [N, 2] positions (any scale; see to_pixels).
+    groups: int [N], each in [0, len(names)).
+    names: a name per group, in the legend in this order (as many as fit;
+      then a line saying how many more).
+    size: the plot's side in pixels.
+    title: one line above the plot.
+    seed: the order the dots are drawn in is a permutation seeded by it, so
+      no group is drawn last over all the others.
+  Returns:
+    uint8 [TITLE_HEIGHT + size, size + LEGEND_WIDTH, 3] (layout).
+  """
+  colours = palette(len(names))
+  canvas, draw = _canvas(size, title, names, colours)
+  pixels = to_pixels(xy, size) + [0, TITLE_HEIGHT]
+  for i in np.random.default_rng(seed).permutation(len(xy)):
+    column, row = pixels[i]
+    draw.ellipse([column - _DOT, row - _DOT, column + _DOT, row + _DOT],
+                 fill=tuple(int(c) for c in colours[groups[i]]))
+  return np.asarray(canvas)
+
+
+def thumbnail_places(xy: np.ndarray, size: int, cell: int) -> dict:
+  """{point: (column, row) of its thumbnail's top-left corner} for thumbnails that do not overlap.
+
+  The plot is cut into squares of cell pixels; in each square that holds
+  points, the point closest to the square's centre (the lowest index among
+  equals) is shown, filling the square. So every thumbnail lies within
+  cell pixels of its point's place, dense regions show one image per square
+  and sparse ones show all their points.
+  """
+  pixels = to_pixels(xy, size)
+  squares = np.minimum(pixels // cell, size // cell - 1)  # The last partial square joins its left.
+  centres = squares * cell + cell / 2
+  distance = np.square(pixels - centres).sum(axis=1)
+  places = {}
+  for i in np.lexsort((np.arange(len(xy)), distance)):
+    key = tuple(squares[i])
+    if key not in places:
+      places[key] = int(i)
+  return {i: (int(key[0] * cell), int(key[1] * cell)) for key, i in places.items()}
+
+
+def thumbnails(xy: np.ndarray, images: dict, groups: np.ndarray, names: Sequence[str], *,
+               size: int, cell: int, title: str) -> np.ndarray:
+  """The map as images: thumbnail_places' images, each framed in its group's colour.
+
+  Args:
+    xy, groups, names, size, title: as for scatter (the same layout).
+    images: {point: uint8 [cell, cell, 3]} for at least the points
+      thumbnail_places(xy, size, cell) chooses.
+    cell: a thumbnail's side in pixels, at most size.
+  Returns:
+    uint8 [TITLE_HEIGHT + size, size + LEGEND_WIDTH, 3] (layout).
+  """
+  colours = palette(len(names))
+  canvas, draw = _canvas(size, title, names, colours)
+  for i, (column, row) in thumbnail_places(xy, size, cell).items():
+    top = row + TITLE_HEIGHT
+    canvas.paste(Image.fromarray(images[i]), (column, top))
+    draw.rectangle([column, top, column + cell - 1, top + cell - 1],
+                   outline=tuple(int(c) for c in colours[groups[i]]))
+  return np.asarray(canvas)
+
+
+def sprite(images: Sequence[np.ndarray]) -> np.ndarray:
+  """Equal-sized thumbnails in a square grid, row by row: TensorBoard's projector sprite.
+
+  The projector finds point i's thumbnail at row i // C, column i % C, C the
+  picture's width over the thumbnail's; cells after the last are white.
+
+  Args:
+    images: N >= 1 uint8 [s, s, 3], in the order of the points.
+  Returns:
+    uint8 [ceil(N / C) * s, C * s, 3], C = ceil(sqrt(N)).
+  """
+  side = images[0].shape[0]
+  columns = math.ceil(math.sqrt(len(images)))
+  rows = math.ceil(len(images) / columns)
+  out = np.full((rows * side, columns * side, 3), 255, np.uint8)
+  for i, image in enumerate(images):
+    row, column = divmod(i, columns)
+    out[row * side:(row + 1) * side, column * side:(column + 1) * side] = image
+  return out
