@@ -153,6 +153,10 @@ def test_the_planted_duplicates_and_leaks_are_the_top_pairs_and_exactly_those_fo
   assert summary["splits"] == {
       train_folder: {"rows": 14, "pairs": 2, "images_in_pairs": 4},
       test_folder: {"rows": 6, "pairs": 2, "images_in_pairs": 2}}
+  assert {(r["class_a"], r["class_b"]) for r in table} == {("dress", "dress"), ("hat", "hat"),
+                                                          ("shoes", "shoes")}
+  assert summary["classes"] == {"dress": {"duplicate": 1, "leak": 1}, "hat": {"duplicate": 1,
+                                "leak": 0}, "shoes": {"duplicate": 0, "leak": 1}}
   assert summary["different_classes"] == {"duplicate": 0, "leak": 0}
   assert summary["rows_with_k_pairs"] == {"duplicate": 0, "leak": 0}
   picture = np.asarray(Image.open(os.path.join(workdir, audit.PICTURE)))

@@ -19,7 +19,8 @@ the neighbours job. So the audit's time is the row count times one search;
 a row with more than k pairs shows only k (summary.json counts the rows whose
 k-th neighbour is still above the threshold). Writes to the workdir (process 0):
 
-  pairs.csv     kind, score, then split, row, name and class of each image
+  pairs.csv     kind, score, then split, row, name and class (a folder's
+                file: its folder below the index's) of each image
                 (a: the lower reference row, or the against row; b: the
                 reference row), best score first.
   summary.json  threshold, k, how the reference was searched, the indexes,
@@ -37,6 +38,7 @@ import collections
 import csv
 import io
 import json
+import os
 import time
 
 import jax
@@ -252,11 +254,15 @@ def leak_pairs(scores: np.ndarray, rows: np.ndarray, threshold: float):
 
 
 def _class(index: index_lib.Index, row: int) -> str:
-  """The class name of an index's row ('' for an unlabelled one)."""
+  """The class of an index's row: its label's name, or for a folder's file its folder below
+  the index's folder, as prepare_images names classes ('' for a file at the top)."""
   label = index.rows[row].get("label")
-  if label is None:
-    return ""
-  return index.class_names[label] if index.class_names else str(label)
+  if label is not None:
+    return index.class_names[label] if index.class_names else str(label)
+  if index.config.folder:
+    folder = os.path.relpath(os.path.dirname(index.rows[row]["name"]), index.config.folder)
+    return "" if folder == "." else folder
+  return ""
 
 
 def _csv(indexes: list, table: list) -> str:
