@@ -11,12 +11,16 @@ threshold no higher than the lowest of --thresholds. The pairs at a higher
 threshold t are those of pairs.csv scoring at least t: each row's k nearest
 are the same lists, so these are the pairs an audit at t finds.
 
-Ground truth, from manifest.csv: an image's original is found by following
-duplicate_of to its end. Two images with one original are re-uploads of each
+Ground truth, from manifest.csv: an image's original is its duplicate_of, or
+itself when that is empty. Two images with one original are re-uploads of each
 other: the pairs to find (the same photo, crop, mirror and colours at another
-size and JPEG quality). Two images of one source photo with different
-originals are other views of one photo (other crops and colours): counted
-apart, neither hits nor false positives. Any other pair is a false positive.
+size and JPEG quality). duplicate_of is followed one step only: the tool draws
+a re-upload of image j from j's own random draw, so a re-upload of a re-upload
+shows j's draw, not what j shows (their crop boxes differ in the manifest; the
+script checks that the pairs it counts have one source photo and crop box).
+Two images of one source photo with different originals are other views of
+one photo (other crops and colours): counted apart, neither hits nor false
+positives. Any other pair is a false positive.
 
   recall (duplicates)  of the train pairs of re-uploads, the share in pairs.csv;
   recall (leaks)       of the test images with a re-upload in train (leaked),
@@ -63,16 +67,27 @@ def _image_id(name: str) -> str:
 
 
 def ground_truth(manifest: str):
-  """{id: (split, class, source photo, original id)} from manifest.csv."""
+  """{id: (split, class, source photo, original id)} from manifest.csv.
+
+  Raises:
+    ValueError: two images of one original with other source photos or crop boxes.
+  An original named by a re-upload of a re-upload may be shown by no image
+  but its re-uploads (it is j's draw, not what j shows).
+  """
   with open(manifest) as f:
     rows = {r["id"]: r for r in csv.DictReader(f)}
-
-  def original(image_id):
-    while rows[image_id]["duplicate_of"]:
-      image_id = rows[image_id]["duplicate_of"]
-    return image_id
-
-  return {i: (r["split"], r["class"], r["source"], original(i)) for i, r in rows.items()}
+  truth = {i: (r["split"], r["class"], r["source"], r["duplicate_of"] or i)
+           for i, r in rows.items()}
+  shown = {}
+  for i, (_, _, _, original) in truth.items():
+    content = shown.setdefault(original, (rows[i]["source"], rows[i]["crop_xywh"]))
+    if content != (rows[i]["source"], rows[i]["crop_xywh"]):
+      raise ValueError(f"{i}, a re-upload of {original}'s draw, shows another photo or crop")
+  chains = sum(bool(r["duplicate_of"] and rows[r["duplicate_of"]]["duplicate_of"])
+               for r in rows.values())
+  print(f"manifest: {len(rows)} images, {sum(bool(r['duplicate_of']) for r in rows.values())} "
+        f"re-uploads, {chains} of them of a re-upload (paired with what they show: its draw)")
+  return truth
 
 
 def relation(truth, a: str, b: str) -> str:
@@ -162,7 +177,7 @@ def main(argv):
     hits = dup_hits + relations["leak", "reupload"]
     views = relations["duplicate", "view"] + relations["leak", "view"]
     false = len(kept) - hits - views
-    print(f"{threshold:9.3f}  {sum(k == 'duplicate' for k, *_ in kept):9d}  "
+    print(f"{threshold:9.4f}  {sum(k == 'duplicate' for k, *_ in kept):9d}  "
           f"{dup_hits / max(wanted_pairs, 1):6.3f}  {sum(k == 'leak' for k, *_ in kept):10d}  "
           f"{len(leak_found):12d}  {len(leak_found) / max(len(leaked), 1):6.3f}  {views:6d}  "
           f"{false:9d}  {hits / max(hits + false, 1):9.3f}")

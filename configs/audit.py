@@ -8,10 +8,11 @@ its pairs of rows scoring at least threshold are duplicates. against: other spli
 embed outputs (comma-separated, may be empty), made with the same checkpoint; each of
 their rows that scores at least threshold with a reference row is a leak.
 
-threshold: the cosine similarity from which a pair is reported. The default 0.95 is
-calibrated on a 20,000-photo corpus with a SimCLR CIFAR-10 encoder (docs/search.md):
-re-encoded, resized copies scored 0.97 to 1, two different photos of one class mostly
-below 0.9. Calibrate it again for another encoder (benchmarks/audit.py).
+threshold: the cosine similarity from which a pair is reported. The default 0.999 is
+calibrated on a 20,000-photo corpus with the SimCLR CIFAR-10 runlocal encoder (32 px,
+D = 128; docs/search.md): re-encoded, resized copies scored 0.9996 to 1, two different
+photos at most 0.998. An encoder's scores have their own scale: calibrate it again for
+another encoder (benchmarks/audit.py).
 k: neighbours searched per row (self excluded); a row whose k-th neighbour still
 scores at least threshold is counted in summary.json (it may have more pairs).
 search: 'auto' searches the reference's ANN index when it has one (not 'flat'),
@@ -31,7 +32,7 @@ def get_config(variant: str = ""):
   config.job = "audit"
   config.index_workdir = config_dict.placeholder(str)  # The reference's embed --workdir.
   config.against = ""  # Other splits' embed workdirs, comma-separated.
-  config.threshold = 0.95  # Cosine similarity; calibrated in docs/search.md.
+  config.threshold = 0.999  # Cosine similarity; calibrated in docs/search.md.
   config.k = 10
   config.search = "auto"  # Or 'exact'.
   config.chunk_size = 65536  # Reference rows scored per device step (exact search).

@@ -165,7 +165,17 @@ def test_the_planted_duplicates_and_leaks_are_the_top_pairs_and_exactly_those_fo
   approximate = main.run_job(audit_config(train, test, threshold=threshold),
                              str(tmp_path / "ann"))
   assert approximate["search"]["method"] == "ann" and approximate["search"]["type"] == "hnsw"
-  assert {(r["kind"], r["name_a"], r["name_b"]) for r in _read_csv(str(tmp_path / "ann"))} == planted
+  found = _read_csv(str(tmp_path / "ann"))
+  assert {(r["kind"], r["name_a"], r["name_b"]) for r in found} == planted
+  # A picture of 2 pairs shows the best of each kind: the best leak and the best duplicate.
+  main.run_job(audit_config(train, test, threshold=threshold, picture_pairs=2),
+               str(tmp_path / "two"))
+  best = {kind: max(float(r["score"]) for r in table if r["kind"] == kind)
+          for kind in ("duplicate", "leak")}
+  assert audit._shown([(r["kind"], float(r["score"])) for r in table], 2) == sorted(
+      best.items(), key=lambda p: -p[1])
+  picture = np.asarray(Image.open(os.path.join(tmp_path, "two", audit.PICTURE)))
+  assert picture.shape == (2 + 32 + 12 + 2, 2 + 4 * (32 + 2), 3)
 
 
 @pytest.mark.parametrize("k", [13, 2])

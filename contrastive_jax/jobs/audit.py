@@ -1,4 +1,4 @@
-"""The audit job (config.job='audit'): near-duplicate images within a split, and leaks between splits.
+"""The audit job (config.job='audit'): near-duplicate images in a split, and leaks between splits.
 
   python -m contrastive_jax.main --config=configs/audit.py --workdir=DIR \
       --config.index_workdir=TRAIN_EMBED_DIR --config.against=TEST_EMBED_DIR,VAL_EMBED_DIR
@@ -27,10 +27,12 @@ k-th neighbour is still above the threshold). Writes to the workdir (process 0):
                 pair counts per kind, per split (pairs, images in a pair) and
                 per class, pairs whose two images have different classes,
                 rows that may have more pairs than k, the search's seconds.
-  pairs.png     the top config.picture_pairs pairs side by side: under a its
-                score and kind, under b the class (a's|b's when they differ), every image centre-cropped as the encoder saw
-                it (also to TensorBoard, image 'pairs' at step 0); none when
-                no pair is found.
+  pairs.png     config.picture_pairs pairs, the best of each kind (half each
+                when both kinds have enough), side by side: under a its
+                score and kind, under b the class (a's|b's when they
+                differ), every image centre-cropped as the encoder saw it
+                (also to TensorBoard, image 'pairs' at step 0); none when no
+                pair is found.
 
 Not a training loop, so not run by runner.run.
 """
@@ -197,7 +199,7 @@ def run(config, workdir: str) -> dict:
     if jax.process_index() == 0:
       files.write_atomic(f"{workdir}/{PAIRS}", _csv(indexes, table).encode())
       if table and config.picture_pairs:
-        picture = _picture(config, indexes, table[:config.picture_pairs])
+        picture = _picture(config, indexes, _shown(table, config.picture_pairs))
         pictures.write_png(f"{workdir}/{PICTURE}", picture)
         writer = metric_writers.create_default_writer(workdir, asynchronous=False)
         writer.write_images(0, {"pairs": picture[None]})
@@ -311,6 +313,14 @@ def _summary(config, reference_dir, others, indexes, table, search, seconds, sat
   }
 
 
+def _shown(table: list, count: int) -> list:
+  """The pairs pairs.png draws: the best of each kind, half of count each where both kinds
+  have that many (a split's few leaks are not hidden by many duplicates), by score."""
+  kinds = {kind: [i for i, p in enumerate(table) if p[0] == kind] for kind in ("leak", "duplicate")}
+  leaks = min(len(kinds["leak"]), max(count // 2, count - len(kinds["duplicate"])))
+  return [table[i] for i in sorted(kinds["leak"][:leaks] + kinds["duplicate"][:count - leaks])]
+
+
 def _picture(config, indexes: list, table: list) -> np.ndarray:
   """pairs.png: _PAIRS_PER_LINE pairs a line, each image then its pair, with captions.
 
@@ -321,20 +331,22 @@ def _picture(config, indexes: list, table: list) -> np.ndarray:
   for _, _, which, a, reference, b in table:
     wanted[which].add(a)
     wanted[reference].add(b)
+  # pylint: disable=protected-access
   read = {}
   for which, rows in wanted.items():
     index = indexes[which]
     side = index_lib.shorter_side(max(config.cell, index.image_size), index.crop_fraction)
-    for row, image in neighbours._images(index, sorted(rows), side).items():  # pylint: disable=protected-access
-      read[which, row] = neighbours._crop(image, config.cell, index)  # pylint: disable=protected-access
-  chars = int(config.cell * neighbours._CHARS_PER_PIXEL)  # pylint: disable=protected-access
+    for row, image in neighbours._images(index, sorted(rows), side).items():
+      read[which, row] = neighbours._crop(image, config.cell, index)
+  chars = int(config.cell * neighbours._CHARS_PER_PIXEL)
+  # pylint: enable=protected-access
   lines, captions = [], []
   for start in range(0, len(table), _PAIRS_PER_LINE):
     line, caption = [], []
     for kind, score, which, a, reference, b in table[start:start + _PAIRS_PER_LINE]:
       line += [read[which, a], read[reference, b]]
       classes = [_class(indexes[which], a), _class(indexes[reference], b)]
-      caption += [f"{score:.3f} {kind}"[:chars],
+      caption += [f"{score:.4f} {kind}"[:chars],
                   (classes[0] if classes[0] == classes[1] else "|".join(classes))[:chars]]
     lines.append(line)
     captions.append(caption)
