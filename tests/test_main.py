@@ -18,8 +18,8 @@ CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
 # The config fields that count things (or are pixels, seeds, steps): the only int fields.
 INTEGER_FIELDS = {"batch_size", "bn_group_size", "cell", "chunk_size", "data_threads", "depth",
                   "hidden_dims", "image_size", "k", "keep_checkpoints", "label_seed",
-                  "max_pixels", "out_dim", "patch_size", "pretrain_step", "queue_size", "seed",
-                  "shuffle_buffer"}
+                  "max_pixels", "out_dim", "patch_size", "picture_pairs", "pretrain_step",
+                  "queue_size", "seed", "shuffle_buffer"}
 
 
 def _int_fields(config, prefix=""):
