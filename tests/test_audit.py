@@ -185,6 +185,8 @@ def test_pairs_at_a_low_threshold_are_numpys_all_pairs_up_to_k_per_row(indexes, 
   threshold = float((scores[39] + scores[40]) / 2)  # 40 pairs of many photos and both kinds.
   want = _numpy_pairs(train, test, threshold)
   workdir = str(tmp_path / str(k))
+  os.makedirs(workdir)
+  Image.new("RGB", (4, 4)).save(os.path.join(workdir, audit.PICTURE))  # An earlier audit's.
   summary = audit.run(audit_config(train, test, threshold=threshold, k=k, search="exact",
                                    picture_pairs=0), workdir)
   found = {(r["kind"], r["name_a"], r["name_b"]): float(r["score"]) for r in _read_csv(workdir)}

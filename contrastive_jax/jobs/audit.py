@@ -197,6 +197,7 @@ def run(config, workdir: str) -> dict:
                       "leak": int(sum(s.sum() for _, _, s in leaks))})
   with files.workdir_lock(workdir):
     if jax.process_index() == 0:
+      tf.io.gfile.makedirs(workdir)
       files.write_atomic(f"{workdir}/{PAIRS}", _csv(indexes, table).encode())
       if table and config.picture_pairs:
         picture = _picture(config, indexes, _shown(table, config.picture_pairs))
@@ -204,6 +205,8 @@ def run(config, workdir: str) -> dict:
         writer = metric_writers.create_default_writer(workdir, asynchronous=False)
         writer.write_images(0, {"pairs": picture[None]})
         writer.close()
+      elif tf.io.gfile.exists(f"{workdir}/{PICTURE}"):  # An earlier audit's, of other pairs.
+        tf.io.gfile.remove(f"{workdir}/{PICTURE}")
       files.write_atomic(f"{workdir}/{SUMMARY}", json.dumps(summary, indent=1).encode())
   logging.info("%d duplicate and %d leaked pairs at threshold %g: wrote %s, %s%s to %s.",
                summary["pairs"]["duplicate"], summary["pairs"]["leak"], config.threshold, PAIRS,
@@ -212,7 +215,7 @@ def run(config, workdir: str) -> dict:
 
 
 def duplicate_pairs(scores: np.ndarray, rows: np.ndarray, threshold: float, k: int):
-  """The pairs of rows of one index at least threshold apart, from each row's nearest.
+  """The pairs of rows of one index scoring at least threshold, from each row's nearest.
 
   Args:
     scores: float32 [N, k + 1], rows: int [N, k + 1]: row i's nearest rows of
@@ -239,7 +242,7 @@ def duplicate_pairs(scores: np.ndarray, rows: np.ndarray, threshold: float, k: i
 
 
 def leak_pairs(scores: np.ndarray, rows: np.ndarray, threshold: float):
-  """The pairs (query row, reference row) at least threshold apart.
+  """The pairs (query row, reference row) scoring at least threshold.
 
   Args:
     scores: float32 [M, k], rows: int [M, k]: each query row's k nearest
