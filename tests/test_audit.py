@@ -7,7 +7,7 @@ import shutil
 import jax
 import numpy as np
 import pytest
-from helpers import load_config, tiny_config
+from helpers import load_benchmark, load_config, tiny_config
 from PIL import Image
 from test_search import embed_config  # The embed config of the search tests.
 
@@ -261,3 +261,27 @@ def test_bad_input_is_refused_in_one_line_before_any_search(pretrained, indexes,
     audit.run(audit_config(train, other_dim), str(tmp_path / "out"))
   assert "\n" not in str(raised.value)
   assert not os.path.exists(tmp_path / "out" / audit.PAIRS)
+
+
+def test_the_benchmarks_ground_truth_pairs_re_uploads_by_what_they_show(tmp_path):
+  benchmark = load_benchmark("audit")
+  manifest = tmp_path / "manifest.csv"
+  # 1 re-uploads 0; 2 re-uploads 1, a re-upload itself: the tool draws 2 from 1's own draw
+  # (another crop), so 2 is another view of 1's photo, no copy; 3 another crop of 0's photo;
+  # 4 another photo of its class; 5 one of another class.
+  manifest.write_text(
+      "id,split,class,source,crop_xywh,size,quality,duplicate_of\n"
+      "0,train,hat,a.jpg,0 0 10 10,300x300,90,\n"
+      "1,test,hat,a.jpg,0 0 10 10,400x400,80,0\n"
+      "2,train,hat,a.jpg,5 5 20 20,500x500,85,1\n"
+      "3,train,hat,a.jpg,2 2 8 8,300x300,90,\n"
+      "4,train,hat,c.jpg,0 0 10 10,300x300,90,\n"
+      "5,train,dress,d.jpg,0 0 10 10,300x300,90,\n")
+  truth = benchmark.ground_truth(str(manifest))
+  assert [benchmark.relation(truth, a, b) for a, b in [("0", "1"), ("1", "2"), ("0", "2"),
+                                                        ("0", "3"), ("0", "4"), ("0", "5")]] == [
+      "reupload", "view", "view", "view", "class", "other"]
+  manifest.write_text(manifest.read_text().replace("1,test,hat,a.jpg,0 0 10 10",
+                                                   "1,test,hat,a.jpg,1 1 10 10"))
+  with pytest.raises(ValueError, match="1, a re-upload of 0's draw, shows another photo or crop"):
+    benchmark.ground_truth(str(manifest))
