@@ -1,7 +1,7 @@
 """The one entry point: python -m contrastive_jax.main --config=configs/X.py --workdir=DIR.
 
 Runs the job the config names (config.job: 'pretrain', 'linear_probe',
-'finetune', 'embed', 'neighbours', 'export' or 'map').
+'finetune', 'embed', 'neighbours', 'audit', 'export' or 'map').
 Every config field can be overridden on the command line, e.g.
 --config.batch_size=512 or --config=configs/simclr_cifar10.py:runlocal. A
 workdir that holds a checkpoint resumes from it. Expected failures (a flag
@@ -29,6 +29,7 @@ from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import closest
 from contrastive_jax.core import files
 from contrastive_jax.core import metrics
+from contrastive_jax.jobs import audit
 from contrastive_jax.jobs import embed
 from contrastive_jax.jobs import embedding_map
 from contrastive_jax.jobs import export
@@ -42,7 +43,8 @@ from contrastive_jax import recipes
 # Training jobs (check_config, build) run in runner.run's loop;
 # the others (no build) are not training loops and run themselves: job.run(config, workdir).
 JOBS = {"pretrain": pretrain, "linear_probe": linear_probe, "finetune": finetune,
-        "embed": embed, "neighbours": neighbours, "export": export, "map": embedding_map}
+        "embed": embed, "neighbours": neighbours, "audit": audit, "export": export,
+        "map": embedding_map}
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).",
                                           lock_config=True)
