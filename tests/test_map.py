@@ -3,7 +3,6 @@ TensorBoard's projector files, checked through the projector plugin's own server
 import csv
 import io
 import json
-import math
 import os
 import subprocess
 import sys
