@@ -45,6 +45,11 @@ def method_config(method: str):
   """tests/helpers.tiny_config(method) with the ResNet above."""
   config = tiny_config(method)
   config.model.name = "resnet10"
+  # Torchvision's shortcuts. With SimCLR's first-stage projection the kNN monitor of the
+  # initial encoder gave 0.156 on two hosts against 0.094 on one (measured): on these noise
+  # images its features nearly tie, so a last-bit difference between the device layouts
+  # reorders neighbours. The evaluators' counting is what this compares.
+  config.model.stage_projection = False
   config.evaluators.knn.k = 20  # Fewer than a device's part of the bank: top-k merging counts.
   if method == "moco_v2":
     # 4 images per BN group: with 2, BN amplifies the all-reduce's last-bit
