@@ -14,8 +14,9 @@ the folder's files not yet in the index of EMBED_DIR are added to it, with
 the index's checkpoint (pretrain_workdir may be left unset).
 
 ann: the ANN index built beside the embeddings (jobs/ann.py, docs/search.md):
-type 'auto' (exact 'flat' below 100,000 rows, 'ivfpq' from there), 'flat',
-'hnsw', 'ivf', 'ivfpq' or 'none'; a parameter of 0 takes its measured default.
+type 'auto' (exact 'flat' below 100,000 rows, 'ivfpq' from there; none, with a
+warning, when FAISS is not installed), 'flat', 'hnsw', 'ivf', 'ivfpq' or 'none'; a
+parameter of 0 takes its measured default.
 """
 import ml_collections
 from ml_collections import config_dict

@@ -347,3 +347,22 @@ def test_the_benchmark_measures_exact_search_and_each_index_against_it():
   assert all(size > 0 and qps > 0 for size, qps in ((n[1], n[3]) for n in rows.values()))
   lines = bench.report(table, 10).splitlines()
   assert len(lines) == len(table) + 2 and lines[2].startswith("| exact: faiss IndexFlatIP | ")
+
+
+def test_the_base_install_embeds_without_faiss_and_searches_exactly(pretrained, tmp_path,
+                                                                   monkeypatch):
+  """ann.type 'auto' without FAISS: no ANN index, a warning, exact search; a type named needs it."""
+  folder = _folder(tmp_path, "photos", ["dress", "hat"])
+  monkeypatch.setitem(sys.modules, "faiss", None)
+  with pytest.raises(ConfigError, match=r"config.ann.type='hnsw': must be 'none' unless FAISS"):
+    embed.run(embed_config(pretrained, dataset=None, folder=folder,
+                           ann=_ann_config(type="hnsw").to_dict()), str(tmp_path / "named"))
+  workdir = str(tmp_path / "index")
+  h = embed.run(embed_config(pretrained, dataset=None, folder=folder), workdir)
+  with open(os.path.join(workdir, index_lib.META)) as f:
+    assert json.load(f)["ann"] is None
+  assert not os.path.exists(os.path.join(workdir, ann_lib.META))
+  out = neighbours.run(neighbours_config(workdir, query_rows="0"), str(tmp_path / "out"))
+  assert out["search"] == {"method": "exact"}
+  np.testing.assert_array_equal([n["row"] for n in out["queries"][0]["neighbours"]][:1], [0])
+  assert len(h) == 4

@@ -35,6 +35,7 @@ quantization" (ScaNN, 2 dimensions per 4-bit code); the FAISS documentation
 (github.com/facebookresearch/faiss/wiki: index_factory strings, HNSW and IVF
 parameters, fast-scan PQ).
 """
+import importlib.util
 import json
 import logging
 
@@ -84,17 +85,24 @@ def faiss_module(field: str, value, instead: str):
   return faiss
 
 
-def check_config(ann):
-  """Raises ConfigError for config.ann fields that cannot build an index (FAISS missing too)."""
+def check_config(ann, *, adding: bool = False):
+  """Raises ConfigError for config.ann fields that cannot build an index: FAISS missing too,
+  for a type named or for an add (its index may hold one); 'auto' on a new index does
+  without (has_faiss)."""
   if ann.type not in TYPES:
     raise ConfigError("ann.type", ann.type, f"one of {TYPES}")
-  if ann.type != "none":
+  if ann.type not in ("none", "auto") or (adding and ann.type == "auto"):
     faiss_module("ann.type", ann.type, "'none'")
   for field in ("hnsw_m", "ef_construction", "ef_search", "nlist", "nprobe", "k_factor"):
     if ann[field] < 0:
       raise ConfigError(f"ann.{field}", ann[field], "an integer >= 0 (0: chosen from the rows)")
   if ann.threads < 0:
     raise ConfigError("ann.threads", ann.threads, "an integer >= 0 (0: every core)")
+
+
+def has_faiss() -> bool:
+  """Whether FAISS is installed (the search extra)."""
+  return importlib.util.find_spec("faiss") is not None
 
 
 def choose(num_rows: int, dim: int, ann) -> dict:

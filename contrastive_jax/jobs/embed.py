@@ -60,7 +60,7 @@ def check_config(config, num_devices: int):
   if config.add and not config.folder:
     raise ConfigError("folder", config.folder, "a folder of image files when config.add is "
                       "True: the images added to an index are files")
-  ann_lib.check_config(config.ann)
+  ann_lib.check_config(config.ann, adding=config.add)
 
 
 def _adding_config(config, existing: index.Index):

@@ -116,6 +116,13 @@ def _write_ann(workdir: str, config, h, *, generation: int, run_id: str):
   spec = ann_lib.choose(len(h), h.shape[1], config.ann)
   if spec is None:
     return None
+  if config.ann.type == "auto" and not ann_lib.has_faiss():
+    # The base install: the index is searched exactly (as a 'flat' index would be below
+    # EXACT_BELOW rows), and said so, rather than refused.
+    logging.warning("FAISS is not installed: no ANN index for these %d rows; neighbours "
+                    "searches them exactly (pip install 'contrastive_jax[search]' for one, "
+                    "or --config.ann.type=none to say so).", len(h))
+    return None
   logging.info("Building a FAISS %s index (%s) of %d rows.", spec["type"], spec["params"], len(h))
   built = ann_lib.build(h, spec, threads=config.ann.threads)
   return ann_lib.write(workdir, built, spec, generation=generation, embed_run=run_id)
