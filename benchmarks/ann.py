@@ -14,8 +14,10 @@ unit vectors are the hardest case for an ANN index (no clusters, every
 direction equally likely); embeddings of images are far easier.
 
 The rows marked 'default' are what the embed job builds for --rows rows
-(jobs/ann.py's choose with configs/embed.py's ann fields). The default type
-is measured at each nprobe fraction and k_factor asked for. ScaNN is measured when its
+(jobs/ann.py's choose with configs/embed.py's ann fields, its nprobe
+calibrated to their recall on the rows themselves; the build time includes
+the calibration). The default type is measured at each nprobe fraction and
+k_factor asked for. ScaNN is measured when its
 pybind module loads (scann 1.4.2's `import scann` loads TensorFlow ops built
 against another TensorFlow than this project's, so only its pybind searcher
 is used, without its package's __init__).
@@ -166,16 +168,16 @@ def measure(bank: np.ndarray, queries: np.ndarray, *, k: int, threads: int, type
   specs = [default] if default["type"] != "flat" else []
   specs += [spec for spec in (ann_lib.choose(n, d, ml_collections.ConfigDict(dict(auto, type=t)))
                               for t in types) if spec["factory"] != default["factory"]]
-  for spec in specs:
+  for number, spec in enumerate(specs):
     start = time.perf_counter()
-    built = ann_lib.build(bank, spec, threads=threads)
+    built, spec = ann_lib.build(bank, spec, threads=threads)  # Calibrated, as the embed job's.
     build_s = time.perf_counter() - start
     size = len(faiss.serialize_index(built))
     for params, name in _settings(spec, ef_search=ef_search, nprobe_fractions=nprobe_fractions,
                                   k_factors=k_factors):
       ann_lib.set_search_params(faiss, built, dict(spec, params=params))
       found, seconds = timed_search(lambda q, b=built: b.search(q, k)[1], queries)
-      is_default = spec is default and params == spec["params"]
+      is_default = number == 0 and default["type"] != "flat" and params == spec["params"]
       row(f"{spec['factory']} {name}" + (" (default)" if is_default else ""), build_s, size,
           found, seconds)
     del built

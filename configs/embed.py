@@ -16,7 +16,9 @@ the index's checkpoint (pretrain_workdir may be left unset).
 ann: the ANN index built beside the embeddings (jobs/ann.py, docs/search.md):
 type 'auto' (exact 'flat' below 100,000 rows, 'ivfpq' from there; none, with a
 warning, when FAISS is not installed), 'flat', 'hnsw', 'ivf', 'ivfpq' or 'none'; a
-parameter of 0 takes its measured default.
+parameter of 0 takes its measured default, but nprobe, which is calibrated: the
+smallest that finds `recall` of the 10 nearest of the index's own rows (a sample,
+against exact search), when the index is built and after each add.
 """
 import ml_collections
 from ml_collections import config_dict
@@ -49,9 +51,10 @@ def get_config(variant: str = ""):
       hnsw_m=0,  # HNSW: graph links per node (M); 0: 32.
       ef_construction=0,  # HNSW: candidates kept while linking (efConstruction); 0: 40.
       ef_search=0,  # HNSW: candidates kept while searching (efSearch); 0: 256.
-      nlist=0,  # IVF, IVFPQ: k-means lists; 0: sqrt(N), a power of two.
-      nprobe=0,  # IVF, IVFPQ: lists searched per query; 0: nlist / 2.
-      k_factor=0,  # IVFPQ: candidates re-ranked exactly per neighbour; 0: 20.
+      nlist=0,  # IVF, IVFPQ: k-means lists; 0: 4 sqrt(N), a power of two.
+      nprobe=0,  # IVF, IVFPQ: lists searched per query; 0: calibrated.
+      k_factor=0,  # IVFPQ: candidates re-ranked exactly per neighbour; 0: 50.
+      recall=0.95,  # What nprobe at 0 is calibrated to: recall@10.
       threads=0,  # FAISS threads while building; 0: every core.
   ))
   return config

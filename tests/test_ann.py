@@ -42,19 +42,26 @@ def _ann_config(**fields):
   return config
 
 
-def test_choose_is_exact_below_the_measured_size_and_hnsw_above_unless_told():
+def test_choose_is_exact_below_the_measured_size_and_ivfpq_above_unless_told():
   auto = _ann_config()
   assert ann_lib.choose(ann_lib.EXACT_BELOW - 1, 128, auto)["type"] == "flat"
   assert ann_lib.choose(1_000_000, 128, auto) == {
-      "type": "ivfpq", "factory": "IVF1024,PQ64x4fs,RFlat",
-      "params": {"nlist": 1024, "nprobe": 512, "k_factor": ann_lib.IVFPQ_K_FACTOR}}
+      "type": "ivfpq", "factory": "IVF4096,PQ64x4fs,RFlat",
+      "params": {"nlist": 4096, "nprobe": None, "k_factor": ann_lib.IVFPQ_K_FACTOR},
+      "calibration": {"param": "nprobe", "target": 0.95}}
   assert ann_lib.choose(10, 7, _ann_config(type="ivfpq", nlist=4))["factory"] == (
       "IVF4,PQ7x4fs,RFlat")
-  assert ann_lib.choose(10, 128, _ann_config(type="hnsw", hnsw_m=8, ef_search=20))["params"] == {
-      "M": 8, "efConstruction": ann_lib.HNSW_EF_CONSTRUCTION, "efSearch": 20}
-  assert ann_lib.choose(1_000_000, 128, _ann_config(type="ivf", nprobe=9))["params"] == {
-      "nlist": 1024, "nprobe": 9}
+  hnsw = ann_lib.choose(10, 128, _ann_config(type="hnsw", hnsw_m=8, ef_search=20))
+  assert hnsw["params"] == {"M": 8, "efConstruction": ann_lib.HNSW_EF_CONSTRUCTION,
+                            "efSearch": 20} and hnsw["calibration"] is None
+  assert ann_lib.choose(10, 128, _ann_config(type="ivf", recall=0.8))["calibration"] == {
+      "param": "nprobe", "target": 0.8}
+  given = ann_lib.choose(1_000_000, 128, _ann_config(type="ivf", nprobe=9))
+  assert given["params"] == {"nlist": 4096, "nprobe": 9} and given["calibration"] is None
   assert ann_lib.choose(10, 128, _ann_config(type="none")) is None
+  for recall in (0.0, 1.5):
+    with pytest.raises(ConfigError, match=f"config.ann.recall={recall}: must be a recall@10 in"):
+      ann_lib.check_config(_ann_config(recall=recall))
 
 
 @pytest.mark.parametrize("kind", ["flat", "hnsw", "ivf", "ivfpq"])
@@ -65,8 +72,8 @@ def test_each_index_type_written_and_read_back_finds_numpy_exact_neighbours(kind
   # 20 x 10 re-ranked) are approximate: recall@10 against numpy.
   config = _ann_config(type=kind, nlist=16, nprobe=16, threads=1)
   spec = ann_lib.choose(len(bank), 32, config)
-  description = ann_lib.write(str(tmp_path), ann_lib.build(bank, spec, threads=1), spec,
-                              generation=0, embed_run="run")
+  built, spec = ann_lib.build(bank, spec, threads=1)
+  description = ann_lib.write(str(tmp_path), built, spec, generation=0, embed_run="run")
   assert description["rows"] == 3000 and description["dim"] == 32
   scores, rows = ann_lib.search(ann_lib.load(str(tmp_path), description, where="x"), queries, 10)
   want_scores, want_rows = _exact(queries, bank, 10)
@@ -77,8 +84,74 @@ def test_each_index_type_written_and_read_back_finds_numpy_exact_neighbours(kind
     np.testing.assert_array_equal(rows, want_rows)
   found = np.take_along_axis(queries @ bank.T, rows, axis=1)
   np.testing.assert_allclose(scores, found, atol=1e-5)  # Scores are the cosines of the rows.
+  # Fewer neighbours re-rank as many candidates (search's docstring): the first of the ten.
+  np.testing.assert_array_equal(ann_lib.search(built, queries, 1)[1], rows[:, :1])
   if kind in ("flat", "ivf"):
     np.testing.assert_allclose(scores, want_scores, atol=1e-5)
+
+
+def _clustered(rng, n, d, clusters):
+  """float32 [n, d] unit rows around `clusters` random centres: structure, as embeddings have."""
+  x = _unit(rng, clusters, d)[rng.integers(clusters, size=n)] + 0.25 * _unit(rng, n, d)
+  return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def _self_recall(index, bank, k=10):
+  """Recall@k of a FAISS index on every row of bank, the row itself left out (numpy truth)."""
+  sims = bank.astype(np.float64) @ bank.T.astype(np.float64)
+  np.fill_diagonal(sims, -np.inf)
+  truth = np.argsort(-sims, axis=1, kind="stable")[:, :k]
+  _, found = index.search(bank, k + 1)
+  return np.mean([len(set(f[f != i][:k]) & set(t)) / k for i, (f, t) in
+                  enumerate(zip(found, truth))])
+
+
+def test_calibration_takes_the_smallest_nprobe_that_finds_the_target_recall(monkeypatch):
+  """On every row (the sample made the whole bank): nprobe p reaches the target, p - 1 does not;
+  clustered rows need far fewer lists than random ones."""
+  monkeypatch.setattr(ann_lib, "CALIBRATION_QUERIES", 10**6)
+  rng = np.random.default_rng(0)
+  chosen = {}
+  for name, bank in (("random", _unit(rng, 3000, 32)), ("clustered", _clustered(rng, 3000, 32, 40))):
+    spec = ann_lib.choose(len(bank), 32, _ann_config(type="ivf", nlist=64, recall=0.9))
+    index, built = ann_lib.build(bank, spec, threads=1)
+    p = built["params"]["nprobe"]
+    assert built["calibration"] == {"param": "nprobe", "target": 0.9, "k": 10, "queries": 3000,
+                                    "recall": pytest.approx(_self_recall(index, bank), abs=1e-9)}
+    assert built["calibration"]["recall"] >= 0.9
+    faiss.extract_index_ivf(index).nprobe = p - 1
+    assert _self_recall(index, bank) < 0.9
+    chosen[name] = p
+  assert chosen["clustered"] * 4 <= chosen["random"], chosen
+
+
+def test_calibration_stands_for_new_queries_and_says_when_the_target_is_out_of_reach(
+    monkeypatch, caplog):
+  # Rows as queries (the calibration) and new queries find about as much (calibrate's docstring).
+  rng = np.random.default_rng(2)
+  rows = _clustered(rng, 5500, 16, 30)  # One set of clusters for both.
+  bank, fresh = rows[:5000], rows[5000:]
+  index, built = ann_lib.build(bank, ann_lib.choose(5000, 16, _ann_config(type="ivfpq", nlist=64,
+                                                                           recall=0.9)), threads=1)
+  _, found = index.search(fresh, 10)
+  fresh_recall = np.mean([len(set(a) & set(b)) / 10 for a, b in
+                          zip(found, _exact(fresh, bank, 10)[1])])
+  assert abs(fresh_recall - built["calibration"]["recall"]) < 0.03, fresh_recall
+  bank = bank[:2000]
+  # One exactly re-ranked candidate per neighbour: 4-bit codes alone cannot rank every
+  # neighbour right, so even every list probed misses recall 1; it probes every list and says so.
+  spec = ann_lib.choose(2000, 16, _ann_config(type="ivfpq", nlist=16, k_factor=1, recall=1.0))
+  with caplog.at_level("WARNING"):
+    index, built = ann_lib.build(bank, spec, threads=1)
+  assert built["params"]["nprobe"] == 16 and built["calibration"]["recall"] < 1.0
+  assert "less than ann.recall=1.0" in caplog.text
+  # The exact neighbours behind it, against numpy, in blocks that split the rows.
+  monkeypatch.setattr(ann_lib, "_ADD_CHUNK", 300)
+  rows = np.array([0, 299, 300, 1999])
+  sims = bank[rows].astype(np.float64) @ bank.T.astype(np.float64)
+  sims[np.arange(4), rows] = -np.inf
+  np.testing.assert_array_equal(ann_lib.exact_neighbours(bank, rows, 7),
+                                np.argsort(-sims, axis=1, kind="stable")[:, :7])
 
 
 def _folder(tmp_path, name, classes, per_class=2):
@@ -155,6 +228,7 @@ def test_adding_files_embeds_only_new_ones_rows_continue_and_their_queries_find_
   np.testing.assert_allclose(np.asarray(after.embeddings)[6:],
                              index_lib.load_index(alone).embeddings, atol=1e-5)
   assert after.ann["rows"] == 8 and after.ann["file"] == "ann.1.faiss"
+
   assert sorted(f for f in os.listdir(workdir) if f.endswith(".faiss")) == ["ann.1.faiss"]
   # The new files, as query files, find themselves first through the ANN index.
   results = neighbours.run(neighbours_config(workdir, queries=",".join(new_names)),
@@ -303,6 +377,17 @@ def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_hnsw(tmp_path, monk
   bank = np.concatenate([first, second])
   scores, rows = ann_lib.search(ann_lib.load(workdir, grown.ann, where="x"), bank[150:], 1)
   np.testing.assert_array_equal(rows[:, 0], np.arange(150, 200))
+  assert grown.ann["calibration"]["queries"] == 200
+  # A further add grows the IVF-PQ index in place and calibrates its nprobe again, on 260 rows:
+  # what calibrating the grown index afresh gives.
+  third = _unit(rng, 60, 16)
+  index_lib.append(workdir, grown, config.ann, third, [str(i) for i in range(200, 260)], "/z", 0)
+  again = index_lib.load_index(workdir)
+  assert again.ann["file"] == "ann.2.faiss" and again.ann["calibration"]["queries"] == 260
+  loaded = ann_lib.load(workdir, again.ann, where="x")
+  fresh = ann_lib.calibrate(loaded, np.concatenate([bank, third]),
+                            dict(again.ann, calibration={"param": "nprobe", "target": 0.95}))
+  assert (fresh["params"], fresh["calibration"]) == (again.ann["params"], again.ann["calibration"])
 
 
 def test_an_index_from_before_ann_indexes_is_read_and_an_add_gives_it_one(photos, tmp_path):
@@ -339,11 +424,13 @@ def test_the_benchmark_measures_exact_search_and_each_index_against_it():
                         k_factors=[], scann=False)
   rows = {name: numbers for name, *numbers in table}
   assert table[0][0] == "exact: faiss IndexFlatIP" and table[0][3:6:2] == (1.0, 1.0)
-  # IVF probing all of its 64 lists is exact search; fewer lists find less.
-  assert rows["IVF64,Flat nprobe=64"][2] == 1.0
-  assert rows["IVF64,Flat nprobe=32"][2] < 1.0
-  assert {"IVF64,PQ16x4fs,RFlat nprobe=32 k_factor=20",
-          "IVF64,PQ16x4fs,RFlat nprobe=64 k_factor=20"} <= set(rows)
+  # IVF probing all of its 256 lists is exact search; the calibrated nprobe (first) finds
+  # about its target of 0.95 with fewer.
+  assert rows["IVF256,Flat nprobe=256"][2] == 1.0
+  ivf, ivfpq = ([name for name in rows if name.startswith(f"IVF256,{codes}")]
+                for codes in ("Flat", "PQ16x4fs,RFlat"))
+  assert len(ivf) == 2 and int(ivf[0].split("=")[1]) < 256 and 0.9 < rows[ivf[0]][2] < 1.0
+  assert len(ivfpq) == 2 and ivfpq[1] == "IVF256,PQ16x4fs,RFlat nprobe=256 k_factor=50"
   assert all(size > 0 and qps > 0 for size, qps in ((n[1], n[3]) for n in rows.values()))
   lines = bench.report(table, 10).splitlines()
   assert len(lines) == len(table) + 2 and lines[2].startswith("| exact: faiss IndexFlatIP | ")

@@ -10,7 +10,8 @@ the index with FAISS alone, without this package:
   ann.json     what it is: {"format_version", "library": "faiss",
                "library_version", "file", "bytes", "type" ('flat', 'hnsw',
                'ivf' or 'ivfpq'), "factory" (faiss.index_factory's string),
-               "params" (build and search parameters), "metric", "rows",
+               "params" (build and search parameters), "calibration" (how
+               the search parameter was chosen, or null), "metric", "rows",
                "dim", "embed_run" (embed.json's run_id)}.
 
 The type comes from the row count by default (choose): an exact flat index
@@ -20,9 +21,23 @@ lookups (FAISS's "fast scan"), the best k_factor x k re-ranked exactly with
 the stored vectors. Chosen by benchmarks/ann.py's measurements
 (docs/search.md): on random unit vectors, the hardest case, it gave more
 recall per query time than FAISS's HNSW and IVF-Flat and than ScaNN, and
-built faster than HNSW (42 s against 131 s for 200,000 rows). FAISS is an
-extra (pip install 'contrastive_jax[search]'), imported only when an index
-is built or read.
+built faster than HNSW (42 s against 131 s for 200,000 rows).
+
+How many lists a query probes (nprobe) decides both recall and speed, and
+the right value depends on the data far more than on its size: random
+vectors need half the lists for recall@10 0.95, clustered image embeddings a
+few percent. So unless it is given, it is calibrated when the index is built
+and after each add (calibrate): the smallest nprobe at which the index finds
+ann.recall of the 10 nearest other rows of a fixed sample of its own rows,
+found by bisection against exact search. A row stands for a new query here
+(the lists and codes of the other rows do not depend on it): on 20,000 rows,
+random or clustered, new queries found 0.897 and 0.926 where the rows found
+0.900 and 0.933. Not so in an HNSW graph, where each row is linked to its
+neighbours when it is added (0.95 on the rows, 0.85 on new queries): its
+efSearch is not calibrated.
+
+FAISS is an extra (pip install 'contrastive_jax[search]'), imported only
+when an index is built or read.
 
 Sources: Malkov & Yashunin 2018, "Efficient and robust approximate nearest
 neighbor search using Hierarchical Navigable Small World graphs" (HNSW, M,
@@ -58,12 +73,11 @@ EXACT_BELOW = 100_000
 # found 0.93 of the 10 nearest of 30,000 random unit vectors, at about exact
 # search's speed (docs/search.md): a graph needs structure in the data to skip rows.
 HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 40, 256
-# nprobe = nlist / 2 and k_factor 20 unless given: on 1,000,000 random unit
-# vectors, recall@10 0.87 at 16 times exact search's queries/s (k_factor 10:
-# 0.81 at 10 to 20 times, two runs; recall 0.95 needed 3/4 of the lists and
-# k_factor 40, at 10 times; docs/search.md).
-IVF_NPROBE_FRACTION = 1 / 2
-IVFPQ_K_FACTOR = 20
+# Re-ranking the best k_factor x k candidates exactly: PLACEHOLDER_K_FACTOR
+IVFPQ_K_FACTOR = 50
+# The calibration (calibrate): recall@CALIBRATION_K on up to CALIBRATION_QUERIES
+# rows of the index, drawn with a fixed seed.
+CALIBRATION_K, CALIBRATION_QUERIES = 10, 1000
 _ADD_CHUNK = 65_536  # Rows handed to FAISS at a time: a memory-mapped part is read piecewise.
 
 
@@ -98,6 +112,9 @@ def check_config(ann, *, adding: bool = False):
       raise ConfigError(f"ann.{field}", ann[field], "an integer >= 0 (0: chosen from the rows)")
   if ann.threads < 0:
     raise ConfigError("ann.threads", ann.threads, "an integer >= 0 (0: every core)")
+  if not 0 < ann.recall <= 1:
+    raise ConfigError("ann.recall", ann.recall, "a recall@10 in (0, 1] that nprobe left at 0 "
+                      "is calibrated to")
 
 
 def has_faiss() -> bool:
@@ -108,11 +125,13 @@ def has_faiss() -> bool:
 def choose(num_rows: int, dim: int, ann) -> dict:
   """The index type and parameters for num_rows rows of dimension dim: config.ann's, or chosen.
 
-  Returns {"type", "factory", "params"}, or None for ann.type 'none'.
-  'auto' is 'flat' below EXACT_BELOW rows and 'ivfpq' from there; a
-  parameter of 0 takes its default (IVF: nlist sqrt(N) rounded to a power of
-  two, nprobe nlist / 2; 'ivfpq': dim / 2 codes of 4 bits, k_factor 20, the
-  candidates re-ranked exactly per neighbour asked for).
+  Returns {"type", "factory", "params", "calibration"}, or None for ann.type
+  'none'. 'auto' is 'flat' below EXACT_BELOW rows and 'ivfpq' from there; a
+  parameter of 0 takes its default (IVF: nlist 4 sqrt(N) rounded to a power
+  of two, FAISS's guideline; 'ivfpq': dim / 2 codes of 4 bits, k_factor
+  IVFPQ_K_FACTOR; HNSW: efSearch HNSW_EF_SEARCH). When IVF's nprobe is 0,
+  "calibration" is {"param": "nprobe", "target": ann.recall} and params
+  holds None for it: build calibrates it. Otherwise "calibration" is None.
   """
   kind = ann.type
   if kind == "none":
@@ -120,23 +139,23 @@ def choose(num_rows: int, dim: int, ann) -> dict:
   if kind == "auto":
     kind = "flat" if num_rows < EXACT_BELOW else "ivfpq"
   if kind == "flat":
-    return {"type": "flat", "factory": "Flat", "params": {}}
+    return {"type": "flat", "factory": "Flat", "params": {}, "calibration": None}
   if kind == "hnsw":
     m = ann.hnsw_m or HNSW_M
     params = {"M": m, "efConstruction": ann.ef_construction or HNSW_EF_CONSTRUCTION,
               "efSearch": ann.ef_search or HNSW_EF_SEARCH}
-    return {"type": "hnsw", "factory": f"HNSW{m},Flat", "params": params}
-  # sqrt(N) lists: k-means of 4 sqrt(N) (FAISS's guideline) took minutes at 1,000,000 rows here.
-  nlist = ann.nlist or int(2 ** round(np.log2(np.sqrt(max(num_rows, 1)))))
+    return {"type": "hnsw", "factory": f"HNSW{m},Flat", "params": params, "calibration": None}
+  nlist = ann.nlist or int(2 ** round(np.log2(4 * np.sqrt(max(num_rows, 1)))))
   nlist = min(nlist, max(num_rows, 1))  # k-means needs at least one row per list.
-  nprobe = min(ann.nprobe or max(1, round(nlist * IVF_NPROBE_FRACTION)), nlist)
+  calibration = None if ann.nprobe else {"param": "nprobe", "target": ann.recall}
+  params = {"nlist": nlist, "nprobe": min(ann.nprobe, nlist) or None}
   if kind == "ivf":
-    return {"type": "ivf", "factory": f"IVF{nlist},Flat", "params": {"nlist": nlist,
-                                                                       "nprobe": nprobe}}
+    return {"type": "ivf", "factory": f"IVF{nlist},Flat", "params": params,
+            "calibration": calibration}
   codes = dim // 2 if dim % 2 == 0 else dim  # 2 dimensions per 4-bit code (1 if dim is odd).
   return {"type": "ivfpq", "factory": f"IVF{nlist},PQ{codes}x4fs,RFlat",
-          "params": {"nlist": nlist, "nprobe": nprobe,
-                     "k_factor": ann.k_factor or IVFPQ_K_FACTOR}}
+          "params": dict(params, k_factor=ann.k_factor or IVFPQ_K_FACTOR),
+          "calibration": calibration}
 
 
 def set_search_params(faiss, index, spec: dict):
@@ -155,12 +174,13 @@ def build(embeddings, spec: dict, *, threads: int = 0):
   Args:
     embeddings: float32 [N, D] unit rows; any array-like with len, shape and
       slices (a memory-mapped .npy, index.Parts).
-    spec: {"type", "factory", "params"} from choose.
+    spec: {"type", "factory", "params", "calibration"} from choose.
     threads: FAISS's OpenMP threads (0: every core).
   Returns:
-    The faiss.Index, its search parameters set. An IVF index trains its
-    k-means (and product quantizer) on at most 64 rows per list or 65,536
-    rows, whichever is more, drawn with a fixed seed.
+    (the faiss.Index, its search parameters set; the spec as built, its
+    params complete and its calibration calibrate's). An IVF index trains its k-means (and product quantizer) on
+    at most 64 rows per list or 65,536 rows, whichever is more, drawn with a
+    fixed seed.
   """
   faiss = faiss_module("ann.type", spec["type"], "'none'")
   if threads:
@@ -174,8 +194,87 @@ def build(embeddings, spec: dict, *, threads: int = 0):
     sample = np.sort(np.random.default_rng(0).choice(len(embeddings), count, replace=False))
     index.train(np.ascontiguousarray(embeddings[sample], np.float32))
   add(index, embeddings, 0)
+  if spec["calibration"]:
+    spec = calibrate(index, embeddings, spec)
   set_search_params(faiss, index, spec)
-  return index
+  return index, spec
+
+
+def exact_neighbours(embeddings, rows: np.ndarray, k: int) -> np.ndarray:
+  """int64 [Q, k]: for each of `rows` (int [Q]), the k other rows of embeddings most similar to it.
+
+  Exact: float32 dot products with every row, in blocks of _ADD_CHUNK rows; best first.
+  """
+  queries = np.ascontiguousarray(embeddings[rows], np.float32)
+  scores, ids = [], []
+  for begin in range(0, len(embeddings), _ADD_CHUNK):
+    block = queries @ np.asarray(embeddings[begin:begin + _ADD_CHUNK], np.float32).T
+    own = (rows >= begin) & (rows < begin + block.shape[1])
+    block[np.flatnonzero(own), rows[own] - begin] = -np.inf
+    kept = min(k, block.shape[1])
+    best = np.argpartition(-block, kept - 1, axis=1)[:, :kept]
+    scores.append(np.take_along_axis(block, best, axis=1))
+    ids.append(best + begin)
+  scores, ids = np.concatenate(scores, axis=1), np.concatenate(ids, axis=1)
+  return np.take_along_axis(ids, np.argsort(-scores, axis=1, kind="stable")[:, :k], axis=1)
+
+
+def calibrate(index, embeddings, spec: dict) -> dict:
+  """spec with its nprobe the smallest that finds its calibration target.
+
+  The recall is recall@k (k = CALIBRATION_K) of the index on its own rows:
+  for each of up to CALIBRATION_QUERIES rows drawn with a fixed seed, the
+  share of its k nearest other rows (exact_neighbours) among the k the index
+  returns (the row itself left out), averaged. nprobe is found by bisection
+  over [1, nlist]: recall grows with it (for IVF-PQ nearly: a list more can
+  push a neighbour out of the candidates re-ranked). When even nlist misses
+  the target it is taken, with a warning.
+
+  Args:
+    index: the IVF faiss.Index of spec, holding every row of embeddings.
+    embeddings: float32 [N, D] unit rows, row i FAISS id i.
+    spec: the index's spec; spec["calibration"] has "param" ("nprobe") and
+      "target" (in (0, 1]).
+  Returns:
+    A new spec: params[param] set, and "calibration": {"param", "target",
+    "recall" (measured at the value chosen), "k", "queries"}.
+  """
+  faiss = faiss_module("ann.type", spec["type"], "'none'")
+  param, target = spec["calibration"]["param"], spec["calibration"]["target"]
+  n = len(embeddings)
+  k = min(CALIBRATION_K, n - 1)
+  low, high = 1, spec["params"]["nlist"]
+  rows = np.sort(np.random.default_rng(0).choice(n, min(CALIBRATION_QUERIES, n), replace=False))
+  truth = exact_neighbours(embeddings, rows, k) if k else None
+  queries = np.ascontiguousarray(embeddings[rows], np.float32)
+  measured = {}
+
+  def recall_at(value):
+    if value not in measured:
+      set_search_params(faiss, index, dict(spec, params=dict(spec["params"], **{param: value})))
+      _, found = index.search(queries, k + 1)
+      measured[value] = float(np.mean([
+          len(set(f[f != r][:k].tolist()) & set(t.tolist())) / k
+          for f, r, t in zip(found, rows, truth)])) if k else 1.0
+    return measured[value]
+
+  if not k:  # One row: nothing to find; the most thorough search.
+    low = high
+  while low < high:
+    middle = (low + high) // 2
+    if recall_at(middle) >= target:
+      high = middle
+    else:
+      low = middle + 1
+  if recall_at(low) < target:
+    logging.warning("The %s index finds %.3f of the %d nearest at most (%s=%d), less than "
+                    "ann.recall=%s: searched with %s=%d.", spec["factory"], measured[low], k,
+                    param, low, target, param, low)
+  logging.info("Calibrated %s=%d: recall@%d %.3f on %d of the index's rows (target %s).", param,
+               low, k, measured[low], len(rows), target)
+  return dict(spec, params=dict(spec["params"], **{param: low}),
+              calibration={"param": param, "target": target, "recall": measured[low], "k": k,
+                           "queries": len(rows)})
 
 
 def add(index, embeddings, start: int):
@@ -187,7 +286,8 @@ def add(index, embeddings, start: int):
 def write(workdir: str, index, spec: dict, *, generation: int, embed_run: str) -> dict:
   """Writes the FAISS index to WORKDIR/ann.GENERATION.faiss atomically; returns its description.
 
-  The description is what ann.json holds (the module docstring); the caller
+  spec: build's (or a description's): its "calibration" is recorded. The
+  description is what ann.json holds (the module docstring); the caller
   writes it (index.py writes embed.json, then ann.json).
   """
   faiss = faiss_module("ann.type", spec["type"], "'none'")
@@ -197,7 +297,8 @@ def write(workdir: str, index, spec: dict, *, generation: int, embed_run: str) -
   return {"format_version": FORMAT_VERSION, "library": "faiss",
           "library_version": faiss.__version__, "file": name, "bytes": len(content),
           "type": spec["type"], "factory": spec["factory"], "params": spec["params"],
-          "metric": "inner_product", "rows": int(index.ntotal), "dim": int(index.d),
+          "calibration": spec.get("calibration"), "metric": "inner_product",
+          "rows": int(index.ntotal), "dim": int(index.d),
           "embed_run": embed_run}
 
 
@@ -257,9 +358,14 @@ def load(workdir: str, description: dict, *, where: str):
 def search(index, queries: np.ndarray, k: int):
   """(scores float32 [Q, k], rows int64 [Q, k]) of the k best rows per query, best first.
 
-  queries: float32 [Q, D] unit vectors. An approximate index may find fewer
-  than k rows for a query (IVF with few lists probed); the missing ones are
-  row -1 with score -inf, last.
+  queries: float32 [Q, D] unit vectors. At least CALIBRATION_K rows are
+  searched for and the best k kept: an IVF-PQ index re-ranks k_factor x k
+  candidates, and fewer than its calibration's would find less than it was
+  calibrated to (at k=3 a new photo of a 21,000-photo index missed itself
+  where k=10 found it). An approximate index may find fewer than k rows for a
+  query (IVF with few lists probed); the missing ones are row -1 with score
+  -inf, last.
   """
-  scores, rows = index.search(np.ascontiguousarray(queries, np.float32), k)
+  scores, rows = index.search(np.ascontiguousarray(queries, np.float32), max(k, CALIBRATION_K))
+  scores, rows = scores[:, :k], rows[:, :k]
   return np.where(rows < 0, -np.inf, scores).astype(np.float32), rows

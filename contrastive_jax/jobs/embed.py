@@ -86,10 +86,10 @@ def _adding_config(config, existing: index.Index):
     raise ConfigError("random_init", config.random_init,
                       f"{saved.random_init}, as the index's embed, when config.add is True")
   adding = ml_collections.ConfigDict(saved.to_dict())
-  # The index keeps the ANN type it was embedded with ('auto' follows its rows);
-  # an index from before ANN indexes gets config.ann's.
-  ann = dict(saved.ann.to_dict() if "ann" in saved else config.ann.to_dict(),
-             threads=config.ann.threads)
+  # The index keeps the ANN fields it was embedded with ('auto' follows its rows);
+  # an index from before ANN indexes (or a field) gets config.ann's.
+  ann = {**config.ann.to_dict(), **(saved.ann.to_dict() if "ann" in saved else {}),
+         "threads": config.ann.threads}
   adding.update(dataset=None, folder=files.resolve_dir(config.folder), max_pixels=config.max_pixels,
                 batch_size=config.batch_size, data_threads=config.data_threads, ann=ann,
                 add=True)

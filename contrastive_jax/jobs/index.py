@@ -124,7 +124,7 @@ def _write_ann(workdir: str, config, h, *, generation: int, run_id: str):
                     "or --config.ann.type=none to say so).", len(h))
     return None
   logging.info("Building a FAISS %s index (%s) of %d rows.", spec["type"], spec["params"], len(h))
-  built = ann_lib.build(h, spec, threads=config.ann.threads)
+  built, spec = ann_lib.build(h, spec, threads=config.ann.threads)
   return ann_lib.write(workdir, built, spec, generation=generation, embed_run=run_id)
 
 
@@ -163,7 +163,8 @@ def append(workdir, index: "Index", ann, h, names, folder: str, num_unreadable: 
   """Adds rows to the index in workdir: a new part, the ANN index grown, then embed.json.
 
   The new rows are numbered on from index's. The ANN index is loaded, the
-  rows added, and written as its next generation; when ann.type is 'auto'
+  rows added, its search parameter calibrated again if it was calibrated
+  (ann.calibrate), and written as its next generation; when ann.type is 'auto'
   and the new row count calls for another type (ann.choose), or the index
   has none yet (one from before ANN indexes), it is built from every part
   instead. Nothing else already written is changed.
@@ -194,7 +195,9 @@ def append(workdir, index: "Index", ann, h, names, folder: str, num_unreadable: 
   if wanted and old_ann and wanted["type"] == old_ann["type"]:
     faiss_index = ann_lib.load(workdir, old_ann, where=f"--workdir={workdir}")
     ann_lib.add(faiss_index, parts, len(index.rows))
-    spec = {key: old_ann[key] for key in ("type", "factory", "params")}
+    spec = {key: old_ann.get(key) for key in ("type", "factory", "params", "calibration")}
+    if spec["calibration"]:  # The grown index may need another nprobe (efSearch) for its target.
+      spec = ann_lib.calibrate(faiss_index, parts, spec)
     new_ann = ann_lib.write(workdir, faiss_index, spec, generation=generation,
                             embed_run=meta["run_id"])
   elif wanted:  # 'auto' crossed into another type (a flat index grown past EXACT_BELOW).
