@@ -50,8 +50,8 @@ def define_flags():
   """Registers the command-line flags (not at import, so that tests can import this file)."""
   flags.DEFINE_integer("rows", 1_000_000, "Random unit vectors in the index.")
   flags.DEFINE_integer("dim", 128, "Their dimension.")
-  flags.DEFINE_integer("queries", 1000, "Queries (random unit vectors, or index rows with "
-                       "--index_workdir).")
+  flags.DEFINE_integer("queries", 1000, "Queries (random unit vectors, or index rows held "
+                       "out of the indexes with --index_workdir).")
   flags.DEFINE_integer("k", 10, "Neighbours per query (recall@k).")
   flags.DEFINE_integer("threads", 2, "FAISS (OpenMP) threads.")
   flags.DEFINE_string("index_workdir", None, "An embed job's workdir: its embeddings instead "
@@ -221,9 +221,13 @@ def main(argv):
   rng = np.random.default_rng(0)
   if FLAGS.index_workdir:
     saved = index_lib.load_index(FLAGS.index_workdir)
-    bank = np.ascontiguousarray(np.asarray(saved.embeddings), np.float32)
-    queries = bank[np.sort(rng.choice(len(bank), min(FLAGS.queries, len(bank)), replace=False))]
-    what = f"{FLAGS.index_workdir}'s embeddings"
+    rows = np.ascontiguousarray(np.asarray(saved.embeddings), np.float32)
+    # Held out: queries that the indexes do not hold, as a new photo is (an HNSW graph
+    # links each row it holds to its neighbours, so its own rows are found more easily).
+    held_out = np.zeros(len(rows), bool)
+    held_out[rng.choice(len(rows), min(FLAGS.queries, len(rows) // 2), replace=False)] = True
+    bank, queries = rows[~held_out], rows[held_out]
+    what = f"{FLAGS.index_workdir}'s embeddings (the queries {len(queries)} others of them)"
   else:
     bank = unit_rows(rng, FLAGS.rows, FLAGS.dim)
     queries = unit_rows(rng, FLAGS.queries, FLAGS.dim)

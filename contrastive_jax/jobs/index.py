@@ -196,7 +196,7 @@ def append(workdir, index: "Index", ann, h, names, folder: str, num_unreadable: 
     faiss_index = ann_lib.load(workdir, old_ann, where=f"--workdir={workdir}")
     ann_lib.add(faiss_index, parts, len(index.rows))
     spec = {key: old_ann.get(key) for key in ("type", "factory", "params", "calibration")}
-    if spec["calibration"]:  # The grown index may need another nprobe (efSearch) for its target.
+    if spec["calibration"]:  # The grown index may need another nprobe for its target.
       spec = ann_lib.calibrate(faiss_index, parts, spec)
     new_ann = ann_lib.write(workdir, faiss_index, spec, generation=generation,
                             embed_run=meta["run_id"])
