@@ -50,7 +50,6 @@ quantization" (ScaNN, 2 dimensions per 4-bit code); the FAISS documentation
 (github.com/facebookresearch/faiss/wiki: index_factory strings, HNSW and IVF
 parameters, fast-scan PQ).
 """
-import importlib.util
 import json
 import logging
 
@@ -64,21 +63,33 @@ from contrastive_jax.core import files
 FORMAT_VERSION = 1
 META = "ann.json"
 TYPES = ("auto", "none", "flat", "hnsw", "ivf", "ivfpq")
-# Below this many rows the exact flat index is chosen: exact search took 23 to
-# 26 ms per query per 1,000,000 rows here (batched; it grows with the rows), so
-# about 2 ms below 100,000 rows, not worth the recall an ANN index gives up
-# (0.87 at 16 times the speed on random vectors; docs/search.md).
+# Below this many rows the exact flat index is chosen: exact search took 1.5 ms
+# per query per 1,000,000 rows here (batched; it grows with the rows), so at
+# most about 0.15 ms below 100,000 rows, where the indexes measured were at most
+# about 6 times faster (docs/search.md): not worth the recall they give up.
 EXACT_BELOW = 100_000
 # HNSW (not chosen by 'auto'): M 32 and FAISS's own efConstruction 40; efSearch 256
 # found 0.93 of the 10 nearest of 30,000 random unit vectors, at about exact
 # search's speed (docs/search.md): a graph needs structure in the data to skip rows.
 HNSW_M, HNSW_EF_CONSTRUCTION, HNSW_EF_SEARCH = 32, 40, 256
-# Re-ranking the best k_factor x k candidates exactly: PLACEHOLDER_K_FACTOR
+# IVF-PQ re-ranks the best k_factor x k candidates exactly. On 1,000,000 random
+# unit vectors, with nprobe calibrated to recall 0.95: k_factor 20 needed 3,711
+# of 4,096 lists (2.2 times exact search's speed), 50 and 100 about 2,200 (3.2
+# and 3.5 times; one run, docs/search.md); 50 costs less where few lists are
+# probed, as on image embeddings.
 IVFPQ_K_FACTOR = 50
+# FAISS's k-means wants at least 39 training rows per list; a default nlist is
+# capped to keep that many.
+MIN_ROWS_PER_LIST = 39
 # The calibration (calibrate): recall@CALIBRATION_K on up to CALIBRATION_QUERIES
-# rows of the index, drawn with a fixed seed.
+# rows of the index, drawn with a fixed seed. A found row counts when its score is
+# within TIE_TOLERANCE of the k-th exact one (identical rows tie; FAISS and numpy
+# round float32 dot products differently). When the target is out of reach,
+# nprobe is the smallest within SHORTFALL_TOLERANCE of the recall of every list.
 CALIBRATION_K, CALIBRATION_QUERIES = 10, 1000
+TIE_TOLERANCE, SHORTFALL_TOLERANCE = 1e-6, 0.005
 _ADD_CHUNK = 65_536  # Rows handed to FAISS at a time: a memory-mapped part is read piecewise.
+_EXACT_BLOCK = 16_384  # Rows scored at a time by exact_neighbours (1,000 queries: 64 MB).
 
 
 def faiss_module(field: str, value, instead: str):
@@ -100,13 +111,15 @@ def faiss_module(field: str, value, instead: str):
 
 
 def check_config(ann, *, adding: bool = False):
-  """Raises ConfigError for config.ann fields that cannot build an index: FAISS missing too,
-  for a type named or for an add (its index may hold one); 'auto' on a new index does
-  without (has_faiss)."""
+  """Raises ConfigError for config.ann fields that cannot build an index.
+
+  FAISS missing too, for a type named on a new index ('auto' does without:
+  has_faiss). An add keeps its index's fields: check_add decides there.
+  """
   if ann.type not in TYPES:
     raise ConfigError("ann.type", ann.type, f"one of {TYPES}")
-  if ann.type not in ("none", "auto") or (adding and ann.type == "auto"):
-    faiss_module("ann.type", ann.type, "'none'")
+  if ann.type not in ("none", "auto") and not adding:
+    faiss_module("ann.type", ann.type, "'auto' or 'none'")
   for field in ("hnsw_m", "ef_construction", "ef_search", "nlist", "nprobe", "k_factor"):
     if ann[field] < 0:
       raise ConfigError(f"ann.{field}", ann[field], "an integer >= 0 (0: chosen from the rows)")
@@ -118,8 +131,31 @@ def check_config(ann, *, adding: bool = False):
 
 
 def has_faiss() -> bool:
-  """Whether FAISS is installed (the search extra)."""
-  return importlib.util.find_spec("faiss") is not None
+  """Whether FAISS imports (the search extra, installed and not broken)."""
+  try:
+    faiss_module("ann.type", "auto", "'none'")
+  except ConfigError:
+    return False
+  return True
+
+
+def check_add(ann, description):
+  """Raises ConfigError, before an add embeds anything, when growing its index needs FAISS.
+
+  Args:
+    ann: the index's config.ann (its type, which the add keeps).
+    description: the index's ANN index (embed.json's "ann"), or None.
+  Raises:
+    ConfigError: FAISS does not import, and the index has an ANN index to
+      grow, or its type names one to build.
+  """
+  if has_faiss():
+    return
+  if description:
+    faiss_module("add", True, f"False (the index's ANN index {description['file']} grows with "
+                 "its rows)")
+  if ann.type not in ("none", "auto"):
+    faiss_module("ann.type", ann.type, "'auto' or 'none'")
 
 
 def choose(num_rows: int, dim: int, ann) -> dict:
@@ -128,7 +164,7 @@ def choose(num_rows: int, dim: int, ann) -> dict:
   Returns {"type", "factory", "params", "calibration"}, or None for ann.type
   'none'. 'auto' is 'flat' below EXACT_BELOW rows and 'ivfpq' from there; a
   parameter of 0 takes its default (IVF: nlist 4 sqrt(N) rounded to a power
-  of two, FAISS's guideline; 'ivfpq': dim / 2 codes of 4 bits, k_factor
+  of two, FAISS's guideline, at most N / MIN_ROWS_PER_LIST; 'ivfpq': dim / 2 codes of 4 bits, k_factor
   IVFPQ_K_FACTOR; HNSW: efSearch HNSW_EF_SEARCH). When IVF's nprobe is 0,
   "calibration" is {"param": "nprobe", "target": ann.recall} and params
   holds None for it: build calibrates it. Otherwise "calibration" is None.
@@ -145,7 +181,8 @@ def choose(num_rows: int, dim: int, ann) -> dict:
     params = {"M": m, "efConstruction": ann.ef_construction or HNSW_EF_CONSTRUCTION,
               "efSearch": ann.ef_search or HNSW_EF_SEARCH}
     return {"type": "hnsw", "factory": f"HNSW{m},Flat", "params": params, "calibration": None}
-  nlist = ann.nlist or int(2 ** round(np.log2(4 * np.sqrt(max(num_rows, 1)))))
+  nlist = ann.nlist or min(int(2 ** round(np.log2(4 * np.sqrt(max(num_rows, 1))))),
+                           int(2 ** np.floor(np.log2(max(num_rows / MIN_ROWS_PER_LIST, 1)))))
   nlist = min(nlist, max(num_rows, 1))  # k-means needs at least one row per list.
   calibration = None if ann.nprobe else {"param": "nprobe", "target": ann.recall}
   params = {"nlist": nlist, "nprobe": min(ann.nprobe, nlist) or None}
@@ -200,23 +237,27 @@ def build(embeddings, spec: dict, *, threads: int = 0):
   return index, spec
 
 
-def exact_neighbours(embeddings, rows: np.ndarray, k: int) -> np.ndarray:
-  """int64 [Q, k]: for each of `rows` (int [Q]), the k other rows of embeddings most similar to it.
+def exact_neighbours(embeddings, rows: np.ndarray, k: int):
+  """(scores float32 [Q, k], ids int64 [Q, k]): each of `rows`' k most similar other rows.
 
-  Exact: float32 dot products with every row, in blocks of _ADD_CHUNK rows; best first.
+  Exact: float32 dot products of embeddings[rows] with every row, in blocks of
+  _EXACT_BLOCK rows; best first. Raises ValueError unless 0 < k < len(embeddings).
   """
+  if not 0 < k < len(embeddings):
+    raise ValueError(f"k={k}: must be in [1, {len(embeddings) - 1}] (the other rows)")
   queries = np.ascontiguousarray(embeddings[rows], np.float32)
   scores, ids = [], []
-  for begin in range(0, len(embeddings), _ADD_CHUNK):
-    block = queries @ np.asarray(embeddings[begin:begin + _ADD_CHUNK], np.float32).T
+  for begin in range(0, len(embeddings), _EXACT_BLOCK):
+    block = queries @ np.asarray(embeddings[begin:begin + _EXACT_BLOCK], np.float32).T
     own = (rows >= begin) & (rows < begin + block.shape[1])
     block[np.flatnonzero(own), rows[own] - begin] = -np.inf
     kept = min(k, block.shape[1])
-    best = np.argpartition(-block, kept - 1, axis=1)[:, :kept]
+    best = np.argpartition(block, block.shape[1] - kept, axis=1)[:, -kept:]
     scores.append(np.take_along_axis(block, best, axis=1))
     ids.append(best + begin)
   scores, ids = np.concatenate(scores, axis=1), np.concatenate(ids, axis=1)
-  return np.take_along_axis(ids, np.argsort(-scores, axis=1, kind="stable")[:, :k], axis=1)
+  order = np.argsort(-scores, axis=1, kind="stable")[:, :k]
+  return np.take_along_axis(scores, order, axis=1), np.take_along_axis(ids, order, axis=1)
 
 
 def calibrate(index, embeddings, spec: dict) -> dict:
@@ -224,11 +265,15 @@ def calibrate(index, embeddings, spec: dict) -> dict:
 
   The recall is recall@k (k = CALIBRATION_K) of the index on its own rows:
   for each of up to CALIBRATION_QUERIES rows drawn with a fixed seed, the
-  share of its k nearest other rows (exact_neighbours) among the k the index
-  returns (the row itself left out), averaged. nprobe is found by bisection
-  over [1, nlist]: recall grows with it (for IVF-PQ nearly: a list more can
-  push a neighbour out of the candidates re-ranked). When even nlist misses
-  the target it is taken, with a warning.
+  share of the k rows the index returns (the row itself left out) that score
+  at least its k-th nearest other row's exact score (exact_neighbours, less
+  TIE_TOLERANCE: among identical rows any is a right answer), averaged. The
+  index's scores are exact (IVF-Flat, and IVF-PQ's re-ranking). It searches
+  k + 1 rows, so IVF-PQ re-ranks k_factor more candidates than a search of k
+  does. nprobe is found by bisection over [1, nlist]: recall grows with it
+  (for IVF-PQ nearly: a list more can push a neighbour out of the candidates
+  re-ranked). When even nlist misses the target, the target becomes nlist's
+  recall less SHORTFALL_TOLERANCE, with a warning.
 
   Args:
     index: the IVF faiss.Index of spec, holding every row of embeddings.
@@ -236,44 +281,48 @@ def calibrate(index, embeddings, spec: dict) -> dict:
     spec: the index's spec; spec["calibration"] has "param" ("nprobe") and
       "target" (in (0, 1]).
   Returns:
-    A new spec: params[param] set, and "calibration": {"param", "target",
+    A new spec: params["nprobe"] set, and "calibration": {"param", "target",
     "recall" (measured at the value chosen), "k", "queries"}.
   """
   faiss = faiss_module("ann.type", spec["type"], "'none'")
   param, target = spec["calibration"]["param"], spec["calibration"]["target"]
   n = len(embeddings)
   k = min(CALIBRATION_K, n - 1)
-  low, high = 1, spec["params"]["nlist"]
   rows = np.sort(np.random.default_rng(0).choice(n, min(CALIBRATION_QUERIES, n), replace=False))
-  truth = exact_neighbours(embeddings, rows, k) if k else None
+  # The k-th nearest other row's score, per query (one row: nothing to find).
+  kth = exact_neighbours(embeddings, rows, k)[0][:, -1] - TIE_TOLERANCE if k else None
   queries = np.ascontiguousarray(embeddings[rows], np.float32)
   measured = {}
 
   def recall_at(value):
     if value not in measured:
       set_search_params(faiss, index, dict(spec, params=dict(spec["params"], **{param: value})))
-      _, found = index.search(queries, k + 1)
-      measured[value] = float(np.mean([
-          len(set(f[f != r][:k].tolist()) & set(t.tolist())) / k
-          for f, r, t in zip(found, rows, truth)])) if k else 1.0
+      scores, found = index.search(queries, k + 1)
+      hits = [np.sum(s[(f != r) & (f >= 0)][:k] >= t) for s, f, r, t in
+              zip(scores, found, rows, kth)] if k else [0]
+      measured[value] = float(np.mean(hits) / k) if k else 1.0
     return measured[value]
 
-  if not k:  # One row: nothing to find; the most thorough search.
-    low = high
-  while low < high:
-    middle = (low + high) // 2
-    if recall_at(middle) >= target:
-      high = middle
-    else:
-      low = middle + 1
-  if recall_at(low) < target:
+  def smallest(low, high, wanted):  # The smallest value in [low, high] reaching `wanted`.
+    while low < high:
+      middle = (low + high) // 2
+      if recall_at(middle) >= wanted:
+        high = middle
+      else:
+        low = middle + 1
+    return low
+
+  most = spec["params"]["nlist"]
+  value = smallest(1, most, target)
+  if recall_at(value) < target:
+    value = smallest(1, most, recall_at(most) - SHORTFALL_TOLERANCE)
     logging.warning("The %s index finds %.3f of the %d nearest at most (%s=%d), less than "
-                    "ann.recall=%s: searched with %s=%d.", spec["factory"], measured[low], k,
-                    param, low, target, param, low)
+                    "ann.recall=%s: searched with %s=%d, within %s of that.", spec["factory"],
+                    measured[most], k, param, most, target, param, value, SHORTFALL_TOLERANCE)
   logging.info("Calibrated %s=%d: recall@%d %.3f on %d of the index's rows (target %s).", param,
-               low, k, measured[low], len(rows), target)
-  return dict(spec, params=dict(spec["params"], **{param: low}),
-              calibration={"param": param, "target": target, "recall": measured[low], "k": k,
+               value, k, measured[value], len(rows), target)
+  return dict(spec, params=dict(spec["params"], **{param: value}),
+              calibration={"param": param, "target": target, "recall": measured[value], "k": k,
                            "queries": len(rows)})
 
 

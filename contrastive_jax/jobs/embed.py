@@ -70,7 +70,8 @@ def _adding_config(config, existing: index.Index):
 
   Raises:
     ConfigError: config names a checkpoint (pretrain_workdir, pretrain_step
-      other than -1, random_init) other than the index's.
+      other than -1, random_init) other than the index's; growing the index's
+      ANN index needs FAISS, which does not import (ann.check_add).
   """
   saved = existing.config
   checkpoint = f"the index's checkpoint ({saved.pretrain_workdir}, step {saved.pretrain_step})"
@@ -90,6 +91,7 @@ def _adding_config(config, existing: index.Index):
   # an index from before ANN indexes (or a field) gets config.ann's.
   ann = {**config.ann.to_dict(), **(saved.ann.to_dict() if "ann" in saved else {}),
          "threads": config.ann.threads}
+  ann_lib.check_add(ml_collections.ConfigDict(ann), existing.ann)
   adding.update(dataset=None, folder=files.resolve_dir(config.folder), max_pixels=config.max_pixels,
                 batch_size=config.batch_size, data_threads=config.data_threads, ann=ann,
                 add=True)
