@@ -38,8 +38,8 @@ from absl import app
 from absl import flags
 
 from contrastive_jax import recipes
-from contrastive_jax.jobs import ann as ann_lib
-from contrastive_jax.jobs import index as index_lib
+from contrastive_jax.search import ann as ann_lib
+from contrastive_jax.search import index as index_lib
 
 CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
                       "embed.py")

@@ -47,7 +47,7 @@ from absl import app
 from absl import flags
 
 from contrastive_jax.jobs import audit
-from contrastive_jax.jobs import index as index_lib
+from contrastive_jax.search import index as index_lib
 
 _MANIFEST = flags.DEFINE_string("manifest", None, "The corpus's manifest.csv.", required=True)
 _TRAIN = flags.DEFINE_string("train_index", None, "The embed output of the train split.",

@@ -1,7 +1,6 @@
 """The one entry point: python -m contrastive_jax.main --config=configs/X.py --workdir=DIR.
 
-Runs the job the config names (config.job: 'pretrain', 'linear_probe',
-'finetune', 'embed', 'neighbours', 'audit', 'export' or 'map').
+Runs the job the config names (config.job: a key of JOBS).
 Every config field can be overridden on the command line, e.g.
 --config.batch_size=512 or --config=configs/simclr_cifar10.py:runlocal. A
 workdir that holds a checkpoint resumes from it. Expected failures (a flag
@@ -37,7 +36,7 @@ from contrastive_jax.jobs import finetune
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import neighbours
 from contrastive_jax.jobs import pretrain
-from contrastive_jax.jobs import runner
+from contrastive_jax.training import runner
 from contrastive_jax import recipes
 
 # Training jobs (check_config, build) run in runner.run's loop;

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.jobs import evaluators
+from contrastive_jax.training import evaluators
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import common

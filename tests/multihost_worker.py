@@ -15,7 +15,7 @@ import jax
 from contrastive_jax.jobs import embed
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
-from contrastive_jax.jobs import runner
+from contrastive_jax.training import runner
 
 jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")

@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from helpers import load_benchmark
 # The tiny pretraining workdir and the job configs of the embed and neighbours tests.
-from test_search import embed_config, neighbours_config, pretrained  # pylint: disable=unused-import
+from test_search import embed_config, neighbours_config  # pylint: disable=unused-import
 
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import files
-from contrastive_jax.jobs import ann as ann_lib
+from contrastive_jax.search import ann as ann_lib
 from contrastive_jax.jobs import embed
-from contrastive_jax.jobs import index as index_lib
+from contrastive_jax.search import index as index_lib
 from contrastive_jax.jobs import neighbours
 
 faiss = pytest.importorskip("faiss")

@@ -13,10 +13,10 @@ from test_search import embed_config  # The embed config of the search tests.
 
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.jobs import ann as ann_lib
+from contrastive_jax.search import ann as ann_lib
+from contrastive_jax.search import exact
 from contrastive_jax.jobs import audit
-from contrastive_jax.jobs import index as index_lib
-from contrastive_jax.jobs import neighbours
+from contrastive_jax.search import index as index_lib
 from contrastive_jax import main
 from contrastive_jax import models
 
@@ -225,7 +225,7 @@ def test_bad_input_is_refused_in_one_line_before_any_search(pretrained, indexes,
   def no_search(*args, **kwargs):
     raise AssertionError("searched before the input was checked")
 
-  monkeypatch.setattr(neighbours, "top_k_cosine", no_search)
+  monkeypatch.setattr(exact, "top_k_cosine", no_search)
   monkeypatch.setattr(ann_lib, "search", no_search)
   other = str(tmp_path / "other_checkpoint")
   shutil.copytree(test, other)

@@ -7,7 +7,7 @@ import pytest
 import tensorflow as tf
 
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.jobs import evaluators
+from contrastive_jax.training import evaluators
 
 
 def test_weighted_vote_hand_worked():

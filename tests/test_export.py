@@ -10,16 +10,16 @@ from helpers import TFDS_DIR
 from helpers import load_config
 from helpers import tiny_config
 
+from contrastive_jax.training import restore
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import tensor_files
 from contrastive_jax.data import input_pipeline
-from contrastive_jax.jobs import downstream
 from contrastive_jax.jobs import embed
 from contrastive_jax.jobs import export
 from contrastive_jax.jobs import pretrain
-from contrastive_jax.jobs import runner
+from contrastive_jax.training import runner
 from contrastive_jax import models
 from contrastive_jax.models import state_dicts
 
@@ -46,7 +46,7 @@ def export_config(pretrain_workdir, fmt):
 
 def _project_h(pretrained, images):
   """The project's h of uint8 images after the evaluation's centre crop."""
-  encoder = downstream.restore_encoder(export_config(pretrained, "safetensors"),
+  encoder = restore.restore_encoder(export_config(pretrained, "safetensors"),
                                        mesh_lib.make_mesh())
   pretrained = encoder.pretrained
   crops = np.stack([input_pipeline.center_crop(tf.constant(image), pretrained.image_size,
@@ -123,7 +123,7 @@ def test_pretraining_from_an_imported_file_starts_every_network_from_it(pretrain
   if method != "simclr":  # The same model config as the exported run's: same features.
     return
   # Step 0's kNN monitor and the exporter see the same encoder: the kNN of the two is equal.
-  source = downstream.restore_encoder(export_config(pretrained, "safetensors"),
+  source = restore.restore_encoder(export_config(pretrained, "safetensors"),
                                       mesh_lib.make_mesh())
   images = np.random.default_rng(1).integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
   np.testing.assert_array_equal(
@@ -155,8 +155,8 @@ def test_downstream_jobs_take_a_weights_file_as_their_pretrain_config_says(pretr
   path = export.run(export_config(pretrained, "safetensors"), str(tmp_path / "out"))
   config = export_config(path, "safetensors")
   config.pretrain_config = _tiny_config_file(tmp_path)
-  encoder = downstream.restore_encoder(config, mesh_lib.make_mesh())
-  source = downstream.restore_encoder(export_config(pretrained, "safetensors"),
+  encoder = restore.restore_encoder(config, mesh_lib.make_mesh())
+  source = restore.restore_encoder(export_config(pretrained, "safetensors"),
                                       mesh_lib.make_mesh())
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(encoder.variables),
                jax.device_get(source.variables))
@@ -168,7 +168,7 @@ def test_downstream_jobs_take_a_weights_file_as_their_pretrain_config_says(pretr
   assert h.shape == (16, source.dim)
   # Without pretrain_config: the export job's export.json beside the file says it.
   config.pretrain_config = None
-  again = downstream.restore_encoder(config, mesh_lib.make_mesh())
+  again = restore.restore_encoder(config, mesh_lib.make_mesh())
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(again.variables),
                jax.device_get(source.variables))
   assert again.pretrained.to_dict() == source.pretrained.to_dict()
@@ -177,10 +177,10 @@ def test_downstream_jobs_take_a_weights_file_as_their_pretrain_config_says(pretr
   alone.write_bytes(open(path, "rb").read())
   config.pretrain_workdir = str(alone)
   with pytest.raises(ConfigError, match="config.pretrain_config=None: must be the pretraining"):
-    downstream.restore_encoder(config, mesh_lib.make_mesh())
+    restore.restore_encoder(config, mesh_lib.make_mesh())
   config.pretrain_config = str(tmp_path / "tinny.py")
   with pytest.raises(JobError, match="no such file; did you mean"):
-    downstream.restore_encoder(config, mesh_lib.make_mesh())
+    restore.restore_encoder(config, mesh_lib.make_mesh())
 
 
 @pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="needs the torch extra")
@@ -199,7 +199,7 @@ def test_saved_model_serves_the_projection_too_when_asked(pretrained, tmp_path):
   path = export.run(config, str(tmp_path / "out"))
   images = np.random.default_rng(2).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
   encoder, h = _project_h(pretrained, images)
-  projector, variables = export.restore_projector(config, encoder, mesh_lib.make_mesh())
+  projector, variables = restore.restore_projector(config, encoder, mesh_lib.make_mesh())
   want = np.asarray(projector.apply(variables, h, train=False))
   served = tf.saved_model.load(path).signatures[export.SIGNATURE](images=tf.constant(images))
   assert _relative(served["h"].numpy(), h) < TOLERANCE
@@ -217,7 +217,7 @@ def test_onnx_export_gives_the_projects_h_and_z_under_onnx_runtime(pretrained, t
   path = export.run(config, str(tmp_path / "out"))
   images = np.random.default_rng(3).integers(0, 256, (3, 45, 38, 3), dtype=np.uint8)
   encoder, h = _project_h(pretrained, images)
-  projector, variables = export.restore_projector(config, encoder, mesh_lib.make_mesh())
+  projector, variables = restore.restore_projector(config, encoder, mesh_lib.make_mesh())
   z = np.asarray(projector.apply(variables, h, train=False))
   session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
   got_h, got_z = session.run(["h", "z"], {"images": _crops(pretrained, images)})

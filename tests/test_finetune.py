@@ -10,6 +10,7 @@ import pytest
 import tensorflow_datasets as tfds
 from helpers import TFDS_DIR, load_config, tiny_config
 
+from contrastive_jax.training import restore
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
@@ -17,10 +18,9 @@ from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
-from contrastive_jax.jobs import downstream
 from contrastive_jax.jobs import finetune
 from contrastive_jax.jobs import linear_probe
-from contrastive_jax.jobs import runner
+from contrastive_jax.training import runner
 from contrastive_jax import models
 
 
@@ -173,7 +173,7 @@ def finetuned(pretrained, tmp_path_factory):
   state, final evaluation)."""
   workdir = tmp_path_factory.mktemp("finetune")
   config = finetune_config(pretrained)
-  restored = jax.device_get(downstream.restore_encoder(config, mesh_lib.make_mesh()).variables)
+  restored = jax.device_get(restore.restore_encoder(config, mesh_lib.make_mesh()).variables)
   state, result = runner.run(finetune, config, str(workdir))
   return config, workdir, restored, state, result
 

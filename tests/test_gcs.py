@@ -22,13 +22,13 @@ from google.auth.compute_engine import _metadata
 from helpers import TFDS_DIR, load_config, sigterm_after_first_train_batch, tiny_config
 
 import gcs_emulator
+from contrastive_jax.training import restore
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.jobs import downstream
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
-from contrastive_jax.jobs import runner
+from contrastive_jax.training import runner
 from contrastive_jax.methods import encoder_variables
 
 
@@ -88,7 +88,7 @@ def test_stopped_run_resumes_on_gs_and_the_probe_reads_it(bucket, monkeypatch):
 
   probe_config = load_config("linear_probe", "runlocal")
   probe_config.pretrain_workdir = workdir
-  _, variables, pretrained, step, _ = downstream.restore_encoder(probe_config, mesh_lib.make_mesh())
+  _, variables, pretrained, step, _ = restore.restore_encoder(probe_config, mesh_lib.make_mesh())
   assert step == 4 and pretrained.data_dir == config.data_dir
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(variables),
                jax.device_get(encoder_variables(resumed)))

@@ -34,7 +34,7 @@ from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import prepare_images
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import pretrain
-from contrastive_jax.jobs import runner
+from contrastive_jax.training import runner
 import gcs_emulator
 from helpers import SHARED
 from helpers import load_config

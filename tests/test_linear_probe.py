@@ -11,15 +11,15 @@ import pytest
 from helpers import CONFIG_DIR, TFDS_DIR, checkpoints_are_finite, load_config, subprocess_env
 from helpers import tiny_config
 
+from contrastive_jax.training import restore
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import NonFiniteError
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.jobs import downstream
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
-from contrastive_jax.jobs import runner
+from contrastive_jax.training import runner
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +51,7 @@ def probe_config(pretrain_workdir, **overrides):
 
 def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path):
   mesh = mesh_lib.make_mesh()
-  encoder = downstream.restore_encoder(probe_config(pretrained), mesh)
+  encoder = restore.restore_encoder(probe_config(pretrained), mesh)
   saved_config = encoder.pretrained
   assert encoder.step == 2 and saved_config.method == "simclr" and encoder.dim == 32
   before = jax.device_get(encoder.variables)
@@ -107,16 +107,16 @@ def test_probe_stops_on_a_non_finite_loss(pretrained, tmp_path):
 
 def test_restore_onto_another_device_count(pretrained):
   config = probe_config(pretrained)
-  on8 = downstream.restore_encoder(config, mesh_lib.make_mesh()).variables
-  on1 = downstream.restore_encoder(config, mesh_lib.make_mesh(jax.devices()[:1])).variables
+  on8 = restore.restore_encoder(config, mesh_lib.make_mesh()).variables
+  on1 = restore.restore_encoder(config, mesh_lib.make_mesh(jax.devices()[:1])).variables
   assert len(jax.tree.leaves(on1)[0].sharding.device_set) == 1
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(on8), jax.device_get(on1))
 
 
 def test_random_init_baseline_is_the_pretraining_runs_initialisation(pretrained):
-  restored = downstream.restore_encoder(probe_config(pretrained), mesh_lib.make_mesh())
+  restored = restore.restore_encoder(probe_config(pretrained), mesh_lib.make_mesh())
   trained, saved = restored.variables, restored.pretrained
-  random = downstream.restore_encoder(probe_config(pretrained, random_init=True),
+  random = restore.restore_encoder(probe_config(pretrained, random_init=True),
                                       mesh_lib.make_mesh()).variables
   init = jax.device_get(pretrain.setup(saved, mesh_lib.make_mesh(), 1, 1).init())
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(random["params"]),
@@ -127,11 +127,11 @@ def test_random_init_baseline_is_the_pretraining_runs_initialisation(pretrained)
 
 def test_bad_probe_inputs(pretrained, tmp_path):
   with pytest.raises(ConfigError, match="config.pretrain_workdir=.*looked in"):
-    downstream.restore_encoder(probe_config(str(tmp_path)), mesh_lib.make_mesh())
+    restore.restore_encoder(probe_config(str(tmp_path)), mesh_lib.make_mesh())
   with pytest.raises(ConfigError, match=r"config.pretrain_step=7: must be one of the saved steps \[1, 2\]"):
-    downstream.restore_encoder(probe_config(pretrained, pretrain_step=7), mesh_lib.make_mesh())
+    restore.restore_encoder(probe_config(pretrained, pretrain_step=7), mesh_lib.make_mesh())
   with pytest.raises(ConfigError, match="config.model_name='resnet50': must be 'resnet18'"):
-    downstream.restore_encoder(probe_config(pretrained, model_name="resnet50"), mesh_lib.make_mesh())
+    restore.restore_encoder(probe_config(pretrained, model_name="resnet50"), mesh_lib.make_mesh())
   config = probe_config(pretrained)
   config.evaluators.linear_probe.every = "0 steps"
   with pytest.raises(ConfigError, match="config.evaluators.linear_probe.every='0 steps'"):
@@ -150,7 +150,7 @@ def test_checkpoints_of_another_tool_end_in_one_line_naming_pretrain_workdir(tmp
     with pytest.raises(ConfigError, match=(
         f"config.pretrain_workdir='{workdir}': must be a pretraining workdir of contrastive_jax; "
         f"{workdir}/checkpoints/{step} is not a checkpoint of contrastive_jax")):
-      downstream.restore_encoder(probe_config(str(workdir)), mesh_lib.make_mesh())
+      restore.restore_encoder(probe_config(str(workdir)), mesh_lib.make_mesh())
   # A job's own workdir holding them: one line too, before anything is built.
   with pytest.raises(JobError, match=f"{numbered_dir}/checkpoints/5 is not a checkpoint"):
     runner.run(pretrain, tiny_config(), str(numbered_dir))

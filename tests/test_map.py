@@ -23,7 +23,7 @@ from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import scatter
 from contrastive_jax.jobs import embedding_map
-from contrastive_jax.jobs import index as index_lib
+from contrastive_jax.search import index as index_lib
 from contrastive_jax import main
 from contrastive_jax import models
 

@@ -11,13 +11,13 @@ import optax
 import pytest
 from helpers import TFDS_DIR, load_config, tiny_config
 
+from contrastive_jax.training import restore
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.jobs import downstream
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
-from contrastive_jax.jobs import runner
+from contrastive_jax.training import runner
 from contrastive_jax.methods import common
 from contrastive_jax.methods import mocov3
 from contrastive_jax.methods import optim
@@ -221,7 +221,7 @@ def test_linear_probe_of_a_vit_checkpoint(tmp_path):
                     batch_size=16, duration="1 steps", log_every="1 steps", shuffle_buffer=64,
                     data_threads=1))
   probe.evaluators.linear_probe.update(split="test[:32]", batch_size=16)
-  encoder = downstream.restore_encoder(probe, mesh_lib.make_mesh())
+  encoder = restore.restore_encoder(probe, mesh_lib.make_mesh())
   assert encoder.variables["batch_stats"] == {} and encoder.dim == 12
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(encoder.variables["params"]),
                jax.device_get(state.params["encoder"]))

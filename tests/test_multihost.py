@@ -13,7 +13,7 @@ from helpers import CONFIG_DIR, TFDS_DIR, free_port, subprocess_env, tiny_config
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import files
 from contrastive_jax.jobs import pretrain
-from contrastive_jax.jobs import runner
+from contrastive_jax.training import runner
 
 
 def _start(workdir, job, *extra):

@@ -27,7 +27,7 @@ from contrastive_jax.data import augment
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import pretrain
-from contrastive_jax.jobs import runner
+from contrastive_jax.training import runner
 from contrastive_jax.methods import common
 
 

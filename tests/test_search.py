@@ -13,15 +13,16 @@ import tensorflow_datasets as tfds
 from helpers import TFDS_DIR, load_config, tiny_config
 from PIL import Image
 
+from contrastive_jax.search import exact
+from contrastive_jax.training import restore
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import pictures
-from contrastive_jax.jobs import downstream
 from contrastive_jax.jobs import embed
-from contrastive_jax.jobs import index as index_lib
+from contrastive_jax.search import index as index_lib
 from contrastive_jax.jobs import neighbours
 from contrastive_jax import main
 from contrastive_jax.methods import common
@@ -46,14 +47,14 @@ def test_chunked_top_k_equals_brute_force_with_ties_across_chunks(chunk_size):
   bank[[5, 11, 17, 22]] = bank[2]
   queries = rng.integers(-2, 3, (5, 4)).astype(np.float32)
   for k in (4, 23):
-    scores, rows = neighbours.top_k_cosine(queries, bank, k, chunk_size=chunk_size, query_batch=2)
+    scores, rows = exact.top_k_cosine(queries, bank, k, chunk_size=chunk_size, query_batch=2)
     want_scores, want_rows = _reference_top_k(queries, bank, k)
     np.testing.assert_array_equal(rows, want_rows)
     np.testing.assert_array_equal(scores, want_scores)
   # Unit rows in float32: cosine similarities, no ties.
   bank = rng.normal(size=(50, 8)).astype(np.float32)
   bank /= np.linalg.norm(bank, axis=1, keepdims=True)
-  scores, rows = neighbours.top_k_cosine(bank[:3], bank, 5, chunk_size=chunk_size)
+  scores, rows = exact.top_k_cosine(bank[:3], bank, 5, chunk_size=chunk_size)
   want_scores, want_rows = _reference_top_k(bank[:3], bank, 5)
   np.testing.assert_array_equal(rows, want_rows)
   np.testing.assert_allclose(scores, want_scores, atol=1e-6)
@@ -122,7 +123,7 @@ def test_embeddings_are_unit_h_of_every_image_in_split_order(pretrained, index):
   assert saved.embeddings.dtype == np.float32 and saved.embeddings.shape[0] == NUM
   np.testing.assert_allclose(np.linalg.norm(saved.embeddings, axis=1), 1.0, atol=1e-6)
   images, labels = _cifar_test()
-  encoder, variables, _, step, _ = downstream.restore_encoder(embed_config(pretrained),
+  encoder, variables, _, step, _ = restore.restore_encoder(embed_config(pretrained),
                                                               mesh_lib.make_mesh())
   assert step == 0 and saved.config.pretrain_step == 0
   want = common.l2_normalize(models.encode(encoder, jax.device_get(variables), images))

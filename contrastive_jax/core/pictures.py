@@ -13,6 +13,10 @@ from PIL import ImageDraw
 
 from contrastive_jax.core import files
 
+# PIL's default font is about 6 pixels per character: how many characters a caption of a
+# cell's width holds.
+CHARS_PER_PIXEL = 1 / 6
+
 _PAD = 2             # pixels between cells
 _CAPTION_HEIGHT = 12  # pixels under a cell for one line of PIL's default font
 

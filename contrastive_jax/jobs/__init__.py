@@ -1,1 +1,1 @@
-"""The jobs main.py runs: the shared training loop (runner), evaluators, and every job."""
+"""The jobs main.py runs, one module each (main.JOBS); no job imports another."""

@@ -52,9 +52,8 @@ from clu import metric_writers
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core import files
 from contrastive_jax.core import pictures
-from contrastive_jax.jobs import ann as ann_lib
-from contrastive_jax.jobs import index as index_lib
-from contrastive_jax.jobs import neighbours
+from contrastive_jax.search import index as index_lib
+from contrastive_jax.search import searcher as searcher_lib
 
 PAIRS, SUMMARY, PICTURE = "pairs.csv", "summary.json", "pairs.png"
 SEARCHES = ("auto", "exact")
@@ -64,7 +63,6 @@ COLUMNS = ("kind", "score", "split_a", "row_a", "name_a", "class_a", "split_b", 
 # (and on the dimension) or their scores are not comparable.
 CHECKPOINT_FIELDS = ("pretrain_workdir", "pretrain_config", "pretrain_step", "random_init")
 _PAIRS_PER_LINE = 4  # pairs.png: 8 cells a line.
-_QUERY_BLOCK = 65_536  # Rows searched in the ANN index at a time, to bound the results' memory.
 
 
 def _split(value: str) -> list:
@@ -161,18 +159,9 @@ def run(config, workdir: str) -> dict:
                                         where=f"config.against={config.against!r}: {item!r}"))
             for item in _split(config.against)]
   _check_comparable(config, reference, others)
-  approximate = config.search == "auto" and reference.ann and reference.ann["type"] != "flat"
-  ann_index = ann_lib.load(reference_dir, reference.ann, where=where) if approximate else None
-  search = ({"method": "ann", **{key: reference.ann[key] for key in ("type", "params", "file")}}
-            if approximate else {"method": "exact"})
-
-  def nearest(queries, k):
-    if ann_index is None:
-      return neighbours.top_k_cosine(queries, reference.embeddings, k,
-                                     chunk_size=config.chunk_size)
-    found = [ann_lib.search(ann_index, np.asarray(queries[start:start + _QUERY_BLOCK]), k)
-             for start in range(0, len(queries), _QUERY_BLOCK)]
-    return np.concatenate([s for s, _ in found]), np.concatenate([r for _, r in found])
+  searcher = searcher_lib.Searcher(reference, reference_dir, mode=config.search,
+                                   chunk_size=config.chunk_size, where=where)
+  search, nearest = searcher.description, searcher.search
 
   start = time.perf_counter()
   # k + 1: a row finds itself too (first, unless rows of score 1 tie with it).
@@ -328,7 +317,7 @@ def _picture(config, indexes: list, table: list) -> np.ndarray:
   """pairs.png: _PAIRS_PER_LINE pairs a line, each image then its pair, with captions.
 
   Images are read again from each index's dataset split or folder
-  (neighbours._images), centre-cropped as the encoder saw them.
+  (index.read_images), centre-cropped as the encoder saw them.
   """
   wanted = collections.defaultdict(set)
   for _, _, which, a, reference, b in table:
@@ -339,9 +328,9 @@ def _picture(config, indexes: list, table: list) -> np.ndarray:
   for which, rows in wanted.items():
     index = indexes[which]
     side = index_lib.shorter_side(max(config.cell, index.image_size), index.crop_fraction)
-    for row, image in neighbours._images(index, sorted(rows), side).items():
-      read[which, row] = neighbours._crop(image, config.cell, index)
-  chars = int(config.cell * neighbours._CHARS_PER_PIXEL)
+    for row, image in index_lib.read_images(index, sorted(rows), side).items():
+      read[which, row] = index_lib.center_crop(index, image, config.cell)
+  chars = int(config.cell * pictures.CHARS_PER_PIXEL)
   # pylint: enable=protected-access
   lines, captions = [], []
   for start in range(0, len(table), _PAIRS_PER_LINE):

@@ -39,8 +39,9 @@ from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
-from contrastive_jax.jobs import ann as ann_lib
-from contrastive_jax.jobs import index
+from contrastive_jax.search import ann as ann_lib
+from contrastive_jax.search import index as index_lib
+from contrastive_jax.training import restore
 
 def check_config(config, num_devices: int):
   """Raises ConfigError for fields that cannot run (before anything is read).
@@ -63,7 +64,7 @@ def check_config(config, num_devices: int):
   ann_lib.check_config(config.ann, adding=config.add)
 
 
-def _adding_config(config, existing: index.Index):
+def _adding_config(config, existing: index_lib.Index):
   """The config that embeds config.folder for the index `existing`: its own checkpoint's.
 
   Its ANN fields are the index's, but for config.ann.threads.
@@ -123,10 +124,10 @@ def run(config, workdir: str):
   Holds the workdir's lock (files.workdir_lock) once the inputs are checked.
 
   Raises:
-    ConfigError: see check_config, _adding_config, load_model, open_source.
+    ConfigError: see check_config, _adding_config, restore.embed_model, open_source.
     JobError: a workdir that is a file, already holds an index (without
       config.add) or holds none (with it), or that another job is running
-      in; an index to add to whose files do not fit (index.load_index); a
+      in; an index to add to whose files do not fit (index_lib.load_index); a
       folder none of whose files can be decoded.
   """
   workdir = files.prepare_workdir(workdir)
@@ -139,9 +140,9 @@ def run(config, workdir: str):
   for field in ("pretrain_workdir", "folder", "data_dir"):  # As the neighbours job will need them.
     if config[field]:
       config[field] = files.resolve_dir(config[field])
-  model = index.load_model(config, mesh)
+  model = restore.embed_model(config, mesh)
   config.pretrain_step = model.step
-  shorter = index.shorter_side(model.image_size, model.crop_fraction)
+  shorter = index_lib.shorter_side(model.image_size, model.crop_fraction)
   if not existing:
     source, split = open_source(config, shorter_side=shorter)
     with files.workdir_lock(workdir):
@@ -157,34 +158,34 @@ def run(config, workdir: str):
     return _embed_and_write(config, workdir, mesh, model, source, split, existing)
 
 
-def _index_to_add_to(workdir: str) -> index.Index:
+def _index_to_add_to(workdir: str) -> index_lib.Index:
   """The index in workdir (config.add).
 
   Raises:
-    JobError: there is none, or its files do not fit (index.load_index).
+    JobError: there is none, or its files do not fit (index_lib.load_index).
   """
-  if not index.is_index(workdir):
+  if not index_lib.is_index(workdir):
     raise JobError(f"--workdir={workdir}: must hold a finished embed job's index when "
-                   f"config.add is True (no {index.META} there)")
-  return index.load_index(workdir, where=f"--workdir={workdir}")
+                   f"config.add is True (no {index_lib.META} there)")
+  return index_lib.load_index(workdir, where=f"--workdir={workdir}")
 
 
 def _refuse_existing_index(workdir: str):
   """Raises JobError if workdir holds a complete index (one is never overwritten)."""
-  if index.is_index(workdir):
-    raise JobError(f"--workdir={workdir}: already holds embeddings ({index.META}, "
-                   f"{index.EMBEDDINGS}); use a new workdir or delete them, or add "
+  if index_lib.is_index(workdir):
+    raise JobError(f"--workdir={workdir}: already holds embeddings ({index_lib.META}, "
+                   f"{index_lib.EMBEDDINGS}); use a new workdir or delete them, or add "
                    "config.folder's new files to them with --config.add=True")
-  if tf.io.gfile.exists(f"{workdir}/{index.EMBEDDINGS}"):
+  if tf.io.gfile.exists(f"{workdir}/{index_lib.EMBEDDINGS}"):
     logging.warning("%s/%s is left from an embed job that did not finish (no %s): embedding "
-                    "again.", workdir, index.EMBEDDINGS, index.META)
+                    "again.", workdir, index_lib.EMBEDDINGS, index_lib.META)
 
 
-def _embed_and_write(config, workdir: str, mesh, model: index.EmbedModel, source, split: str,
+def _embed_and_write(config, workdir: str, mesh, model: restore.EmbedModel, source, split: str,
                      existing):
   """run's work once the inputs are checked and the workdir locked; returns the embeddings.
 
-  existing: the index to add the embeddings to (index.append), or None for a new one.
+  existing: the index to add the embeddings to (index_lib.append), or None for a new one.
   """
   local_batch = config.batch_size // jax.process_count()
   ds = input_pipeline.eval_dataset(source, split, local_batch=local_batch,
@@ -200,7 +201,7 @@ def _embed_and_write(config, workdir: str, mesh, model: index.EmbedModel, source
   h, labels, names = _gather(h), _gather(labels), _gather_strings(names)
   unreadable = _gather_strings([f"{path}\t{reason}" for path, reason in
                                 (source.unreadable if config.folder else [])])
-  listed = index.part_names(len(existing.meta["parts"]) if existing else 0)["unreadable"]
+  listed = index_lib.part_names(len(existing.meta["parts"]) if existing else 0)["unreadable"]
   if jax.process_index() == 0:
     tf.io.gfile.makedirs(workdir)
     if unreadable:
@@ -209,9 +210,9 @@ def _embed_and_write(config, workdir: str, mesh, model: index.EmbedModel, source
       logging.warning("%d files could not be decoded and have no row; they are listed with "
                       "why in %s/%s.", len(unreadable), workdir, listed)
     if len(h) and existing:
-      index.append(workdir, existing, config.ann, h, names, config.folder, len(unreadable))
+      index_lib.append(workdir, existing, config.ann, h, names, config.folder, len(unreadable))
     elif len(h):
-      index.write(workdir, config, model, source, h, labels, names, len(unreadable))
+      index_lib.write(workdir, config, model, source, h, labels, names, len(unreadable))
   if not len(h):
     raise JobError(f"config.folder={config.folder!r}: none of its {num_images} files could be "
                    f"decoded (listed with the reasons in {workdir}/{listed})")
@@ -220,7 +221,7 @@ def _embed_and_write(config, workdir: str, mesh, model: index.EmbedModel, source
   return h
 
 
-def _embed(model: index.EmbedModel, ds: tf.data.Dataset, mesh, num_batches: int):
+def _embed(model: restore.EmbedModel, ds: tf.data.Dataset, mesh, num_batches: int):
   """This process's (h float32 [n, D], labels int32 [n], names [n]) of ds, in order, padding dropped."""
   sharding = mesh_lib.batch_sharded(mesh)
   progress = periodic_actions.ReportProgress(num_train_steps=num_batches, every_secs=30)

@@ -59,8 +59,7 @@ from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import files
 from contrastive_jax.core import pictures
 from contrastive_jax.core import scatter
-from contrastive_jax.jobs import index as index_lib
-from contrastive_jax.jobs import neighbours
+from contrastive_jax.search import index as index_lib
 
 METHODS = ("umap", "tsne")
 _NAMES = {"umap": "UMAP", "tsne": "t-SNE"}  # As map.png's title names them.
@@ -257,8 +256,8 @@ def _thumbnails(index: index_lib.Index, rows, cell: int) -> list:
   out = []
   for start in range(0, len(rows), _READ_CHUNK):
     part = [int(r) for r in rows[start:start + _READ_CHUNK]]
-    read = neighbours._images(index, part, side)  # pylint: disable=protected-access
-    out += [neighbours._crop(read[r], cell, index) for r in part]  # pylint: disable=protected-access
+    read = index_lib.read_images(index, part, side)
+    out += [index_lib.center_crop(index, read[r], cell) for r in part]
   return out
 
 

@@ -27,21 +27,18 @@ import importlib.util
 import json
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tensorflow as tf
 from absl import logging
 from jax.experimental import jax2tf
 
-from contrastive_jax.core import checkpointing
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import tensor_files
 from contrastive_jax.data import input_pipeline
-from contrastive_jax.jobs import downstream
-from contrastive_jax.methods import get_method
+from contrastive_jax.training import restore
 from contrastive_jax import models
 from contrastive_jax.models import onnx_graph
 from contrastive_jax.models import state_dicts
@@ -49,9 +46,8 @@ from contrastive_jax.models import state_dicts
 FORMATS = {"safetensors": "encoder.safetensors", "pth": "encoder.pth",
            "saved_model": "saved_model", "onnx": "encoder.onnx"}
 SERVING = ("saved_model", "onnx")  # The formats that run the encoder, and can serve z too.
-META = downstream.EXPORT_META
+META = restore.EXPORT_META
 SIGNATURE = "serving_default"
-PROJECTOR = "projector"  # The projection head's name in a method's model (heads.ContrastiveModel).
 
 
 def check_config(config):
@@ -82,7 +78,7 @@ def run(config, workdir: str) -> str:
   """Exports the encoder config names to workdir in config.format; returns the written path.
 
   Raises:
-    ConfigError: see check_config and downstream.restore_encoder.
+    ConfigError: see check_config and restore.restore_encoder.
     JobError: a workdir that is a file, already holds an export or that another job
       is running in.
   """
@@ -90,9 +86,9 @@ def run(config, workdir: str) -> str:
   check_config(config)
   _refuse_existing_export(workdir)
   mesh = mesh_lib.make_mesh()
-  encoder = downstream.restore_encoder(config, mesh)
+  encoder = restore.restore_encoder(config, mesh)
   variables = jax.device_get(encoder.variables)
-  projector = restore_projector(config, encoder, mesh) if config.projection else None
+  projector = restore.restore_projector(config, encoder, mesh) if config.projection else None
   path = f"{workdir}/{FORMATS[config.format]}"
   with files.workdir_lock(workdir):
     _refuse_existing_export(workdir)
@@ -114,7 +110,7 @@ def run(config, workdir: str) -> str:
               "image_size": encoder.pretrained.image_size,
               "eval_crop_fraction": encoder.pretrained.eval_crop_fraction,
               "model": encoder.pretrained.model.to_dict(), "dim": encoder.dim,
-              # Read back when a downstream job takes the file (downstream.py).
+              # Read back when a downstream job takes the file (training/restore.py).
               "pretrained_config": encoder.pretrained.to_dict()}
       files.write_atomic(f"{workdir}/{META}", json.dumps(meta, indent=1, default=str))
   return path
@@ -144,25 +140,6 @@ def _refuse_existing_export(workdir: str):
                    "or delete it")
 
 
-def restore_projector(config, encoder: downstream.Encoder, mesh):
-  """(module, {'params', 'batch_stats'} on the host) of the projection head saved with the
-  checkpoint the encoder comes from (a partial restore, as downstream.restore_encoder's)."""
-  module = get_method(encoder.pretrained.method).build_model(encoder.pretrained).projector
-  shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0),
-                                              jnp.zeros((1, encoder.dim), jnp.float32),
-                                              train=False))
-  abstract = checkpointing.abstract_like(
-      {name: {PROJECTOR: shapes[name]} for name in ("params", "batch_stats") if name in shapes},
-      mesh_lib.replicated(mesh))
-  ckpt = checkpointing.Checkpointer(
-      f"{files.resolve_dir(config.pretrain_workdir)}/checkpoints", read_only=True)
-  try:
-    restored = jax.device_get(ckpt.restore_partial(abstract, encoder.step))
-  finally:
-    ckpt.close()
-  return module, {name: tree[PROJECTOR] for name, tree in restored.items()}
-
-
 def serving_function(module, variables, pretrained, projector=None):
   """The tf.function of the SavedModel: uint8 images [N, H, W, 3] -> {'h': float32 [N, D]}
   (and 'z': float32 [N, d], the projection head's eval-mode output, with a projector).
@@ -172,7 +149,7 @@ def serving_function(module, variables, pretrained, projector=None):
   crop_resize), then
   encoded (models.encode) by the jax2tf conversion, with the variables as TF
   variables of the returned function's `tf_variables` attribute. projector:
-  None, or (module, variables) of restore_projector.
+  None, or (module, variables) of restore.restore_projector.
   """
   size, fraction, resize = (pretrained.image_size, pretrained.eval_crop_fraction,
                             pretrained.crop_resize)
@@ -215,7 +192,7 @@ def write_saved_model(path: str, module, variables, pretrained, projector=None):
 
 
 def write_onnx(path: str, variables, pretrained, projector=None, source=None):
-  """Writes the encoder (and projector: None, or restore_projector's) as an ONNX model to
+  """Writes the encoder (and projector: None, or restore.restore_projector's) as an ONNX model to
   path atomically (models/onnx_graph.py). Its metadata records the input it expects: the
   image size, eval crop fraction and resize method of the checkpoint's evaluation, and
   source (a dict of strings: where the weights come from)."""

@@ -5,7 +5,7 @@
 
 The semi-supervised protocol of SimCLR (Chen et al. 2020, Sec. 6 and Appendix
 B.5): the encoder of a pretraining checkpoint (or, with random_init, the
-pretraining run's initialisation of it: the baseline; downstream.py) and a
+pretraining run's initialisation of it: the baseline; training/restore.py) and a
 zero-initialised linear head on h are trained together, by cross-entropy, on
 a class-balanced subset of the train split's labels (sources.select_labelled:
 label_fraction of each class, chosen by label_seed alone, so that every run,
@@ -26,22 +26,19 @@ import io
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
 import tensorflow as tf
-from absl import logging
 
 from contrastive_jax.core import checkpointing
-from contrastive_jax.core import durations
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
-from contrastive_jax.jobs import downstream
-from contrastive_jax.jobs import evaluators
-from contrastive_jax.jobs import runner
+from contrastive_jax.training import downstream
+from contrastive_jax.training import evaluators
+from contrastive_jax.training import restore
+from contrastive_jax.training import runner
 from contrastive_jax.methods import ENCODER
 from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
@@ -65,29 +62,21 @@ def check_config(config, num_devices: int):
 def make_train_step(encoder, head, tx):
   """Jitted (state, batch) -> (state, metrics), state donated; encoder and head both train.
 
-  batch: {'image': uint8 [B, 1, S, S, 3] (one crop per image), 'label': int32 [B]}.
-  state.params = {'encoder', 'head'}, state.batch_stats = {'encoder'}: BN in
-  train mode over the global batch, running statistics updated.
-  metrics: float32 'loss' (cross-entropy), 'train_top1' and apply_gradients' norms.
+  downstream.make_classifier_step with state.params = {'encoder', 'head'},
+  state.batch_stats = {'encoder'}: BN in train mode over the global batch,
+  running statistics updated.
   """
 
-  def train_step(state, batch):
-    images = batch["image"][:, 0].astype(jnp.float32) / 255.0  # Scaled as models.encode does.
+  def inputs(images):
+    return images.astype(jnp.float32) / 255.0  # Scaled as models.encode does.
 
-    def loss_fn(params):
-      h, updates = encoder.apply({"params": params[ENCODER],
-                                  "batch_stats": state.batch_stats[ENCODER]},
-                                 images, train=True, mutable=["batch_stats"])
-      logits = head.apply({"params": params["head"]}, h)
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-      return loss, (updates.get("batch_stats", {}), logits)  # {}: a ViT has no BN.
+  def forward(params, batch_stats, images):
+    h, updates = encoder.apply({"params": params[ENCODER], "batch_stats": batch_stats[ENCODER]},
+                               images, train=True, mutable=["batch_stats"])
+    logits = head.apply({"params": params["head"]}, h)
+    return logits, {ENCODER: updates.get("batch_stats", {})}  # {}: a ViT has no BN.
 
-    (loss, (stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    top1 = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
-    state, health = common.apply_gradients(state, grads, tx, batch_stats={ENCODER: stats})
-    return state, {"loss": loss, "train_top1": top1, **health}
-
-  return jax.jit(train_step, donate_argnums=0)
+  return downstream.make_classifier_step(inputs, forward, tx)
 
 
 def subset_csv(subset: sources.LabelledSubset) -> str:
@@ -123,10 +112,10 @@ def record_subset(subset: sources.LabelledSubset, workdir: str, resumed: bool):
 
 
 def build(config, mesh, saved_config, workdir: str) -> runner.Task:
-  """The fine-tuning Task for runner.run.
+  """The fine-tuning Task for runner.run (downstream.build_task).
 
   Raises:
-    ConfigError: see downstream.restore_encoder and sources.select_labelled; an
+    ConfigError: see restore.restore_encoder and sources.select_labelled; an
       unlabeled dataset; a batch larger than the labelled subset; an
       evaluator that cannot run.
     JobError: see record_subset.
@@ -140,56 +129,46 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
     raise ConfigError("batch_size", config.batch_size,
                       f"at most the labelled subset's size ({size} images: label_fraction "
                       f"{config.label_fraction} of split {config.train_split!r})")
-  steps_per_epoch = runner.steps_per_epoch(subset, config)
-  num_steps = durations.to_steps(config.duration, "duration", steps_per_epoch)
-  encoder = downstream.restore_encoder(config, mesh, saved_config)
-  # Saved as resolved, so that a resume names the same checkpoint however it is spelled.
-  config.pretrain_step = encoder.step
-  config.pretrain_workdir = files.resolve_dir(config.pretrain_workdir)
-  schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, steps_per_epoch,
-                                          num_steps)
-  # A random patch projection stays frozen, as the encoder was pretrained.
-  tx = optim.build_optimizer(config.optimizer, schedule,
-                             freeze=encoder.pretrained.model.get("random_patch_projection", False))
-  head = nn.Dense(source.num_classes, kernel_init=nn.initializers.zeros)
-
-  def init_state(enc_vars):
-    params = {ENCODER: enc_vars["params"],
-              "head": head.init(jax.random.PRNGKey(config.seed),
-                                jnp.zeros((1, encoder.dim)))["params"]}
-    return common.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                             batch_stats={ENCODER: enc_vars["batch_stats"]},
-                             opt_state=tx.init(params), rng=jax.random.PRNGKey(config.seed))
-
-  def features(variables, images):
-    return models.encode(encoder.module, encoder_variables(variables), images)
-
-  def logits(variables, images):
-    return head.apply({"params": variables["params"]["head"]}, features(variables, images))
-
+  encoder = restore.restore_encoder(config, mesh, saved_config)
   if saved_config is not None:  # Named as changed fields, before the subset file is compared.
     differences = [d for d in checkpointing.config_differences(saved_config.to_dict(), config, ())
                    if d[0] in ("label_fraction", "label_seed")]
     if differences:
       raise ResumeError(f"{workdir}/checkpoints", differences, runner.MAY_CHANGE_ON_RESUME)
   record_subset(subset, workdir, resumed=saved_config is not None)
-  logging.info("Fine-tuning %s encoder (%s, step %d of %s) on %d labelled images "
-               "(label_fraction %g of %r).",
-               "a randomly initialised" if config.random_init else "the pretrained",
-               encoder.pretrained.method, config.pretrain_step, config.pretrain_workdir, size,
-               config.label_fraction, config.train_split)
-  eval_model = evaluators.EvalModel(
-      variables=lambda state: {"params": state.params, "batch_stats": state.batch_stats},
-      features=features, logits=logits,
-      dataset=downstream.eval_datasets(source, config, encoder))
-  # The encoder's variables are an argument, not constants baked into the program.
-  init = functools.partial(jax.jit(init_state, out_shardings=mesh_lib.replicated(mesh)),
-                           encoder.variables)
-  return runner.Task(config=config, init=init,
-                     train_step=make_train_step(encoder.module, head, tx),
-                     train_batches=input_pipeline.train_batches(
-                         subset, config, mesh_lib.batch_sharded(mesh),
-                         image_size=encoder.pretrained.image_size, num_views=1),
-                     num_steps=num_steps,
-                     steps_per_epoch=steps_per_epoch, global_batch=config.batch_size,
-                     schedule=schedule, eval_model=eval_model, num_classes=source.num_classes)
+  head = nn.Dense(source.num_classes, kernel_init=nn.initializers.zeros)
+
+  def make_trainer(schedule):
+    # A random patch projection stays frozen, as the encoder was pretrained.
+    tx = optim.build_optimizer(
+        config.optimizer, schedule,
+        freeze=encoder.pretrained.model.get("random_patch_projection", False))
+
+    def init_state(enc_vars):
+      params = {ENCODER: enc_vars["params"],
+                "head": head.init(jax.random.PRNGKey(config.seed),
+                                  jnp.zeros((1, encoder.dim)))["params"]}
+      return common.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               batch_stats={ENCODER: enc_vars["batch_stats"]},
+                               opt_state=tx.init(params), rng=jax.random.PRNGKey(config.seed))
+
+    def features(variables, images):
+      return models.encode(encoder.module, encoder_variables(variables), images)
+
+    def logits(variables, images):
+      return head.apply({"params": variables["params"]["head"]}, features(variables, images))
+
+    eval_model = evaluators.EvalModel(
+        variables=lambda state: {"params": state.params, "batch_stats": state.batch_stats},
+        features=features, logits=logits, dataset=None)
+    # The encoder's variables are an argument, not constants baked into the program.
+    init = functools.partial(jax.jit(init_state, out_shardings=mesh_lib.replicated(mesh)),
+                             encoder.variables)
+    return downstream.Trainer(init=init, train_step=make_train_step(encoder.module, head, tx),
+                              eval_model=eval_model)
+
+  return downstream.build_task(
+      config, mesh, source=source, train_data=subset, encoder=encoder,
+      make_trainer=make_trainer, verb="Fine-tuning",
+      detail=f" on {size} labelled images (label_fraction {config.label_fraction:g} of "
+             f"{config.train_split!r})")

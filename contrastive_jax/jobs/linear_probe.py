@@ -4,7 +4,7 @@
       --config.pretrain_workdir=PRETRAIN_DIR --workdir=PROBE_DIR
 
 Restores only the encoder of the pretraining workdir's checkpoint (or the
-pretraining run's initialisation of it, the baseline; downstream.py). The
+pretraining run's initialisation of it, the baseline; training/restore.py). The
 encoder stays frozen: eval-mode BN, no gradient, variables never written.
 Protocol: features h before the projection head, random crop-and-flip on
 train images, a linear classifier trained with the recipe of config.preset
@@ -17,17 +17,13 @@ encoder, the random baseline included); accuracy on every test image once
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import optax
-from absl import logging
 
-from contrastive_jax.core import durations
 from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.data import input_pipeline
-from contrastive_jax.jobs import downstream
-from contrastive_jax.jobs import evaluators
-from contrastive_jax.jobs import runner
+from contrastive_jax.training import downstream
+from contrastive_jax.training import evaluators
+from contrastive_jax.training import restore
+from contrastive_jax.training import runner
 from contrastive_jax.methods import common
 from contrastive_jax.methods import optim
 from contrastive_jax import models
@@ -73,31 +69,25 @@ def check_config(config, num_devices: int):
 
 
 def make_train_step(encoder, head, tx):
-  """Jitted (state, encoder variables, batch) -> (state, metrics); the encoder is never updated.
+  """Jitted (state, batch, encoder variables) -> (state, metrics); the encoder is never updated.
 
-  batch: {'image': uint8 [B, 1, S, S, 3] (one crop per image), 'label': int32 [B]}.
-  metrics: float32 'loss' (cross-entropy), 'train_top1' and apply_gradients' norms.
+  downstream.make_classifier_step with the head trained on the frozen encoder's h
+  (stop_gradient, eval-mode BN); state.params and state.batch_stats are the head's.
   """
 
-  def train_step(state, enc_vars, batch):
-    h = jax.lax.stop_gradient(models.encode(encoder, enc_vars, batch["image"][:, 0]))
+  def inputs(images, enc_vars):
+    return jax.lax.stop_gradient(models.encode(encoder, enc_vars, images))
 
-    def loss_fn(params):
-      logits, updates = head.apply({"params": params, "batch_stats": state.batch_stats}, h,
-                                   train=True, mutable=["batch_stats"])
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
-      return loss, (updates.get("batch_stats", {}), logits)
+  def forward(params, batch_stats, h):
+    logits, updates = head.apply({"params": params, "batch_stats": batch_stats}, h,
+                                 train=True, mutable=["batch_stats"])
+    return logits, updates.get("batch_stats", {})
 
-    (loss, (stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-    top1 = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
-    state, health = common.apply_gradients(state, grads, tx, batch_stats=stats)
-    return state, {"loss": loss, "train_top1": top1, **health}
-
-  return jax.jit(train_step, donate_argnums=0)
+  return downstream.make_classifier_step(inputs, forward, tx)
 
 
 def build(config, mesh, saved_config, workdir) -> runner.Task:
-  """The probe Task for runner.run.
+  """The probe Task for runner.run (downstream.build_task).
 
   Resuming a probe started on "the latest" checkpoint keeps probing the
   encoder it started with (saved_config.pretrain_step). The returned Task's
@@ -105,55 +95,46 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   hold the preset's values.
 
   Raises:
-    ConfigError: see downstream.restore_encoder; an unlabeled dataset; a
+    ConfigError: see restore.restore_encoder; an unlabeled dataset; a
       batch larger than the train split; an evaluator that cannot run.
   """
   del workdir  # The probe writes nothing but what the runner writes.
   config = config.copy_and_resolve_references()
   source = downstream.labelled_source(config, "the linear probe")
-  encoder = downstream.restore_encoder(config, mesh, saved_config)
+  encoder = restore.restore_encoder(config, mesh, saved_config)
   enc_vars = encoder.variables
   preset = encoder.pretrained.method if config.preset == "auto" else config.preset
   config = recipes.fill_probe_preset(config, preset)
   config.preset = preset
-  # Saved as resolved, so that a resume names the same checkpoint however it is spelled.
-  config.pretrain_step = encoder.step
-  config.pretrain_workdir = files.resolve_dir(config.pretrain_workdir)
-  steps_per_epoch = runner.steps_per_epoch(source, config)
-  num_steps = durations.to_steps(config.duration, "duration", steps_per_epoch)
-  schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, steps_per_epoch,
-                                          num_steps)
-  tx = optim.build_optimizer(config.optimizer, schedule)
   head = LinearHead(source.num_classes, config.head.standardize, config.head.init)
 
-  def init():
-    variables = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, encoder.dim)),
-                          train=False)
-    return common.TrainState(step=jnp.zeros((), jnp.int32), params=variables["params"],
-                             batch_stats=variables.get("batch_stats", {}),
-                             opt_state=tx.init(variables["params"]),
-                             rng=jax.random.PRNGKey(config.seed))
+  def make_trainer(schedule):
+    tx = optim.build_optimizer(config.optimizer, schedule)
 
-  step_fn = make_train_step(encoder.module, head, tx)
+    def init():
+      variables = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, encoder.dim)),
+                            train=False)
+      return common.TrainState(step=jnp.zeros((), jnp.int32), params=variables["params"],
+                               batch_stats=variables.get("batch_stats", {}),
+                               opt_state=tx.init(variables["params"]),
+                               rng=jax.random.PRNGKey(config.seed))
 
-  def logits(variables, images):
-    enc, head_vars = variables
-    return head.apply(head_vars, models.encode(encoder.module, enc, images), train=False)
+    step_fn = make_train_step(encoder.module, head, tx)
 
-  logging.info("Probing %s encoder (%s, step %d of %s) with the linear-probe preset %r%s.",
-               "a randomly initialised" if config.random_init else "the pretrained",
-               encoder.pretrained.method, config.pretrain_step, config.pretrain_workdir, preset,
-               " (the method's)" if preset == encoder.pretrained.method else "")
-  eval_model = evaluators.EvalModel(
-      variables=lambda state: (enc_vars, {"params": state.params,
-                                          "batch_stats": state.batch_stats}),
-      features=lambda variables, images: models.encode(encoder.module, variables[0], images),
-      logits=logits, dataset=downstream.eval_datasets(source, config, encoder))
-  return runner.Task(config=config, init=jax.jit(init, out_shardings=mesh_lib.replicated(mesh)),
-                     train_step=lambda state, batch: step_fn(state, enc_vars, batch),
-                     train_batches=input_pipeline.train_batches(
-                         source, config, mesh_lib.batch_sharded(mesh),
-                         image_size=encoder.pretrained.image_size, num_views=1),
-                     num_steps=num_steps,
-                     steps_per_epoch=steps_per_epoch, global_batch=config.batch_size,
-                     schedule=schedule, eval_model=eval_model, num_classes=source.num_classes)
+    def logits(variables, images):
+      enc, head_vars = variables
+      return head.apply(head_vars, models.encode(encoder.module, enc, images), train=False)
+
+    eval_model = evaluators.EvalModel(
+        variables=lambda state: (enc_vars, {"params": state.params,
+                                            "batch_stats": state.batch_stats}),
+        features=lambda variables, images: models.encode(encoder.module, variables[0], images),
+        logits=logits, dataset=None)
+    return downstream.Trainer(init=jax.jit(init, out_shardings=mesh_lib.replicated(mesh)),
+                              train_step=lambda state, batch: step_fn(state, batch, enc_vars),
+                              eval_model=eval_model)
+
+  method = " (the method's)" if preset == encoder.pretrained.method else ""
+  return downstream.build_task(config, mesh, source=source, train_data=source, encoder=encoder,
+                               make_trainer=make_trainer, verb="Probing",
+                               detail=f" with the linear-probe preset {preset!r}{method}")

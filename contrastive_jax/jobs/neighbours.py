@@ -31,16 +31,14 @@ With config.search 'auto' (the default) and an ANN index beside the
 embeddings (ann.py: HNSW or IVF), FAISS searches it: approximate, fast at
 millions of rows. Otherwise (no ANN index, an exact 'flat' one, or
 config.search 'exact') the search is exact: it streams the index through the
-device in chunks (top_k_cosine), so an index of millions of rows never needs
+device in chunks (search/exact.py), so an index of millions of rows never needs
 more than a chunk of scores per query batch. Not a training loop, so not run
 by runner.run.
 """
-import functools
 import json
 import os
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import tensorflow as tf
 from absl import logging
@@ -52,66 +50,11 @@ from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import pictures
 from contrastive_jax.data import images
-from contrastive_jax.data import input_pipeline
-from contrastive_jax.data import sources
-from contrastive_jax.jobs import ann as ann_lib
-from contrastive_jax.jobs import index as index_lib
+from contrastive_jax.search import index as index_lib
+from contrastive_jax.search import searcher as searcher_lib
+from contrastive_jax.training import restore
 
 RESULTS, PICTURE = "neighbours.json", "neighbours.png"
-SEARCHES = ("auto", "exact")
-_CHARS_PER_PIXEL = 1 / 6  # PIL's default font is about 6 pixels per character.
-
-
-@functools.partial(jax.jit, static_argnames="k")
-def _merge_chunk(best_scores, best_rows, queries, chunk, start, valid, *, k: int):
-  """Merges the top-k of queries . chunk^T (its first `valid` rows, bank rows start...) into the best."""
-  sims = jnp.matmul(queries, chunk.T, precision=jax.lax.Precision.HIGHEST)
-  sims = jnp.where(jnp.arange(chunk.shape[0]) < valid, sims, -jnp.inf)
-  scores, cols = jax.lax.top_k(sims, min(k, chunk.shape[0]))
-  # The best so far come first and hold only lower rows, so among equal scores
-  # the lower row stays first (lax.top_k keeps the lower index of a tie first).
-  scores = jnp.concatenate([best_scores, scores], axis=1)
-  rows = jnp.concatenate([best_rows, cols.astype(jnp.int32) + start], axis=1)
-  top, pos = jax.lax.top_k(scores, k)
-  return top, jnp.take_along_axis(rows, pos, axis=1)
-
-
-def top_k_cosine(queries, bank, k: int, *, chunk_size: int, query_batch: int = 256):
-  """The k rows of bank with the largest dot product with each query, best first.
-
-  With L2-normalised rows the dot product is the cosine similarity. The bank
-  goes to the device chunk_size rows at a time and each chunk's top-k is
-  merged into the running top-k (jax.lax.top_k), so the device holds at most
-  query_batch x (chunk_size + 2k) scores whatever the bank's size.
-
-  Args:
-    queries: float32 [Q, D].
-    bank: float32 [N, D], N >= k; any array-like (a memory-mapped .npy is
-      read chunk by chunk).
-    k: neighbours per query.
-    chunk_size: bank rows per device step.
-    query_batch: queries per device step.
-  Returns:
-    (scores float32 [Q, k], rows int32 [Q, k]) as numpy, each line sorted by
-    score, largest first; equal scores in row order.
-  """
-  num_rows = len(bank)
-  chunk = min(chunk_size, num_rows)
-  block = min(query_batch, len(queries))
-  scores, rows = [], []
-  for q0 in range(0, len(queries), block):
-    q = np.zeros((block, queries.shape[1]), np.float32)
-    q[:len(queries[q0:q0 + block])] = queries[q0:q0 + block]
-    best = (jnp.full((block, k), -jnp.inf), jnp.full((block, k), -1, jnp.int32))
-    for start in range(0, num_rows, chunk):
-      part = np.zeros((chunk, bank.shape[1]), np.float32)
-      valid = len(bank[start:start + chunk])
-      part[:valid] = bank[start:start + chunk]
-      best = _merge_chunk(*best, q, part, np.int32(start), np.int32(valid), k=k)
-    scores.append(np.asarray(best[0]))
-    rows.append(np.asarray(best[1]))
-  count = len(queries)
-  return np.concatenate(scores)[:count], np.concatenate(rows)[:count]
 
 
 def _split(value: str) -> list:
@@ -153,8 +96,8 @@ def check_config(config):
   for field in ("k", "chunk_size", "cell", "max_pixels"):
     if config[field] <= 0:
       raise ConfigError(field, config[field], "an integer > 0")
-  if config.search not in SEARCHES:
-    raise ConfigError("search", config.search, f"one of {SEARCHES}")
+  if config.search not in searcher_lib.MODES:
+    raise ConfigError("search", config.search, f"one of {searcher_lib.MODES}")
   if not _named_queries(config) and not _split(config.query_rows):
     raise ConfigError("queries", config.queries,
                       "at least one query: image files or names of index rows, "
@@ -203,7 +146,7 @@ def _queries(config, index: index_lib.Index):
       except ImageError as e:
         raise _query_error(config, item, line,
                            f"an image file that can be read: {e.reason}") from None
-      found.append((item, None, _crop(image, index.image_size, index)))
+      found.append((item, None, index_lib.center_crop(index, image, index.image_size)))
   return found
 
 
@@ -227,34 +170,29 @@ def run(config, workdir: str) -> dict:
   index = index_lib.load_index(index_workdir, where=where)
   if config.k > len(index.rows):
     raise ConfigError("k", config.k, f"at most the size of the index ({len(index.rows)})")
-  approximate = config.search == "auto" and index.ann and index.ann["type"] != "flat"
-  ann_index = ann_lib.load(index_workdir, index.ann, where=where) if approximate else None
+  searcher = searcher_lib.Searcher(index, index_workdir, mode=config.search,
+                                   chunk_size=config.chunk_size, where=where)
   queries = _queries(config, index)
   with files.workdir_lock(workdir):
-    return _search_and_write(config, workdir, index_workdir, index, queries, ann_index)
+    return _search_and_write(config, workdir, index_workdir, index, queries, searcher)
 
 
 def _search_and_write(config, workdir: str, index_workdir: str, index: index_lib.Index,
-                      queries, ann_index) -> dict:
+                      queries, searcher: searcher_lib.Searcher) -> dict:
   """run's work once the queries are read and the workdir locked; returns the results.
 
-  ann_index: the FAISS index to search, or None to search exactly.
   """
   new_images = [image for _, row, image in queries if row is None]
   embedded = iter([])
   if new_images:  # Embedded whole on every device: a few images.
     mesh = mesh_lib.make_mesh()
-    model = index_lib.load_model(index.config, mesh)
+    model = restore.embed_model(index.config, mesh)
     embedded = iter(np.asarray(model.embed(jax.device_put(np.stack(new_images),
                                                           mesh_lib.replicated(mesh)))))
   vectors = np.stack([index.embeddings[row] if row is not None else next(embedded)
                       for _, row, _ in queries])
-  if ann_index is not None:
-    search = {"method": "ann", **{key: index.ann[key] for key in ("type", "params", "file")}}
-    scores, rows = ann_lib.search(ann_index, vectors, config.k)
-  else:
-    search = {"method": "exact"}
-    scores, rows = top_k_cosine(vectors, index.embeddings, config.k, chunk_size=config.chunk_size)
+  search = searcher.description
+  scores, rows = searcher.search(vectors, config.k)
   logging.info("Searched %d rows (%s) for the %d nearest of %d queries.", len(index.rows),
                search, config.k, len(queries))
 
@@ -275,33 +213,6 @@ def _search_and_write(config, workdir: str, index_workdir: str, index: index_lib
   return results
 
 
-def _crop(image: np.ndarray, size: int, index: index_lib.Index) -> np.ndarray:
-  """The centre crop the index's images had (input_pipeline.center_crop), uint8 [size, size, 3]."""
-  return input_pipeline.center_crop(tf.constant(image), size, index.crop_fraction,
-                                    index.crop_resize).numpy()
-
-
-def _images(index: index_lib.Index, rows, shorter_side: int) -> dict:
-  """{row: uint8 [H, W, 3]} for rows of the index, read again from its folder or dataset split.
-
-  Files are downscaled to shorter_side; a dataset's images are as stored.
-  Rows from index.dataset_rows on came from folders.
-
-  Raises:
-    ConfigError: the index's dataset is gone.
-    ImageError: a file of the index's folders cannot be decoded any more.
-  """
-  # A folder's row names its file (files that could not be read have no row).
-  read = {r: images.load_image(index.rows[r]["name"], max_pixels=index.config.max_pixels,
-                               shorter_side=shorter_side)
-          for r in rows if r >= index.dataset_rows}
-  from_dataset = [r for r in rows if r < index.dataset_rows]
-  if from_dataset:
-    source = sources.get_source(index.config, {"split": index.config.split})
-    read.update(zip(from_dataset, source.images(index.config.split, from_dataset)))
-  return read
-
-
 def _picture(config, index: index_lib.Index, queries, scores, rows) -> np.ndarray:
   """The grid: per query, the query then its neighbours, centre-cropped as the encoder saw them.
 
@@ -312,8 +223,8 @@ def _picture(config, index: index_lib.Index, queries, scores, rows) -> np.ndarra
   side = index_lib.shorter_side(max(config.cell, index.image_size), index.crop_fraction)
   wanted = sorted({int(r) for r in rows.ravel() if r >= 0} |
                   {r for _, r, _ in queries if r is not None})
-  read = _images(index, wanted, side)
-  chars = int(config.cell * _CHARS_PER_PIXEL)
+  read = index_lib.read_images(index, wanted, side)
+  chars = int(config.cell * pictures.CHARS_PER_PIXEL)
 
   def caption(score, row):
     label = index.rows[row].get("label")
@@ -326,6 +237,6 @@ def _picture(config, index: index_lib.Index, queries, scores, rows) -> np.ndarra
         item, max_pixels=config.max_pixels, shorter_side=side)
     found = [(s, int(r)) for s, r in zip(line_scores, line_rows) if r >= 0]
     shown = [query] + [read[r] for _, r in found]
-    lines.append([_crop(x, config.cell, index) for x in shown])
+    lines.append([index_lib.center_crop(index, x, config.cell) for x in shown])
     captions.append(["query"] + [caption(s, r) for s, r in found])
   return pictures.grid(lines, captions, cell=config.cell)

@@ -25,8 +25,8 @@ from contrastive_jax.data import augment
 from contrastive_jax.data import crops
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
-from contrastive_jax.jobs import evaluators
-from contrastive_jax.jobs import runner
+from contrastive_jax.training import evaluators
+from contrastive_jax.training import runner
 from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import get_method

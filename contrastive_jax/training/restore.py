@@ -1,18 +1,17 @@
-"""What the jobs on a pretrained encoder share: the linear probe and fine-tuning.
+"""Restoring a pretrained encoder: from a pretraining workdir's Orbax checkpoint or a weights file.
 
-Both restore only the encoder (params and BN statistics; MoCo's query
-encoder, BYOL's online encoder) of a pretraining workdir's Orbax checkpoint,
-with a partial restore onto however many devices the job has, and rebuild it
-from the config saved with the checkpoint; or, with config.random_init, take
-the pretraining run's own initialisation of it (the baseline); or read a
-weights file (docs/weights.md) as the model of config.pretrain_config. Both train on
-one random crop-and-flip per labelled image and are evaluated at the
-pretraining run's image size and eval crop.
+Only the encoder (params and BN statistics; MoCo's query encoder, BYOL's online
+encoder) is read from a checkpoint, with a partial restore onto however many
+devices the job has, and rebuilt from the config saved with the checkpoint; or,
+with config.random_init, the pretraining run's own initialisation of it (the
+baseline); or a weights file (docs/weights.md) is read as the model of
+config.pretrain_config. The export job also restores the projection head the
+same way.
 """
 import functools
 import json
 import os
-from typing import Any, NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -26,20 +25,17 @@ from contrastive_jax.core import files
 from contrastive_jax.core import gcs
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import tensor_files
-from contrastive_jax.data import crops
-from contrastive_jax.data import input_pipeline
-from contrastive_jax.data import sources
-from contrastive_jax.jobs import evaluators
-from contrastive_jax.jobs import runner
 from contrastive_jax.methods import ENCODER
-from contrastive_jax.methods import encoder_variables
+from contrastive_jax.methods import common
+from contrastive_jax.methods import get_method
 from contrastive_jax.methods import initial_encoder_variables
-from contrastive_jax.methods import optim
 from contrastive_jax import models
 from contrastive_jax.models import state_dicts
 from contrastive_jax import recipes
 
-# What the export job (export.py) writes beside an export, last: its run's config included.
+PROJECTOR = "projector"  # The projection head's name in a method's model (heads.ContrastiveModel).
+
+# What the export job writes beside an export, last: its run's config included.
 EXPORT_META = "export.json"
 
 
@@ -57,27 +53,6 @@ class Encoder(NamedTuple):
   pretrained: ml_collections.ConfigDict
   step: int
   dim: int
-
-
-def check_config(config, num_devices: int):
-  """Raises ConfigError for the shared fields that cannot run (before any compute)."""
-  runner.check_config(config, num_devices)
-  crops.check_config(config)
-  optim.check_optimizer_config(config.optimizer)
-
-
-def labelled_source(config, job: str):
-  """The data source of config.train_split, checked with the config's evaluators.
-
-  Raises:
-    ConfigError: see sources.get_source and evaluators.check_config; an
-      unlabeled dataset (`job`, e.g. 'the linear probe', trains on labels).
-  """
-  source = sources.get_source(config, {"train_split": config.train_split})
-  if source.num_classes is None:
-    raise ConfigError("dataset", config.dataset, f"a labelled dataset: {job} trains on labels")
-  evaluators.check_config(config.evaluators, source, jax.device_count())
-  return source
 
 
 def restore_encoder(config, mesh, saved_config=None) -> Encoder:
@@ -121,23 +96,52 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
       raise ConfigError("model_name", config.model_name,
                         f"{saved.model.name!r}, the model of the checkpoint in {directory}")
     encoder = models.build_encoder(saved.model)
-    replicated = mesh_lib.replicated(mesh)
     if config.random_init:  # The pretraining run's own initialisation, as it drew it.
-      variables = jax.jit(lambda: initial_encoder_variables(saved), out_shardings=replicated)()
+      variables = jax.jit(lambda: initial_encoder_variables(saved),
+                          out_shardings=mesh_lib.replicated(mesh))()
     else:
       x = jnp.zeros((1, saved.image_size, saved.image_size, 3), jnp.float32)
-      shapes = jax.eval_shape(lambda: encoder.init(jax.random.PRNGKey(0), x, train=False))
-      # A ViT has no 'batch_stats': nothing of it is saved, so nothing is asked for.
-      abstract = checkpointing.abstract_like(
-          {name: {ENCODER: shapes[name]} for name in ("params", "batch_stats")
-           if name in shapes}, replicated)
-      variables = encoder_variables(ckpt.restore_partial(abstract, step))
+      variables = _restore_submodule(ckpt, step, encoder, x, ENCODER, mesh)
   finally:
     ckpt.close()
   dim = jax.eval_shape(functools.partial(models.encode, encoder, variables),
                        jax.ShapeDtypeStruct((1, saved.image_size, saved.image_size, 3),
                                             jnp.uint8)).shape[-1]
   return Encoder(encoder, variables, saved, step, dim)
+
+
+def _restore_submodule(ckpt, step: int, module, example, name: str, mesh) -> dict:
+  """{'params', 'batch_stats'} of the method model's submodule `name` (its 'encoder' or
+  'projector') at checkpoint step `step`, replicated on the mesh: a partial restore that reads
+  nothing else. 'batch_stats' is {} for a module without BN (a ViT: nothing of it is saved,
+  so nothing is asked for).
+
+  Args:
+    ckpt: the pretraining run's checkpointing.Checkpointer.
+    module: the submodule, built as the pretraining run built it.
+    example: an input of the module's shape and dtype (batch 1), for its variables' shapes.
+  """
+  shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), example, train=False))
+  abstract = checkpointing.abstract_like(
+      {kind: {name: shapes[kind]} for kind in ("params", "batch_stats") if kind in shapes},
+      mesh_lib.replicated(mesh))
+  restored = ckpt.restore_partial(abstract, step)
+  return {"params": restored["params"][name],
+          "batch_stats": restored.get("batch_stats", {}).get(name, {})}
+
+
+def restore_projector(config, encoder: Encoder, mesh):
+  """(module, {'params', 'batch_stats'} on the host) of the projection head saved with the
+  checkpoint of config.pretrain_workdir that `encoder` comes from."""
+  module = get_method(encoder.pretrained.method).build_model(encoder.pretrained).projector
+  ckpt = checkpointing.Checkpointer(
+      f"{files.resolve_dir(config.pretrain_workdir)}/checkpoints", read_only=True)
+  try:
+    variables = _restore_submodule(ckpt, encoder.step, module,
+                                   jnp.zeros((1, encoder.dim), jnp.float32), PROJECTOR, mesh)
+  finally:
+    ckpt.close()
+  return module, jax.device_get(variables)
 
 
 def _imported_encoder(config, mesh) -> Encoder:
@@ -184,10 +188,30 @@ def _exported_config(path: str):
   return ml_collections.ConfigDict(meta["pretrained_config"])
 
 
-def eval_datasets(source, config, encoder: Encoder):
-  """The evaluators' datasets (input_pipeline.eval_datasets) at the encoder's image size,
-  centre crop and resize method."""
-  return input_pipeline.eval_datasets(source, image_size=encoder.pretrained.image_size,
-                                      crop_fraction=encoder.pretrained.eval_crop_fraction,
-                                      crop_resize=encoder.pretrained.crop_resize,
-                                      threads=config.data_threads, cache=config.cache)
+
+
+class EmbedModel(NamedTuple):
+  """A restored encoder as the embed and neighbours jobs use it.
+
+  embed: uint8 images [B, S, S, 3] (a jax.Array on the mesh) -> float32
+    [B, D] L2-normalised h, sharded like the images.
+  image_size: S, the pretraining run's; crop_fraction and crop_resize: its
+  eval centre crop (input_pipeline.center_crop). step: the checkpoint's step.
+  """
+  embed: Callable
+  image_size: int
+  crop_fraction: float
+  crop_resize: str
+  step: int
+
+
+def embed_model(config, mesh) -> EmbedModel:
+  """The encoder of config.pretrain_workdir (restore_encoder) as an EmbedModel.
+
+  Raises:
+    ConfigError, JobError: see restore_encoder.
+  """
+  encoder, variables, pretrained, step, _ = restore_encoder(config, mesh)
+  features = jax.jit(lambda v, x: common.l2_normalize(models.encode(encoder, v, x)))
+  return EmbedModel(lambda images: features(variables, images), pretrained.image_size,
+                    pretrained.eval_crop_fraction, pretrained.crop_resize, step)

@@ -35,9 +35,8 @@ import io
 import json
 import math
 import uuid
-from typing import Callable, NamedTuple, Optional
+from typing import NamedTuple, Optional
 
-import jax
 import ml_collections
 import numpy as np
 import tensorflow as tf
@@ -45,29 +44,14 @@ from absl import logging
 
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import files
-from contrastive_jax.jobs import ann as ann_lib
-from contrastive_jax.jobs import downstream
-from contrastive_jax.methods import common
-from contrastive_jax import models
+from contrastive_jax.data import images
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import sources
+from contrastive_jax.search import ann as ann_lib
 
 EMBEDDINGS, INDEX, META, UNREADABLE = "embeddings.npy", "index.jsonl", "embed.json", "unreadable.txt"
 # embed.json's format: 1 (no format_version, before parts and the ANN index), 2.
 FORMAT_VERSION = 2
-
-
-class EmbedModel(NamedTuple):
-  """A restored encoder as the embed and neighbours jobs use it.
-
-  embed: uint8 images [B, S, S, 3] (a jax.Array on the mesh) -> float32
-    [B, D] L2-normalised h, sharded like the images.
-  image_size: S, the pretraining run's; crop_fraction and crop_resize: its
-  eval centre crop (input_pipeline.center_crop). step: the checkpoint's step.
-  """
-  embed: Callable
-  image_size: int
-  crop_fraction: float
-  crop_resize: str
-  step: int
 
 
 def shorter_side(image_size: int, crop_fraction: float) -> int:
@@ -77,18 +61,6 @@ def shorter_side(image_size: int, crop_fraction: float) -> int:
   hardly resamples: a large photo is not aliased.
   """
   return math.ceil(image_size / crop_fraction)
-
-
-def load_model(config, mesh) -> EmbedModel:
-  """The encoder of config.pretrain_workdir's checkpoint (downstream.restore_encoder).
-
-  Raises:
-    ConfigError: no checkpoint there, or none at config.pretrain_step.
-  """
-  encoder, variables, pretrained, step, _ = downstream.restore_encoder(config, mesh)
-  features = jax.jit(lambda v, x: common.l2_normalize(models.encode(encoder, v, x)))
-  return EmbedModel(lambda images: features(variables, images), pretrained.image_size,
-                    pretrained.eval_crop_fraction, pretrained.crop_resize, step)
 
 
 def part_names(part: int) -> dict:
@@ -143,7 +115,7 @@ def write(workdir, config, model, source, h, labels, names, num_unreadable: int)
   """Writes a new index: embeddings.npy, index.jsonl, the ANN index and, last, embed.json.
 
   h: float32 [N, D] unit rows; labels: N ints (ignored for an unlabelled source);
-  names: N strings; model: the EmbedModel that embedded them; config.ann:
+  names: N strings; model: the restore.EmbedModel that embedded them; config.ann:
   which ANN index (ann.choose).
   """
   labelled = source.num_classes is not None
@@ -276,6 +248,33 @@ class Index(NamedTuple):
   def dataset_rows(self) -> int:
     """How many rows, from the first, were read from config.dataset (0 for a folder's index)."""
     return 0 if self.config.folder else self.meta["parts"][0]["num_images"]
+
+
+def center_crop(index: Index, image: np.ndarray, size: int) -> np.ndarray:
+  """The centre crop the index's images had (input_pipeline.center_crop), uint8 [size, size, 3]."""
+  return input_pipeline.center_crop(tf.constant(image), size, index.crop_fraction,
+                                    index.crop_resize).numpy()
+
+
+def read_images(index: Index, rows, shorter_side: int) -> dict:
+  """{row: uint8 [H, W, 3]} for rows of the index, read again from its folder or dataset split.
+
+  Files are downscaled to shorter_side; a dataset's images are as stored.
+  Rows from index.dataset_rows on came from folders.
+
+  Raises:
+    ConfigError: the index's dataset is gone.
+    ImageError: a file of the index's folders cannot be decoded any more.
+  """
+  # A folder's row names its file (files that could not be read have no row).
+  read = {r: images.load_image(index.rows[r]["name"], max_pixels=index.config.max_pixels,
+                               shorter_side=shorter_side)
+          for r in rows if r >= index.dataset_rows}
+  from_dataset = [r for r in rows if r < index.dataset_rows]
+  if from_dataset:
+    source = sources.get_source(index.config, {"split": index.config.split})
+    read.update(zip(from_dataset, source.images(index.config.split, from_dataset)))
+  return read
 
 
 def is_index(workdir: str) -> bool:

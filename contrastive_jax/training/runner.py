@@ -35,7 +35,7 @@ from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import metrics as metrics_lib
 from contrastive_jax.core import pictures
-from contrastive_jax.jobs import evaluators as evaluators_lib
+from contrastive_jax.training import evaluators
 
 
 # Config fields (dotted prefixes) a resumed run may change: they decide when and
@@ -72,7 +72,7 @@ class Task(NamedTuple):
   steps_per_epoch: int
   global_batch: int
   schedule: Callable
-  eval_model: evaluators_lib.EvalModel
+  eval_model: evaluators.EvalModel
   num_classes: Optional[int]
   views_picture: Optional[Callable] = None
 
@@ -198,7 +198,7 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
   config, spe = task.config, task.steps_per_epoch
   log_every = durations.to_steps(config.log_every, "log_every", spe)
   checkpoint_every = durations.to_steps(config.checkpoint_every, "checkpoint_every", spe)
-  evals = evaluators_lib.build(config.evaluators, task.eval_model, mesh, task.num_classes, spe)
+  evals = evaluators.build(config.evaluators, task.eval_model, mesh, task.num_classes, spe)
 
   resumed_step = ckpt.latest_step()
   if resumed_step is None:
@@ -214,7 +214,7 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
     for evaluator in which:
       results.update(evaluator(state))
     if results:
-      evaluators_lib.log(step, results)
+      evaluators.log(step, results)
     return results
 
   if start_step >= task.num_steps:  # A finished run: report its final evaluation again.

@@ -1,0 +1,77 @@
+"""One searcher for an embedding index: its ANN index (FAISS) or exact search, chosen once.
+
+The neighbours and audit jobs search through it, so both choose alike and
+describe the search alike (neighbours.json's and summary.json's "search").
+"""
+import numpy as np
+import tensorflow as tf
+from absl import logging
+
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.search import ann as ann_lib
+from contrastive_jax.search import exact
+from contrastive_jax.search import index as index_lib
+
+MODES = ("auto", "exact")  # config.search: the ANN index where there is one, or exact search.
+_QUERY_BLOCK = 65_536  # Queries searched in the ANN index at a time, to bound the results' memory.
+
+
+class Searcher:
+  """Searches the rows of an index for the nearest of queries by cosine similarity.
+
+  With mode 'auto' and an approximate ANN index beside the embeddings (HNSW or
+  IVF: ann.py), FAISS searches it; otherwise (no ANN index, an exact 'flat'
+  one, or mode 'exact') exact.top_k_cosine does, streaming the embeddings
+  through the device in chunks of chunk_size rows. An ANN file that is not
+  read is still checked to be there whole (its size against ann.json), and a
+  log line says that the search is exact and why, so a broken file is never
+  passed over in silence.
+
+  Attributes:
+    description: how it searches, as the jobs record it: {"method": "ann",
+      "type", "params", "file"} or {"method": "exact"}.
+
+  Raises (from the constructor):
+    ConfigError: an ANN index to search without FAISS installed.
+    JobError: its ANN file missing, truncated or not a FAISS index (ann.load).
+  """
+
+  def __init__(self, index: index_lib.Index, index_workdir: str, *, mode: str, chunk_size: int,
+               where: str):
+    self._embeddings, self._chunk_size = index.embeddings, chunk_size
+    described = index.ann
+    self._ann = None
+    if mode == "auto" and described and described["type"] != "flat":
+      self._ann = ann_lib.load(index_workdir, described, where=where)
+      self.description = {"method": "ann",
+                          **{key: described[key] for key in ("type", "params", "file")}}
+      return
+    self.description = {"method": "exact"}
+    if described:
+      _check_present(index_workdir, described, where)
+      why = ("config.search='exact'" if mode == "exact" else
+             f"its ANN index {described['file']} is 'flat', itself exact")
+      logging.info("Searching the %d rows exactly (%s).", len(index.rows), why)
+
+  def search(self, queries, k: int):
+    """(scores float32 [Q, k], rows int [Q, k]) of each query's k best rows, best first.
+
+    queries: float32 [Q, D] unit vectors (any array-like). An approximate index
+    may find fewer than k rows for a query; the missing ones are row -1 with
+    score -inf, last.
+    """
+    if self._ann is None:
+      return exact.top_k_cosine(queries, self._embeddings, k, chunk_size=self._chunk_size)
+    found = [ann_lib.search(self._ann, np.asarray(queries[start:start + _QUERY_BLOCK]), k)
+             for start in range(0, len(queries), _QUERY_BLOCK)]
+    return np.concatenate([s for s, _ in found]), np.concatenate([r for _, r in found])
+
+
+def _check_present(index_workdir: str, described: dict, where: str):
+  """Raises JobError unless the ANN file `described` names is there with its size."""
+  path = f"{index_workdir}/{described['file']}"
+  size = tf.io.gfile.stat(path).length if tf.io.gfile.exists(path) else None
+  if size != described["bytes"]:
+    state = "missing" if size is None else f"{size} bytes, not {described['bytes']}"
+    raise JobError(f"{where}: the ANN index {described['file']} is {state} ({ann_lib.META}): "
+                   "it is truncated or was replaced; embed again")

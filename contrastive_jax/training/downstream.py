@@ -1,0 +1,135 @@
+"""What the jobs on a pretrained encoder share: the linear probe and fine-tuning.
+
+Both start from an encoder restored by restore.py (a pretraining checkpoint, its
+run's initialisation or a weights file), train a classifier on one random
+crop-and-flip per labelled image with cross-entropy, and are evaluated at the
+pretraining run's image size and eval crop. They differ only in what trains
+(the probe: a head on frozen h; fine-tuning: encoder and head) and in their
+presets: build_task is the rest.
+"""
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from absl import logging
+
+from contrastive_jax.core import durations
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core import files
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.data import crops
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import sources
+from contrastive_jax.methods import common
+from contrastive_jax.methods import optim
+from contrastive_jax.training import evaluators
+from contrastive_jax.training import restore
+from contrastive_jax.training import runner
+
+
+def check_config(config, num_devices: int):
+  """Raises ConfigError for the shared fields that cannot run (before any compute)."""
+  runner.check_config(config, num_devices)
+  crops.check_config(config)
+  optim.check_optimizer_config(config.optimizer)
+
+
+def labelled_source(config, job: str):
+  """The data source of config.train_split, checked with the config's evaluators.
+
+  Raises:
+    ConfigError: see sources.get_source and evaluators.check_config; an
+      unlabeled dataset (`job`, e.g. 'the linear probe', trains on labels).
+  """
+  source = sources.get_source(config, {"train_split": config.train_split})
+  if source.num_classes is None:
+    raise ConfigError("dataset", config.dataset, f"a labelled dataset: {job} trains on labels")
+  evaluators.check_config(config.evaluators, source, jax.device_count())
+  return source
+
+
+def eval_datasets(source, config, encoder: restore.Encoder):
+  """The evaluators' datasets (input_pipeline.eval_datasets) at the encoder's image size,
+  centre crop and resize method."""
+  return input_pipeline.eval_datasets(source, image_size=encoder.pretrained.image_size,
+                                      crop_fraction=encoder.pretrained.eval_crop_fraction,
+                                      crop_resize=encoder.pretrained.crop_resize,
+                                      threads=config.data_threads, cache=config.cache)
+
+
+def make_classifier_step(inputs: Callable, forward: Callable, tx):
+  """Jitted (state, batch, *frozen) -> (state, metrics), state donated: one cross-entropy step.
+
+  inputs(images, *frozen) -> x: what the trained part reads, computed outside the gradient
+  (images uint8 [B, S, S, 3]; frozen: what does not train, e.g. the probe's encoder variables).
+  forward(params, batch_stats, x) -> (logits float32 [B, C], the updated batch_stats).
+  batch: {'image': uint8 [B, 1, S, S, 3] (one crop per image), 'label': int32 [B]}.
+  metrics: float32 'loss' (mean softmax cross-entropy), 'train_top1' and
+  common.apply_gradients' norms.
+  """
+
+  def train_step(state, batch, *frozen):
+    x = inputs(batch["image"][:, 0], *frozen)
+
+    def loss_fn(params):
+      logits, stats = forward(params, state.batch_stats, x)
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+      return loss, (stats, logits)
+
+    (loss, (stats, logits)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    top1 = jnp.mean(jnp.argmax(logits, -1) == batch["label"])
+    state, health = common.apply_gradients(state, grads, tx, batch_stats=stats)
+    return state, {"loss": loss, "train_top1": top1, **health}
+
+  return jax.jit(train_step, donate_argnums=0)
+
+
+class Trainer(NamedTuple):
+  """What a downstream job trains, as its make_trainer(schedule) builds it for build_task.
+
+  init: () -> common.TrainState at step 0, jitted with its outputs replicated.
+  train_step: (state, batch) -> (state, metrics).
+  eval_model: the evaluators' view of it (evaluators.EvalModel; dataset None: build_task
+    gives the evaluation datasets).
+  """
+  init: Callable
+  train_step: Callable
+  eval_model: evaluators.EvalModel
+
+
+def build_task(config, mesh, *, source, train_data, encoder: restore.Encoder,
+               make_trainer: Callable, verb: str, detail: str = "") -> runner.Task:
+  """The runner.Task of a downstream job; resolves config's pretraining checkpoint in place.
+
+  Args:
+    config: the job's config, resolved (copy_and_resolve_references); its pretrain_step and
+      pretrain_workdir are set to the encoder's, so that a resume names the same checkpoint
+      however it was spelled.
+    mesh: the device mesh.
+    source: the labelled data source (labelled_source), whose evaluation splits and classes
+      the evaluators use.
+    train_data: what trains: source, or a labelled subset of it.
+    encoder: the restored encoder.
+    make_trainer: (learning-rate schedule) -> Trainer.
+    verb, detail: the log line's, e.g. 'Probing' and ' with the linear-probe preset ...'.
+  """
+  config.pretrain_step = encoder.step
+  config.pretrain_workdir = files.resolve_dir(config.pretrain_workdir)
+  steps_per_epoch = runner.steps_per_epoch(train_data, config)
+  num_steps = durations.to_steps(config.duration, "duration", steps_per_epoch)
+  schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, steps_per_epoch,
+                                          num_steps)
+  trainer = make_trainer(schedule)
+  logging.info("%s %s encoder (%s, step %d of %s)%s.", verb,
+               "a randomly initialised" if config.random_init else "the pretrained",
+               encoder.pretrained.method, config.pretrain_step, config.pretrain_workdir, detail)
+  return runner.Task(config=config, init=trainer.init, train_step=trainer.train_step,
+                     train_batches=input_pipeline.train_batches(
+                         train_data, config, mesh_lib.batch_sharded(mesh),
+                         image_size=encoder.pretrained.image_size, num_views=1),
+                     num_steps=num_steps, steps_per_epoch=steps_per_epoch,
+                     global_batch=config.batch_size, schedule=schedule,
+                     eval_model=trainer.eval_model._replace(
+                         dataset=eval_datasets(source, config, encoder)),
+                     num_classes=source.num_classes)
