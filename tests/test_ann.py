@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from helpers import load_benchmark
 # The tiny pretraining workdir and the job configs of the embed and neighbours tests.
-from test_search import embed_config, neighbours_config  # pylint: disable=unused-import
+from test_search import embed_config, neighbours_config, pretrained  # noqa: F401
 
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
