@@ -29,8 +29,8 @@ setuptools.setup(
         # prepare_images runs on Apache Beam (reading prepared datasets does not).
         "beam": ["apache-beam==2.77.0"],
         # tests/gcs_emulator.py patches gaps of this emulator version; cryptography makes its
-        # TLS certificate.
-        "test": ["pytest", "gcp-storage-emulator==2026.7.19", "cryptography",
+        # TLS certificate; ruff formats and lints (ruff.toml, .ci/run).
+        "test": ["pytest", "ruff==0.17.6", "gcp-storage-emulator==2026.7.19", "cryptography",
                  "apache-beam==2.77.0", "onnx==1.23.2", "onnxruntime==1.32.0",
                  "faiss-cpu==1.15.1", "scikit-learn==1.9.1", "umap-learn==0.5.12"],
         # The ONNX export (configs/export.py, format 'onnx') and ONNX Runtime to read it.
