@@ -20,20 +20,20 @@ logs the preset it ran and saves it, resolved, as config.preset with its
 checkpoints. Top-1 and top-5 on the whole test split at the end (and every
 10 epochs).
 
-Variant `runlocal`: 1000 steps at batch 256 (about 5 epochs) of the preset's
-recipe, sized for a 2-core CPU; step schedules beyond the run's end (MoCo's
-decays at 60 and 80 epochs) are not reached.
+Argument `runlocal` (--config=configs/linear_probe.py:runlocal): 1000 steps at batch
+256 (about 5 epochs) of the preset's recipe, sized for a 2-core CPU; step schedules
+beyond the run's end (MoCo's decays at 60 and 80 epochs) are not reached.
 """
 import ml_collections
 from ml_collections import config_dict
 
 from contrastive_jax import recipes
 
-VARIANTS = ("runlocal",)
+ARGS = dict(runlocal=False)
 
 
-def get_config(variant: str = ""):
-  recipes.check_variant(variant, VARIANTS)
+def get_config(arg: str = ""):
+  args = recipes.parse_args(arg, ARGS)
   config = recipes.data_fields(ml_collections.ConfigDict())
   config.job = "linear_probe"
   recipes.pretrained_encoder_fields(config)
@@ -53,7 +53,7 @@ def get_config(variant: str = ""):
   config.keep_checkpoints = 2
   config.evaluators = dict(linear_probe=dict(kind="classifier", every="10 epochs", split="test",
                                              batch_size=1000))
-  if variant == "runlocal":
+  if args.runlocal:
     config.batch_size = 256
     config.duration = "1000 steps"
     config.log_every = "50 steps"

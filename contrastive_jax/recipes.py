@@ -6,6 +6,7 @@ reference's recipe; the docstrings name the reference and the code there.
 import importlib.machinery
 import importlib.util
 import os
+from typing import Optional
 
 import ml_collections
 from ml_collections import config_dict
@@ -16,28 +17,86 @@ from contrastive_jax.core.errors import closest
 from contrastive_jax import models
 
 
-def check_variant(variant: str, known) -> None:
-  """Raises VariantError unless variant is '' (the config's default) or one of known.
+def parse_args(arg: str, args: dict,
+               variants: Optional[dict] = None) -> ml_collections.ConfigDict:
+  """The arguments of a config file's get_config(arg), given as --config=FILE:ARG.
 
-  Every file in configs/ names its variants in a module-level VARIANTS and
-  calls this first in get_config(variant), so that a misspelled
-  --config=FILE:VARIANT ends in one line naming the file's variants and the
-  closest one (main.py).
+  arg is a comma-separated list of items, applied left to right (a later item
+  wins): 'key=value', value one of args[key] as written by str(); a bare 'key'
+  for a flag (key=True and key=False also parse); or the name of a variant,
+  which stands for its items (variants[name], e.g. 'runlocal,model=vit_tiny'),
+  so 'runlocal_vit,dtype=bfloat16' combines them. Every file in configs/
+  declares what it takes in a module-level ARGS (and VARIANTS, if it has any)
+  and calls this first in get_config(arg), so that a misspelled FILE:ARG ends
+  in one line naming what the file takes and the closest valid name (main.py).
+
+  Args:
+    arg: as given after the colon; '' for the defaults.
+    args: name -> False for a flag (off unless given), or a tuple of the allowed
+      values (str or int), the default first.
+    variants: name -> the items it stands for.
+
+  Returns:
+    name -> value for every name of args.
+
+  Raises:
+    VariantError: a bare word that is neither a flag nor a variant, a name
+      args lacks, a value args[key] does not allow.
   """
-  if variant and variant not in known:
-    raise VariantError(variant, known)
+  variants = variants or {}
+  choices = {key: (False, True) if spec is False else tuple(spec) for key, spec in args.items()}
+  values = {key: allowed[0] for key, allowed in choices.items()}
+  listed = _listed(args, variants)
+  items = []
+  for item in filter(None, map(str.strip, arg.split(","))):
+    items += variants[item].split(",") if item in variants else [item]
+  for item in items:
+    key, has_value, value = item.partition("=")
+    key, value = key.strip(), value.strip()
+    if not has_value:
+      if args.get(key) is False:
+        values[key] = True
+        continue
+      if key in args:
+        raise VariantError(f"argument {key!r} needs a value, one of "
+                           f"{', '.join(map(str, choices[key]))} (e.g. {key}={choices[key][0]})",
+                           key, ())
+      raise VariantError(f"no argument or variant {key!r} ({listed})", key,
+                         [*(k for k in args if args[k] is False), *variants,
+                          *(f"{k}={v}" for k in args if args[k] is not False
+                            for v in choices[k])])
+    if key not in args:
+      raise VariantError(f"no argument {key!r} ({listed})", key, args)
+    named = {str(allowed): allowed for allowed in choices[key]}
+    if value not in named:
+      raise VariantError(f"no value {value!r} of argument {key!r} (its values: "
+                         f"{', '.join(named)})", value, named)
+    values[key] = named[value]
+  return ml_collections.ConfigDict(values)
+
+
+def _listed(args: dict, variants: dict) -> str:
+  """What a config file takes, in words: 'the config's arguments: runlocal,
+  dtype=float32|bfloat16; variants: runlocal_vit (runlocal,model=vit_tiny)'."""
+  if not args and not variants:
+    return "the config takes none"
+  listed = "the config's arguments: " + ", ".join(
+      key if spec is False else f"{key}={'|'.join(map(str, spec))}" for key, spec in args.items())
+  if variants:
+    listed += "; variants: " + ", ".join(f"{name} ({items})" for name, items in variants.items())
+  return listed
 
 
 def load_config_file(value: str, flag: str) -> ml_collections.ConfigDict:
-  """get_config(VARIANT) of a config FILE[:VARIANT], as ml_collections calls it for --config.
+  """get_config(ARG) of a config FILE[:ARG], as ml_collections calls it for --config.
 
   flag names where value was given (e.g. '--config', 'config.pretrain_config') in the errors.
 
   Raises:
     JobError: no such file (naming the closest in its folder), not a config file, or
-      no such variant.
+      an argument it does not take (parse_args).
   """
-  path, *variant = value.split(":", 1)
+  path, *arg = value.split(":", 1)
   if not os.path.isfile(path):
     folder = os.path.dirname(path)
     names = ([n for n in os.listdir(folder or ".") if n.endswith(".py")]
@@ -55,9 +114,9 @@ def load_config_file(value: str, flag: str) -> ml_collections.ConfigDict:
     raise JobError(f"{flag}={value}: not a config file: Python cannot read it ({e.msg}, "
                    f"line {e.lineno})") from None
   if not callable(getattr(module, "get_config", None)):
-    raise JobError(f"{flag}={value}: not a config file: it defines no get_config(variant)")
+    raise JobError(f"{flag}={value}: not a config file: it defines no get_config(arg)")
   try:
-    return module.get_config(*variant)
+    return module.get_config(*arg)
   except VariantError as e:
     raise JobError(f"{flag}={value}: {e}") from None
 
@@ -99,7 +158,7 @@ def pretrained_encoder_fields(config):
   # The pretraining job's --workdir, or a weights file (.safetensors; .pth with torch) of a
   # torchvision ResNet or timm / MoCo v3 ViT, whose model pretrain_config then describes.
   config.pretrain_workdir = config_dict.placeholder(str)
-  config.pretrain_config = config_dict.placeholder(str)  # configs/X.py[:VARIANT], for a file.
+  config.pretrain_config = config_dict.placeholder(str)  # configs/X.py[:ARG,...], for a file.
   config.pretrain_step = -1  # -1: the latest checkpoint.
   config.random_init = False  # True: the pretraining run's encoder at initialisation (baseline).
   config.model_name = config_dict.placeholder(str)  # If set, the checkpoint's model must match.
@@ -350,7 +409,7 @@ def fill_probe_preset(config, name: str) -> ml_collections.ConfigDict:
 
   The preset fields are batch_size, duration, crop_sampler, crop_area_min,
   crop_resize, head.* and optimizer.*; a value set in the config (e.g. by a
-  --config flag or a variant) wins over the preset's.
+  --config flag or a config argument such as runlocal) wins over the preset's.
   """
   config = config.copy_and_resolve_references()
   preset = LINEAR_PROBE_PRESETS[name]
