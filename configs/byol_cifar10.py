@@ -39,7 +39,7 @@ def get_config(arg: str = ""):
   config.projector = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="torch")
   config.predictor = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="torch")
   config.byol = dict(tau_base=0.99)
-  recipes.crop(config, "torchvision", 0.08, "pil_bicubic")
+  config.crop = recipes.crop("torchvision", 0.08, "pil_bicubic")
   config.augment = recipes.byol_views("torchvision", "multiply", blur=False)
   config.optimizer = recipes.optimizer("larc", base_lr=1.0, weight_decay=1e-5,
                                        trust_coefficient=0.02)
@@ -59,7 +59,7 @@ def get_config(arg: str = ""):
                         input_std=config.model.input_std)
     config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=True, init="lecun_normal")
     config.predictor = dict(config.projector)
-    recipes.crop(config, "byol", 0.08, "tf_bicubic")
+    config.crop = recipes.crop("byol", 0.08, "tf_bicubic")
     config.augment = recipes.byol_views()
     config.optimizer = recipes.optimizer("lars", base_lr=1.0, weight_decay=1.5e-6,
                                          warmup_epochs=1)

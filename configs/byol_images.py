@@ -29,7 +29,7 @@ def get_config(arg: str = ""):
   config.projector = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")
   config.predictor = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")
   config.byol = dict(tau_base=0.99)
-  recipes.crop(config, "byol", 0.08, "tf_bicubic")
+  config.crop = recipes.crop("byol", 0.08, "tf_bicubic")
   config.augment = recipes.byol_views()
   config.optimizer = recipes.optimizer("lars", base_lr=0.2, weight_decay=1.5e-6)
   if args.runlocal:

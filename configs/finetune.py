@@ -34,10 +34,11 @@ def get_config(arg: str = ""):
   args = recipes.parse_args(arg, ARGS)
   config = recipes.data_fields(ml_collections.ConfigDict())
   config.job = "finetune"
+  config.format_version = recipes.FORMAT_VERSION
   recipes.pretrained_encoder_fields(config)
   config.label_fraction = 0.01
   config.label_seed = 0
-  recipes.crop(config, "tensorflow", 0.08, "tf_bicubic")  # SimCLR's crop, as in B.5.
+  config.crop = recipes.crop("tensorflow", 0.08, "tf_bicubic")  # SimCLR's crop, as in B.5.
   config.batch_size = 64
   config.duration = "60 epochs"
   config.optimizer = recipes.optimizer("sgd", base_lr=0.05, weight_decay=0.0, warmup_epochs=0,

@@ -15,7 +15,7 @@ each with its reference's crop and head initialisation, no weight decay);
 'standardised' runs this project's own probe (h standardised by an affine-free
 BN, SGD lr 0.1 x B/256, batch 256, 100 epochs, crop 0.2-1), whichever the
 method. The preset fills the fields left None here (batch_size, duration,
-crop_*, head.*, optimizer.*); a value given with --config wins. The probe
+crop.*, head.*, optimizer.*); a value given with --config wins. The probe
 logs the preset it ran and saves it, resolved, as config.preset with its
 checkpoints. Top-1 and top-5 on the whole test split at the end (and every
 10 epochs).
@@ -36,14 +36,15 @@ def get_config(arg: str = ""):
   args = recipes.parse_args(arg, ARGS)
   config = recipes.data_fields(ml_collections.ConfigDict())
   config.job = "linear_probe"
+  config.format_version = recipes.FORMAT_VERSION
   recipes.pretrained_encoder_fields(config)
   config.preset = "auto"
   # None: the preset's value.
   config.batch_size = config_dict.placeholder(int)
   config.duration = config_dict.placeholder(str)
-  config.crop_sampler = config_dict.placeholder(str)
-  config.crop_area_min = config_dict.placeholder(float)
-  config.crop_resize = config_dict.placeholder(str)
+  config.crop = dict(sampler=config_dict.placeholder(str),
+                     area_min=config_dict.placeholder(float),
+                     resize=config_dict.placeholder(str))
   config.head = dict(standardize=config_dict.placeholder(bool),
                      init=config_dict.placeholder(str))
   config.optimizer = {key: config_dict.placeholder(type(value))

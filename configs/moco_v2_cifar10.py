@@ -39,7 +39,7 @@ def get_config(arg: str = ""):
   config.temperature = 0.1
   config.moco = dict(queue_size=4096, momentum=0.99, momentum_schedule="constant",
                      bn_group_size=64)
-  recipes.crop(config, "torchvision", 0.08, "pil_bilinear")
+  config.crop = recipes.crop("torchvision", 0.08, "pil_bilinear")
   config.augment = dict(view1=recipes.moco_v2_view(0.0), view2=recipes.moco_v2_view(0.0))
   config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=5e-4,
                                        warmup_epochs=0, weight_decay_mask="all")

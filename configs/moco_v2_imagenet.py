@@ -32,7 +32,7 @@ def get_config(arg: str = ""):
   config.temperature = 0.2
   config.moco = dict(queue_size=65536, momentum=0.999, momentum_schedule="constant",
                      bn_group_size=32)
-  recipes.crop(config, "torchvision", 0.2, "pil_bilinear")
+  config.crop = recipes.crop("torchvision", 0.2, "pil_bilinear")
   config.augment = dict(view1=recipes.moco_v2_view(0.5), view2=recipes.moco_v2_view(0.5))
   config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
                                        warmup_epochs=0, weight_decay_mask="all")

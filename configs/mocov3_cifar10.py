@@ -58,7 +58,7 @@ def get_config(arg: str = ""):
   config.predictor = dict(hidden_dims=(4096,), out_dim=256, final_bn=False, **head)
   config.temperature = 0.2
   config.moco = dict(momentum=0.99, momentum_schedule="cosine")
-  recipes.crop(config, "torchvision", 0.08, "pil_bicubic")
+  config.crop = recipes.crop("torchvision", 0.08, "pil_bicubic")
   config.augment = recipes.byol_views("torchvision", "multiply", blur=False)
   config.optimizer = recipes.optimizer("larc", base_lr=0.3, weight_decay=1e-6,
                                        trust_coefficient=0.02)

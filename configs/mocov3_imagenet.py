@@ -67,7 +67,7 @@ def get_config(arg: str = ""):
     config.predictor = mlp((4096,), last_bn=False)  # MoCo_ResNet passes last_bn=False.
     config.temperature = 1.0
     config.moco = dict(momentum=momentum, momentum_schedule="cosine")
-    recipes.crop(config, "torchvision", 0.2, "pil_bilinear")
+    config.crop = recipes.crop("torchvision", 0.2, "pil_bilinear")
     config.optimizer = recipes.optimizer("lars", base_lr=base_lr, weight_decay=weight_decay)
   else:
     config.model = recipes.vit_model(args.model, 16, "bfloat16", random_patch_projection=True)
@@ -75,7 +75,7 @@ def get_config(arg: str = ""):
     config.predictor = mlp((4096,), last_bn=True)  # MoCo_ViT keeps _build_mlp's last_bn=True.
     config.temperature = 0.2
     config.moco = dict(momentum=0.99, momentum_schedule="cosine")
-    recipes.crop(config, "torchvision", 0.08, "pil_bilinear")
+    config.crop = recipes.crop("torchvision", 0.08, "pil_bilinear")
     config.optimizer = recipes.optimizer("adamw", base_lr=1.5e-4, weight_decay=0.1,
                                          warmup_epochs=40)
   config.model.dtype = args.dtype

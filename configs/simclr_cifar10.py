@@ -35,7 +35,7 @@ def get_config(arg: str = ""):
   config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=True, final_bn=True,
                           init="normal_0.01")
   config.temperature = 0.5
-  recipes.crop(config, "tensorflow", 0.08, "tf_bicubic")
+  config.crop = recipes.crop("tensorflow", 0.08, "tf_bicubic")
   config.augment = dict(view1=recipes.simclr_view(0.5, 0.0),
                         view2=recipes.simclr_view(0.5, 0.0))
   config.optimizer = recipes.optimizer("lars", base_lr=1.0, weight_decay=1e-6,

@@ -11,6 +11,7 @@ from typing import Optional
 import ml_collections
 from ml_collections import config_dict
 
+from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import VariantError
 from contrastive_jax.core.errors import closest
@@ -85,6 +86,39 @@ def _listed(args: dict, variants: dict) -> str:
   if variants:
     listed += "; variants: " + ", ".join(f"{name} ({items})" for name, items in variants.items())
   return listed
+
+
+# The format of the configs this code writes with each checkpoint (config.format_version),
+# and of the pretraining config an export records: upgrade_config reads every older one.
+FORMAT_VERSION = 1
+
+
+def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A copy of a saved job config in the format this code writes (FORMAT_VERSION).
+
+  Call it on every config read back from a file: a checkpoint's
+  (checkpointing.Checkpointer.saved_config) and the pretraining config an export
+  recorded. Format 0 (no format_version field) holds the host crop in three
+  flat fields crop_sampler, crop_area_min and crop_resize; format 1 holds them
+  in config.crop (crop()).
+
+  Raises:
+    ConfigError: a format_version above FORMAT_VERSION (written by a newer version of
+      this project).
+  """
+  fields = saved.to_dict()
+  version = fields.get("format_version", 0)
+  if version > FORMAT_VERSION:
+    raise ConfigError("format_version", version,
+                      f"at most {FORMAT_VERSION}: the config was written by a newer version "
+                      "of contrastive_jax")
+  if version < 1:
+    flat = {key: fields.pop(f"crop_{key}") for key in ("sampler", "area_min", "resize")
+            if f"crop_{key}" in fields}
+    if flat:
+      fields["crop"] = flat
+  fields["format_version"] = FORMAT_VERSION
+  return ml_collections.ConfigDict(fields)
 
 
 def load_config_file(value: str, flag: str) -> ml_collections.ConfigDict:
@@ -174,6 +208,7 @@ def base_config() -> ml_collections.ConfigDict:
   """
   config = data_fields(ml_collections.ConfigDict())
   config.job = "pretrain"
+  config.format_version = FORMAT_VERSION
   config.image_size = 32
   config.eval_crop_fraction = 1.0
   config.duration = "100 epochs"
@@ -236,12 +271,11 @@ def mocov3_views() -> dict:
   return views
 
 
-def crop(config, sampler: str, area_min: float, resize: str):
-  """Sets the host crop: crops.SAMPLERS sampler, smallest area fraction, crops.RESIZES resize."""
-  config.crop_sampler = sampler
-  config.crop_area_min = area_min
-  config.crop_resize = resize
-  return config
+def crop(sampler: str, area_min: float, resize: str) -> dict:
+  """config.crop, the training views' random resized crop (crops.CropSpec): a crops.SAMPLERS
+  sampler, the smallest crop area as a fraction of the image, a crops.RESIZES resize (the
+  evaluation's centre crop resizes with it too)."""
+  return dict(sampler=sampler, area_min=area_min, resize=resize)
 
 
 # ImageNet channel statistics (torchvision's Normalize in MoCo; BYOL's normalize_images).
@@ -359,7 +393,7 @@ LINEAR_PROBE_PRESETS = {
     # warm-up, logits layer zero-initialised.
     "simclr": dict(
         batch_size=512, duration="100 epochs",
-        crop=dict(sampler="tensorflow", area_min=0.08, resize="tf_bicubic"),
+        crop=crop("tensorflow", 0.08, "tf_bicubic"),
         head=dict(standardize=False, init="zeros"),
         optimizer=optimizer("sgd", 0.1, 0.0, nesterov=True, warmup_epochs=0,
                             weight_decay_mask="all")),
@@ -369,7 +403,7 @@ LINEAR_PROBE_PRESETS = {
     # normal(0, 0.01), bias 0.
     "moco": dict(
         batch_size=256, duration="100 epochs",
-        crop=dict(sampler="torchvision", area_min=0.08, resize="pil_bilinear"),
+        crop=crop("torchvision", 0.08, "pil_bilinear"),
         head=dict(standardize=False, init="normal_0.01"),
         optimizer=optimizer("sgd", 30.0, 0.0, warmup_epochs=0, schedule="step",
                             decay_epochs=(60, 80), weight_decay_mask="all")),
@@ -379,7 +413,7 @@ LINEAR_PROBE_PRESETS = {
     # default initialisation.
     "byol": dict(
         batch_size=1024, duration="80 epochs",
-        crop=dict(sampler="byol", area_min=0.08, resize="tf_bicubic"),
+        crop=crop("byol", 0.08, "tf_bicubic"),
         head=dict(standardize=False, init="lecun_normal"),
         optimizer=optimizer("sgd", 0.2, 0.0, nesterov=True, warmup_epochs=0,
                             weight_decay_mask="all")),
@@ -389,7 +423,7 @@ LINEAR_PROBE_PRESETS = {
     # (scale 0.08-1) and flip, fc weights normal(0, 0.01), bias 0.
     "mocov3": dict(
         batch_size=1024, duration="90 epochs",
-        crop=dict(sampler="torchvision", area_min=0.08, resize="pil_bilinear"),
+        crop=crop("torchvision", 0.08, "pil_bilinear"),
         head=dict(standardize=False, init="normal_0.01"),
         optimizer=optimizer("sgd", 0.1, 0.0, warmup_epochs=0, weight_decay_mask="all")),
     # This project's own probe, no reference's: h standardised by an
@@ -398,7 +432,7 @@ LINEAR_PROBE_PRESETS = {
     # SGD momentum 0.9, lr 0.1 x B/256, cosine, no weight decay, crop 0.2-1.
     "standardised": dict(
         batch_size=256, duration="100 epochs",
-        crop=dict(sampler="torchvision", area_min=0.2, resize="pil_bilinear"),
+        crop=crop("torchvision", 0.2, "pil_bilinear"),
         head=dict(standardize=True, init="zeros"),
         optimizer=optimizer("sgd", 0.1, 0.0, warmup_epochs=0)),
 }
@@ -407,14 +441,14 @@ LINEAR_PROBE_PRESETS = {
 def fill_probe_preset(config, name: str) -> ml_collections.ConfigDict:
   """A copy of a probe config whose unset (None) preset fields take preset `name`'s values.
 
-  The preset fields are batch_size, duration, crop_sampler, crop_area_min,
-  crop_resize, head.* and optimizer.*; a value set in the config (e.g. by a
-  --config flag or a config argument such as runlocal) wins over the preset's.
+  The preset fields are batch_size, duration, crop.*, head.* and optimizer.*;
+  a value set in the config (e.g. by a --config flag or a config argument such
+  as runlocal) wins over the preset's.
   """
   config = config.copy_and_resolve_references()
   preset = LINEAR_PROBE_PRESETS[name]
   flat = {"batch_size": preset["batch_size"], "duration": preset["duration"],
-          **{f"crop_{k}": v for k, v in preset["crop"].items()},
+          **{f"crop.{k}": v for k, v in preset["crop"].items()},
           **{f"head.{k}": v for k, v in preset["head"].items()},
           **{f"optimizer.{k}": v for k, v in preset["optimizer"].items()}}
   for path, value in flat.items():

@@ -189,5 +189,5 @@ def eval_datasets(source, config, encoder: Encoder):
   centre crop and resize method."""
   return input_pipeline.eval_datasets(source, image_size=encoder.pretrained.image_size,
                                       crop_fraction=encoder.pretrained.eval_crop_fraction,
-                                      crop_resize=encoder.pretrained.crop_resize,
+                                      crop_resize=encoder.pretrained.crop.resize,
                                       threads=config.data_threads, cache=config.cache)

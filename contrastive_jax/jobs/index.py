@@ -88,7 +88,7 @@ def load_model(config, mesh) -> EmbedModel:
   encoder, variables, pretrained, step, _ = downstream.restore_encoder(config, mesh)
   features = jax.jit(lambda v, x: common.l2_normalize(models.encode(encoder, v, x)))
   return EmbedModel(lambda images: features(variables, images), pretrained.image_size,
-                    pretrained.eval_crop_fraction, pretrained.crop_resize, step)
+                    pretrained.eval_crop_fraction, pretrained.crop.resize, step)
 
 
 def part_names(part: int) -> dict:
