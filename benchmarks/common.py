@@ -12,6 +12,7 @@ import numpy as np
 from ml_collections import config_flags
 
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.data import crops
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import pretrain
@@ -76,8 +77,7 @@ def train_pipeline(config, source, *, shuffle_buffer: int):
   """
   return input_pipeline.train_dataset(
       source, config.train_split, local_batch=config.batch_size, image_size=config.image_size,
-      crop_sampler=config.crop_sampler, crop_area_min=config.crop_area_min,
-      crop_resize=config.crop_resize, seed=config.seed, start_step=0, cache=False,
+      crop=crops.CropSpec(**config.crop), seed=config.seed, start_step=0, cache=False,
       shuffle_buffer=shuffle_buffer, threads=config.data_threads)
 
 

@@ -14,7 +14,7 @@ On the devices present (CPU, GPU or TPU), one run measures and prints as markdow
   and BYOL's reference code: the encoded images (source.read(decode=False)),
   shuffled, each made into two views by tf.image.sample_distorted_bounding_box on
   the shape in the JPEG header (SimCLR's crop constants, area from
-  config.crop_area_min), tf.image.decode_and_crop_jpeg of that window, the config's
+  config.crop.area_min), tf.image.decode_and_crop_jpeg of that window, the config's
   resize to --image_size and a random flip; and the same with the whole image
   decoded and then cropped. Per core is images/s / min(--threads, cores), the
   cores being this process's (os.sched_getaffinity).
@@ -124,12 +124,12 @@ def peer_pipeline(source, config, *, shuffle_buffer: int, decode_window: bool):
   """The textbook pipeline over source's train split: batches as train_dataset's.
 
   {'image': uint8 [B, 2, S, S, 3], 'label': int32 [B]}, with config's batch_size,
-  image_size, crop_area_min, crop_resize and data_threads (a private pool of that many
+  image_size, crop.area_min, crop.resize and data_threads (a private pool of that many
   threads, one per op, as the project's).
   """
   def example(encoded, label):
     return {"image": peer_views(encoded, image_size=config.image_size,
-                                area_min=config.crop_area_min, resize=config.crop_resize,
+                                area_min=config.crop.area_min, resize=config.crop.resize,
                                 decode_window=decode_window),
             "label": label}
 

@@ -23,11 +23,11 @@ from ml_collections import config_dict
 
 from contrastive_jax import recipes
 
-VARIANTS = ()
+ARGS = {}
 
 
-def get_config(variant: str = ""):
-  recipes.check_variant(variant, VARIANTS)
+def get_config(arg: str = ""):
+  recipes.parse_args(arg, ARGS)
   config = ml_collections.ConfigDict()
   config.job = "audit"
   config.index_workdir = config_dict.placeholder(str)  # The reference's embed --workdir.

@@ -25,15 +25,15 @@ from ml_collections import config_dict
 
 from contrastive_jax import recipes
 
-VARIANTS = ()
+ARGS = {}
 
 
-def get_config(variant: str = ""):
-  recipes.check_variant(variant, VARIANTS)
+def get_config(arg: str = ""):
+  recipes.parse_args(arg, ARGS)
   config = ml_collections.ConfigDict()
   config.job = "embed"
   config.pretrain_workdir = config_dict.placeholder(str)  # Or a weights file (docs/weights.md),
-  config.pretrain_config = config_dict.placeholder(str)  # then its model's configs/X.py[:VARIANT].
+  config.pretrain_config = config_dict.placeholder(str)  # then its model's configs/X.py[:ARG,...].
   config.pretrain_step = -1  # -1: the latest checkpoint.
   config.random_init = False  # True: the pretraining run's encoder at initialisation (baseline).
   config.model_name = config_dict.placeholder(str)  # If set, the checkpoint's model must match.

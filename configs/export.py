@@ -13,11 +13,11 @@ import ml_collections
 
 from contrastive_jax import recipes
 
-VARIANTS = ()
+ARGS = {}
 
 
-def get_config(variant: str = ""):
-  recipes.check_variant(variant, VARIANTS)
+def get_config(arg: str = ""):
+  recipes.parse_args(arg, ARGS)
   config = ml_collections.ConfigDict()
   config.job = "export"
   recipes.pretrained_encoder_fields(config)

@@ -18,26 +18,27 @@ bounding-box sampler, area 0.08 to 1, bicubic; data/crops.py) and flip only,
 epochs'); BN in train mode. The batch is 64 here (SimCLR: 4096 on 12.8k
 ImageNet images), so that an epoch of 1% (500 images) is several steps.
 
-Variant `runlocal`: the same recipe with fewer evaluations and more frequent
-logs and checkpoints, for the 2-core CPU: 1% of CIFAR-10 (500 images, 60
-epochs = 420 steps) takes 1 to 3 minutes there, 10% (30 epochs = 2340 steps)
-about 5.
+Argument `runlocal` (--config=configs/finetune.py:runlocal): the same recipe with
+fewer evaluations and more frequent logs and checkpoints, for the 2-core CPU: 1% of
+CIFAR-10 (500 images, 60 epochs = 420 steps) takes 1 to 3 minutes there, 10% (30
+epochs = 2340 steps) about 5.
 """
 import ml_collections
 
 from contrastive_jax import recipes
 
-VARIANTS = ("runlocal",)
+ARGS = dict(runlocal=False)
 
 
-def get_config(variant: str = ""):
-  recipes.check_variant(variant, VARIANTS)
+def get_config(arg: str = ""):
+  args = recipes.parse_args(arg, ARGS)
   config = recipes.data_fields(ml_collections.ConfigDict())
   config.job = "finetune"
+  config.format_version = recipes.FORMAT_VERSION
   recipes.pretrained_encoder_fields(config)
   config.label_fraction = 0.01
   config.label_seed = 0
-  recipes.crop(config, "tensorflow", 0.08, "tf_bicubic")  # SimCLR's crop, as in B.5.
+  config.crop = recipes.crop("tensorflow", 0.08, "tf_bicubic")  # SimCLR's crop, as in B.5.
   config.batch_size = 64
   config.duration = "60 epochs"
   config.optimizer = recipes.optimizer("sgd", base_lr=0.05, weight_decay=0.0, warmup_epochs=0,
@@ -47,7 +48,7 @@ def get_config(variant: str = ""):
   config.keep_checkpoints = 2
   config.evaluators = dict(finetune=dict(kind="classifier", every="10 epochs", split="test",
                                          batch_size=1000))
-  if variant == "runlocal":
+  if args.runlocal:
     config.log_every = "20 steps"
     config.checkpoint_every = "200 steps"
     config.evaluators.finetune.every = "20 epochs"  # Each pass over the test split costs ~10 s.

@@ -15,35 +15,36 @@ each with its reference's crop and head initialisation, no weight decay);
 'standardised' runs this project's own probe (h standardised by an affine-free
 BN, SGD lr 0.1 x B/256, batch 256, 100 epochs, crop 0.2-1), whichever the
 method. The preset fills the fields left None here (batch_size, duration,
-crop_*, head.*, optimizer.*); a value given with --config wins. The probe
+crop.*, head.*, optimizer.*); a value given with --config wins. The probe
 logs the preset it ran and saves it, resolved, as config.preset with its
 checkpoints. Top-1 and top-5 on the whole test split at the end (and every
 10 epochs).
 
-Variant `runlocal`: 1000 steps at batch 256 (about 5 epochs) of the preset's
-recipe, sized for a 2-core CPU; step schedules beyond the run's end (MoCo's
-decays at 60 and 80 epochs) are not reached.
+Argument `runlocal` (--config=configs/linear_probe.py:runlocal): 1000 steps at batch
+256 (about 5 epochs) of the preset's recipe, sized for a 2-core CPU; step schedules
+beyond the run's end (MoCo's decays at 60 and 80 epochs) are not reached.
 """
 import ml_collections
 from ml_collections import config_dict
 
 from contrastive_jax import recipes
 
-VARIANTS = ("runlocal",)
+ARGS = dict(runlocal=False)
 
 
-def get_config(variant: str = ""):
-  recipes.check_variant(variant, VARIANTS)
+def get_config(arg: str = ""):
+  args = recipes.parse_args(arg, ARGS)
   config = recipes.data_fields(ml_collections.ConfigDict())
   config.job = "linear_probe"
+  config.format_version = recipes.FORMAT_VERSION
   recipes.pretrained_encoder_fields(config)
   config.preset = "auto"
   # None: the preset's value.
   config.batch_size = config_dict.placeholder(int)
   config.duration = config_dict.placeholder(str)
-  config.crop_sampler = config_dict.placeholder(str)
-  config.crop_area_min = config_dict.placeholder(float)
-  config.crop_resize = config_dict.placeholder(str)
+  config.crop = dict(sampler=config_dict.placeholder(str),
+                     area_min=config_dict.placeholder(float),
+                     resize=config_dict.placeholder(str))
   config.head = dict(standardize=config_dict.placeholder(bool),
                      init=config_dict.placeholder(str))
   config.optimizer = {key: config_dict.placeholder(type(value))
@@ -53,7 +54,7 @@ def get_config(variant: str = ""):
   config.keep_checkpoints = 2
   config.evaluators = dict(linear_probe=dict(kind="classifier", every="10 epochs", split="test",
                                              batch_size=1000))
-  if variant == "runlocal":
+  if args.runlocal:
     config.batch_size = 256
     config.duration = "1000 steps"
     config.log_every = "50 steps"

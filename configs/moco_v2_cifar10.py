@@ -16,16 +16,18 @@ RandomResizedCrop(32) (scale 0.08-1, bilinear), torchvision's ColorJitter(0.4,
 0.4, 0.4, 0.1) p 0.8, grayscale p 0.2, flip; inputs standardised with the
 demo's CIFAR-10 mean and std.
 
-Variant `runlocal`: the same job shrunk for a 2-core CPU (recipes.runlocal),
-with BN groups of 32 to keep 8 groups at batch 256.
+Arguments (--config=configs/moco_v2_cifar10.py:ARG,ARG..., e.g. :runlocal,dtype=bfloat16):
+  `runlocal`: the same job shrunk for a 2-core CPU (recipes.runlocal), with BN
+      groups of 32 to keep 8 groups at batch 256;
+  `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 """
 from contrastive_jax import recipes
 
-VARIANTS = ("runlocal",)
+ARGS = dict(runlocal=False, dtype=("float32", "bfloat16"))
 
 
-def get_config(variant: str = ""):
-  recipes.check_variant(variant, VARIANTS)
+def get_config(arg: str = ""):
+  args = recipes.parse_args(arg, ARGS)
   config = recipes.base_config()
   config.method = "moco"
   config.batch_size = 512
@@ -37,11 +39,12 @@ def get_config(variant: str = ""):
   config.temperature = 0.1
   config.moco = dict(queue_size=4096, momentum=0.99, momentum_schedule="constant",
                      bn_group_size=64)
-  recipes.crop(config, "torchvision", 0.08, "pil_bilinear")
+  config.crop = recipes.crop("torchvision", 0.08, "pil_bilinear")
   config.augment = dict(view1=recipes.moco_v2_view(0.0), view2=recipes.moco_v2_view(0.0))
   config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=5e-4,
                                        warmup_epochs=0, weight_decay_mask="all")
-  if variant == "runlocal":
+  if args.runlocal:
     recipes.runlocal(config)
     config.moco.bn_group_size = 32
+  config.model.dtype = args.dtype
   return config

@@ -12,16 +12,18 @@ images than the queue (raise both for large folders). kNN monitor (k 20) and
 online probe on the test split; an unlabeled folder needs
 --config.evaluators='{}'.
 
-Variant `runlocal`: 64 px, ResNet-18 at width 0.25, batch 128, 400 steps,
-sized for about 10 minutes on a 2-core CPU (recipes.runlocal_images).
+Arguments (--config=configs/moco_v2_images.py:ARG,ARG...):
+  `runlocal`: 64 px, ResNet-18 at width 0.25, batch 128, 400 steps,
+      sized for about 10 minutes on a 2-core CPU (recipes.runlocal_images);
+  `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 """
 from contrastive_jax import recipes
 
-VARIANTS = ("runlocal",)
+ARGS = dict(runlocal=False, dtype=("float32", "bfloat16"))
 
 
-def get_config(variant: str = ""):
-  recipes.check_variant(variant, VARIANTS)
+def get_config(arg: str = ""):
+  args = recipes.parse_args(arg, ARGS)
   config = recipes.images(recipes.base_config(), batch_size=256, num_epochs=200,
                           reference="torchvision")
   config.method = "moco"
@@ -29,13 +31,14 @@ def get_config(variant: str = ""):
   config.temperature = 0.2
   config.moco = dict(queue_size=2048, momentum=0.99, momentum_schedule="constant",
                      bn_group_size=32)
-  recipes.crop(config, "torchvision", 0.2, "pil_bilinear")
+  config.crop = recipes.crop("torchvision", 0.2, "pil_bilinear")
   config.augment = dict(view1=recipes.moco_v2_view(0.5), view2=recipes.moco_v2_view(0.5))
   config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
                                        warmup_epochs=0, weight_decay_mask="all")
-  if variant == "runlocal":
+  if args.runlocal:
     recipes.runlocal_images(config, steps=400)
     config.projector.hidden_dims = (128,)
     config.optimizer.base_lr = 0.06
     config.moco.bn_group_size = 16  # 8 groups at batch 128, as at full size.
+  config.model.dtype = args.dtype
   return config

@@ -1,15 +1,21 @@
 """MoCo v3 on ImageNet (Chen, Xie and He 2021, arXiv 2104.02057; facebookresearch/moco-v3).
 
+Arguments (--config=configs/mocov3_imagenet.py:ARG,ARG..., e.g. :model=resnet50,epochs=1000):
+  `model=vit_base` (the default), `model=vit_small` or `model=resnet50`;
+  `epochs=300` (the default), `epochs=100` or `epochs=1000`: the ResNet-50 runs the
+      reference's preset for that length (below), a ViT its one recipe for that long;
+  `dtype=bfloat16` (the default) or `dtype=float32`: the encoder's compute dtype.
 Variants, named by what they reproduce (top-1 of MoCo v3's linear
 classification, main_lincls.py: the `mocov3` probe preset, with --config.
 optimizer.base_lr=3 for the ViTs as CONFIG.md's ViT commands), from the
 reference's CONFIG.md (its README's tables, batch 4096):
-  `vit_base` (the default): ViT-B/16, 300 epochs: 76.7%;
-  `vit_small`: ViT-S/16 (MoCo v3's, 12 heads), 300 epochs: 73.2%;
-  `resnet50`: ResNet-50, 100 epochs: 68.9% (main_moco.py's defaults: lr 0.6,
-      weight decay 1e-6, m 0.99);
-  `resnet50_300ep`: 72.8% (lr 0.3);
-  `resnet50_1000ep`: 74.6% (lr 0.3, weight decay 1.5e-6, m 0.996).
+  `vit_base` (model=vit_base, the default): ViT-B/16, 300 epochs: 76.7%;
+  `vit_small` (model=vit_small): ViT-S/16 (MoCo v3's, 12 heads), 300 epochs: 73.2%;
+  `resnet50` (model=resnet50,epochs=100): ResNet-50, 100 epochs: 68.9% (main_moco.py's
+      defaults: lr 0.6, weight decay 1e-6, m 0.99);
+  `resnet50_300ep` (model=resnet50,epochs=300): 72.8% (lr 0.3);
+  `resnet50_1000ep` (model=resnet50,epochs=1000): 74.6% (lr 0.3, weight decay 1.5e-6,
+      m 0.996).
 ViT recipe (CONFIG.md): batch 4096, AdamW lr 1.5e-4 x B/256 (betas 0.9, 0.999),
 weight decay 0.1, 40 warm-up epochs then cosine, 300 epochs, t 0.2, momentum
 0.99 ramped to 1 (--moco-m-cos), random (frozen) patch projection
@@ -32,11 +38,13 @@ solarize p 0 / 0.2, flip; ImageNet standardisation; bfloat16 compute.
 """
 from contrastive_jax import recipes
 
-# variant -> (ResNet-50 base lr, weight decay, momentum, epochs).
-RESNET50 = {"resnet50": (0.6, 1e-6, 0.99, 100), "resnet50_300ep": (0.3, 1e-6, 0.99, 300),
-            "resnet50_1000ep": (0.3, 1.5e-6, 0.996, 1000)}
-VITS = {"": "vit_base", "vit_base": "vit_base", "vit_small": "vit_small"}
-VARIANTS = ("vit_base", "vit_small", *RESNET50)
+# epochs -> the ResNet-50's (base lr, weight decay, momentum).
+RESNET50 = {100: (0.6, 1e-6, 0.99), 300: (0.3, 1e-6, 0.99), 1000: (0.3, 1.5e-6, 0.996)}
+ARGS = dict(model=("vit_base", "vit_small", "resnet50"), epochs=(300, 100, 1000),
+            dtype=("bfloat16", "float32"))
+VARIANTS = {"vit_base": "model=vit_base", "vit_small": "model=vit_small",
+            "resnet50": "model=resnet50,epochs=100", "resnet50_300ep": "model=resnet50,epochs=300",
+            "resnet50_1000ep": "model=resnet50,epochs=1000"}
 
 
 def mlp(hidden_dims, last_bn: bool) -> dict:
@@ -46,30 +54,29 @@ def mlp(hidden_dims, last_bn: bool) -> dict:
               final_bn_scale=False, final_bias=False, init="torch")
 
 
-def get_config(variant: str = ""):
-  recipes.check_variant(variant, VARIANTS)
+def get_config(arg: str = ""):
+  args = recipes.parse_args(arg, ARGS, VARIANTS)
   config = recipes.base_config()
   config.method = "mocov3"
   config.augment = recipes.mocov3_views()
-  if variant in RESNET50:
-    base_lr, weight_decay, momentum, epochs = RESNET50[variant]
-    recipes.imagenet(config, batch_size=4096, num_epochs=epochs, reference="torchvision")
+  recipes.imagenet(config, batch_size=4096, num_epochs=args.epochs, reference="torchvision")
+  if args.model == "resnet50":
+    base_lr, weight_decay, momentum = RESNET50[args.epochs]
     config.model.zero_init_residual = True
     config.projector = mlp((4096,), last_bn=True)
     config.predictor = mlp((4096,), last_bn=False)  # MoCo_ResNet passes last_bn=False.
     config.temperature = 1.0
     config.moco = dict(momentum=momentum, momentum_schedule="cosine")
-    recipes.crop(config, "torchvision", 0.2, "pil_bilinear")
+    config.crop = recipes.crop("torchvision", 0.2, "pil_bilinear")
     config.optimizer = recipes.optimizer("lars", base_lr=base_lr, weight_decay=weight_decay)
-    return config
-  recipes.imagenet(config, batch_size=4096, num_epochs=300, reference="torchvision")
-  config.model = recipes.vit_model(VITS[variant], 16, "bfloat16",
-                                   random_patch_projection=True)
-  config.projector = mlp((4096, 4096), last_bn=True)
-  config.predictor = mlp((4096,), last_bn=True)  # MoCo_ViT keeps _build_mlp's last_bn=True.
-  config.temperature = 0.2
-  config.moco = dict(momentum=0.99, momentum_schedule="cosine")
-  recipes.crop(config, "torchvision", 0.08, "pil_bilinear")
-  config.optimizer = recipes.optimizer("adamw", base_lr=1.5e-4, weight_decay=0.1,
-                                       warmup_epochs=40)
+  else:
+    config.model = recipes.vit_model(args.model, 16, "bfloat16", random_patch_projection=True)
+    config.projector = mlp((4096, 4096), last_bn=True)
+    config.predictor = mlp((4096,), last_bn=True)  # MoCo_ViT keeps _build_mlp's last_bn=True.
+    config.temperature = 0.2
+    config.moco = dict(momentum=0.99, momentum_schedule="cosine")
+    config.crop = recipes.crop("torchvision", 0.08, "pil_bilinear")
+    config.optimizer = recipes.optimizer("adamw", base_lr=1.5e-4, weight_decay=0.1,
+                                         warmup_epochs=40)
+  config.model.dtype = args.dtype
   return config

@@ -15,16 +15,18 @@ last BN scale of each block, TensorFlow's distorted-bounding-box crop (area
 0.08-1, bicubic) and tf.image color ops with v1's additive brightness (see
 recipes.simclr_view for the v2 switch).
 
-Variants: `configs/simclr_cifar10.py:runlocal` is the same job shrunk for a
-2-core CPU (recipes.runlocal: narrow ResNet-18, batch 256, ~10 minutes).
+Arguments (--config=configs/simclr_cifar10.py:ARG,ARG..., e.g. :runlocal,dtype=bfloat16):
+  `runlocal`: the same job shrunk for a 2-core CPU (recipes.runlocal: narrow
+      ResNet-18, batch 256, 1500 steps);
+  `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 """
 from contrastive_jax import recipes
 
-VARIANTS = ("runlocal",)
+ARGS = dict(runlocal=False, dtype=("float32", "bfloat16"))
 
 
-def get_config(variant: str = ""):
-  recipes.check_variant(variant, VARIANTS)
+def get_config(arg: str = ""):
+  args = recipes.parse_args(arg, ARGS)
   config = recipes.base_config()
   config.method = "simclr"
   config.batch_size = 512
@@ -33,12 +35,13 @@ def get_config(variant: str = ""):
   config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=True, final_bn=True,
                           init="normal_0.01")
   config.temperature = 0.5
-  recipes.crop(config, "tensorflow", 0.08, "tf_bicubic")
+  config.crop = recipes.crop("tensorflow", 0.08, "tf_bicubic")
   config.augment = dict(view1=recipes.simclr_view(0.5, 0.0),
                         view2=recipes.simclr_view(0.5, 0.0))
   config.optimizer = recipes.optimizer("lars", base_lr=1.0, weight_decay=1e-6,
                                        lr_before_momentum=True)
-  if variant == "runlocal":
+  if args.runlocal:
     recipes.runlocal(config)
     config.projector.hidden_dims = (128,)
+  config.model.dtype = args.dtype
   return config

@@ -2,9 +2,10 @@
 
 Runs the job the config names (config.job: a key of JOBS).
 Every config field can be overridden on the command line, e.g.
---config.batch_size=512 or --config=configs/simclr_cifar10.py:runlocal. A
+--config.batch_size=512, and a config file takes arguments after a colon, e.g.
+--config=configs/simclr_cifar10.py:runlocal,dtype=bfloat16 (recipes.parse_args). A
 workdir that holds a checkpoint resumes from it. Expected failures (a flag
-that cannot be parsed: a missing config file, an unknown variant or field; a
+that cannot be parsed: a missing config file, an unknown argument or field; a
 config that cannot run, a diverged run, a bad workdir) end with one line on
 stderr and exit status 1, and so do Ctrl-C, a full disk (a training job's line
 names its newest checkpoint) and a multi-host process whose computation fails
@@ -45,7 +46,7 @@ JOBS = {"pretrain": pretrain, "linear_probe": linear_probe, "finetune": finetune
         "embed": embed, "neighbours": neighbours, "audit": audit, "export": export,
         "map": embedding_map}
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:variant]).",
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:ARG,...]).",
                                           lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
 _DISTRIBUTED = flags.DEFINE_bool(
@@ -93,17 +94,17 @@ def run_job(config, workdir: str):
   return job.run(config, workdir)
 
 
-_CONFIG_ARG = re.compile(r"^--?config(?:=(.*))?$")  # --config=FILE[:VARIANT] or --config FILE...
+_CONFIG_ARG = re.compile(r"^--?config(?:=(.*))?$")  # --config=FILE[:ARG,...] or --config FILE...
 _OVERRIDE_ARG = re.compile(r"^--?(?:no)?config\.([^=]*)")  # --config.FIELD=VALUE, --noconfig.FIELD
 
 
 def check_config_flags(argv):
   """Checks what absl's and ml_collections' parsing would end in a traceback for.
 
-  A --config file that does not exist, a variant the file does not have
-  (recipes.check_variant), a --config.FIELD override naming no field of the
-  config: each raises JobError naming the flag as given and the closest
-  valid file, variant or field. Runs the config file's get_config itself;
+  A --config file that does not exist, an argument, value or variant the file
+  does not take (recipes.parse_args), a --config.FIELD override naming no field
+  of the config: each raises JobError naming the flag as given and the closest
+  valid file, argument, value or field. Runs the config file's get_config itself;
   any other flag is left to absl.
 
   Raises:

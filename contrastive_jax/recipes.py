@@ -6,38 +6,131 @@ reference's recipe; the docstrings name the reference and the code there.
 import importlib.machinery
 import importlib.util
 import os
+from typing import Optional
 
 import ml_collections
 from ml_collections import config_dict
 
+from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import VariantError
 from contrastive_jax.core.errors import closest
 from contrastive_jax import models
 
 
-def check_variant(variant: str, known) -> None:
-  """Raises VariantError unless variant is '' (the config's default) or one of known.
+def parse_args(arg: str, args: dict,
+               variants: Optional[dict] = None) -> ml_collections.ConfigDict:
+  """The arguments of a config file's get_config(arg), given as --config=FILE:ARG.
 
-  Every file in configs/ names its variants in a module-level VARIANTS and
-  calls this first in get_config(variant), so that a misspelled
-  --config=FILE:VARIANT ends in one line naming the file's variants and the
-  closest one (main.py).
+  arg is a comma-separated list of items, applied left to right (a later item
+  wins): 'key=value', value one of args[key] as written by str(); a bare 'key'
+  for a flag (key=True and key=False also parse); or the name of a variant,
+  which stands for its items (variants[name], e.g. 'runlocal,model=vit_tiny'),
+  so 'runlocal_vit,dtype=bfloat16' combines them. Every file in configs/
+  declares what it takes in a module-level ARGS (and VARIANTS, if it has any)
+  and calls this first in get_config(arg), so that a misspelled FILE:ARG ends
+  in one line naming what the file takes and the closest valid name (main.py).
+
+  Args:
+    arg: as given after the colon; '' for the defaults.
+    args: name -> False for a flag (off unless given), or a tuple of the allowed
+      values (str or int), the default first.
+    variants: name -> the items it stands for.
+
+  Returns:
+    name -> value for every name of args.
+
+  Raises:
+    VariantError: a bare word that is neither a flag nor a variant, a name
+      args lacks, a value args[key] does not allow.
   """
-  if variant and variant not in known:
-    raise VariantError(variant, known)
+  variants = variants or {}
+  choices = {key: (False, True) if spec is False else tuple(spec) for key, spec in args.items()}
+  values = {key: allowed[0] for key, allowed in choices.items()}
+  listed = _listed(args, variants)
+  items = []
+  for item in filter(None, map(str.strip, arg.split(","))):
+    items += variants[item].split(",") if item in variants else [item]
+  for item in items:
+    key, has_value, value = item.partition("=")
+    key, value = key.strip(), value.strip()
+    if not has_value:
+      if args.get(key) is False:
+        values[key] = True
+        continue
+      if key in args:
+        raise VariantError(f"argument {key!r} needs a value, one of "
+                           f"{', '.join(map(str, choices[key]))} (e.g. {key}={choices[key][0]})",
+                           key, ())
+      raise VariantError(f"no argument or variant {key!r} ({listed})", key,
+                         [*(k for k in args if args[k] is False), *variants,
+                          *(f"{k}={v}" for k in args if args[k] is not False
+                            for v in choices[k])])
+    if key not in args:
+      raise VariantError(f"no argument {key!r} ({listed})", key, args)
+    named = {str(allowed): allowed for allowed in choices[key]}
+    if value not in named:
+      raise VariantError(f"no value {value!r} of argument {key!r} (its values: "
+                         f"{', '.join(named)})", value, named)
+    values[key] = named[value]
+  return ml_collections.ConfigDict(values)
+
+
+def _listed(args: dict, variants: dict) -> str:
+  """What a config file takes, in words: 'the config's arguments: runlocal,
+  dtype=float32|bfloat16; variants: runlocal_vit (runlocal,model=vit_tiny)'."""
+  if not args and not variants:
+    return "the config takes none"
+  listed = "the config's arguments: " + ", ".join(
+      key if spec is False else f"{key}={'|'.join(map(str, spec))}" for key, spec in args.items())
+  if variants:
+    listed += "; variants: " + ", ".join(f"{name} ({items})" for name, items in variants.items())
+  return listed
+
+
+# The format of the configs this code writes with each checkpoint (config.format_version),
+# and of the pretraining config an export records: upgrade_config reads every older one.
+FORMAT_VERSION = 1
+
+
+def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A copy of a saved job config in the format this code writes (FORMAT_VERSION).
+
+  Call it on every config read back from a file: a checkpoint's
+  (checkpointing.Checkpointer.saved_config) and the pretraining config an export
+  recorded. Format 0 (no format_version field) holds the host crop in three
+  flat fields crop_sampler, crop_area_min and crop_resize; format 1 holds them
+  in config.crop (crop()).
+
+  Raises:
+    ConfigError: a format_version above FORMAT_VERSION (written by a newer version of
+      this project).
+  """
+  fields = saved.to_dict()
+  version = fields.get("format_version", 0)
+  if version > FORMAT_VERSION:
+    raise ConfigError("format_version", version,
+                      f"at most {FORMAT_VERSION}: the config was written by a newer version "
+                      "of contrastive_jax")
+  if version < 1:
+    flat = {key: fields.pop(f"crop_{key}") for key in ("sampler", "area_min", "resize")
+            if f"crop_{key}" in fields}
+    if flat:
+      fields["crop"] = flat
+  fields["format_version"] = FORMAT_VERSION
+  return ml_collections.ConfigDict(fields)
 
 
 def load_config_file(value: str, flag: str) -> ml_collections.ConfigDict:
-  """get_config(VARIANT) of a config FILE[:VARIANT], as ml_collections calls it for --config.
+  """get_config(ARG) of a config FILE[:ARG], as ml_collections calls it for --config.
 
   flag names where value was given (e.g. '--config', 'config.pretrain_config') in the errors.
 
   Raises:
     JobError: no such file (naming the closest in its folder), not a config file, or
-      no such variant.
+      an argument it does not take (parse_args).
   """
-  path, *variant = value.split(":", 1)
+  path, *arg = value.split(":", 1)
   if not os.path.isfile(path):
     folder = os.path.dirname(path)
     names = ([n for n in os.listdir(folder or ".") if n.endswith(".py")]
@@ -55,9 +148,9 @@ def load_config_file(value: str, flag: str) -> ml_collections.ConfigDict:
     raise JobError(f"{flag}={value}: not a config file: Python cannot read it ({e.msg}, "
                    f"line {e.lineno})") from None
   if not callable(getattr(module, "get_config", None)):
-    raise JobError(f"{flag}={value}: not a config file: it defines no get_config(variant)")
+    raise JobError(f"{flag}={value}: not a config file: it defines no get_config(arg)")
   try:
-    return module.get_config(*variant)
+    return module.get_config(*arg)
   except VariantError as e:
     raise JobError(f"{flag}={value}: {e}") from None
 
@@ -99,7 +192,7 @@ def pretrained_encoder_fields(config):
   # The pretraining job's --workdir, or a weights file (.safetensors; .pth with torch) of a
   # torchvision ResNet or timm / MoCo v3 ViT, whose model pretrain_config then describes.
   config.pretrain_workdir = config_dict.placeholder(str)
-  config.pretrain_config = config_dict.placeholder(str)  # configs/X.py[:VARIANT], for a file.
+  config.pretrain_config = config_dict.placeholder(str)  # configs/X.py[:ARG,...], for a file.
   config.pretrain_step = -1  # -1: the latest checkpoint.
   config.random_init = False  # True: the pretraining run's encoder at initialisation (baseline).
   config.model_name = config_dict.placeholder(str)  # If set, the checkpoint's model must match.
@@ -115,6 +208,7 @@ def base_config() -> ml_collections.ConfigDict:
   """
   config = data_fields(ml_collections.ConfigDict())
   config.job = "pretrain"
+  config.format_version = FORMAT_VERSION
   config.image_size = 32
   config.eval_crop_fraction = 1.0
   config.duration = "100 epochs"
@@ -177,12 +271,11 @@ def mocov3_views() -> dict:
   return views
 
 
-def crop(config, sampler: str, area_min: float, resize: str):
-  """Sets the host crop: crops.SAMPLERS sampler, smallest area fraction, crops.RESIZES resize."""
-  config.crop_sampler = sampler
-  config.crop_area_min = area_min
-  config.crop_resize = resize
-  return config
+def crop(sampler: str, area_min: float, resize: str) -> dict:
+  """config.crop, the training views' random resized crop (crops.CropSpec): a crops.SAMPLERS
+  sampler, the smallest crop area as a fraction of the image, a crops.RESIZES resize (the
+  evaluation's centre crop resizes with it too)."""
+  return dict(sampler=sampler, area_min=area_min, resize=resize)
 
 
 # ImageNet channel statistics (torchvision's Normalize in MoCo; BYOL's normalize_images).
@@ -300,7 +393,7 @@ LINEAR_PROBE_PRESETS = {
     # warm-up, logits layer zero-initialised.
     "simclr": dict(
         batch_size=512, duration="100 epochs",
-        crop=dict(sampler="tensorflow", area_min=0.08, resize="tf_bicubic"),
+        crop=crop("tensorflow", 0.08, "tf_bicubic"),
         head=dict(standardize=False, init="zeros"),
         optimizer=optimizer("sgd", 0.1, 0.0, nesterov=True, warmup_epochs=0,
                             weight_decay_mask="all")),
@@ -310,7 +403,7 @@ LINEAR_PROBE_PRESETS = {
     # normal(0, 0.01), bias 0.
     "moco": dict(
         batch_size=256, duration="100 epochs",
-        crop=dict(sampler="torchvision", area_min=0.08, resize="pil_bilinear"),
+        crop=crop("torchvision", 0.08, "pil_bilinear"),
         head=dict(standardize=False, init="normal_0.01"),
         optimizer=optimizer("sgd", 30.0, 0.0, warmup_epochs=0, schedule="step",
                             decay_epochs=(60, 80), weight_decay_mask="all")),
@@ -320,7 +413,7 @@ LINEAR_PROBE_PRESETS = {
     # default initialisation.
     "byol": dict(
         batch_size=1024, duration="80 epochs",
-        crop=dict(sampler="byol", area_min=0.08, resize="tf_bicubic"),
+        crop=crop("byol", 0.08, "tf_bicubic"),
         head=dict(standardize=False, init="lecun_normal"),
         optimizer=optimizer("sgd", 0.2, 0.0, nesterov=True, warmup_epochs=0,
                             weight_decay_mask="all")),
@@ -330,7 +423,7 @@ LINEAR_PROBE_PRESETS = {
     # (scale 0.08-1) and flip, fc weights normal(0, 0.01), bias 0.
     "mocov3": dict(
         batch_size=1024, duration="90 epochs",
-        crop=dict(sampler="torchvision", area_min=0.08, resize="pil_bilinear"),
+        crop=crop("torchvision", 0.08, "pil_bilinear"),
         head=dict(standardize=False, init="normal_0.01"),
         optimizer=optimizer("sgd", 0.1, 0.0, warmup_epochs=0, weight_decay_mask="all")),
     # This project's own probe, no reference's: h standardised by an
@@ -339,7 +432,7 @@ LINEAR_PROBE_PRESETS = {
     # SGD momentum 0.9, lr 0.1 x B/256, cosine, no weight decay, crop 0.2-1.
     "standardised": dict(
         batch_size=256, duration="100 epochs",
-        crop=dict(sampler="torchvision", area_min=0.2, resize="pil_bilinear"),
+        crop=crop("torchvision", 0.2, "pil_bilinear"),
         head=dict(standardize=True, init="zeros"),
         optimizer=optimizer("sgd", 0.1, 0.0, warmup_epochs=0)),
 }
@@ -348,14 +441,14 @@ LINEAR_PROBE_PRESETS = {
 def fill_probe_preset(config, name: str) -> ml_collections.ConfigDict:
   """A copy of a probe config whose unset (None) preset fields take preset `name`'s values.
 
-  The preset fields are batch_size, duration, crop_sampler, crop_area_min,
-  crop_resize, head.* and optimizer.*; a value set in the config (e.g. by a
-  --config flag or a variant) wins over the preset's.
+  The preset fields are batch_size, duration, crop.*, head.* and optimizer.*;
+  a value set in the config (e.g. by a --config flag or a config argument such
+  as runlocal) wins over the preset's.
   """
   config = config.copy_and_resolve_references()
   preset = LINEAR_PROBE_PRESETS[name]
   flat = {"batch_size": preset["batch_size"], "duration": preset["duration"],
-          **{f"crop_{k}": v for k, v in preset["crop"].items()},
+          **{f"crop.{k}": v for k, v in preset["crop"].items()},
           **{f"head.{k}": v for k, v in preset["head"].items()},
           **{f"optimizer.{k}": v for k, v in preset["optimizer"].items()}}
   for path, value in flat.items():

@@ -51,7 +51,7 @@ def _project_h(pretrained, images):
   pretrained = encoder.pretrained
   crops = np.stack([input_pipeline.center_crop(tf.constant(image), pretrained.image_size,
                                                pretrained.eval_crop_fraction,
-                                               pretrained.crop_resize).numpy()
+                                               pretrained.crop.resize).numpy()
                     for image in images])
   return encoder, np.asarray(models.encode(encoder.module, encoder.variables, crops))
 
@@ -62,7 +62,7 @@ def _crops(pretrained, images):
   config = encoder.pretrained
   return np.stack([input_pipeline.center_crop(tf.constant(image), config.image_size,
                                               config.eval_crop_fraction,
-                                              config.crop_resize).numpy() for image in images])
+                                              config.crop.resize).numpy() for image in images])
 
 
 def _relative(h, ref):
@@ -224,7 +224,7 @@ def test_onnx_export_gives_the_projects_h_and_z_under_onnx_runtime(pretrained, t
   assert _relative(got_h, h) < TOLERANCE and _relative(got_z, z) < TOLERANCE
   metadata = {p.key: p.value for p in onnx.load(path).metadata_props}
   assert metadata["image_size"] == "32" and metadata["pretrain_step"] == str(encoder.step)
-  assert metadata["crop_resize"] == encoder.pretrained.crop_resize
+  assert metadata["crop_resize"] == encoder.pretrained.crop.resize
 
 
 def test_onnx_export_without_the_onnx_package_is_refused_in_one_line(tmp_path, monkeypatch):

@@ -16,6 +16,7 @@ from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.data import crops
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import finetune
@@ -110,8 +111,8 @@ def test_each_process_reads_its_part_and_together_the_subset(cifar, monkeypatch)
 
   def stream(start_step, steps):
     ds = input_pipeline.train_dataset(subset, split, local_batch=4, image_size=32,
-                                      crop_sampler="tensorflow", crop_area_min=0.5,
-                                      crop_resize="tf_bicubic", seed=1, start_step=start_step,
+                                      crop=crops.CropSpec("tensorflow", 0.5, "tf_bicubic"),
+                                      seed=1, start_step=start_step,
                                       cache=True, shuffle_buffer=64, threads=1, num_views=1)
     return [b["image"] for _, b in zip(range(steps), tfds.as_numpy(ds))]
   # 11 images, batch 4: step 3 starts inside epoch 2, step 5 crosses into epoch 3.

@@ -29,6 +29,7 @@ from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import ImageError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.data import crops
 from contrastive_jax.data import images
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import prepare_images
@@ -258,9 +259,9 @@ def test_pipelines_crop_variable_sizes_and_upscale_small_images(prepared):
   # decoded once; uncached ones stay encoded until the crop (large folders).
   for cache in (True, False):
     train = input_pipeline.train_dataset(source, "train", local_batch=8, image_size=48,
-                                         crop_sampler="tensorflow", crop_area_min=0.08,
-                                         crop_resize="tf_bicubic", seed=0, start_step=0, cache=cache,
-                                         shuffle_buffer=8, threads=1)
+                                         crop=crops.CropSpec("tensorflow", 0.08, "tf_bicubic"),
+                                         seed=0, start_step=0, cache=cache, shuffle_buffer=8,
+                                         threads=1)
     batch = next(iter(tfds.as_numpy(train)))
     assert batch["image"].shape == (8, 2, 48, 48, 3) and batch["image"].dtype == np.uint8
   ev = input_pipeline.eval_dataset(source, "train", local_batch=8, image_size=48,

@@ -42,8 +42,8 @@ def array_record(array_record_cifar):
 
 
 def _train(cifar, start_step=0, area=0.08, split="train[:40]", **kw):
-  args = dict(local_batch=8, image_size=32, crop_sampler="tensorflow", crop_area_min=area,
-              crop_resize="tf_bicubic", seed=3, start_step=start_step,
+  args = dict(local_batch=8, image_size=32, crop=crops.CropSpec("tensorflow", area, "tf_bicubic"),
+              seed=3, start_step=start_step,
               cache=False, shuffle_buffer=64, threads=1)
   args.update(kw)
   source = cifar[0] if isinstance(cifar, tuple) else cifar

@@ -199,7 +199,7 @@ def test_probe_presets_resolve_to_their_references_recipes(pretrained):
     c = resolved(preset=preset)
     o = c.optimizer
     assert (c.batch_size, c.duration, o.base_lr, o.nesterov, o.weight_decay, o.schedule,
-            tuple(o.decay_epochs), c.crop_sampler, c.crop_area_min, c.head.init,
+            tuple(o.decay_epochs), c.crop.sampler, c.crop.area_min, c.head.init,
             c.head.standardize) == expected, preset
     assert (c.preset, o.name, o.momentum, o.warmup_epochs) == (preset, "sgd", 0.9, 0)
   # 'auto' runs the checkpoint's method's (SimCLR here); a value given wins over the preset's.

@@ -1,4 +1,5 @@
-"""The entry point's flag parsing: a bad --config file, variant or field ends in one line."""
+"""The entry point's flag parsing: a bad --config file, argument or field ends in one line;
+config arguments (recipes.parse_args) combine."""
 import glob
 import importlib.util
 import os
@@ -14,14 +15,16 @@ from contrastive_jax.core.errors import VariantError
 from contrastive_jax import main
 
 SIMCLR = os.path.join(CONFIG_DIR, "simclr_cifar10.py")
+MOCOV3 = os.path.join(CONFIG_DIR, "mocov3_cifar10.py")
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
-# The config fields that count things (or are pixels, seeds, steps): the only int fields.
+# The config fields that count things (or are pixels, seeds, steps, the saved format's
+# version): the only int fields.
 INTEGER_FIELDS = {"batch_size", "bn_group_size", "cell", "chunk_size", "clusters", "data_threads",
-                  "depth", "ef_construction", "ef_search", "hidden_dims", "hnsw_m", "image_size",
-                  "k", "k_factor", "keep_checkpoints", "label_seed", "max_pixels", "max_points",
-                  "n_neighbors", "nlist", "nprobe", "out_dim", "patch_size", "pca_dims",
-                  "picture_pairs", "pretrain_step", "queue_size", "seed", "shuffle_buffer",
-                  "size", "threads", "thumbnail"}
+                  "depth", "ef_construction", "ef_search", "format_version", "hidden_dims",
+                  "hnsw_m", "image_size", "k", "k_factor", "keep_checkpoints", "label_seed",
+                  "max_pixels", "max_points", "n_neighbors", "nlist", "nprobe", "out_dim",
+                  "patch_size", "pca_dims", "picture_pairs", "pretrain_step", "queue_size",
+                  "seed", "shuffle_buffer", "size", "threads", "thumbnail"}
 
 
 def _int_fields(config, prefix=""):
@@ -46,8 +49,11 @@ def _module(path):
      f"error: --config.batchsize=64: no field 'batchsize' in --config={SIMCLR}; "
      "did you mean 'batch_size'?"),
     ([f"--config={SIMCLR}:runlocl"],
-     f"error: --config={SIMCLR}:runlocl: no variant 'runlocl' (the config's variants: "
-     "'runlocal'); did you mean 'runlocal'?"),
+     f"error: --config={SIMCLR}:runlocl: no argument or variant 'runlocl' (the config's "
+     "arguments: runlocal, dtype=float32|bfloat16); did you mean 'runlocal'?"),
+    ([f"--config={MOCOV3}:runlocal,model=vit_tin"],
+     f"error: --config={MOCOV3}:runlocal,model=vit_tin: no value 'vit_tin' of argument "
+     "'model' (its values: resnet18, vit_tiny); did you mean 'vit_tiny'?"),
     ([f"--config={CONFIG_DIR}/simclr_cifar.py"],
      f"error: --config={CONFIG_DIR}/simclr_cifar.py: no such file; did you mean "
      f"'{CONFIG_DIR}/simclr_cifar10.py'?"),
@@ -86,23 +92,81 @@ def test_misspelled_field_names_its_closest(override, message):
 def test_valid_flags_pass_the_check():
   for argv in (["main", "--config", SIMCLR, "--config.evaluators.knn.k=3", "--noconfig.cache",
                 "--config.evaluators={}", "--config.evaluators.knn", "3"],
-               ["main", f"--config={CONFIG_DIR}/mocov3_cifar10.py:runlocal_vit",
-                "--config.model.depth=2"],
+               ["main", f"--config={MOCOV3}:runlocal_vit", "--config.model.depth=2"],
+               ["main", f"--config={MOCOV3}:model=vit_tiny,runlocal,dtype=bfloat16",
+                "--config.model.patch_size=4"],
                ["main", "--workdir=x"]):  # No --config: absl says it is required.
     main.check_config_flags(argv)
 
 
-def test_every_config_declares_its_variants_and_refuses_others():
+def _arguments(module):
+  """Every arg string worth loading of a config module: '', each variant, each value of
+  each argument."""
+  yield ""
+  yield from getattr(module, "VARIANTS", {})
+  for key, spec in module.ARGS.items():
+    yield from ([key] if spec is False else [f"{key}={value}" for value in spec])
+
+
+def test_every_config_declares_its_arguments_and_refuses_others():
   for path in CONFIG_FILES:
     module = _module(path)
-    for variant in ("", *module.VARIANTS):
-      assert module.get_config(variant).job, (path, variant)
+    for arg in _arguments(module):
+      assert module.get_config(arg).job, (path, arg)
     with pytest.raises(VariantError) as error:
       module.get_config("runlocl")
-    assert error.value.known == tuple(module.VARIANTS)
-  with pytest.raises(JobError, match=r"embed.py:runlocal: no variant 'runlocal' \(the config "
-                     r"has none\)$"):
+    assert error.value.given == "runlocl"
+  with pytest.raises(JobError, match=r"embed.py:runlocal: no argument or variant 'runlocal' "
+                     r"\(the config takes none\)$"):
     main.check_config_flags(["main", f"--config={CONFIG_DIR}/embed.py:runlocal"])
+
+
+@pytest.mark.parametrize("arg, message", [
+    ("runlocal,modle=vit_tiny", r"^no argument 'modle' \(the config's arguments: runlocal, "
+     r"model=resnet18\|vit_tiny, dtype=float32\|bfloat16; variants: runlocal_vit "
+     r"\(runlocal,model=vit_tiny\)\); did you mean 'model'\?$"),
+    ("vit_tiny", r"^no argument or variant 'vit_tiny' .*; did you mean 'model=vit_tiny'\?$"),
+    ("model", r"^argument 'model' needs a value, one of resnet18, vit_tiny "
+     r"\(e.g. model=resnet18\)$"),
+    ("runlocal=yes", r"^no value 'yes' of argument 'runlocal' \(its values: False, True\)$"),
+    ("dtype=bfloat61", r"did you mean 'bfloat16'\?$"),
+])
+def test_a_bad_argument_names_what_the_config_takes(arg, message):
+  with pytest.raises(VariantError, match=message):
+    _module(MOCOV3).get_config(arg)
+
+
+def test_arguments_combine_left_to_right_and_variants_stand_for_their_items():
+  mocov3, simclr = _module(MOCOV3), _module(SIMCLR)
+  vit = mocov3.get_config("runlocal_vit").to_dict()
+  assert mocov3.get_config("model=vit_tiny,runlocal").to_dict() == vit
+  assert mocov3.get_config(" runlocal , model=vit_tiny ,").to_dict() == vit
+  assert mocov3.get_config("runlocal_vit,model=resnet18").to_dict() == (
+      mocov3.get_config("runlocal").to_dict())
+  assert simclr.get_config("runlocal=True").to_dict() == simclr.get_config("runlocal").to_dict()
+  assert simclr.get_config("runlocal,runlocal=False").to_dict() == simclr.get_config().to_dict()
+
+
+def _leaves(tree, prefix=""):
+  for key, value in tree.items():
+    if isinstance(value, dict):
+      yield from _leaves(value, f"{prefix}{key}.")
+    else:
+      yield prefix + key, value
+
+
+@pytest.mark.parametrize("name", ["simclr_cifar10", "moco_v2_cifar10", "byol_cifar10",
+                                  "mocov3_cifar10"])
+def test_dtype_combines_with_runlocal_and_changes_only_the_dtype(name):
+  module = _module(os.path.join(CONFIG_DIR, f"{name}.py"))
+  models = ("resnet18", "vit_tiny") if "model" in module.ARGS else (None,)
+  for model in models:
+    arg = "runlocal" + (f",model={model}" if model else "")
+    float32 = dict(_leaves(module.get_config(arg).to_dict()))
+    bfloat16 = dict(_leaves(module.get_config(arg + ",dtype=bfloat16").to_dict()))
+    assert float32["model.dtype"] == "float32" and bfloat16["model.dtype"] == "bfloat16"
+    assert {k for k in float32 if float32[k] != bfloat16.get(k)} == {"model.dtype"}
+    assert float32.keys() == bfloat16.keys()
 
 
 def test_only_counts_are_integer_fields_so_fractions_parse():
@@ -110,10 +174,10 @@ def test_only_counts_are_integer_fields_so_fractions_parse():
   # --config.optimizer.warmup_epochs=0.5 parses (a ConfigDict field keeps its first type).
   for path in CONFIG_FILES:
     module = _module(path)
-    for variant in ("", *module.VARIANTS):
-      config = module.get_config(variant)
+    for arg in _arguments(module):
+      config = module.get_config(arg)
       assert [f for f in _int_fields(config) if f.split(".")[-1] not in INTEGER_FIELDS] == [], (
-          path, variant)
+          path, arg)
       if "optimizer" in config:
         assert config.optimizer.get_type("warmup_epochs") is float
         assert all(isinstance(e, float) for e in config.optimizer.decay_epochs or ())

@@ -5,9 +5,14 @@ sample_distorted_bounding_box kernel, torchvision's RandomResizedCrop, BYOL's
 _decode_and_random_crop); color ops against tf.image and torchvision's
 formulas; blur against SimCLR's depthwise convolution; heads, weight-decay
 masks and initialisations per method; the optimizers' update rules against
-numpy transcriptions of SimCLR's, BYOL's and solo-learn's LARS.
+numpy transcriptions of SimCLR's, BYOL's and solo-learn's LARS. The old variant
+names' recipes pinned; one crop spec (config.crop) in every config and preset, and
+older saved configs' flat crop fields upgraded.
 """
+import glob
+import json
 import math
+import os
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +21,12 @@ import numpy as np
 import optax
 import pytest
 import tensorflow as tf
-from helpers import load_config
+from helpers import CONFIG_DIR, load_config
 from scipy import ndimage
 from scipy import stats
 
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import VariantError
 from contrastive_jax.data import augment
 from contrastive_jax.data import crops
 from contrastive_jax.methods import optim
@@ -393,3 +400,121 @@ def test_lars_variants_follow_their_references_update_rules():
   b1 = -lrs[0] * v1
   v2 = m * v1 + (1.0 + wd * b1)
   np.testing.assert_allclose(bias, b1 - lrs[1] * v2, rtol=1e-6)
+
+
+# --- Config arguments and the crop spec ----------------------------------------------------
+
+# (config file, old variant name) -> fields that variant gives, from its docstring and the
+# reference it names: the old names keep computing what they did.
+OLD_VARIANTS = {
+    ("simclr_cifar10", "runlocal"): {
+        "batch_size": 256, "duration": "1500 steps", "model.width": 0.25,
+        "model.stem": "imagenet", "model.dtype": "float32", "projector.hidden_dims": (128,),
+        "crop": dict(sampler="tensorflow", area_min=0.08, resize="tf_bicubic"),
+        "evaluators.knn.every": "500 steps", "optimizer.warmup_epochs": 1.0},
+    ("moco_v2_cifar10", "runlocal"): {
+        "batch_size": 256, "duration": "1500 steps", "moco.bn_group_size": 32,
+        "crop": dict(sampler="torchvision", area_min=0.08, resize="pil_bilinear")},
+    ("byol_cifar10", "runlocal"): {
+        "duration": "1200 steps", "evaluators.knn.every": "400 steps",
+        "model.conv_init": "variance_scaling", "model.width": 0.25, "optimizer.name": "lars",
+        "optimizer.weight_decay": 1.5e-6, "projector.hidden_dims": (512,),
+        "crop": dict(sampler="byol", area_min=0.08, resize="tf_bicubic")},
+    ("mocov3_cifar10", "runlocal_vit"): {
+        "model.name": "vit_tiny", "model.width": 0.5, "model.depth": 4, "model.patch_size": 8,
+        "model.dtype": "float32", "optimizer.name": "adamw", "optimizer.base_lr": 1e-3,
+        "optimizer.warmup_epochs": 0.5, "duration": "800 steps",
+        "evaluators.online_probe.every": "400 steps", "predictor.final_bn": True,
+        "predictor.hidden_dims": (512,), "projector.out_dim": 128,
+        "crop": dict(sampler="torchvision", area_min=0.08, resize="pil_bicubic")},
+    ("mocov3_imagenet", "resnet50"): {
+        "model.name": "resnet50", "duration": "100 epochs", "optimizer.base_lr": 0.6,
+        "optimizer.weight_decay": 1e-6, "moco.momentum": 0.99, "temperature": 1.0,
+        "crop": dict(sampler="torchvision", area_min=0.2, resize="pil_bilinear")},
+    ("mocov3_imagenet", "resnet50_1000ep"): {
+        "duration": "1000 epochs", "optimizer.base_lr": 0.3, "optimizer.weight_decay": 1.5e-6,
+        "moco.momentum": 0.996},
+    ("mocov3_imagenet", "vit_small"): {
+        "model.name": "vit_small", "model.dtype": "bfloat16", "duration": "300 epochs",
+        "optimizer.base_lr": 1.5e-4, "optimizer.warmup_epochs": 40.0},
+    ("byol_imagenet", "300ep"): {
+        "duration": "300 epochs", "optimizer.base_lr": 0.3, "optimizer.weight_decay": 1e-6,
+        "byol.tau_base": 0.99},
+    ("simclr_imagenet", "1000ep"): {"duration": "1000 epochs", "optimizer.base_lr": 0.3},
+    ("moco_v2_imagenet", "800ep"): {"duration": "800 epochs"},
+}
+
+
+def _field(config, dotted):
+  for part in dotted.split("."):
+    config = config[part]
+  return config.to_dict() if isinstance(config, ml_collections.ConfigDict) else config
+
+
+@pytest.mark.parametrize("name,variant", sorted(OLD_VARIANTS))
+def test_old_variant_names_keep_their_recipes(name, variant):
+  config = load_config(name, variant)
+  assert {k: _field(config, k) for k in OLD_VARIANTS[name, variant]} == (
+      OLD_VARIANTS[name, variant])
+
+
+def _crops(tree, path=""):
+  """(path, crop spec) of every 'crop' in a nested dict, and every flat crop_* field."""
+  for key, value in tree.items():
+    if key == "crop" or key.startswith("crop_"):
+      yield path + key, value
+    elif isinstance(value, dict):
+      yield from _crops(value, f"{path}{key}.")
+
+
+def test_every_config_and_probe_preset_spells_the_crop_alike():
+  names = [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))]
+  found = {f"preset {name}.{path}": crop for name, preset in recipes.LINEAR_PROBE_PRESETS.items()
+           for path, crop in _crops(preset)}
+  for name in names:
+    for arg in ("", "runlocal"):
+      try:
+        config = load_config(name, arg)
+      except VariantError:
+        continue
+      found.update({f"{name}:{arg} {path}": crop for path, crop in _crops(config.to_dict())})
+  assert len(found) > 20
+  for where, crop in found.items():
+    assert where.endswith(" crop") or where.endswith(".crop"), where
+    assert set(crop) == {"sampler", "area_min", "resize"}, where
+    if crop["sampler"] is not None:  # The probe's are None until a preset fills them.
+      assert crops.CropSpec(**crop).sampler in crops.SAMPLERS, where
+
+
+def test_upgrade_config_reads_the_flat_crop_fields_of_older_saved_configs():
+  current = load_config("byol_cifar10", "runlocal")
+  assert current.format_version == recipes.FORMAT_VERSION == 1
+  # A saved config as the format before format_version wrote it (JSON: lists for tuples).
+  old = json.loads(json.dumps(current.to_dict()))
+  del old["format_version"]
+  crop = old.pop("crop")
+  old.update(crop_sampler=crop["sampler"], crop_area_min=crop["area_min"],
+             crop_resize=crop["resize"])
+  saved = ml_collections.ConfigDict(old)
+  upgraded = recipes.upgrade_config(saved)
+  assert upgraded.crop.to_dict() == dict(sampler="byol", area_min=0.08, resize="tf_bicubic")
+  assert upgraded.to_dict() == json.loads(json.dumps(current.to_dict()))
+  assert "crop_sampler" in saved and "format_version" not in saved  # Left as it was.
+  # A current one passes unchanged; a newer one is refused in one line.
+  again = recipes.upgrade_config(upgraded)
+  assert again.to_dict() == upgraded.to_dict()
+  newer = ml_collections.ConfigDict(dict(upgraded.to_dict(), format_version=2))
+  with pytest.raises(ConfigError, match=r"^config.format_version=2: must be at most 1: the "
+                                        r"config was written by a newer version"):
+    recipes.upgrade_config(newer)
+
+
+def test_probe_presets_fill_the_crop_and_a_given_field_wins():
+  config = load_config("linear_probe", "runlocal")
+  config.crop.area_min = 0.5
+  filled = recipes.fill_probe_preset(config, "byol")
+  assert filled.crop.to_dict() == dict(sampler="byol", area_min=0.5, resize="tf_bicubic")
+  crops.check_config(filled)
+  filled.crop.sampler = "tensorflw"
+  with pytest.raises(ConfigError, match=r"^config.crop.sampler='tensorflw': must be one of "):
+    crops.check_config(filled)

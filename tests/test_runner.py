@@ -27,7 +27,9 @@ from contrastive_jax.data import augment
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import pretrain
+from contrastive_jax.training import restore
 from contrastive_jax.training import runner
+from contrastive_jax import recipes
 from contrastive_jax.methods import common
 
 
@@ -278,3 +280,32 @@ def test_restore_falls_back_past_an_incomplete_checkpoint(tmp_path, caplog):
   ckpt.save(3, {"w": np.full(3, 30, np.float32)}, ml_collections.ConfigDict({"step": 3}))
   ckpt.close()
   assert checkpointing.Checkpointer(directory, read_only=True).complete_steps() == [1, 2, 3]
+
+
+def test_a_checkpoint_of_config_format_0_resumes_and_its_encoder_restores(tmp_path):
+  # Format 0 (no format_version) held the host crop in three flat fields: such a
+  # checkpoint's saved config is read through recipes.upgrade_config everywhere.
+  config = tiny_config()
+  workdir = str(tmp_path / "run")
+  runner.run(pretrain, config, workdir)
+  paths = [os.path.join(d, f) for d, _, fs in os.walk(f"{workdir}/checkpoints") for f in fs
+           if f == "metadata" and os.sep + "config" in d]
+  assert paths
+  for path in paths:
+    with open(path) as f:
+      saved = json.load(f)
+    crop = saved.pop("crop")
+    del saved["format_version"]
+    saved.update(crop_sampler=crop["sampler"], crop_area_min=crop["area_min"],
+                 crop_resize=crop["resize"])
+    with open(path, "w") as f:
+      json.dump(saved, f)
+  old = checkpointing.Checkpointer(f"{workdir}/checkpoints", read_only=True).saved_config()
+  assert "crop_sampler" in old and "format_version" not in old
+  runner.run(pretrain, config, workdir)  # The comparison with the upgraded config passes.
+  probe = ml_collections.ConfigDict(dict(
+      pretrain_workdir=workdir, pretrain_step=-1, random_init=False, model_name=None,
+      pretrain_config=None))
+  encoder = restore.restore_encoder(probe, mesh_lib.make_mesh())
+  assert encoder.pretrained.crop.to_dict() == config.crop.to_dict()
+  assert encoder.pretrained.format_version == recipes.FORMAT_VERSION

@@ -79,20 +79,18 @@ class ImageError(JobError):
 
 
 class VariantError(JobError):
-  """A config file's get_config(variant) called with a variant the file does not have.
+  """A config file's get_config(arg) given an argument, value or variant it does not take
+  (recipes.parse_args).
 
   Attributes:
-    variant: as given.
-    known: the file's variants ('', the default, is always allowed too).
+    given: the word, argument name or value as given.
+    known: what the file takes in its place; the closest of them is named in the message.
   """
 
-  def __init__(self, variant: str, known: Iterable[str]):
-    self.variant, self.known = variant, tuple(known)
-    listed = (f"the config's variants: {', '.join(map(repr, self.known))}" if self.known
-              else "the config has none")
-    guess = closest(variant, self.known)
-    hint = f"; did you mean {guess!r}?" if guess else ""
-    super().__init__(f"no variant {variant!r} ({listed}){hint}")
+  def __init__(self, message: str, given: str, known: Iterable[str]):
+    self.given, self.known = given, tuple(known)
+    guess = closest(given, self.known)
+    super().__init__(message + (f"; did you mean {guess!r}?" if guess else ""))
 
 
 def closest(name: str, candidates: Iterable[str]) -> Optional[str]:

@@ -34,6 +34,7 @@ keeps host-to-device transfers small; the references keep float32 here, a
 difference of at most half a grey level.
 """
 import math
+from typing import NamedTuple
 
 import tensorflow as tf
 
@@ -50,14 +51,26 @@ TORCHVISION_ATTEMPTS = 10
 ASPECT_RANGE = (3 / 4, 4 / 3)
 
 
+class CropSpec(NamedTuple):
+  """A job's config.crop: how its training views are cropped (random_resized_crop).
+
+  sampler: one of SAMPLERS; area_min: the smallest crop, a fraction of the image's
+  area in (0, 1]; resize: one of RESIZES (the evaluation's centre crop uses it too).
+  Built with CropSpec(**config.crop) after check_config.
+  """
+  sampler: str
+  area_min: float
+  resize: str
+
+
 def check_config(config):
-  """Raises ConfigError for crop_sampler, crop_area_min or crop_resize values that cannot run."""
-  if config.crop_sampler not in SAMPLERS:
-    raise ConfigError("crop_sampler", config.crop_sampler, f"one of {list(SAMPLERS)}")
-  if config.crop_resize not in RESIZES:
-    raise ConfigError("crop_resize", config.crop_resize, f"one of {sorted(RESIZES)}")
-  if not 0 < config.crop_area_min <= 1:
-    raise ConfigError("crop_area_min", config.crop_area_min, "in (0, 1]")
+  """Raises ConfigError for config.crop values (CropSpec's fields) that cannot run."""
+  if config.crop.sampler not in SAMPLERS:
+    raise ConfigError("crop.sampler", config.crop.sampler, f"one of {list(SAMPLERS)}")
+  if config.crop.resize not in RESIZES:
+    raise ConfigError("crop.resize", config.crop.resize, f"one of {sorted(RESIZES)}")
+  if not 0 < config.crop.area_min <= 1:
+    raise ConfigError("crop.area_min", config.crop.area_min, "in (0, 1]")
 
 
 def _rounded(x):

@@ -121,16 +121,15 @@ def _stream(source, split: str, *, num: int, seed: int, first: int, cache: bool,
 
 
 def train_dataset(source, split: str, *, local_batch: int, image_size: int,
-                  crop_sampler: str, crop_area_min: float, crop_resize: str, seed: int,
-                  start_step: int, cache: bool, shuffle_buffer: int, threads: int,
-                  num_views: int = 2) -> tf.data.Dataset:
+                  crop: crops.CropSpec, seed: int, start_step: int, cache: bool,
+                  shuffle_buffer: int, threads: int, num_views: int = 2) -> tf.data.Dataset:
   """Infinite dataset of this process's batches from step `start_step` on.
 
   Each element is {'image': uint8 [local_batch, num_views, S, S, 3], 'label':
   int32 [local_batch]}: num_views independent random-resized-crop-and-flip views
-  of the same image in axis 1 (crops.random_resized_crop with crop_sampler,
-  crop_area_min and crop_resize). The stream is never padded: batches run across
-  epoch boundaries as after repeat() and batch(drop_remainder=True).
+  of the same image in axis 1 (crops.random_resized_crop with crop's sampler,
+  area_min and resize, to S = image_size). The stream is never padded: batches
+  run across epoch boundaries as after repeat() and batch(drop_remainder=True).
   Steps per epoch for schedules: split size // global batch.
 
   A source with random_access is read by index in epoch_order (cache and
@@ -151,12 +150,12 @@ def train_dataset(source, split: str, *, local_batch: int, image_size: int,
     image, label = example
     seeds = tf.random.experimental.stateless_split(_seed_pair(seed, process, position), num_views)
     if decoded:
-      image = tf.stack([crops.random_resized_crop(image, seeds[v], image_size, crop_sampler,
-                                                  crop_area_min, crop_resize)
+      image = tf.stack([crops.random_resized_crop(image, seeds[v], image_size, crop.sampler,
+                                                  crop.area_min, crop.resize)
                         for v in range(num_views)])
     else:
-      image = crops.decode_random_resized_crops(image, seeds, image_size, crop_sampler,
-                                                crop_area_min, crop_resize)
+      image = crops.decode_random_resized_crops(image, seeds, image_size, crop.sampler,
+                                                crop.area_min, crop.resize)
     return {"image": image, "label": label}
 
   ds = tf.data.Dataset.zip(ds, positions).map(views, num_parallel_calls=threads)
@@ -229,8 +228,8 @@ def eval_dataset(source, split: str, *, local_batch: int, image_size: int,
 def train_batches(source, config, sharding, *, image_size: int, num_views: int = 2):
   """A job's start_step -> iterator of global training batches (train_dataset, device_batches).
 
-  Reads config.train_split, batch_size (global), crop_sampler, crop_area_min,
-  crop_resize, seed, cache, shuffle_buffer and data_threads; each process reads
+  Reads config.train_split, batch_size (global), crop (crops.CropSpec's fields),
+  seed, cache, shuffle_buffer and data_threads; each process reads
   its own part. Logs stream_cost_warning's line, if any, now: before any compute.
   """
   warning = stream_cost_warning(source, config.train_split, cache=config.cache,
@@ -242,8 +241,7 @@ def train_batches(source, config, sharding, *, image_size: int, num_views: int =
     return device_batches(
         train_dataset(source, config.train_split,
                       local_batch=config.batch_size // jax.process_count(),
-                      image_size=image_size, crop_sampler=config.crop_sampler,
-                      crop_area_min=config.crop_area_min, crop_resize=config.crop_resize,
+                      image_size=image_size, crop=crops.CropSpec(**config.crop),
                       seed=config.seed, start_step=start_step, cache=config.cache,
                       shuffle_buffer=config.shuffle_buffer, threads=config.data_threads,
                       num_views=num_views),

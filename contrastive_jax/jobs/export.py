@@ -146,13 +146,13 @@ def serving_function(module, variables, pretrained, projector=None):
 
   Each image is centre-cropped and resized as the evaluation does
   (input_pipeline.center_crop at pretrained.image_size, eval_crop_fraction and
-  crop_resize), then
+  crop.resize), then
   encoded (models.encode) by the jax2tf conversion, with the variables as TF
   variables of the returned function's `tf_variables` attribute. projector:
   None, or (module, variables) of restore.restore_projector.
   """
   size, fraction, resize = (pretrained.image_size, pretrained.eval_crop_fraction,
-                            pretrained.crop_resize)
+                            pretrained.crop.resize)
 
   def outputs(all_variables, images):
     h = models.encode(module, all_variables["encoder"], images)
@@ -201,7 +201,7 @@ def write_onnx(path: str, variables, pretrained, projector=None, source=None):
   metadata = {"input": f"uint8 [N, {size}, {size}, 3] RGB, centre-cropped as "
                        "contrastive_jax.data.input_pipeline.center_crop does",
               "image_size": str(size), "eval_crop_fraction": str(pretrained.eval_crop_fraction),
-              "crop_resize": pretrained.crop_resize,
+              "crop_resize": pretrained.crop.resize,
               # The checkpoint may compute in bfloat16 (model.dtype); the graph does not.
               "compute_dtype": "float32", **(source or {})}
   model = onnx_graph.build(model_config, tensors, size, projector, metadata)

@@ -84,7 +84,7 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
   try:
     try:
       step = ckpt.resolve_step(None if pretrain_step < 0 else pretrain_step, "pretrain_step")
-      saved = ckpt.saved_config(step)
+      saved = recipes.upgrade_config(ckpt.saved_config(step))
     except ForeignCheckpointError as e:
       raise ConfigError("pretrain_workdir", config.pretrain_workdir,
                         f"a pretraining workdir of contrastive_jax; {e}") from None
@@ -185,7 +185,7 @@ def _exported_config(path: str):
     meta = json.load(f)
   if os.path.basename(meta.get("path", "")) != os.path.basename(path):
     return None
-  return ml_collections.ConfigDict(meta["pretrained_config"])
+  return recipes.upgrade_config(ml_collections.ConfigDict(meta["pretrained_config"]))
 
 
 
@@ -214,4 +214,4 @@ def embed_model(config, mesh) -> EmbedModel:
   encoder, variables, pretrained, step, _ = restore_encoder(config, mesh)
   features = jax.jit(lambda v, x: common.l2_normalize(models.encode(encoder, v, x)))
   return EmbedModel(lambda images: features(variables, images), pretrained.image_size,
-                    pretrained.eval_crop_fraction, pretrained.crop_resize, step)
+                    pretrained.eval_crop_fraction, pretrained.crop.resize, step)

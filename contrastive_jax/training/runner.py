@@ -36,6 +36,7 @@ from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import metrics as metrics_lib
 from contrastive_jax.core import pictures
 from contrastive_jax.training import evaluators
+from contrastive_jax import recipes
 
 
 # Config fields (dotted prefixes) a resumed run may change: they decide when and
@@ -131,7 +132,7 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
       ckpt.discard_incomplete()  # It could not resume them, and saves may need their steps.
       saved = None
       if ckpt.latest_step() is not None:
-        saved = ckpt.saved_config()
+        saved = recipes.upgrade_config(ckpt.saved_config())
         if saved.get("job") != config.job:
           raise ConfigError("job", config.job,
                             f"{saved.get('job')!r}: another kind of job wrote the "
