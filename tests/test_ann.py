@@ -3,6 +3,7 @@ import json
 import os
 import shutil
 import sys
+import zlib
 
 import ml_collections
 import numpy as np
@@ -321,15 +322,36 @@ def test_bad_indexes_and_adds_are_refused_in_one_line(pretrained, photos, tmp_pa
       job.run(config, out if job is neighbours else workdir)
     assert "\n" not in str(raised.value)
 
-  # Another embed run's or dimension's ANN index; an unknown format; a truncated file.
+  # Another embed run's or dimension's ANN index; an unknown format (ann.json and its copy in
+  # embed.json both edited); a truncated file.
   meta = json.loads(pristine)
+  ann_path = os.path.join(workdir, ann_lib.META)
+  ann_pristine = open(ann_path).read()
   for field, value, match in [
       ("embed_run", "0123", "has embed_run='0123': must be the embeddings' .*another embed run"),
       ("dim", 7, "has dim=7: must be the embeddings' .*another embed run or dimension"),
       ("format_version", 99, "format_version=99: must be 1 ")]:
     _edit_json(meta_path, ann=dict(meta["ann"], **{field: value}))
+    _edit_json(ann_path, **{field: value})
     refused(JobError, "config.index_workdir=.*" + match, neighbours, search)
     refused(JobError, f"--workdir={workdir}: .*" + match, embed, add)
+    open(ann_path, "w").write(ann_pristine)
+  open(meta_path, "w").write(pristine)
+  # ann.json alone: of an unknown version, other than embed.json's copy, missing, not JSON.
+  for edit, match in [
+      (lambda: _edit_json(ann_path, format_version=99),
+       "ann.json has format_version=99: must be 1 "),
+      (lambda: _edit_json(ann_path, params={"efSearch": 1}),
+       r"ann.json has params=\{'efSearch': 1\} where embed.json's copy of it has .*the same"),
+      (lambda: os.remove(ann_path), "ann.json is missing: embed.json lists the ANN index "
+       "ann.0.faiss"),
+      (lambda: open(ann_path, "w").write("{"), "ann.json must be the JSON an embed job")]:
+    edit()
+    refused(JobError, "config.index_workdir=.*: " + match, neighbours, search)
+    refused(JobError, f"--workdir={workdir}: " + match, embed, add)
+    refused(JobError, "config.index_workdir=.*: " + match, neighbours,
+            neighbours_config(workdir, query_rows="0", search="exact"))
+    open(ann_path, "w").write(ann_pristine)
   _edit_json(meta_path, format_version=3)
   refused(JobError, "embed.json has format_version=3: must be 1 to 2", neighbours, search)
   open(meta_path, "w").write(pristine)
@@ -337,9 +359,19 @@ def test_bad_indexes_and_adds_are_refused_in_one_line(pretrained, photos, tmp_pa
     f.write(ann_bytes[:1000])
   refused(JobError, f"ann.0.faiss has 1000 bytes: must have {len(ann_bytes)} .*truncated",
           neighbours, search)
-  _edit_json(meta_path, ann=dict(meta["ann"], bytes=1000))  # Sizes agree: FAISS refuses it.
+  # Sizes agree (no checksum recorded): FAISS refuses it.
+  unchecked = {k: v for k, v in meta["ann"].items() if k != "crc32"}
+  _edit_json(meta_path, ann=dict(unchecked, bytes=1000))
+  open(ann_path, "w").write(json.dumps(dict(unchecked, bytes=1000)))
   refused(JobError, "ann.0.faiss must be a FAISS index", neighbours, search)
   open(meta_path, "w").write(pristine)
+  open(ann_path, "w").write(ann_pristine)
+  # The same size, one byte flipped: its CRC-32 differs, for the search and for the add.
+  with open(ann_file, "wb") as f:
+    f.write(ann_bytes[:500] + bytes([ann_bytes[500] ^ 1]) + ann_bytes[501:])
+  crc = meta["ann"]["crc32"]
+  for job, config in ((neighbours, search), (embed, add)):
+    refused(JobError, f"ann.0.faiss has CRC-32 [0-9]+: must have {crc} .*damaged", job, config)
   with open(ann_file, "wb") as f:
     f.write(ann_bytes)
   embeddings = os.path.join(workdir, index_lib.EMBEDDINGS)
@@ -381,6 +413,45 @@ def test_bad_indexes_and_adds_are_refused_in_one_line(pretrained, photos, tmp_pa
   assert neighbours.run(neighbours_config(workdir, query_rows="0", search="exact"),
                         out)["search"] == {"method": "exact"}
   assert open(meta_path).read() == pristine
+
+
+def test_a_flat_index_searched_exactly_still_has_its_file_checked_and_says_how(
+    pretrained, tmp_path, caplog):
+  """The default below EXACT_BELOW rows: neighbours never loads the file, but checks it."""
+  folder = _folder(tmp_path, "photos", ["dress", "hat"])
+  workdir = str(tmp_path / "index")
+  embed.run(embed_config(pretrained, dataset=None, folder=folder), workdir)
+  described = index_lib.load_index(workdir).ann
+  path = os.path.join(workdir, described["file"])
+  content = open(path, "rb").read()
+  assert described["type"] == "flat" and described["crc32"] == zlib.crc32(content)
+  search = neighbours_config(workdir, query_rows="0")
+  with caplog.at_level("INFO"):
+    assert neighbours.run(search, str(tmp_path / "out"))["search"] == {"method": "exact"}
+  assert ("Searching the 4 rows exactly (its ANN index ann.0.faiss is 'flat', itself exact); "
+          "ann.0.faiss: size and CRC-32 checked.") in caplog.text
+  # A garbled file of the same size: refused in one line where it would be passed over.
+  with open(path, "wb") as f:
+    f.write(content[:-8] + bytes(8))
+  with pytest.raises(JobError, match=r"config.index_workdir=.*: the ANN index ann.0.faiss has "
+                     rf"CRC-32 {zlib.crc32(content[:-8] + bytes(8))}: must have "
+                     rf"{described['crc32']} \(ann.json\); its bytes are damaged") as raised:
+    neighbours.run(search, str(tmp_path / "out2"))
+  assert "\n" not in str(raised.value)
+  # An ann.json written without a checksum: its size only, and the log line says so.
+  for name in (ann_lib.META, index_lib.META):
+    meta = json.load(open(os.path.join(workdir, name)))
+    if name == ann_lib.META:
+      del meta["crc32"]
+    else:
+      del meta["ann"]["crc32"]
+    open(os.path.join(workdir, name), "w").write(json.dumps(meta))
+  caplog.clear()
+  with caplog.at_level("INFO"):
+    neighbours.run(neighbours_config(workdir, query_rows="0", search="exact"),
+                   str(tmp_path / "out3"))
+  assert ("Searching the 4 rows exactly (config.search='exact'); ann.0.faiss: size checked "
+          "(ann.json records no CRC-32).") in caplog.text
 
 
 def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_ivfpq(tmp_path, monkeypatch):

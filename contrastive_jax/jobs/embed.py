@@ -159,15 +159,20 @@ def run(config, workdir: str):
 
 
 def _index_to_add_to(workdir: str) -> index_lib.Index:
-  """The index in workdir (config.add).
+  """The index in workdir (config.add), its ANN file checked before anything is embedded.
 
   Raises:
-    JobError: there is none, or its files do not fit (index_lib.load_index).
+    JobError: there is none, or its files do not fit (index_lib.load_index,
+      ann.verify).
   """
   if not index_lib.is_index(workdir):
     raise JobError(f"--workdir={workdir}: must hold a finished embed job's index when "
                    f"config.add is True (no {index_lib.META} there)")
-  return index_lib.load_index(workdir, where=f"--workdir={workdir}")
+  where = f"--workdir={workdir}"
+  existing = index_lib.load_index(workdir, where=where)
+  if existing.ann:
+    ann_lib.verify(workdir, existing.ann, where=where)
+  return existing
 
 
 def _refuse_existing_index(workdir: str):

@@ -8,7 +8,9 @@ the index with FAISS alone, without this package:
                the embeddings is FAISS id i. Inner product metric: the rows
                are unit vectors, so scores are cosine similarities.
   ann.json     what it is: {"format_version", "library": "faiss",
-               "library_version", "file", "bytes", "type" ('flat', 'hnsw',
+               "library_version", "file", "bytes", "crc32" (zlib's CRC-32
+               of the file's bytes; an ann.json without it is checked by its
+               size only), "type" ('flat', 'hnsw',
                'ivf' or 'ivfpq'), "factory" (faiss.index_factory's string),
                "params" (build and search parameters), "calibration" (how
                the search parameter was chosen, or null), "metric", "rows",
@@ -52,6 +54,7 @@ parameters, fast-scan PQ).
 """
 import json
 import logging
+import zlib
 
 import numpy as np
 import tensorflow as tf
@@ -90,6 +93,7 @@ CALIBRATION_K, CALIBRATION_QUERIES = 10, 1000
 TIE_TOLERANCE, SHORTFALL_TOLERANCE = 1e-6, 0.005
 _ADD_CHUNK = 65_536  # Rows handed to FAISS at a time: a memory-mapped part is read piecewise.
 _EXACT_BLOCK = 16_384  # Rows scored at a time by exact_neighbours (1,000 queries: 64 MB).
+_READ_CHUNK = 1 << 24  # Bytes of an ANN file read at a time when it is only verified.
 
 
 def faiss_module(field: str, value, instead: str):
@@ -345,7 +349,7 @@ def write(workdir: str, index, spec: dict, *, generation: int, embed_run: str) -
   files.write_atomic(f"{workdir}/{name}", content)
   return {"format_version": FORMAT_VERSION, "library": "faiss",
           "library_version": faiss.__version__, "file": name, "bytes": len(content),
-          "type": spec["type"], "factory": spec["factory"], "params": spec["params"],
+          "crc32": zlib.crc32(content), "type": spec["type"], "factory": spec["factory"], "params": spec["params"],
           "calibration": spec.get("calibration"), "metric": "inner_product",
           "rows": int(index.ntotal), "dim": int(index.d),
           "embed_run": embed_run}
@@ -376,27 +380,105 @@ def check(description: dict, *, rows: int, dim: int, embed_run: str, where: str)
                      "built from another embed run or dimension")
 
 
+def check_meta_file(workdir: str, description: dict, *, where: str):
+  """Raises JobError unless WORKDIR/ann.json is the description embed.json holds a copy of.
+
+  ann.json is what a search service reads, embed.json's copy what the jobs
+  read: both must say the same.
+
+  Args:
+    workdir: the index's folder.
+    description: embed.json's "ann" (not None).
+    where: the index folder as the user gave it, for the message.
+  Raises:
+    JobError: ann.json is missing, not JSON, of a format_version other than
+      FORMAT_VERSION, or differs from description (naming the first field
+      that differs).
+  """
+  path = f"{workdir}/{META}"
+  if not tf.io.gfile.exists(path):
+    raise JobError(f"{where}: {META} is missing: embed.json lists the ANN index "
+                   f"{description.get('file')}, which {META} must describe; embed again")
+  try:
+    with tf.io.gfile.GFile(path) as f:
+      found = json.load(f)
+  except ValueError as e:
+    raise JobError(f"{where}: {META} must be the JSON an embed job writes ({e})") from None
+  version = found.get("format_version") if isinstance(found, dict) else None
+  if version != FORMAT_VERSION:
+    raise JobError(f"{where}: {META} has format_version={version!r}: must be "
+                   f"{FORMAT_VERSION} (written by another version of contrastive_jax; embed "
+                   "again, or build it with --config.ann.type)")
+  differing = sorted(key for key in set(found) | set(description)
+                     if found.get(key) != description.get(key))
+  if differing:
+    key = differing[0]
+    raise JobError(f"{where}: {META} has {key}={found.get(key)!r} where embed.json's copy of "
+                   f"it has {description.get(key)!r}: they must be the same (one of them was "
+                   "edited or replaced); embed again")
+
+
+def _read(workdir: str, description: dict, *, where: str, keep: bool):
+  """Reads the ANN file description names and checks its size and checksum.
+
+  Returns its bytes (keep) or None. Raises JobError: missing, of another
+  size, or (when ann.json records one) of another CRC-32.
+  """
+  name = description["file"]
+  path = f"{workdir}/{name}"
+  if not tf.io.gfile.exists(path):
+    raise JobError(f"{where}: the ANN index {name} is missing; it must be the file {META} "
+                   "describes")
+  size = tf.io.gfile.stat(path).length
+  if size != description["bytes"]:
+    raise JobError(f"{where}: the ANN index {name} has {size} bytes: must have "
+                   f"{description['bytes']} ({META}); it is truncated or was replaced")
+  if "crc32" not in description and not keep:
+    return None
+  checksum, chunks = 0, []
+  with tf.io.gfile.GFile(path, "rb") as f:
+    while chunk := f.read(_READ_CHUNK):
+      checksum = zlib.crc32(chunk, checksum)
+      if keep:
+        chunks.append(chunk)
+  if "crc32" in description and checksum != description["crc32"]:
+    raise JobError(f"{where}: the ANN index {name} has CRC-32 {checksum}: must have "
+                   f"{description['crc32']} ({META}); its bytes are damaged or were replaced")
+  return b"".join(chunks) if keep else None
+
+
+def verify(workdir: str, description: dict, *, where: str):
+  """Checks the ANN file description names as load does, without deserializing it.
+
+  For an index searched exactly instead: the file a search service would
+  load is still checked (checked_by says how).
+
+  Raises:
+    JobError: the file is missing, or of another size or CRC-32 (as load).
+  """
+  _read(workdir, description, where=where, keep=False)
+
+
+def checked_by(description: dict) -> str:
+  """How load and verify check the file description names, in words, for a log line."""
+  if "crc32" in description:
+    return "size and CRC-32 checked"
+  return f"size checked ({META} records no CRC-32)"
+
+
 def load(workdir: str, description: dict, *, where: str):
   """The FAISS index description names in workdir, its search parameters set.
 
   Raises:
     ConfigError: FAISS is not installed.
-    JobError: the file is missing, truncated (fewer bytes than described) or
-      not a FAISS index.
+    JobError: the file is missing, truncated (fewer bytes than described),
+      of another CRC-32 than described (when ann.json records one) or not a
+      FAISS index.
   """
   faiss = faiss_module("search", "auto", "'exact'")
-  path = f"{workdir}/{description['file']}"
-  if not tf.io.gfile.exists(path):
-    raise JobError(f"{where}: the ANN index {description['file']} is missing; it must be "
-                   f"the file {META} describes")
-  size = tf.io.gfile.stat(path).length
-  if size != description["bytes"]:
-    raise JobError(f"{where}: the ANN index {description['file']} has {size} bytes: must have "
-                   f"{description['bytes']} ({META}); it is truncated or was replaced")
-  with tf.io.gfile.GFile(path, "rb") as f:
-    content = np.frombuffer(f.read(), np.uint8)
+  content = _read(workdir, description, where=where, keep=True)
   try:
-    index = faiss.deserialize_index(content)
+    index = faiss.deserialize_index(np.frombuffer(content, np.uint8))
   except RuntimeError as e:
     raise JobError(f"{where}: the ANN index {description['file']} must be a FAISS index "
                    f"({str(e).splitlines()[-1]})") from None

@@ -299,7 +299,9 @@ def load_index(workdir: str, *, where: Optional[str] = None) -> Index:
   Raises:
     JobError: embed.json of an unknown format_version or not JSON; a part's
       file missing, truncated or of another row count or dimension than
-      embed.json says; an ANN description that does not fit (ann.check).
+      embed.json says; ann.json missing, of an unknown format_version or
+      other than embed.json's copy (ann.check_meta_file); an ANN description
+      that does not fit (ann.check).
   """
   where = where or workdir
   try:
@@ -333,6 +335,7 @@ def load_index(workdir: str, *, where: Optional[str] = None) -> Index:
     rows += part_rows
     arrays.append(array)
   if meta.get("ann"):
+    ann_lib.check_meta_file(workdir, meta["ann"], where=where)
     ann_lib.check(meta["ann"], rows=len(rows), dim=meta["dim"], embed_run=meta["run_id"],
                   where=where)
   # An index written before crop_resize was recorded was cropped bilinear.

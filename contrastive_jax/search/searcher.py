@@ -4,10 +4,8 @@ The neighbours and audit jobs search through it, so both choose alike and
 describe the search alike (neighbours.json's and summary.json's "search").
 """
 import numpy as np
-import tensorflow as tf
 from absl import logging
 
-from contrastive_jax.core.errors import JobError
 from contrastive_jax.search import ann as ann_lib
 from contrastive_jax.search import exact
 from contrastive_jax.search import index as index_lib
@@ -23,9 +21,10 @@ class Searcher:
   IVF: ann.py), FAISS searches it; otherwise (no ANN index, an exact 'flat'
   one, or mode 'exact') exact.top_k_cosine does, streaming the embeddings
   through the device in chunks of chunk_size rows. An ANN file that is not
-  read is still checked to be there whole (its size against ann.json), and a
-  log line says that the search is exact and why, so a broken file is never
-  passed over in silence.
+  searched is still checked to be there whole (ann.verify: its size and, when
+  ann.json records it, its CRC-32), so a broken file is never passed over in
+  silence. Either way one log line says how the rows are searched and how the
+  file was checked.
 
   Attributes:
     description: how it searches, as the jobs record it: {"method": "ann",
@@ -33,7 +32,8 @@ class Searcher:
 
   Raises (from the constructor):
     ConfigError: an ANN index to search without FAISS installed.
-    JobError: its ANN file missing, truncated or not a FAISS index (ann.load).
+    JobError: its ANN file missing, truncated, damaged (its CRC-32) or not a
+      FAISS index (ann.load, ann.verify).
   """
 
   def __init__(self, index: index_lib.Index, index_workdir: str, *, mode: str, chunk_size: int,
@@ -45,13 +45,19 @@ class Searcher:
       self._ann = ann_lib.load(index_workdir, described, where=where)
       self.description = {"method": "ann",
                           **{key: described[key] for key in ("type", "params", "file")}}
+      logging.info("Searching the %d rows through the %s ANN index %s (%s).", len(index.rows),
+                   described["type"], described["file"], ann_lib.checked_by(described))
       return
     self.description = {"method": "exact"}
     if described:
-      _check_present(index_workdir, described, where)
+      ann_lib.verify(index_workdir, described, where=where)
       why = ("config.search='exact'" if mode == "exact" else
              f"its ANN index {described['file']} is 'flat', itself exact")
-      logging.info("Searching the %d rows exactly (%s).", len(index.rows), why)
+      logging.info("Searching the %d rows exactly (%s); %s: %s.", len(index.rows), why,
+                   described["file"], ann_lib.checked_by(described))
+    else:
+      logging.info("Searching the %d rows exactly (the index has no ANN index).",
+                   len(index.rows))
 
   def search(self, queries, k: int):
     """(scores float32 [Q, k], rows int [Q, k]) of each query's k best rows, best first.
@@ -66,12 +72,3 @@ class Searcher:
              for start in range(0, len(queries), _QUERY_BLOCK)]
     return np.concatenate([s for s, _ in found]), np.concatenate([r for _, r in found])
 
-
-def _check_present(index_workdir: str, described: dict, where: str):
-  """Raises JobError unless the ANN file `described` names is there with its size."""
-  path = f"{index_workdir}/{described['file']}"
-  size = tf.io.gfile.stat(path).length if tf.io.gfile.exists(path) else None
-  if size != described["bytes"]:
-    state = "missing" if size is None else f"{size} bytes, not {described['bytes']}"
-    raise JobError(f"{where}: the ANN index {described['file']} is {state} ({ann_lib.META}): "
-                   "it is truncated or was replaced; embed again")
