@@ -1,4 +1,5 @@
 """The export job (issue 18): each format read back by its own runtime gives the project's h."""
+import json
 import importlib.util
 import os
 
@@ -223,8 +224,10 @@ def test_onnx_export_gives_the_projects_h_and_z_under_onnx_runtime(pretrained, t
   got_h, got_z = session.run(["h", "z"], {"images": _crops(pretrained, images)})
   assert _relative(got_h, h) < TOLERANCE and _relative(got_z, z) < TOLERANCE
   metadata = {p.key: p.value for p in onnx.load(path).metadata_props}
-  assert metadata["image_size"] == "32" and metadata["pretrain_step"] == str(encoder.step)
-  assert metadata["crop_resize"] == encoder.pretrained.crop.resize
+  assert metadata["pretrain_step"] == str(encoder.step)
+  assert json.loads(metadata["eval_crop"]) == {
+      "size": 32, "fraction": encoder.pretrained.eval_crop_fraction,
+      "resize": encoder.pretrained.crop.resize}
 
 
 def test_onnx_export_without_the_onnx_package_is_refused_in_one_line(tmp_path, monkeypatch):

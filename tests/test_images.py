@@ -264,8 +264,7 @@ def test_pipelines_crop_variable_sizes_and_upscale_small_images(prepared):
                                          threads=1)
     batch = next(iter(tfds.as_numpy(train)))
     assert batch["image"].shape == (8, 2, 48, 48, 3) and batch["image"].dtype == np.uint8
-  ev = input_pipeline.eval_dataset(source, "train", local_batch=8, image_size=48,
-                                   crop_fraction=0.875, crop_resize="pil_bilinear", threads=1)
+  ev = input_pipeline.eval_dataset(source, "train", local_batch=8, eval_crop=input_pipeline.EvalCrop(48, 0.875, "pil_bilinear"), threads=1)
   assert next(iter(tfds.as_numpy(ev)))["image"].shape == (8, 48, 48, 3)
   one_pixel = np.full((1, 1, 3), 7, np.uint8)
   np.testing.assert_array_equal(

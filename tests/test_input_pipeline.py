@@ -87,8 +87,7 @@ def test_stream_from_a_later_step_equals_the_uninterrupted_stream(cifar, array_r
 
 
 def test_eval_dataset_counts_every_image_once(cifar):
-  ds = input_pipeline.eval_dataset(cifar[0], "test[:37]", local_batch=8, image_size=32,
-                                   crop_fraction=1.0, crop_resize="tf_bicubic", threads=1)
+  ds = input_pipeline.eval_dataset(cifar[0], "test[:37]", local_batch=8, eval_crop=input_pipeline.EvalCrop(32, 1.0, "tf_bicubic"), threads=1)
   batches = list(tfds.as_numpy(ds))
   assert len(batches) == 5
   mask = np.concatenate([b["mask"] for b in batches])
@@ -141,8 +140,7 @@ def test_every_source_has_the_source_interface(cifar, tmp_path):
 def test_array_record_source_reads_what_the_tfrecord_source_reads(cifar, array_record):
   assert array_record.random_access and not cifar[0].random_access
   evals = [list(tfds.as_numpy(input_pipeline.eval_dataset(
-      source, "train[:300]", local_batch=128, image_size=32, crop_fraction=1.0,
-      crop_resize="tf_bicubic", threads=1, names=True))) for source in (cifar[0], array_record)]
+      source, "train[:300]", local_batch=128, eval_crop=input_pipeline.EvalCrop(32, 1.0, "tf_bicubic"), threads=1, names=True))) for source in (cifar[0], array_record)]
   for a, b in zip(*evals):
     for key in a:
       np.testing.assert_array_equal(a[key], b[key])
@@ -326,8 +324,7 @@ def test_a_process_with_no_example_of_a_split_yields_only_padding(cifar, array_r
   for process in range(2):
     monkeypatch.setattr(jax, "process_index", lambda p=process: p)
     batches[process] = list(tfds.as_numpy(input_pipeline.eval_dataset(
-        source, split, local_batch=4, image_size=32, crop_fraction=1.0,
-        crop_resize="pil_bilinear", threads=1, names=True)))
+        source, split, local_batch=4, eval_crop=input_pipeline.EvalCrop(32, 1.0, "pil_bilinear"), threads=1, names=True)))
   assert [b["mask"].tolist() for b in batches[0]] == [[True, False, False, False]]
   assert [b["mask"].tolist() for b in batches[1]] == [[False] * 4]
 

@@ -26,7 +26,8 @@ JPEG images are decoded only over their crop windows
 """
 import collections
 import functools
-from typing import Iterator
+import math
+from typing import Iterator, NamedTuple, Optional
 
 import jax
 import numpy as np
@@ -41,6 +42,35 @@ def _seed_pair(seed: int, a, b):
   """A stateless-op seed [2] int64 from (seed, a, b) (a, b scalar tensors)."""
   return tf.stack([tf.cast(seed, tf.int64) * 1_000_003 + tf.cast(a, tf.int64),
                    tf.cast(b, tf.int64)])
+
+
+class EvalCrop(NamedTuple):
+  """The evaluation's centre crop of a pretrained encoder: how every reader of it crops images.
+
+  size: S, the crop's side in pixels (the pretraining run's image_size);
+  fraction: the share of the image's shorter side the crop covers, in (0, 1]
+  (config.eval_crop_fraction); resize: the crops.RESIZES name that resizes it
+  (config.crop.resize). Every file the project writes stores it as
+  {"size", "fraction", "resize"} under the name "eval_crop" (embed.json,
+  export.json, the ONNX model's metadata).
+  """
+  size: int
+  fraction: float
+  resize: str
+
+  @classmethod
+  def of(cls, config) -> "EvalCrop":
+    """The eval crop of a pretraining config (its image_size, eval_crop_fraction, crop.resize)."""
+    return cls(int(config.image_size), float(config.eval_crop_fraction), str(config.crop.resize))
+
+  def shorter_side(self, size: Optional[int] = None) -> int:
+    """The shorter side (pixels) an image file is downscaled to, antialiased, before its crop
+    to `size` (default S): the crop's own scale, so that the crop's resize hardly resamples."""
+    return math.ceil((size or self.size) / self.fraction)
+
+  def apply(self, image, size: Optional[int] = None):
+    """center_crop of image (uint8 [H, W, 3]) to [size, size] (default S), uint8."""
+    return center_crop(image, size or self.size, self.fraction, self.resize)
 
 
 def center_crop(image, size: int, crop_fraction: float, resize: str):
@@ -188,13 +218,11 @@ def stream_cost_warning(source, split: str, *, cache: bool, shuffle_buffer: int)
           "set data_dir=NEW_DATA_DIR (docs/design.md, Data order).")
 
 
-def eval_dataset(source, split: str, *, local_batch: int, image_size: int,
-                 crop_fraction: float, crop_resize: str, threads: int, cache: bool = False,
-                 names: bool = False) -> tf.data.Dataset:
+def eval_dataset(source, split: str, *, local_batch: int, eval_crop: EvalCrop, threads: int,
+                 cache: bool = False, names: bool = False) -> tf.data.Dataset:
   """This process's part of `split`, every example once, in fixed order.
 
-  Elements are {'image': uint8 [local_batch, S, S, 3] (center_crop with
-  crop_fraction and crop_resize), 'label': int32 [b],
+  Elements are {'image': uint8 [local_batch, S, S, 3] (eval_crop.apply), 'label': int32 [b],
   'mask': bool [b]}, and with names=True 'name': string [b] (source.read's
   names). The last batches are padded with mask False (name '') so that
   every process yields the same number of batches (multi-host collectives
@@ -205,11 +233,10 @@ def eval_dataset(source, split: str, *, local_batch: int, image_size: int,
 
   def example(image, label, name=None):
     named = {} if name is None else {"name": name}
-    return {"image": center_crop(image, image_size, crop_fraction, crop_resize), "label": label,
-            "mask": True, **named}
+    return {"image": eval_crop.apply(image), "label": label, "mask": True, **named}
 
   pad = tf.data.Dataset.from_tensors({
-      "image": tf.zeros([image_size, image_size, 3], tf.uint8),
+      "image": tf.zeros([eval_crop.size, eval_crop.size, 3], tf.uint8),
       "label": tf.constant(0, tf.int32), "mask": False,
       **({"name": tf.constant("")} if names else {})}).repeat()
   if counts[jax.process_index()]:
@@ -265,13 +292,11 @@ def device_batches(ds: tf.data.Dataset, sharding, prefetch: int = 2) -> Iterator
     yield queue.popleft()
 
 
-def eval_datasets(source, *, image_size: int, crop_fraction: float, crop_resize: str,
-                  threads: int, cache: bool):
+def eval_datasets(source, *, eval_crop: EvalCrop, threads: int, cache: bool):
   """(split, local_batch) -> eval tf.data (eval_dataset), built once per pair so that an
   in-memory cache persists across evaluations."""
   @functools.lru_cache(maxsize=None)
   def dataset(split, local_batch):
-    return eval_dataset(source, split, local_batch=local_batch, image_size=image_size,
-                        crop_fraction=crop_fraction, crop_resize=crop_resize, threads=threads,
-                        cache=cache)
+    return eval_dataset(source, split, local_batch=local_batch, eval_crop=eval_crop,
+                        threads=threads, cache=cache)
   return dataset

@@ -327,7 +327,7 @@ def _picture(config, indexes: list, table: list) -> np.ndarray:
   read = {}
   for which, rows in wanted.items():
     index = indexes[which]
-    side = index_lib.shorter_side(max(config.cell, index.image_size), index.crop_fraction)
+    side = index.eval_crop.shorter_side(max(config.cell, index.eval_crop.size))
     for row, image in index_lib.read_images(index, sorted(rows), side).items():
       read[which, row] = index_lib.center_crop(index, image, config.cell)
   chars = int(config.cell * pictures.CHARS_PER_PIXEL)

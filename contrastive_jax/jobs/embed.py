@@ -142,7 +142,7 @@ def run(config, workdir: str):
       config[field] = files.resolve_dir(config[field])
   model = restore.embed_model(config, mesh)
   config.pretrain_step = model.step
-  shorter = index_lib.shorter_side(model.image_size, model.crop_fraction)
+  shorter = model.eval_crop.shorter_side()
   if not existing:
     source, split = open_source(config, shorter_side=shorter)
     with files.workdir_lock(workdir):
@@ -194,9 +194,8 @@ def _embed_and_write(config, workdir: str, mesh, model: restore.EmbedModel, sour
   """
   local_batch = config.batch_size // jax.process_count()
   ds = input_pipeline.eval_dataset(source, split, local_batch=local_batch,
-                                   image_size=model.image_size, crop_fraction=model.crop_fraction,
-                                   crop_resize=model.crop_resize,
-                                   threads=config.data_threads, names=True)
+                                   eval_crop=model.eval_crop, threads=config.data_threads,
+                                   names=True)
   num_images = source.num_examples(split, "split")
   num_batches = -(-max(source.process_counts(split)) // local_batch)
   logging.info("Embedding %d images of %s (split %s) with the step-%d encoder of %s: %d "

@@ -252,7 +252,7 @@ def run(config, workdir: str):
 def _thumbnails(index: index_lib.Index, rows, cell: int) -> list:
   """uint8 [cell, cell, 3] per row: its image read again and centre-cropped as the encoder saw it
   (the neighbours job's reading and crop), _READ_CHUNK rows at a time."""
-  side = index_lib.shorter_side(max(cell, index.image_size), index.crop_fraction)
+  side = index.eval_crop.shorter_side(max(cell, index.eval_crop.size))
   out = []
   for start in range(0, len(rows), _READ_CHUNK):
     part = [int(r) for r in rows[start:start + _READ_CHUNK]]

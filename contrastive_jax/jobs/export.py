@@ -107,8 +107,7 @@ def run(config, workdir: str) -> str:
       meta = {"format": config.format, "path": path,
               "pretrain_workdir": config.pretrain_workdir, "pretrain_step": encoder.step,
               "random_init": config.random_init, "projection": config.projection,
-              "image_size": encoder.pretrained.image_size,
-              "eval_crop_fraction": encoder.pretrained.eval_crop_fraction,
+              "eval_crop": input_pipeline.EvalCrop.of(encoder.pretrained)._asdict(),
               "model": encoder.pretrained.model.to_dict(), "dim": encoder.dim,
               # Read back when a downstream job takes the file (training/restore.py).
               "pretrained_config": encoder.pretrained.to_dict()}
@@ -144,15 +143,14 @@ def serving_function(module, variables, pretrained, projector=None):
   """The tf.function of the SavedModel: uint8 images [N, H, W, 3] -> {'h': float32 [N, D]}
   (and 'z': float32 [N, d], the projection head's eval-mode output, with a projector).
 
-  Each image is centre-cropped and resized as the evaluation does
-  (input_pipeline.center_crop at pretrained.image_size, eval_crop_fraction and
-  crop.resize), then
+  Each image is centre-cropped and resized as the evaluation does (the pretraining
+  run's input_pipeline.EvalCrop), then
   encoded (models.encode) by the jax2tf conversion, with the variables as TF
   variables of the returned function's `tf_variables` attribute. projector:
   None, or (module, variables) of restore.restore_projector.
   """
-  size, fraction, resize = (pretrained.image_size, pretrained.eval_crop_fraction,
-                            pretrained.crop.resize)
+  eval_crop = input_pipeline.EvalCrop.of(pretrained)
+  size = eval_crop.size
 
   def outputs(all_variables, images):
     h = models.encode(module, all_variables["encoder"], images)
@@ -168,8 +166,7 @@ def serving_function(module, variables, pretrained, projector=None):
   @tf.function(input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="images")],
                autograph=False)
   def serve(images):
-    crops = tf.map_fn(lambda image: input_pipeline.center_crop(image, size, fraction, resize),
-                      images,
+    crops = tf.map_fn(eval_crop.apply, images,
                       fn_output_signature=tf.TensorSpec([size, size, 3], tf.uint8))
     return converted(tf_variables, crops)
 
@@ -193,15 +190,14 @@ def write_saved_model(path: str, module, variables, pretrained, projector=None):
 
 def write_onnx(path: str, variables, pretrained, projector=None, source=None):
   """Writes the encoder (and projector: None, or restore.restore_projector's) as an ONNX model to
-  path atomically (models/onnx_graph.py). Its metadata records the input it expects: the
-  image size, eval crop fraction and resize method of the checkpoint's evaluation, and
-  source (a dict of strings: where the weights come from)."""
+  path atomically (models/onnx_graph.py). Its metadata records the input it expects:
+  "eval_crop", the checkpoint's input_pipeline.EvalCrop as JSON, and source (a dict of
+  strings: where the weights come from)."""
   model_config, size = pretrained.model, pretrained.image_size
   tensors = state_dicts.to_state_dict(model_config, variables, size)
   metadata = {"input": f"uint8 [N, {size}, {size}, 3] RGB, centre-cropped as "
                        "contrastive_jax.data.input_pipeline.center_crop does",
-              "image_size": str(size), "eval_crop_fraction": str(pretrained.eval_crop_fraction),
-              "crop_resize": pretrained.crop.resize,
+              "eval_crop": json.dumps(input_pipeline.EvalCrop.of(pretrained)._asdict()),
               # The checkpoint may compute in bfloat16 (model.dtype); the graph does not.
               "compute_dtype": "float32", **(source or {})}
   model = onnx_graph.build(model_config, tensors, size, projector, metadata)

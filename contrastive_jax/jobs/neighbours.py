@@ -141,12 +141,11 @@ def _queries(config, index: index_lib.Index):
     else:
       try:
         image = images.load_image(item, max_pixels=config.max_pixels,
-                                  shorter_side=index_lib.shorter_side(index.image_size,
-                                                                      index.crop_fraction))
+                                  shorter_side=index.eval_crop.shorter_side())
       except ImageError as e:
         raise _query_error(config, item, line,
                            f"an image file that can be read: {e.reason}") from None
-      found.append((item, None, index_lib.center_crop(index, image, index.image_size)))
+      found.append((item, None, index_lib.center_crop(index, image, index.eval_crop.size)))
   return found
 
 
@@ -220,7 +219,7 @@ def _picture(config, index: index_lib.Index, queries, scores, rows) -> np.ndarra
   query files, at the cell's scale where the files allow (the encoder may
   have seen them smaller).
   """
-  side = index_lib.shorter_side(max(config.cell, index.image_size), index.crop_fraction)
+  side = index.eval_crop.shorter_side(max(config.cell, index.eval_crop.size))
   wanted = sorted({int(r) for r in rows.ravel() if r >= 0} |
                   {r for _, r, _ in queries if r is not None})
   read = index_lib.read_images(index, wanted, side)

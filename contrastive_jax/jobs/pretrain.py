@@ -152,9 +152,8 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
                                "probe": state.probe.get("params")},
       features=lambda variables, images: models.encode(encoder, variables["encoder"], images),
       logits=logits if run.probe else None,
-      dataset=input_pipeline.eval_datasets(source, image_size=config.image_size,
-                                           crop_fraction=config.eval_crop_fraction,
-                                           crop_resize=config.crop.resize,
+      dataset=input_pipeline.eval_datasets(source,
+                                           eval_crop=input_pipeline.EvalCrop.of(config),
                                            threads=config.data_threads, cache=config.cache))
   return runner.Task(config=config, init=run.init, train_step=run.train_step,
                      train_batches=input_pipeline.train_batches(

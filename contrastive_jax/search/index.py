@@ -9,7 +9,7 @@
                   (prepared image folders) or the TFDS id; "label" only for
                   labelled datasets.
   embed.json      what was embedded and how: the job's config (the
-                  checkpoint step resolved), image size, crop fraction, N, D,
+                  checkpoint step resolved), eval_crop (size, fraction, resize), N, D,
                   class names, format_version, run_id (this embed run's id),
                   parts (below) and ann (what ann.json holds, or null).
                   Written last: its presence marks a complete index, which
@@ -33,7 +33,6 @@ after it.
 """
 import io
 import json
-import math
 import uuid
 from typing import NamedTuple, Optional
 
@@ -50,17 +49,10 @@ from contrastive_jax.data import sources
 from contrastive_jax.search import ann as ann_lib
 
 EMBEDDINGS, INDEX, META, UNREADABLE = "embeddings.npy", "index.jsonl", "embed.json", "unreadable.txt"
-# embed.json's format: 1 (no format_version, before parts and the ANN index), 2.
-FORMAT_VERSION = 2
-
-
-def shorter_side(image_size: int, crop_fraction: float) -> int:
-  """The shorter side image files are downscaled to (antialiased) before their centre crop.
-
-  The crop's own scale, so that the crop's resize to image_size
-  hardly resamples: a large photo is not aliased.
-  """
-  return math.ceil(image_size / crop_fraction)
+# embed.json's format: 1 (no format_version field: one part, no ANN index), 2 (parts, run_id,
+# ann; the eval crop in image_size, crop_fraction and, where present, crop_resize), 3 (the
+# eval crop as "eval_crop"). load_index reads each through _upgrade_meta.
+FORMAT_VERSION = 3
 
 
 def part_names(part: int) -> dict:
@@ -124,8 +116,7 @@ def write(workdir, config, model, source, h, labels, names, num_unreadable: int)
   part = _write_part(workdir, 0, h, rows, config.folder)
   run_id = uuid.uuid4().hex
   meta = {"format_version": FORMAT_VERSION, "run_id": run_id, "config": config.to_dict(),
-          "image_size": model.image_size, "crop_fraction": model.crop_fraction,
-          "crop_resize": model.crop_resize, "num_images": len(h), "dim": int(h.shape[1]),
+          "eval_crop": model.eval_crop._asdict(), "num_images": len(h), "dim": int(h.shape[1]),
           "class_names": source.class_names, "unreadable": num_unreadable, "parts": [part],
           "ann": _write_ann(workdir, config, h, generation=0, run_id=run_id)}
   _commit(workdir, meta, None)
@@ -226,16 +217,14 @@ class Index(NamedTuple):
   embeddings: float32 [N, D] unit rows of every part, in order (a
   memory-mapped array for one local part, a Parts of them for several).
   rows: N dicts {'name'[, 'label']}.
-  config: the embed job's config; image_size, crop_fraction, crop_resize: how
-  its images were cropped (input_pipeline.center_crop); class_names: list or None.
+  config: the embed job's config; eval_crop: how its images were cropped
+  (input_pipeline.EvalCrop); class_names: list or None.
   meta: embed.json as read (its "ann": the ANN index's description, or None).
   """
   embeddings: np.ndarray
   rows: list
   config: ml_collections.ConfigDict
-  image_size: int
-  crop_fraction: float
-  crop_resize: str
+  eval_crop: input_pipeline.EvalCrop
   class_names: list
   meta: dict
 
@@ -251,9 +240,8 @@ class Index(NamedTuple):
 
 
 def center_crop(index: Index, image: np.ndarray, size: int) -> np.ndarray:
-  """The centre crop the index's images had (input_pipeline.center_crop), uint8 [size, size, 3]."""
-  return input_pipeline.center_crop(tf.constant(image), size, index.crop_fraction,
-                                    index.crop_resize).numpy()
+  """The centre crop the index's images had (its eval_crop) at size px, uint8 [size, size, 3]."""
+  return index.eval_crop.apply(tf.constant(image), size).numpy()
 
 
 def read_images(index: Index, rows, shorter_side: int) -> dict:
@@ -309,15 +297,7 @@ def load_index(workdir: str, *, where: Optional[str] = None) -> Index:
       meta = json.load(f)
   except ValueError as e:
     raise JobError(f"{where}: {META} must be the JSON an embed job writes ({e})") from None
-  version = meta.get("format_version", 1)
-  if version not in (1, FORMAT_VERSION):
-    raise JobError(f"{where}: {META} has format_version={version!r}: must be 1 to "
-                   f"{FORMAT_VERSION} (written by a newer contrastive_jax?)")
-  if version == 1:  # One part, no ANN index, no run id: given one if an add rewrites it.
-    part = {"embeddings": EMBEDDINGS, "rows": INDEX, "num_images": meta["num_images"],
-            "folder": meta["config"].get("folder")}
-    meta = dict(meta, format_version=FORMAT_VERSION, run_id=uuid.uuid4().hex, parts=[part],
-                ann=None)
+  meta = _upgrade_meta(meta, where)
   rows, arrays = [], []
   for part in meta["parts"]:
     try:
@@ -338,8 +318,27 @@ def load_index(workdir: str, *, where: Optional[str] = None) -> Index:
     ann_lib.check_meta_file(workdir, meta["ann"], where=where)
     ann_lib.check(meta["ann"], rows=len(rows), dim=meta["dim"], embed_run=meta["run_id"],
                   where=where)
-  # An index written before crop_resize was recorded was cropped bilinear.
   return Index(arrays[0] if len(arrays) == 1 else Parts(arrays), rows,
-               ml_collections.ConfigDict(meta["config"]), meta["image_size"],
-               meta["crop_fraction"], meta.get("crop_resize", "pil_bilinear"),
-               meta["class_names"], meta)
+               ml_collections.ConfigDict(meta["config"]),
+               input_pipeline.EvalCrop(**meta["eval_crop"]), meta["class_names"], meta)
+
+
+def _upgrade_meta(meta: dict, where: str) -> dict:
+  """embed.json of any format_version as this code writes it (FORMAT_VERSION), one step each.
+
+  Raises:
+    JobError: a format_version this code does not know.
+  """
+  version = meta.get("format_version", 1)
+  if version not in range(1, FORMAT_VERSION + 1):
+    raise JobError(f"{where}: {META} has format_version={version!r}: must be 1 to "
+                   f"{FORMAT_VERSION} (written by a newer contrastive_jax?)")
+  if version == 1:  # One part, no ANN index, no run id: given one if an add rewrites it.
+    part = {"embeddings": EMBEDDINGS, "rows": INDEX, "num_images": meta["num_images"],
+            "folder": meta["config"].get("folder")}
+    meta = dict(meta, run_id=uuid.uuid4().hex, parts=[part], ann=None)
+  if version <= 2:  # An index without crop_resize was cropped bilinear.
+    meta = dict(meta)
+    meta["eval_crop"] = {"size": meta.pop("image_size"), "fraction": meta.pop("crop_fraction"),
+                         "resize": meta.pop("crop_resize", "pil_bilinear")}
+  return dict(meta, format_version=FORMAT_VERSION)

@@ -50,12 +50,10 @@ def labelled_source(config, job: str):
 
 
 def eval_datasets(source, config, encoder: restore.Encoder):
-  """The evaluators' datasets (input_pipeline.eval_datasets) at the encoder's image size,
-  centre crop and resize method."""
-  return input_pipeline.eval_datasets(source, image_size=encoder.pretrained.image_size,
-                                      crop_fraction=encoder.pretrained.eval_crop_fraction,
-                                      crop_resize=encoder.pretrained.crop_resize,
-                                      threads=config.data_threads, cache=config.cache)
+  """The evaluators' datasets (input_pipeline.eval_datasets) with the encoder's eval crop."""
+  return input_pipeline.eval_datasets(
+      source, eval_crop=input_pipeline.EvalCrop.of(encoder.pretrained),
+      threads=config.data_threads, cache=config.cache)
 
 
 def make_classifier_step(inputs: Callable, forward: Callable, tx):

@@ -25,6 +25,7 @@ from contrastive_jax.core import files
 from contrastive_jax.core import gcs
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import tensor_files
+from contrastive_jax.data import input_pipeline
 from contrastive_jax.methods import ENCODER
 from contrastive_jax.methods import common
 from contrastive_jax.methods import get_method
@@ -195,13 +196,10 @@ class EmbedModel(NamedTuple):
 
   embed: uint8 images [B, S, S, 3] (a jax.Array on the mesh) -> float32
     [B, D] L2-normalised h, sharded like the images.
-  image_size: S, the pretraining run's; crop_fraction and crop_resize: its
-  eval centre crop (input_pipeline.center_crop). step: the checkpoint's step.
+  eval_crop: the pretraining run's (input_pipeline.EvalCrop). step: the checkpoint's step.
   """
   embed: Callable
-  image_size: int
-  crop_fraction: float
-  crop_resize: str
+  eval_crop: input_pipeline.EvalCrop
   step: int
 
 
@@ -213,5 +211,5 @@ def embed_model(config, mesh) -> EmbedModel:
   """
   encoder, variables, pretrained, step, _ = restore_encoder(config, mesh)
   features = jax.jit(lambda v, x: common.l2_normalize(models.encode(encoder, v, x)))
-  return EmbedModel(lambda images: features(variables, images), pretrained.image_size,
-                    pretrained.eval_crop_fraction, pretrained.crop.resize, step)
+  return EmbedModel(lambda images: features(variables, images),
+                    input_pipeline.EvalCrop.of(pretrained), step)
