@@ -50,7 +50,7 @@ from contrastive_jax.data import sources
 from contrastive_jax.search import ann as ann_lib
 
 EMBEDDINGS, INDEX, META, UNREADABLE = "embeddings.npy", "index.jsonl", "embed.json", "unreadable.txt"
-# embed.json's format: 1 (no format_version, before parts and the ANN index), 2.
+# embed.json's format_version: 1 (no such field; one part, no ANN index, no run id), 2.
 FORMAT_VERSION = 2
 
 
