@@ -21,7 +21,7 @@ weight decay 0.1, 40 warm-up epochs then cosine, 300 epochs, t 0.2, momentum
 0.99 ramped to 1 (--moco-m-cos), random (frozen) patch projection
 (--stop-grad-conv1), patch 16 at 224 px, projector 3 layers (4096, 4096, 256),
 RandomResizedCrop scale 0.08-1 (main_moco.py's default --crop-min). One
-difference, as issue 11 asks: weight decay leaves biases, LayerNorm, the class
+difference, as timm's param_groups_weight_decay: weight decay leaves biases, LayerNorm, the class
 token out ('kernels'); the reference's torch.optim.AdamW decays every parameter
 ('all' reproduces it). ResNet recipe: LARS (MoCo v3's: weight decay and trust
 ratio 0.001 on weights of more than one dimension, momentum 0.9, lr after the

@@ -15,7 +15,7 @@ from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import VariantError
 from contrastive_jax.core.errors import closest
-from contrastive_jax import models
+from contrastive_jax.models import vit
 
 
 def parse_args(arg: str, args: dict,
@@ -309,9 +309,9 @@ def model(name: str, stem: str, dtype: str, reference: str) -> dict:
 
 
 def vit_model(name: str, patch_size: int, dtype: str, random_patch_projection: bool) -> dict:
-  """A ViT model config (models.VIT_SPECS name; vit.py) at the spec's width (multiplier
+  """A ViT model config (a vit.SPECS name) at the spec's width (multiplier
   1) and depth, ImageNet standardisation as MoCo v3's inputs."""
-  return dict(name=name, width=1.0, depth=models.VIT_SPECS[name][1], patch_size=patch_size,
+  return dict(name=name, width=1.0, depth=vit.SPECS[name][1], patch_size=patch_size,
               dtype=dtype, random_patch_projection=random_patch_projection,
               input_mean=IMAGENET_MEAN, input_std=IMAGENET_STD)
 

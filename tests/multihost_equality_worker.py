@@ -30,6 +30,7 @@ from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import get_method
 from contrastive_jax.methods import optim
 from contrastive_jax import models
+from contrastive_jax.models import resnet
 from contrastive_jax import recipes
 from helpers import load_config, tiny_config
 
@@ -38,7 +39,7 @@ STEPS = 3
 METHODS = ("simclr", "moco_v2", "byol")
 # Equality across host counts does not depend on depth: one basic block per stage
 # instead of ResNet-18's two halves what the three processes compile.
-models.RESNET_SPECS["resnet10"] = ("basic", (1, 1, 1, 1))
+resnet.SPECS["resnet10"] = ("basic", (1, 1, 1, 1))
 
 
 def method_config(method: str):

@@ -290,7 +290,7 @@ def test_an_interrupted_add_leaves_the_previous_index_as_it_was(photos, tmp_path
   monkeypatch.setattr(files, "write_atomic", original)
   for name, content in listing.items():  # Every file of the index unchanged ...
     assert open(os.path.join(workdir, name), "rb").read() == content, name
-  again = index_lib.load_index(workdir)  # ... and it loads and searches as before.
+  again = index_lib.load_index(workdir)  # ... and it loads and searches as it did.
   assert again.rows == before.rows and again.meta == before.meta
   results = neighbours.run(neighbours_config(workdir, query_rows="5"), str(tmp_path / "search"))
   assert results["queries"][0]["neighbours"][0]["row"] == 5

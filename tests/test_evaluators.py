@@ -98,7 +98,7 @@ def test_classifier_counts_every_image_once_and_top5_only_with_5_classes(num_cla
 
 
 class _Unlabeled:
-  """A data source without labels (the image-folder sources of a later issue have them)."""
+  """A data source without labels, as an unlabelled image folder is."""
   name, num_classes = "photos", None
 
   def num_examples(self, split, field):

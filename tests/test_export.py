@@ -1,4 +1,4 @@
-"""The export job (issue 18): each format read back by its own runtime gives the project's h."""
+"""The export job: each format read back by its own runtime gives the project's h."""
 import json
 import importlib.util
 import os

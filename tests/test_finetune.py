@@ -137,7 +137,7 @@ def pretrained(tmp_path_factory):
   rng = np.random.default_rng(0)
 
   def draw(path, leaf):
-    if path[-1].key == "kernel":  # He-normal, as models.ResNet draws (fan-in here).
+    if path[-1].key == "kernel":  # He-normal, as resnet.ResNet draws (fan-in here).
       return rng.normal(0, np.sqrt(2 / np.prod(leaf.shape[:-1])), leaf.shape).astype(np.float32)
     return (rng.uniform(0.5, 1.5, leaf.shape) if path[-1].key in ("scale", "var") else
             rng.normal(0, 0.1, leaf.shape)).astype(np.float32)

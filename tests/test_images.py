@@ -499,7 +499,7 @@ def test_files_a_runner_loses_are_an_error_not_a_smaller_dataset(prepared, tmp_p
                                                                  monkeypatch):
   from contrastive_jax.data import prepare_beam  # pylint: disable=g-import-not-at-top
   read_list = prepare_beam.read_list
-  # A file of a shard never read, as the previous design's ReadFromText did with 2 workers.
+  # A file of a shard that no worker reads (a runner losing it, as ReadFromText can).
   monkeypatch.setattr(prepare_beam, "read_list",
                       lambda path: [pair for pair in read_list(path)
                                     if pair[0] != "train/shoes/xray.png"])
@@ -669,7 +669,7 @@ def test_shard_written_twice_is_replaced_whole(prepared, tmp_path):
 
 
 def test_a_dataset_of_an_earlier_version_is_named_as_such(prepared, tmp_path):
-  # Earlier versions wrote TFRecord and fingerprinted contents: same files, other digest.
+  # TFRecord shards and a fingerprint of the contents: the same files, another digest.
   src, _, report = prepared
   old = tmp_path / "mini" / "1.0.0"
   old.mkdir(parents=True)

@@ -293,7 +293,7 @@ def test_each_process_reads_by_index_the_part_it_would_stream(cifar, array_recor
 
 def test_a_parquet_dataset_is_read_as_a_stream(tmp_path):
   # Parquet is TFDS's other random-access format; its records are not bytes, so it is
-  # streamed with as_dataset as before rather than read by index.
+  # streamed with as_dataset, as a TFRecord dataset is, rather than read by index.
   cifar = tfds.builder("cifar10", data_dir=TFDS_DIR)
   examples = tfds.as_numpy(cifar.as_dataset(split="train[:20]", shuffle_files=False))
   tfds.dataset_builders.store_as_tfds_dataset(

@@ -19,6 +19,8 @@ from contrastive_jax.core.errors import NonFiniteError
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
+from contrastive_jax import methods
+from contrastive_jax import recipes
 from contrastive_jax.training import runner
 
 
@@ -186,6 +188,14 @@ PROBE_REFERENCES = {
     "standardised": (256, "100 epochs", 0.1, False, 0.0, "cosine", (), "torchvision", 0.2,
                      "zeros", True),
 }
+
+
+def test_every_method_has_a_probe_preset_and_a_reference_here():
+  missing = sorted(set(methods.METHODS) - set(recipes.LINEAR_PROBE_PRESETS))
+  assert not missing, (f"methods {missing} have no linear-probe preset: preset 'auto' runs "
+                       "the one named as the checkpoint's method; add its reference's linear "
+                       "evaluation to recipes.LINEAR_PROBE_PRESETS")
+  assert set(PROBE_REFERENCES) == set(recipes.LINEAR_PROBE_PRESETS)
 
 
 def test_probe_presets_resolve_to_their_references_recipes(pretrained):

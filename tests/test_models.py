@@ -7,15 +7,46 @@ import pytest
 from helpers import load_config
 
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.methods import common
 from contrastive_jax.methods import get_method
 from contrastive_jax import models
+from contrastive_jax import recipes
+
+# Each model's dimension of h, from its paper: the last stage's channels of a ResNet (He et
+# al. 2016, Table 1), the token width D of a ViT (DeiT-Ti, ViT-S and ViT-B).
+H_DIMS = {"resnet18": 512, "resnet34": 512, "resnet50": 2048, "vit_tiny": 192,
+          "vit_small": 384, "vit_base": 768}
+# models.FAMILIES key -> a model config of the name given, at width 1.
+FAMILY_CONFIGS = {"resnet": lambda name: recipes.model(name, "cifar", "float32", "simclr"),
+                  "vit": lambda name: recipes.vit_model(name, 16, "float32", False)}
 
 
 def _encoder(axis_name):
   cfg = ml_collections.ConfigDict(dict(name="resnet18", width=0.0625, stem="cifar",
                                        dtype="float32"))
   return models.build_encoder(cfg, bn_axis_name=axis_name)
+
+
+def test_every_family_owns_its_names_and_builds_each_model_at_its_width():
+  names = [name for family in models.FAMILIES.values() for name in family.SPECS]
+  assert len(names) == len(set(names)), f"a name in two families' SPECS: {sorted(names)}"
+  assert sorted(names) == sorted(H_DIMS)
+  assert set(FAMILY_CONFIGS) == set(models.FAMILIES)
+  x = jax.ShapeDtypeStruct((2, 32, 32, 3), jnp.float32)
+  for key, family in models.FAMILIES.items():
+    for name in family.SPECS:
+      config = ml_collections.ConfigDict(FAMILY_CONFIGS[key](name))
+      assert models.family(config) == key
+      models.check_model_config(config, 32)
+      encoder = models.build_encoder(config)
+      init = lambda x: encoder.init(jax.random.PRNGKey(0), x, train=False)
+      h = jax.eval_shape(lambda x: encoder.apply(init(x), x, train=False), x)
+      assert h.shape == (2, H_DIMS[name]) == (2, models.encoder_width(config)), name
+      assert h.dtype == jnp.float32
+  with pytest.raises(ConfigError, match=r"config.model.name='resnet7': must be one of "
+                     r"\['resnet18', 'resnet34', 'resnet50', 'vit_base', 'vit_small', 'vit_tiny'\]"):
+    models.encoder_width(ml_collections.ConfigDict(dict(name="resnet7")))
 
 
 def test_global_bn_equals_bn_on_the_whole_batch():

@@ -1,4 +1,4 @@
-"""Each preset against its reference's own definition (issue 10).
+"""Each preset against its reference's own definition.
 
 Crop samplers against numpy transcriptions of the reference algorithms (TF's
 sample_distorted_bounding_box kernel, torchvision's RandomResizedCrop, BYOL's

@@ -185,8 +185,8 @@ def test_resume_refuses_every_changed_field_but_those_that_may_change(tmp_path, 
   config.duration = "2 steps"
   config.checkpoint_every = "1 steps"
   straight, _ = runner.run(pretrain, config, str(tmp_path))
-  # A field the checkpoint's config lacks (one added to the model config since) and a
-  # changed one are both named, with both values; nothing is computed.
+  # A field the checkpoint's config lacks (set in the model config only) and a changed
+  # one are both named, with both values; nothing is computed.
   changed = ml_collections.ConfigDict(config.to_dict())
   changed.model.width = 0.125
   changed.model.new_field = "x"

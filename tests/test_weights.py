@@ -1,4 +1,4 @@
-"""Weights in and out (issue 18): the encoders equal the references' networks; state dicts
+"""Weights in and out: the encoders equal the references' networks; state dicts
 and safetensors files round-trip; bad files are refused in one line.
 
 The reference outputs are tests/reference_outputs/*.npz, made by
@@ -50,7 +50,7 @@ def test_h_equals_the_reference_implementations(case):
   assert _relative(_h(case, variables), _committed(case)) < TOLERANCE
 
 
-def test_the_padding_before_issue_18_differs_from_torchvision():
+def test_the_legacy_padding_differs_from_torchvision():
   """What the equality test guards against: 'SAME' pads an even input after only."""
   case = "torchvision_resnet18"
   config = make.model_config(case)
@@ -228,8 +228,9 @@ def test_mocov3_predictor_ends_as_the_references(variant, final_bn):
     assert last_bn == ["BatchNorm_0"]  # The final BN has no parameters, only statistics.
 
 
-def test_a_field_added_since_a_checkpoint_and_left_unset_is_no_resume_difference():
-  """Checkpoints saved before init_from / pretrain_config existed still resume."""
+def test_a_field_a_checkpoint_lacks_and_left_unset_is_no_resume_difference():
+  """A checkpoint whose config has no init_from / pretrain_config field resumes with them
+  unset."""
   from contrastive_jax.core import checkpointing  # pylint: disable=import-outside-toplevel
   config = ml_collections.ConfigDict(dict(a=1, pretrain_config=None, b=dict(c=None)))
   assert checkpointing.config_differences({"a": 1}, config, ()) == []

@@ -46,7 +46,7 @@ def config_differences(saved: dict, config: ml_collections.ConfigDict,
   config is compared as it would be saved. A field under one of may_change
   (dotted prefixes, e.g. 'evaluators') is left out; a field only one side has
   differs, with errors.ABSENT as the other side's value, unless that side's value is
-  None: a field added to the configs since, left unset, is the code's behaviour before it.
+  None: an unset field computes what a config without the field does.
   """
   current = _leaves(json.loads(json.dumps(config.to_dict())))
   saved = _leaves(saved)

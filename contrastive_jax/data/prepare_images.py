@@ -513,7 +513,7 @@ def prepare(src: str, name: str, data_dir: str, *, image_size: int, encoding: st
             "see its prepare_report.json)" if previous else
             "something prepare_images did not write")
     if previous and tf.io.gfile.glob(os.path.join(final, VERSION, "*.tfrecord-*")):
-      # Earlier versions wrote TFRecord (and fingerprinted file contents, not stamps).
+      # TFRecord shards: a dataset whose fingerprint hashed file contents, not stamps.
       what = (f"a TFRecord dataset prepared by an earlier version (from {previous.get('src')}), "
               "which training reads as a stream; pass --overwrite to prepare it again as "
               "ArrayRecord, read in a fresh order every epoch")

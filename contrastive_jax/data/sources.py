@@ -234,7 +234,7 @@ class TfdsSource:
     self.class_names = features["label"].names if "label" in features else None
     self._id_feature = next((name for name in ID_FEATURES if name in features), None)
     # ArrayRecord only: TFDS's other random-access format, Parquet, hands its records
-    # over as memoryviews, and its datasets are read as a stream (as_dataset) as before.
+    # over as memoryviews, and its datasets are read as a stream (as_dataset), as TFRecord.
     self.random_access = (self._builder.info.file_format
                           == tfds.core.file_adapters.FileFormat.ARRAY_RECORD)
     # Records fetched by index (Records.read), counted for tests and benchmarks.

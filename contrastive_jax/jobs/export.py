@@ -41,6 +41,7 @@ from contrastive_jax.data import input_pipeline
 from contrastive_jax.training import restore
 from contrastive_jax import models
 from contrastive_jax.models import onnx_graph
+from contrastive_jax.models import resnet
 from contrastive_jax.models import state_dicts
 
 FORMATS = {"safetensors": "encoder.safetensors", "pth": "encoder.pth",
@@ -120,10 +121,10 @@ def _warn_if_not_the_references_network(model_config):
   otherwise than torchvision (models/resnet.py PADDINGS), whose dict loads into it but
   then computes another h, or one with a projection shortcut in every stage's first block
   (SimCLR's, BYOL's), whose extra layer1.0.downsample tensors a strict load refuses."""
-  padding = models.resnet_padding(model_config)
+  padding = resnet.padding_rule(model_config) if models.family(model_config) == "resnet" else None
   # A bottleneck stage's first block widens anyway: only ResNet-18/34 gain tensors.
   extra = (padding is not None and model_config.get("stage_projection", False)
-           and models.RESNET_SPECS[model_config.name][0] == "basic")
+           and resnet.SPECS[model_config.name][0] == "basic")
   if padding not in (None, "torchvision") or extra:
     logging.warning(
         "The checkpoint's ResNet is not torchvision's (padding %r, a projection shortcut in "

@@ -24,13 +24,15 @@ from contrastive_jax.training import downstream
 from contrastive_jax.training import evaluators
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
+from contrastive_jax import methods
 from contrastive_jax.methods import common
 from contrastive_jax.methods import optim
 from contrastive_jax import models
 from contrastive_jax import recipes
 
+# 'auto' runs the preset named as the checkpoint's method: every key of methods.METHODS
+# has one (tests/test_linear_probe.py).
 PRESETS = ("auto",) + tuple(recipes.LINEAR_PROBE_PRESETS)
-METHOD_PRESETS = ("simclr", "moco", "mocov3", "byol")  # 'auto' runs the checkpoint's method's.
 # name -> (kernel init, bias init) of the linear layer.
 HEAD_INITS = {"zeros": (nn.initializers.zeros, nn.initializers.zeros),
               "normal_0.01": (nn.initializers.normal(0.01), nn.initializers.zeros),
@@ -61,7 +63,7 @@ def check_config(config, num_devices: int):
   """
   if config.preset not in PRESETS:
     raise ConfigError("preset", config.preset, f"one of {list(PRESETS)}")
-  for name in METHOD_PRESETS if config.preset == "auto" else (config.preset,):
+  for name in methods.METHODS if config.preset == "auto" else (config.preset,):
     filled = recipes.fill_probe_preset(config, name)
     downstream.check_config(filled, num_devices)
     if filled.head.init not in HEAD_INITS:

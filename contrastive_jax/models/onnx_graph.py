@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from contrastive_jax import models
+from contrastive_jax.models import common
 from contrastive_jax.models import resnet
 from contrastive_jax.models import vit
 
@@ -85,8 +86,7 @@ def _torch_bn(g: _Graph, x: str, tensors, name: str) -> str:
 
 def _pixels(g: _Graph, model_config) -> str:
   """uint8 NHWC images -> standardised float32 NCHW, as models.encode and the model do."""
-  mean = np.asarray(model_config.get("input_mean", (0.0, 0.0, 0.0)), np.float32)
-  std = np.asarray(model_config.get("input_std", (1.0, 1.0, 1.0)), np.float32)
+  mean, std = (np.asarray(v, np.float32) for v in common.input_statistics(model_config))
   x = g.op("Div", g.op("Cast", INPUT, to=1), g.const(255.0))  # to=1: FLOAT.
   x = g.op("Div", g.op("Sub", x, g.const(mean)), g.const(std))
   return g.op("Transpose", x, perm=[0, 3, 1, 2])
@@ -94,8 +94,8 @@ def _pixels(g: _Graph, model_config) -> str:
 
 def _resnet(g: _Graph, x: str, size: int, model_config, tensors) -> str:
   """resnet.ResNet's forward pass on NCHW x; returns h [N, C]."""
-  block_type, stage_sizes = models.RESNET_SPECS[model_config.name]
-  rule = models.resnet_padding(model_config)
+  block_type, stage_sizes = resnet.SPECS[model_config.name]
+  rule = resnet.padding_rule(model_config)
   conv = lambda x, size, name, stride=1, stem=False: _conv(
       g, x, size, tensors[name], stride,
       resnet.conv_padding(tensors[name].shape[-1], stride, rule, stem))
@@ -140,7 +140,7 @@ def _linear(g: _Graph, x: str, tensors, name: str) -> str:
 
 def _vit(g: _Graph, x: str, size: int, model_config, tensors) -> str:
   """vit.ViT's forward pass on NCHW x; returns h [N, D] (the class token after the last LN)."""
-  d, heads = models.vit_width(model_config), models.vit_heads(model_config)
+  d, heads = models.encoder_width(model_config), vit.num_heads(model_config)
   p = model_config.patch_size
   x, grid = _conv(g, x, size, tensors["patch_embed.proj.weight"], p, [(0, 0), (0, 0)],
                   tensors["patch_embed.proj.bias"])
@@ -170,6 +170,11 @@ def _vit(g: _Graph, x: str, size: int, model_config, tensors) -> str:
     x = g.op("Add", x, _linear(g, y, tensors, f"{name}.mlp.fc2"))
   x = _layer_norm(g, x, tensors, "norm")
   return g.op("Gather", x, g.const(0, np.int64), axis=1)
+
+
+# models.FAMILIES key -> the encoder's forward pass, (g, NCHW x, S, model_config, state dict)
+# -> h.
+_FORWARD = {"resnet": _resnet, "vit": _vit}
 
 
 def _projection(g: _Graph, h: str, module, variables) -> str:
@@ -215,8 +220,8 @@ def build(model_config, tensors: Dict[str, np.ndarray], image_size: int, project
   from onnx import TensorProto, checker, helper
   g = _Graph()
   x = _pixels(g, model_config)
-  family = _vit if model_config.name in models.VIT_SPECS else _resnet
-  h = g.op("Identity", family(g, x, image_size, model_config, tensors), output=H)
+  forward = _FORWARD[models.family(model_config)]
+  h = g.op("Identity", forward(g, x, image_size, model_config, tensors), output=H)
   outputs = [helper.make_tensor_value_info(H, TensorProto.FLOAT,
                                            ["batch", models.encoder_width(model_config)])]
   if projector is not None:

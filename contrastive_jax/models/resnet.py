@@ -11,6 +11,9 @@ zero (SimCLR, BYOL's code) or one (torchvision: MoCo).
 Padding follows the reference whose weights a config means to match
 (PADDINGS); the references differ only where a convolution or the max-pool is
 strided, as 'SAME' pads an even input after it only.
+
+The family API of the model registry (models/__init__.py): SPECS, check_config,
+build_encoder and encoder_width.
 """
 import functools
 from typing import Any, Callable, Optional, Sequence
@@ -18,14 +21,16 @@ from typing import Any, Callable, Optional, Sequence
 import flax.linen as nn
 import jax.numpy as jnp
 
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.models import common
+
 # name -> (block type, blocks per stage); He et al. 2016, Table 1.
-RESNET_SPECS = {
+SPECS = {
     "resnet18": ("basic", (2, 2, 2, 2)),
     "resnet34": ("basic", (3, 4, 6, 3)),
     "resnet50": ("bottleneck", (3, 4, 6, 3)),
 }
 STEMS = ("cifar", "imagenet")
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 CONV_INITS = {
     "he_normal": nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
     "variance_scaling": nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
@@ -38,10 +43,12 @@ CONV_INITS = {
 #       Conv2dFixedPadding, max pooling padding 'SAME').
 #   'same': 'SAME' everywhere, the 7x7 stem included (Haiku's Conv2D and max_pool: BYOL's
 #       networks.py).
-#   'legacy': this package's padding before issue 18 (the 7x7 stem (3, 3), everything else
-#       'SAME'); the value of checkpoints saved without the field, so that they restore to the
-#       network they were trained as.
+#   'legacy': the 7x7 stem pads (3, 3), everything else is 'SAME'; the rule of a saved config
+#       without model.padding, so that its checkpoint restores to the network it trained.
 PADDINGS = ("torchvision", "tensorflow", "same", "legacy")
+# The value of each field a saved model config may lack: the network its checkpoint trained.
+_DEFAULTS = dict(common.INPUT_DEFAULTS, zero_init_residual=True, conv_init="he_normal",
+                 padding="legacy", stage_projection=False)
 
 
 def conv_padding(kernel: int, strides: int, padding: str, stem: bool = False):
@@ -116,7 +123,7 @@ class ResNet(nn.Module):
   """ResNet encoder (He et al. 2016) with a width multiplier.
 
   Attributes:
-    depth_spec: (block type, blocks per stage), a value of RESNET_SPECS.
+    depth_spec: (block type, blocks per stage), a value of SPECS.
     width: channel multiplier; stage widths are round(64 * 2**i * width).
     stem: 'cifar' (3x3 stride-1 conv, no max-pool; SimCLR Appendix B.9) or
       'imagenet' (7x7 stride-2 conv and 3x3 stride-2 max-pool).
@@ -182,3 +189,50 @@ class ResNet(nn.Module):
         x = block_cls(base * 2**i, strides, conv, norm, last_norm,
                       project=self.stage_projection and j == 0)(x)
     return jnp.mean(x, axis=(1, 2)).astype(jnp.float32)
+
+
+def padding_rule(model_config) -> str:
+  """The PADDINGS rule of a ResNet config ('legacy' for a saved config without the field)."""
+  return model_config.get("padding", _DEFAULTS["padding"])
+
+
+def check_config(model_config, image_size: int = None):
+  """Raises ConfigError naming the first field of a ResNet config (name in SPECS) that
+  cannot be built; any image_size works (global average pooling)."""
+  del image_size
+  if model_config.stem not in STEMS:
+    raise ConfigError("model.stem", model_config.stem, f"one of {list(STEMS)}")
+  if not model_config.width > 0:
+    raise ConfigError("model.width", model_config.width, "a number > 0")
+  conv_init = model_config.get("conv_init", _DEFAULTS["conv_init"])
+  if conv_init not in CONV_INITS:
+    raise ConfigError("model.conv_init", conv_init, f"one of {sorted(CONV_INITS)}")
+  padding = padding_rule(model_config)
+  if padding not in PADDINGS:
+    raise ConfigError("model.padding", padding, f"one of {list(PADDINGS)}")
+  stage_projection = model_config.get("stage_projection", _DEFAULTS["stage_projection"])
+  if not isinstance(stage_projection, bool):
+    raise ConfigError("model.stage_projection", stage_projection, "True or False")
+  common.check_input_statistics(model_config)
+
+
+def build_encoder(model_config, bn_axis_name=None) -> ResNet:
+  """The ResNet of a checked config: fields name (SPECS), width, stem, dtype,
+  zero_init_residual, conv_init, padding, stage_projection, input_mean, input_std;
+  BN statistics averaged over the mesh axis bn_axis_name (None: per device)."""
+  get = lambda field: model_config.get(field, _DEFAULTS[field])
+  input_mean, input_std = common.input_statistics(model_config)
+  return ResNet(SPECS[model_config.name], width=model_config.width,
+                stem=model_config.stem, dtype=common.DTYPES[model_config.dtype],
+                bn_axis_name=bn_axis_name, zero_init_residual=get("zero_init_residual"),
+                conv_init=get("conv_init"), padding=get("padding"),
+                stage_projection=get("stage_projection"),
+                input_mean=input_mean, input_std=input_std)
+
+
+def encoder_width(model_config) -> int:
+  """Dimension of h: 512 x width for ResNet-18/34, 2048 x width for ResNet-50 (the last
+  stage's channels, round(64 x width) x 8, x 4 for a bottleneck)."""
+  block_type, _ = SPECS[model_config.name]
+  base = max(1, round(64 * model_config.width))
+  return base * 8 * (4 if block_type == "bottleneck" else 1)

@@ -16,7 +16,7 @@ out on import. A MoCo v3 ViT's fixed position embedding is a tensor of its
 state dict (pos_embed, the class token's row zero); it is written so and must
 equal this package's on import.
 """
-from typing import Dict, List, NamedTuple
+from typing import Callable, Dict, List, NamedTuple
 
 import flax
 import jax
@@ -25,6 +25,7 @@ import numpy as np
 
 from contrastive_jax.core.errors import WeightsError
 from contrastive_jax import models
+from contrastive_jax.models import resnet
 from contrastive_jax.models import vit
 
 # Prefixes under which checkpoints keep their encoder, tried in this order: MoCo v3
@@ -32,9 +33,6 @@ from contrastive_jax.models import vit
 # saved from DistributedDataParallel ('module.'), then any DataParallel or bare one.
 ENCODER_PREFIXES = ("module.base_encoder.", "module.encoder_q.", "base_encoder.", "encoder_q.",
                     "module.", "")
-# A stock model's classifier and a self-supervised checkpoint's projection head: not encoder.
-_HEAD_PREFIXES = {"resnet": ("fc.",), "vit": ("head.", "fc_norm.")}
-_FIRST_TENSOR = {"resnet": "conv1.weight", "vit": "patch_embed.proj.weight"}
 
 
 class Entry(NamedTuple):
@@ -49,11 +47,6 @@ class Entry(NamedTuple):
   collection: str
   path: tuple
   layout: str
-
-
-def family(model_config) -> str:
-  """'vit' or 'resnet'."""
-  return "vit" if model_config.name in models.VIT_SPECS else "resnet"
 
 
 def variable_shapes(model_config, image_size: int):
@@ -73,7 +66,7 @@ def _bn(name: str, module: tuple) -> List[Entry]:
 
 
 def _resnet_entries(model_config, params) -> List[Entry]:
-  block_type, stage_sizes = models.RESNET_SPECS[model_config.name]
+  block_type, stage_sizes = resnet.SPECS[model_config.name]
   prefix = "BasicBlock_" if block_type == "basic" else "BottleneckBlock_"
   convs = 2 if block_type == "basic" else 3
   entries = [Entry("conv1.weight", "params", ("stem_conv", "kernel"), "conv"),
@@ -116,12 +109,37 @@ def _vit_entries(model_config, params) -> List[Entry]:
   return entries
 
 
+def _describe_resnet(model_config) -> str:
+  return f"{model_config.name} (width {model_config.width}, stem {model_config.stem!r})"
+
+
+def _describe_vit(model_config) -> str:
+  return (f"{model_config.name} (D {models.encoder_width(model_config)}, depth "
+          f"{model_config.depth}, patch {model_config.patch_size})")
+
+
+class _Layout(NamedTuple):
+  """A model family's state dict: its name in messages, its first tensor, the prefixes of a
+  stock model's classifier and a self-supervised checkpoint's projection head (not
+  encoder), its entries (model_config, params) -> [Entry] and a config's description."""
+  label: str
+  first_tensor: str
+  head_prefixes: tuple
+  entries: Callable
+  describe: Callable
+
+
+# models.FAMILIES key -> its layout.
+_LAYOUTS = {"resnet": _Layout("ResNet", "conv1.weight", ("fc.",), _resnet_entries,
+                              _describe_resnet),
+            "vit": _Layout("ViT", "patch_embed.proj.weight", ("head.", "fc_norm."),
+                           _vit_entries, _describe_vit)}
+
+
 def entries(model_config, image_size: int) -> List[Entry]:
   """The encoder's tensors in the reference's order (see Entry)."""
   params = variable_shapes(model_config, image_size)["params"]
-  if family(model_config) == "vit":
-    return _vit_entries(model_config, params)
-  return _resnet_entries(model_config, params)
+  return _LAYOUTS[models.family(model_config)].entries(model_config, params)
 
 
 def _to_torch(array: np.ndarray, layout: str) -> np.ndarray:
@@ -144,7 +162,7 @@ def _from_torch(array: np.ndarray, layout: str) -> np.ndarray:
 
 def fixed_position_embedding(model_config, image_size: int) -> np.ndarray:
   """MoCo v3's pos_embed of a sin-cos ViT: float32 [1, 1 + grid^2, D], the class token's row 0."""
-  grid, d = image_size // model_config.patch_size, models.vit_width(model_config)
+  grid, d = image_size // model_config.patch_size, models.encoder_width(model_config)
   table = vit.sincos_position_embedding(grid, d)
   return np.concatenate([np.zeros((1, d), np.float32), table])[None]
 
@@ -168,34 +186,28 @@ def to_state_dict(model_config, variables, image_size: int) -> Dict[str, np.ndar
   return out
 
 
-def _describe(model_config) -> str:
-  if family(model_config) == "vit":
-    return (f"{model_config.name} (D {models.vit_width(model_config)}, depth "
-            f"{model_config.depth}, patch {model_config.patch_size})")
-  return f"{model_config.name} (width {model_config.width}, stem {model_config.stem!r})"
-
-
-def encoder_tensors(tensors: Dict[str, np.ndarray], path: str, model_config) -> Dict[str, np.ndarray]:
+def encoder_tensors(tensors: Dict[str, np.ndarray], path: str,
+                    model_config) -> Dict[str, np.ndarray]:
   """The encoder's tensors of a file: under the first of ENCODER_PREFIXES that holds the
-  model family's first tensor, that prefix removed, classifier and projection heads and BN counters left out.
+  model family's first tensor, that prefix removed, classifier and projection heads and BN
+  counters left out.
 
   Raises:
-    WeightsError: no prefix holds the family's first tensor (naming the other family when
+    WeightsError: no prefix holds the family's first tensor (naming another family when
       the file holds its weights, else the file's first key).
   """
-  kind = family(model_config)
-  first = _FIRST_TENSOR[kind]
+  layout = _LAYOUTS[models.family(model_config)]
+  first = layout.first_tensor
   prefix = next((p for p in ENCODER_PREFIXES if p + first in tensors), None)
   if prefix is None:
-    other = "vit" if kind == "resnet" else "resnet"
-    found = next((p + _FIRST_TENSOR[other] for p in ENCODER_PREFIXES
-                  if p + _FIRST_TENSOR[other] in tensors), None)
-    what = (f"it holds a {'ViT' if other == 'vit' else 'ResNet'} ({found})" if found else
-            f"its first tensor is {next(iter(sorted(tensors)), '(none)')!r}")
-    raise WeightsError(path, f"not the weights of a {_describe(model_config)}: no {first!r} "
+    found = next((f"it holds a {other.label} ({p + other.first_tensor})"
+                  for other in _LAYOUTS.values() if other is not layout
+                  for p in ENCODER_PREFIXES if p + other.first_tensor in tensors), None)
+    what = found or f"its first tensor is {next(iter(sorted(tensors)), '(none)')!r}"
+    raise WeightsError(path, f"not the weights of a {layout.describe(model_config)}: no {first!r} "
                        f"under any of the prefixes {[p for p in ENCODER_PREFIXES if p]} or "
                        f"none; {what}")
-  heads = _HEAD_PREFIXES[kind]
+  heads = layout.head_prefixes
   return {name[len(prefix):]: value for name, value in tensors.items()
           if name.startswith(prefix) and not name[len(prefix):].startswith(heads)
           and not name.endswith("num_batches_tracked")}
@@ -230,7 +242,7 @@ def from_state_dict(tensors: Dict[str, np.ndarray], path: str, model_config,
   shapes = {c: flax.traverse_util.flatten_dict(shapes[c]) for c in shapes}
   expected = [e for e in entries(model_config, image_size) if e.layout != "counter"]
   names = {e.name for e in expected}
-  describe = _describe(model_config)
+  describe = _LAYOUTS[models.family(model_config)].describe(model_config)
   missing = [e.name for e in expected if e.name not in found]
   if missing:
     raise WeightsError(path, f"has no tensor {missing[0]!r} ({len(missing)} of the "

@@ -28,6 +28,9 @@ Written here in Flax Linen: no maintained Flax ViT package offers the fixed
 2-D sin-cos embedding, the frozen patch projection and this module's
 parameter layout together (flax's examples and big_vision are not libraries
 to depend on).
+
+The family API of the model registry (models/__init__.py): SPECS, check_config,
+build_encoder and encoder_width.
 """
 from typing import Any, Sequence
 
@@ -36,12 +39,25 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.models import common
+
+# name -> (width D, depth, heads). Tiny is DeiT-Ti (Touvron et al. 2021, Table 1); Small
+# and Base are MoCo v3's (vits.py): its ViT-S has 12 heads where DeiT-S has 6 (the
+# parameters are the same, the attention finer).
+SPECS = {
+    "vit_tiny": (192, 12, 3),
+    "vit_small": (384, 12, 12),
+    "vit_base": (768, 12, 12),
+}
 # 'sincos': MoCo v3's fixed 2-D sine-cosine embedding, none on the class token (vits.py);
 # 'learned': a learned [1 + grid^2, D] embedding added to the class token and the patches
 # (timm's VisionTransformer, pos_embed, truncated normal std 0.02 there).
 POSITION_EMBEDDINGS = ("sincos", "learned")
 FROZEN_PREFIX = "frozen_"  # Modules named so get no optimizer update (methods/optim.py).
 LN_EPSILON = 1e-6
+# The value of each field a saved model config may lack: the network its checkpoint trained.
+_DEFAULTS = dict(common.INPUT_DEFAULTS, position_embedding="sincos")
 
 
 def sincos_position_embedding(grid: int, dim: int, temperature: float = 10000.0) -> np.ndarray:
@@ -169,3 +185,61 @@ class ViT(nn.Module):
       x = Block(self.num_heads, dtype=self.dtype, name=f"block{i}")(x)
     x = nn.LayerNorm(epsilon=LN_EPSILON, dtype=self.dtype, name="norm")(x)
     return x[:, 0].astype(jnp.float32)
+
+
+def encoder_width(model_config) -> int:
+  """D of a ViT config, the dimension of h: the spec's D times model.width, rounded (a
+  runlocal shrinks it)."""
+  return round(SPECS[model_config.name][0] * model_config.width)
+
+
+def num_heads(model_config) -> int:
+  """Attention heads of a ViT config: model.num_heads, or the spec's when unset (None).
+
+  A checkpoint's shapes do not tell the heads (qkv is [D, 3D] whatever their
+  number): timm's vit_small_patch16_224 has 6 where SPECS' vit_small has 12.
+  """
+  return model_config.get("num_heads") or SPECS[model_config.name][2]
+
+
+def check_config(model_config, image_size: int = None):
+  """Raises ConfigError naming the first field of a ViT config (name in SPECS) that cannot
+  be built (on images of image_size pixels, when given: the patch size must divide it)."""
+  heads = model_config.get("num_heads")
+  if heads is not None and (not isinstance(heads, int) or heads <= 0):
+    raise ConfigError("model.num_heads", heads, "an integer > 0, or None (the spec's)")
+  heads = num_heads(model_config)
+  if not model_config.width > 0 or encoder_width(model_config) % (4 * heads):
+    raise ConfigError("model.width", model_config.width,
+                      f"> 0, making D = {SPECS[model_config.name][0]} x width a multiple "
+                      f"of 4 x {heads} heads (the 2-D sin-cos embedding splits D in 4)")
+  if not isinstance(model_config.get("depth"), int) or model_config.depth <= 0:
+    raise ConfigError("model.depth", model_config.get("depth"), "an integer > 0 (blocks)")
+  patch = model_config.get("patch_size")
+  if not isinstance(patch, int) or patch <= 0 or (image_size and image_size % patch):
+    raise ConfigError("model.patch_size", patch,
+                      "an integer > 0" + (f" that divides image_size ({image_size})"
+                                          if image_size else ""))
+  position = model_config.get("position_embedding", _DEFAULTS["position_embedding"])
+  if position not in POSITION_EMBEDDINGS:
+    raise ConfigError("model.position_embedding", position,
+                      f"one of {list(POSITION_EMBEDDINGS)}")
+  if not isinstance(model_config.get("random_patch_projection"), bool):
+    raise ConfigError("model.random_patch_projection",
+                      model_config.get("random_patch_projection"), "True or False")
+  common.check_input_statistics(model_config)
+
+
+def build_encoder(model_config, bn_axis_name=None) -> ViT:
+  """The ViT of a checked config: fields name (SPECS), width, depth, patch_size, dtype,
+  random_patch_projection, position_embedding, num_heads, input_mean, input_std;
+  D = encoder_width(model_config), num_heads(model_config) heads. bn_axis_name is
+  accepted for the family API; a ViT has no BN."""
+  del bn_axis_name
+  input_mean, input_std = common.input_statistics(model_config)
+  return ViT(encoder_width(model_config), model_config.depth, num_heads(model_config),
+             model_config.patch_size, dtype=common.DTYPES[model_config.dtype],
+             random_patch_projection=model_config.random_patch_projection,
+             position_embedding=model_config.get("position_embedding",
+                                                 _DEFAULTS["position_embedding"]),
+             input_mean=input_mean, input_std=input_std)
