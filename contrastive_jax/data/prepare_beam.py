@@ -36,7 +36,6 @@ import tempfile
 import threading
 import uuid
 
-from absl import logging
 import apache_beam as beam
 from array_record.python.array_record_module import ArrayRecordWriter
 from PIL import Image
@@ -379,13 +378,17 @@ def _quiet_beam_logs():
   """Keeps Beam's progress lines and its logged tracebacks off the console for the block.
 
   The failure they report is raised and said in one line by run_pipeline's caller.
+  The filter is on every handler of the root logger (absl's, under main.py), where
+  Beam's records end.
   """
-  handler, quiet = logging.get_absl_handler(), _QuietBeam()
-  handler.addFilter(quiet)
+  handlers, quiet = list(std_logging.getLogger().handlers), _QuietBeam()
+  for handler in handlers:
+    handler.addFilter(quiet)
   try:
     yield
   finally:
-    handler.removeFilter(quiet)
+    for handler in handlers:
+      handler.removeFilter(quiet)
 
 
 def run_pipeline(elements, runner_spec: Runner, staging: tfds_folder.Staging, src: str,

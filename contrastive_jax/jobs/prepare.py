@@ -91,9 +91,10 @@ def _import_beam():
   Beam's import logs that BigQuery's clients are missing (apitools,
   bigquery_storage), which no preparation needs: those records are dropped.
   """
-  quiet = _QuietBeamImport()
-  handler = logging.get_absl_handler()
-  handler.addFilter(quiet)
+  quiet, root = _QuietBeamImport(), std_logging.getLogger()
+  filtered = [root] + root.handlers  # The root logger's own records, and its children's.
+  for where in filtered:
+    where.addFilter(quiet)
   try:
     from contrastive_jax.data import prepare_beam  # pylint: disable=g-import-not-at-top
   except ImportError as e:
@@ -102,7 +103,8 @@ def _import_beam():
     raise JobError("the prepare job runs on Apache Beam, which is not installed: pip install "
                    "-e '.[beam]' (or pip install apache-beam==2.77.0)") from None
   finally:
-    handler.removeFilter(quiet)
+    for where in filtered:
+      where.removeFilter(quiet)
   return prepare_beam
 
 
@@ -314,7 +316,10 @@ def _first(skipped, n=3) -> str:
 
 def _contents(report: dict) -> str:
   """'train 236, test 60 records, 60 classes' (or 'unlabeled') of a report."""
-  splits = ", ".join(f"{s} {v['images']}" for s, v in report["splits"].items())
+  order = sorted(report["splits"], key=lambda s: (s not in layout.SPLIT_FOLDERS,
+                                                  layout.SPLIT_FOLDERS.index(s)
+                                                  if s in layout.SPLIT_FOLDERS else 0, s))
+  splits = ", ".join(f"{s} {report['splits'][s]['images']}" for s in order)
   kind = f"{len(report['classes'])} classes" if report["classes"] else "unlabeled"
   return f"{splits} records, {kind}"
 
