@@ -525,7 +525,8 @@ def _dataflow_installed():
 @pytest.mark.parametrize("runner,match", [
     ("NoSuchRunner", r"^config.beam.runner='NoSuchRunner': Unexpected pipeline runner: "
      "NoSuchRunner"),
-    pytest.param("DataflowRunner", r"^config.beam.runner='DataflowRunner': cannot start \(.*\); pip "
+    pytest.param("DataflowRunner", r"^config.beam.runner='DataflowRunner': cannot start "
+                 r"\(.*\); pip "
                  r"install 'apache-beam\[gcp\]==2.77.0'$", marks=pytest.mark.skipif(
                      _dataflow_installed(), reason="apache-beam[gcp] is installed"))])
 def test_runner_that_cannot_start_is_one_error_naming_what_to_install(prepared, tmp_path,

@@ -87,7 +87,7 @@ class Runner:
   driver: bool
 
 
-def runner(name: str, direct_num_workers: int, options: str, field: str) -> Runner:
+def choose_runner(name: str, direct_num_workers: int, options: str, field: str) -> Runner:
   """The Runner of a runner name, DirectRunner's worker count and more options; checked.
 
   DirectRunner is run as FnApiRunner, the local runner it falls back to:
@@ -496,7 +496,8 @@ def main(argv) -> None:
 
   spec = json.loads(sys.stdin.readline())
   name = spec["runner"]
-  held = spec["hold"] and tfds_folder.hold(spec["hold"])  # pylint: disable=unused-variable
+  # Open, so locked, until this process ends: the staging folder is in use (tfds_folder.hold).
+  held = tfds_folder.hold(spec["hold"]) if spec["hold"] else None  # pylint: disable=unused-variable
 
   def orphaned():
     sys.stdin.read()  # EOF: the job that started this driver is gone.

@@ -74,9 +74,9 @@ def check_config(config):
   else:
     raise ConfigError("name", config.name, "a name TFDS does not know: it is a registered "
                       "TFDS dataset, which jobs would read instead")
-  for field, low in (("image_size", 0), ("max_pixels", 1), ("seed", 0),
-                     ("beam.direct_num_workers", 0)):
-    value = config[field] if "." not in field else config.beam[field.split(".")[1]]
+  for field, value, low in (("image_size", config.image_size, 0),
+                            ("max_pixels", config.max_pixels, 1), ("seed", config.seed, 0),
+                            ("beam.direct_num_workers", config.beam.direct_num_workers, 0)):
     if value < low:
       raise ConfigError(field, value, f"an integer >= {low}")
   if config.format not in FORMATS:
@@ -142,8 +142,8 @@ def run(config, workdir: str) -> dict:
   src = files.resolve_dir(config.src)
   gcs.check_credentials(src, "config.src")
   prepare_beam = _import_beam()
-  runner = prepare_beam.runner(config.beam.runner, config.beam.direct_num_workers,
-                               config.beam.options, "config.beam.runner")
+  runner = prepare_beam.choose_runner(config.beam.runner, config.beam.direct_num_workers,
+                                      config.beam.options, "config.beam.runner")
   if runner.name == "DataflowRunner" and not (src.startswith("gs://")
                                               and data_dir.startswith("gs://")):
     raise ConfigError("beam.runner", config.beam.runner,
