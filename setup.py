@@ -13,7 +13,7 @@ setuptools.setup(
         "flax==0.12.8",
         "google-auth",  # gcs.py: the credentials check for gs:// paths.
         "google-cloud-storage",  # Orbax imports it for gs:// checkpoints (bucket query).
-        "importlib_resources",  # TFDS needs it to write datasets (prepare_images).
+        "importlib_resources",  # TFDS needs it to write datasets (the prepare job).
         "jax==0.10.2",
         "jaxlib==0.10.2",
         "ml-collections==1.1.0",
@@ -26,7 +26,7 @@ setuptools.setup(
         "tensorflow-datasets==4.9.10",
     ],
     extras_require={
-        # prepare_images runs on Apache Beam (reading prepared datasets does not).
+        # The prepare job runs on Apache Beam (reading prepared datasets does not).
         "beam": ["apache-beam==2.77.0"],
         # tests/gcs_emulator.py patches gaps of this emulator version; cryptography makes its
         # TLS certificate; ruff formats and lints (ruff.toml, .ci/run).

@@ -5,7 +5,7 @@ distributions its threshold is calibrated on; prints tables.
       --test_index=TEST_EMBED_DIR --audit=AUDIT_DIR --thresholds=0.9,0.95
 
 CORPUS is made by ../shared/tools/make_photo_corpus.py, prepared with
-prepare_images; TRAIN_EMBED_DIR and TEST_EMBED_DIR are embed job outputs of its
+the prepare job; TRAIN_EMBED_DIR and TEST_EMBED_DIR are embed job outputs of its
 train and test splits, and AUDIT_DIR the audit job's output for them at a
 threshold no higher than the lowest of --thresholds. The pairs at a higher
 threshold t are those of pairs.csv scoring at least t: each row's k nearest

@@ -31,9 +31,9 @@ On the devices present (CPU, GPU or TPU), one run measures and prints as markdow
   needs to feed the step (step images/s per chip / host images/s per core), and which
   of the two sets the pace with --threads here.
 
-The dataset is --dataset in --data_dir (prepared by prepare_images or any TFDS image
+The dataset is --dataset in --data_dir (prepared by the prepare job or any TFDS image
 dataset stored as JPEG), or --folder, a folder of photos prepared first into a
-temporary folder (at full size, as prepare_images --image_size=0 stores them). On
+temporary folder (at full size, as the prepare job's image_size=0 stores them). On
 CPU the host rows and the step are measured one after the other, each with every
 core; in training they would share them.
 """
@@ -75,19 +75,20 @@ def cores() -> int:
 def prepare_folder(folder: str, data_dir: str) -> str:
   """Prepares folder's photos at full size as FOLDER_DATASET in data_dir; returns the name.
 
-  Runs prepare_images' command line (its flags would clash with this script's).
+  Runs the prepare job's command line (main.py's flags would clash with this script's).
   Raises:
-    JobError: prepare_images failed (its last line says why).
+    JobError: the prepare job failed (its last line says why).
   """
-  command = [sys.executable, "-m", "contrastive_jax.data.prepare_images", f"--src={folder}",
-             f"--name={FOLDER_DATASET}", f"--data_dir={data_dir}", "--image_size=0"]
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  command = [sys.executable, "-m", "contrastive_jax.main",
+             f"--config={os.path.join(root, 'configs', 'prepare.py')}", f"--config.src={folder}",
+             f"--config.name={FOLDER_DATASET}", f"--workdir={data_dir}", "--config.image_size=0"]
   env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [root,
                                                                  os.environ.get("PYTHONPATH")])))
   done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
   if done.returncode:
     last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-    raise JobError(f"--folder={folder!r}: prepare_images failed: {last}")
+    raise JobError(f"--folder={folder!r}: the prepare job failed: {last}")
   return FOLDER_DATASET
 
 

@@ -1,4 +1,4 @@
-"""BYOL on an image folder prepared by prepare_images (Grill et al. 2020).
+"""BYOL on an image folder prepared by the prepare job (Grill et al. 2020).
 
   python -m contrastive_jax.main --config=configs/byol_images.py \\
       --config.dataset=NAME --config.data_dir=DIR --workdir=RUN

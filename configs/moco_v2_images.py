@@ -1,4 +1,4 @@
-"""MoCo v2 on an image folder prepared by prepare_images (Chen et al. 2020b).
+"""MoCo v2 on an image folder prepared by the prepare job (Chen et al. 2020b).
 
   python -m contrastive_jax.main --config=configs/moco_v2_images.py \\
       --config.dataset=NAME --config.data_dir=DIR --workdir=RUN

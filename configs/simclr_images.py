@@ -1,6 +1,7 @@
-"""SimCLR on an image folder prepared by prepare_images (Chen et al. 2020).
+"""SimCLR on an image folder prepared by the prepare job (Chen et al. 2020).
 
-  python -m contrastive_jax.data.prepare_images --src=PHOTOS --name=NAME --data_dir=DIR
+  python -m contrastive_jax.main --config=configs/prepare.py --config.src=PHOTOS \\
+      --config.name=NAME --workdir=DIR
   python -m contrastive_jax.main --config=configs/simclr_images.py \\
       --config.dataset=NAME --config.data_dir=DIR --workdir=RUN
 

@@ -36,6 +36,7 @@ from contrastive_jax.jobs import export
 from contrastive_jax.jobs import finetune
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import neighbours
+from contrastive_jax.jobs import prepare
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.training import runner
 from contrastive_jax import recipes
@@ -44,7 +45,7 @@ from contrastive_jax import recipes
 # the others (no build) are not training loops and run themselves: job.run(config, workdir).
 JOBS = {"pretrain": pretrain, "linear_probe": linear_probe, "finetune": finetune,
         "embed": embed, "neighbours": neighbours, "audit": audit, "export": export,
-        "map": embedding_map}
+        "map": embedding_map, "prepare": prepare}
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:ARG,...]).",
                                           lock_config=True)

@@ -462,7 +462,7 @@ def fill_probe_preset(config, name: str) -> ml_collections.ConfigDict:
 
 
 def images(config, *, batch_size: int, num_epochs: int, reference: str):
-  """Sets an image folder prepared by prepare_images as the data: 224 px, a ResNet-18
+  """Sets an image folder prepared by the prepare job as the data: 224 px, a ResNet-18
   initialised as `reference`'s (see model()).
 
   Name the folder's dataset with --config.dataset=NAME --config.data_dir=DIR

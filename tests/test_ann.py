@@ -352,8 +352,9 @@ def test_bad_indexes_and_adds_are_refused_in_one_line(pretrained, photos, tmp_pa
     refused(JobError, "config.index_workdir=.*: " + match, neighbours,
             neighbours_config(workdir, query_rows="0", search="exact"))
     open(ann_path, "w").write(ann_pristine)
-  _edit_json(meta_path, format_version=3)
-  refused(JobError, "embed.json has format_version=3: must be 1 to 2", neighbours, search)
+  _edit_json(meta_path, format_version=index_lib.FORMAT_VERSION + 1)
+  refused(JobError, f"embed.json has format_version={index_lib.FORMAT_VERSION + 1}: must be 1 to "
+           f"{index_lib.FORMAT_VERSION}", neighbours, search)
   open(meta_path, "w").write(pristine)
   with open(ann_file, "wb") as f:
     f.write(ann_bytes[:1000])

@@ -10,8 +10,8 @@ from helpers import SHARED
 from helpers import load_benchmark
 from helpers import load_config
 
-from contrastive_jax.data import prepare_images
 from contrastive_jax.data import sources
+from contrastive_jax.jobs import prepare
 
 throughput = load_benchmark("throughput")
 common = load_benchmark("common")
@@ -28,8 +28,10 @@ def measured(tmp_path_factory):
     for name in sorted(os.listdir(folder))[:6]:
       shutil.copy(os.path.join(folder, name), src / "train" / cls / name)
   data_dir = str(tmp_path_factory.mktemp("tfds"))
-  prepare_images.prepare(str(src), "photos", data_dir, image_size=0, encoding="jpeg",
-                         max_pixels=10**8, holdout_fraction=0.1, seed=0, overwrite=False)
+  prepare_config = load_config("prepare")
+  prepare_config.src, prepare_config.name, prepare_config.image_size = str(src), "photos", 0
+  prepare_config.beam.direct_num_workers = 1
+  prepare.run(prepare_config, data_dir)
   config = load_config("simclr_images", "runlocal")
   config.dataset, config.data_dir = "photos", data_dir
   config.model.width = 0.0625

@@ -1,4 +1,4 @@
-"""Image files and folders as datasets: images.load_image, prepare_images and reading them.
+"""Image files and folders as datasets: images.load_image, the prepare job and reading them.
 
 Small real photos from ../shared/images (clothing JPEGs, chest X-ray PNGs),
 converted and damaged here; every expected pixel comes from numpy.
@@ -12,11 +12,11 @@ import signal
 import struct
 import subprocess
 import sys
+import threading
+import time
 import zlib
 
-from absl import flags
 from array_record.python.array_record_data_source import ArrayRecordDataSource
-from absl.testing import flagsaver
 from google.auth.compute_engine import _metadata
 import jax
 import numpy as np
@@ -28,12 +28,17 @@ from PIL import Image
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import ImageError
 from contrastive_jax.core.errors import JobError
+from contrastive_jax.core.errors import NoSpaceError
+from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import crops
 from contrastive_jax.data import images
 from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import layout
 from contrastive_jax.data import prepare_images
 from contrastive_jax.data import sources
+from contrastive_jax.data import tfds_folder
+from contrastive_jax.jobs import prepare as prepare_job
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.training import runner
 import gcs_emulator
@@ -45,7 +50,21 @@ from helpers import tiny_config
 PHOTOS = sorted(glob.glob(os.path.join(SHARED, "images", "clothing", "train", "*", "*.jpg")))
 XRAYS = sorted(glob.glob(os.path.join(SHARED, "images", "chest_xray", "images", "*.png")))
 BIG = 10**8  # max_pixels that every real file here passes.
-_KWARGS = dict(image_size=32, encoding="jpeg", max_pixels=BIG, holdout_fraction=0.1, seed=0)
+
+
+def prepare(src, name, data_dir, beam=None, **fields):
+  """The prepare job (configs/prepare.py) on src into data_dir; its report.
+
+  32 px, one Beam worker in this process, as --config.FIELD=VALUE would set
+  fields (beam: fields of config.beam).
+  """
+  config = load_config("prepare")
+  config.src = None if src is None else str(src)
+  config.name, config.image_size, config.max_pixels = name, 32, BIG
+  config.beam.direct_num_workers = 1
+  config.update(fields)
+  config.beam.update(beam or {})
+  return prepare_job.run(config, str(data_dir))
 
 
 def photo(width=40, height=30) -> np.ndarray:
@@ -152,7 +171,7 @@ def test_unreadable_file_is_one_error_naming_it(bad_files, name, reason, monkeyp
 def test_layout_maps_paths_to_splits_and_classes():
   nested = [f"val/Fruit/Apple/{i}.jpg" for i in range(20)] + [
       f"val/Vegetables/Pepper/Red/{i}.jpg" for i in range(10)] + ["val/Fruit/Kiwi/only.jpg"]
-  examples, classes, skipped, warnings = prepare_images.layout(nested, holdout_fraction=0.25,
+  examples, classes, skipped, warnings = layout.layout(nested, holdout_fraction=0.25,
                                                                seed=0)
   # The shared leading folder 'val' is not part of the class.
   assert classes == ["Fruit/Apple", "Fruit/Kiwi", "Vegetables/Pepper/Red"]
@@ -160,25 +179,55 @@ def test_layout_maps_paths_to_splits_and_classes():
   assert test == {"Fruit/Apple": 5, "Vegetables/Pepper/Red": 2}  # round(0.25 n), stratified.
   assert ("val/Fruit/Kiwi/only.jpg", "Fruit/Kiwi") in examples["train"] and not skipped
   assert warnings == ["class 'Fruit/Kiwi' has 1 image (val/Fruit/Kiwi/only.jpg), in train only"]
-  again = prepare_images.layout(nested, holdout_fraction=0.25, seed=0)[0]
-  other = prepare_images.layout(nested, holdout_fraction=0.25, seed=1)[0]
+  again = layout.layout(nested, holdout_fraction=0.25, seed=0)[0]
+  other = layout.layout(nested, holdout_fraction=0.25, seed=1)[0]
   assert again == examples and other["test"] != examples["test"]
 
   # One folder, however deep: unlabeled; the test split is held out of all files.
   flat = [f"images/{i}.png" for i in range(10)]
-  examples, classes, _, _ = prepare_images.layout(flat, holdout_fraction=0.1, seed=0)
+  examples, classes, _, _ = layout.layout(flat, holdout_fraction=0.1, seed=0)
   assert classes == [] and len(examples["test"]) == 1 and len(examples["train"]) == 9
 
   # Split folders; files outside them, or beside class folders, are skipped.
   tree = ["train/hat/a.jpg", "train/shoes/b.jpg", "train/c.jpg", "test/hat/d.jpg", "e.jpg",
           "extra/f.jpg"]
-  examples, classes, skipped, warnings = prepare_images.layout(tree, holdout_fraction=0.1,
+  examples, classes, skipped, warnings = layout.layout(tree, holdout_fraction=0.1,
                                                                seed=0)
   assert classes == ["hat", "shoes"]
   assert examples == {"train": [("train/hat/a.jpg", "hat"), ("train/shoes/b.jpg", "shoes")],
                       "test": [("test/hat/d.jpg", "hat")]}
   assert [f for f, _ in skipped] == ["e.jpg", "extra/f.jpg", "train/c.jpg"]
   assert "class 'shoes' has 1 image (train/shoes/b.jpg), in train only" in warnings
+
+  # Files at the top beside one folder of classes: the classes are below that folder.
+  grocery = ["LICENSE", "classes.csv", "val/Fruit/Apple/a.jpg", "val/Fruit/Kiwi/b.jpg",
+             "val/Milk/c.jpg", "val/notes.txt"]
+  examples, classes, skipped, _ = layout.layout(grocery, holdout_fraction=0.5, seed=0)
+  assert classes == ["Fruit/Apple", "Fruit/Kiwi", "Milk"]
+  assert [f for f, _ in skipped] == ["LICENSE", "classes.csv", "val/notes.txt"]
+  assert {reason for _, reason in skipped} == {
+      "not in a class folder (the dataset has class folders beside it)"}
+  # One folder beside top-level files: unlabeled, every file kept.
+  examples, classes, skipped, _ = layout.layout(["README.txt", "photos/a.jpg", "photos/b.jpg"],
+                                                holdout_fraction=0.5, seed=0)
+  assert classes == [] and not skipped
+  assert sorted(f for split in examples.values() for f, _ in split) == [
+      "README.txt", "photos/a.jpg", "photos/b.jpg"]
+
+
+@pytest.mark.parametrize("folder,splits,num_classes,first,skipped", [
+    ("clothing", {"train", "validation", "test"}, 10, "dress", ["LICENSE"]),
+    ("grocery", {"train", "test"}, 60, "Fruit/Apple/Golden-Delicious",
+     ["LICENSE", "classes.csv"]),
+    ("chest_xray", {"train", "test"}, 0, None, [])])
+def test_shared_folders_lay_out_into_their_splits_and_class_folders(folder, splits, num_classes,
+                                                                   first, skipped):
+  listed, hidden, _ = layout.list_source(os.path.join(SHARED, "images", folder), "config.src")
+  examples, classes, layout_skipped, _ = layout.layout(listed, holdout_fraction=0.1, seed=0)
+  assert set(examples) == splits and len(classes) == num_classes and not hidden
+  assert (classes[0] if classes else None) == first
+  assert [f for f, _ in layout_skipped] == skipped
+  assert not any(c.startswith(("val/", "train/")) for c in classes)
 
 
 def collections_count(split_examples):
@@ -209,9 +258,7 @@ def prepared(tmp_path_factory):
   src = tmp_path_factory.mktemp("src")
   _make_source(src)
   data_dir = tmp_path_factory.mktemp("tfds")
-  report = prepare_images.prepare(str(src), "mini", str(data_dir), image_size=32,
-                                  encoding="jpeg", max_pixels=BIG, holdout_fraction=0.1, seed=0,
-                                  overwrite=False)
+  report = prepare(src, "mini", data_dir)
   return src, str(data_dir), report
 
 
@@ -249,7 +296,7 @@ def test_prepared_folder_reads_by_name_with_labels_and_file_names(prepared):
       {"file": "train/hat/tiny.png", "width": 8, "height": 6}]
   assert report["splits"]["train"] == {"images": 8, "per_class": {"hat": 4, "shoes": 4}}
   on_disk = os.path.join(data_dir, "mini", "1.0.0", "prepare_report.json")
-  assert os.path.exists(on_disk) and not glob.glob(os.path.join(data_dir, ".*"))
+  assert os.path.exists(on_disk) and sorted(os.listdir(data_dir)) == [files.LOCK, "mini"]
 
 
 def test_pipelines_crop_variable_sizes_and_upscale_small_images(prepared):
@@ -275,12 +322,11 @@ def test_preparing_again_is_a_no_op_and_new_files_need_overwrite(prepared, tmp_p
   src, data_dir, report = prepared
   shard = glob.glob(os.path.join(data_dir, "mini", "1.0.0", "*train.array_record*"))[0]
   mtime = os.stat(shard).st_mtime_ns
-  kwargs = dict(image_size=32, encoding="jpeg", max_pixels=BIG, holdout_fraction=0.1, seed=0)
-  assert prepare_images.prepare(str(src), "mini", data_dir, overwrite=False, **kwargs) == report
+  assert prepare(src, "mini", data_dir) == report
   assert os.stat(shard).st_mtime_ns == mtime  # Nothing rewritten.
 
   # The same folder prepared elsewhere: the same examples in the same order.
-  copy = prepare_images.prepare(str(src), "mini", str(tmp_path), overwrite=False, **kwargs)
+  copy = prepare(src, "mini", tmp_path)
   assert copy["fingerprint"] == report["fingerprint"]
   for split in ("train", "test"):
     for a, b in zip(_examples("mini", data_dir, split), _examples("mini", str(tmp_path), split),
@@ -290,12 +336,12 @@ def test_preparing_again_is_a_no_op_and_new_files_need_overwrite(prepared, tmp_p
   shutil.copy(PHOTOS[20], src / "train" / "hat" / "new.jpg")
   try:
     with pytest.raises(JobError, match="already holds a dataset prepared from other files or "
-                       "options .* pass --overwrite"):
-      prepare_images.prepare(str(src), "mini", str(tmp_path), overwrite=False, **kwargs)
+                       r"options .* pass --config.overwrite=True"):
+      prepare(src, "mini", tmp_path)
     assert sources.TfdsSource("mini", str(tmp_path)).num_examples("train", "f") == 8  # Intact.
-    prepare_images.prepare(str(src), "mini", str(tmp_path), overwrite=True, **kwargs)
+    prepare(src, "mini", tmp_path, overwrite=True)
     assert sources.TfdsSource("mini", str(tmp_path)).num_examples("train", "f") == 9
-    assert sorted(os.listdir(tmp_path)) == ["mini"]  # No temporary folder left.
+    assert sorted(os.listdir(tmp_path)) == [files.LOCK, "mini"]  # No temporary folder left.
   finally:
     os.remove(src / "train" / "hat" / "new.jpg")
 
@@ -307,8 +353,7 @@ def test_folder_of_files_that_are_not_images_is_a_class_with_a_warning(tmp_path)
     shutil.copy(path, tmp_path / "src" / name)
   os.makedirs(tmp_path / "src" / "notes")
   (tmp_path / "src" / "notes" / "todo.txt").write_text("not an image")
-  report = prepare_images.prepare(str(tmp_path / "src"), "notes", str(tmp_path / "tfds"),
-                                  overwrite=False, **_KWARGS)
+  report = prepare(tmp_path / "src", "notes", tmp_path / "tfds")
   assert report["classes"] == ["hat", "notes", "shoes"]
   assert report["skipped"] == [{"file": "notes/todo.txt",
                                 "reason": "not an image Pillow can decode"}]
@@ -346,23 +391,27 @@ def test_bad_folder_is_one_error_naming_it_and_writes_nothing(tmp_path, kind):
   src, match = _bad_source(tmp_path, kind)
   data_dir = tmp_path / "tfds"
   with pytest.raises(JobError, match=match) as e:
-    prepare_images.prepare(str(src), "bad", str(data_dir), image_size=32, encoding="jpeg",
-                           max_pixels=BIG, holdout_fraction=0.1, seed=0, overwrite=False)
-  assert str(src) in str(e.value)
-  assert not data_dir.exists() or not os.listdir(data_dir)
+    prepare(src, "bad", data_dir)
+  assert str(e.value).startswith(f"config.src='{src}'")
+  assert not data_dir.exists() or set(os.listdir(data_dir)) <= {files.LOCK}  # The job's lock.
 
 
-@pytest.mark.parametrize("name,fraction,data_dir,match", [
-    ("My-Photos", 0.1, None, "--name='My-Photos': must be lowercase"),
-    ("cifar10", 0.1, None, "--name='cifar10': is a registered TFDS dataset"),
-    ("ok", 1.0, None, "--holdout_fraction=1.0: must be in \\(0, 1\\)"),
-    ("ok", 0.1, "inside", "is inside --src")])
-def test_bad_arguments_are_refused(prepared, tmp_path, name, fraction, data_dir, match):
+@pytest.mark.parametrize("fields,data_dir,match", [
+    (dict(name="My-Photos"), None, "^config.name='My-Photos': must be lowercase"),
+    (dict(name="cifar10"), None, "^config.name='cifar10': must be a name TFDS does not know"),
+    (dict(holdout_fraction=1.0), None, "^config.holdout_fraction=1.0: must be in \\(0, 1\\)"),
+    (dict(format="gif"), None, "^config.format='gif': must be one of \\['jpeg', 'png'\\]"),
+    (dict(image_size=-1), None, "^config.image_size=-1: must be an integer >= 0"),
+    (dict(src=None), None, "^config.src=None: must be a folder of image files"),
+    (dict(beam=dict(direct_num_workers=-2)), None,
+     "^config.beam.direct_num_workers=-2: must be an integer >= 0"),
+    ({}, "inside", "is inside config.src")])
+def test_bad_arguments_are_refused(prepared, tmp_path, fields, data_dir, match):
   src = prepared[0]
-  data_dir = str(src / "tfds") if data_dir else str(tmp_path)
+  data_dir = src / "tfds" if data_dir else tmp_path
   with pytest.raises(JobError, match=match):
-    prepare_images.prepare(str(src), name, data_dir, image_size=32, encoding="jpeg",
-                           max_pixels=BIG, holdout_fraction=fraction, seed=0, overwrite=False)
+    prepare(fields.pop("src", src), fields.pop("name", "ok"), data_dir, **fields)
+  assert not os.listdir(tmp_path)
 
 
 def test_unlabeled_folder_pretrains_and_refuses_label_evaluators(tmp_path):
@@ -370,9 +419,7 @@ def test_unlabeled_folder_pretrains_and_refuses_label_evaluators(tmp_path):
   src.mkdir(parents=True)
   for path in XRAYS[:18]:
     shutil.copy(path, src)
-  report = prepare_images.prepare(str(src.parent), "xrays", str(tmp_path / "tfds"),
-                                  image_size=32, encoding="jpeg", max_pixels=BIG,
-                                  holdout_fraction=0.1, seed=0, overwrite=False)
+  report = prepare(src.parent, "xrays", tmp_path / "tfds")
   assert report["classes"] == [] and report["splits"]["train"]["images"] == 16
   config = tiny_config()
   config.dataset, config.data_dir, config.train_split = "xrays", str(tmp_path / "tfds"), "train"
@@ -399,19 +446,36 @@ def test_image_folder_configs_pass_their_checks(name):
     assert 64 <= config.image_size <= 224 and config.dataset == "clothing"
 
 
-def test_command_line_error_is_one_line(tmp_path, monkeypatch):
-  monkeypatch.setattr(Image, "MAX_IMAGE_PIXELS", Image.MAX_IMAGE_PIXELS)  # main() sets it.
-  flags.FLAGS.mark_as_parsed()
-  with flagsaver.flagsaver(src=f"{tmp_path}/nowhere", name="x", data_dir=f"{tmp_path}/tfds"):
-    with pytest.raises(SystemExit) as e:
-      prepare_images.main(["prepare_images"])
-  assert e.value.code == f"error: --src='{tmp_path}/nowhere': does not exist"
+def test_the_old_command_says_the_new_one():
+  old = ["prepare_images", "--src=/photos", "--name", "photos", "--data_dir=/tmp/tfds",
+         "--image_size=0", "--overwrite", "--direct_num_workers=2", "--beam_options=--a=1 --b=2"]
+  assert prepare_images.main(old) == (
+      "error: image folders are prepared by the prepare job now; run: python -m "
+      "contrastive_jax.main --config=configs/prepare.py --workdir=/tmp/tfds "
+      "--config.src=/photos --config.name=photos --config.image_size=0 "
+      "--config.overwrite=True --config.beam.direct_num_workers=2 "
+      "'--config.beam.options=--a=1 --b=2'")
+  assert prepare_images.main(["prepare_images", "--bogus=1"]).startswith(
+      "error: '--bogus=1' is not a flag of this command; image folders are prepared by the "
+      "prepare job: python -m contrastive_jax.main --config=configs/prepare.py")
+
+
+def test_command_line_error_is_one_line(tmp_path):
+  done = subprocess.run(
+      [sys.executable, "-m", "contrastive_jax.main", "--config=configs/prepare.py",
+       f"--config.src={tmp_path}/nowhere", "--config.name=x", f"--workdir={tmp_path}/tfds"],
+      capture_output=True, text=True, env=subprocess_env(), timeout=300,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-3000:]
+  assert done.stderr.strip().splitlines()[-1] == (
+      f"error: config.src='{tmp_path}/nowhere': does not exist")
 
 
 def _files_and_contents(folder):
+  """{relative path: bytes} of every file below folder but the lock (which names its holder)."""
   found = {}
   for directory, _, names in os.walk(folder):
-    for name in names:
+    for name in set(names) - {files.LOCK}:
       with open(os.path.join(directory, name), "rb") as f:
         found[os.path.relpath(os.path.join(directory, name), folder)] = f.read()
   return found
@@ -419,9 +483,7 @@ def _files_and_contents(folder):
 
 def test_one_and_two_workers_write_the_same_dataset(prepared, tmp_path):
   src, data_dir, report = prepared  # Prepared on one worker, in this process.
-  two = prepare_images.prepare(str(src), "mini", str(tmp_path), image_size=32, encoding="jpeg",
-                               max_pixels=BIG, holdout_fraction=0.1, seed=0, overwrite=False,
-                               beam_args=prepare_images.beam_args("DirectRunner", 2, ""))
+  two = prepare(src, "mini", tmp_path, beam=dict(direct_num_workers=2))  # A driver process.
   assert two == report
   for split in ("train", "test"):
     records = _records(data_dir, split)
@@ -446,9 +508,9 @@ def test_without_apache_beam_prepare_says_what_to_install(prepared, tmp_path, mo
   monkeypatch.setitem(sys.modules, "apache_beam", None)  # Importing it raises ImportError.
   monkeypatch.delitem(sys.modules, "contrastive_jax.data.prepare_beam", raising=False)
   monkeypatch.delattr(contrastive_jax.data, "prepare_beam", raising=False)
-  with pytest.raises(JobError, match=r"^prepare_images runs on Apache Beam, which is not "
+  with pytest.raises(JobError, match=r"^the prepare job runs on Apache Beam, which is not "
                      r"installed: pip install -e '\.\[beam\]'"):
-    prepare_images.prepare(str(prepared[0]), "mini", str(tmp_path), overwrite=False, **_KWARGS)
+    prepare(prepared[0], "mini", tmp_path)
   assert not os.listdir(tmp_path)
 
 
@@ -461,15 +523,16 @@ def _dataflow_installed():
 
 
 @pytest.mark.parametrize("runner,match", [
-    ("NoSuchRunner", r"^--runner=NoSuchRunner: Unexpected pipeline runner: NoSuchRunner"),
-    pytest.param("DataflowRunner", r"^--runner=DataflowRunner: cannot start \(.*\); pip "
+    ("NoSuchRunner", r"^config.beam.runner='NoSuchRunner': Unexpected pipeline runner: "
+     "NoSuchRunner"),
+    pytest.param("DataflowRunner", r"^config.beam.runner='DataflowRunner': cannot start "
+                 r"\(.*\); pip "
                  r"install 'apache-beam\[gcp\]==2.77.0'$", marks=pytest.mark.skipif(
                      _dataflow_installed(), reason="apache-beam[gcp] is installed"))])
 def test_runner_that_cannot_start_is_one_error_naming_what_to_install(prepared, tmp_path,
                                                                       runner, match):
   with pytest.raises(JobError, match=match):
-    prepare_images.prepare(str(prepared[0]), "mini", str(tmp_path), overwrite=False,
-                           beam_args=[f"--runner={runner}"], **_KWARGS)
+    prepare(prepared[0], "mini", tmp_path, beam=dict(runner=runner))
   assert not os.listdir(tmp_path)
 
 
@@ -489,9 +552,10 @@ def test_failing_worker_replaces_nothing_and_leaves_no_temporary_folder(prepared
   monkeypatch.setattr(images, "load_image", dies_on_the_xray)
   with pytest.raises(JobError, match=r"^the Beam pipeline failed on FnApiRunner: "
                      r"RuntimeError: the worker died") as e:
-    prepare_images.prepare(str(src), "mini", str(data_dir), overwrite=True,
-                           **dict(_KWARGS, image_size=48))  # Other options: a replacement.
+    prepare(src, "mini", data_dir, overwrite=True, image_size=48)  # Other options: replaces.
   assert "\n" not in str(e.value)
+  assert str(e.value).endswith(f"; the previous {data_dir}/mini is kept as it was, and no "
+                               "partly written copy is left")
   assert _files_and_contents(data_dir) == before  # No temporary folder either.
 
 
@@ -506,8 +570,8 @@ def test_files_a_runner_loses_are_an_error_not_a_smaller_dataset(prepared, tmp_p
   with pytest.raises(JobError, match=r"^the Beam pipeline on FnApiRunner lost files: split "
                      r"'train' has 7 examples, but 8 of its 9 files were not reported as "
                      r"skipped; nothing was replaced$"):
-    prepare_images.prepare(str(prepared[0]), "mini", str(tmp_path), overwrite=False, **_KWARGS)
-  assert not os.listdir(tmp_path)
+    prepare(prepared[0], "mini", tmp_path)
+  assert os.listdir(tmp_path) == [files.LOCK]
 
 
 def test_gs_source_is_listed_and_read_as_a_local_one(prepared, tmp_path, monkeypatch):
@@ -520,8 +584,7 @@ def test_gs_source_is_listed_and_read_as_a_local_one(prepared, tmp_path, monkeyp
         gcs_emulator.upload(emulator, f"photos/{name}", f.read())
     for name, value in emulator.env.items():
       monkeypatch.setenv(name, value)
-    on_gs = prepare_images.prepare("gs://bucket/photos", "mini", str(tmp_path / "tfds"),
-                                   overwrite=False, **_KWARGS)
+    on_gs = prepare("gs://bucket/photos", "mini", tmp_path / "tfds")
   finally:
     emulator.stop()
   assert on_gs["src"] == "gs://bucket/photos" and on_gs["fingerprint"] != report["fingerprint"]
@@ -547,8 +610,7 @@ def test_gs_data_dir_gets_the_same_dataset(prepared, tmp_path, monkeypatch):
   try:
     for name, value in emulator.env.items():
       monkeypatch.setenv(name, value)
-    on_gs = prepare_images.prepare(str(src), "mini", "gs://bucket/tfds", overwrite=False,
-                                   **_KWARGS)
+    on_gs = prepare(src, "mini", "gs://bucket/tfds")
     assert tf.io.gfile.listdir("gs://bucket/tfds") == ["mini/"]  # No temporary folder left.
     _copy_down("gs://bucket/tfds", str(tmp_path / "copy"))
   finally:
@@ -565,65 +627,211 @@ def test_gs_source_without_credentials_is_one_clear_error(tmp_path, monkeypatch)
     monkeypatch.delenv(name, raising=False)
   monkeypatch.setenv("CLOUDSDK_CONFIG", str(tmp_path))  # No gcloud credentials file there.
   monkeypatch.setattr(_metadata, "is_on_gce", lambda request: False)  # As test_gcs.py.
-  with pytest.raises(JobError, match="^--src=gs://no-credentials/photos: no Google Cloud "
+  with pytest.raises(JobError, match="^config.src=gs://no-credentials/photos: no Google Cloud "
                      "credentials"):
-    prepare_images.prepare("gs://no-credentials/photos", "photos", str(tmp_path / "tfds"),
-                           overwrite=False, **_KWARGS)
+    prepare("gs://no-credentials/photos", "photos", tmp_path / "tfds")
   assert not (tmp_path / "tfds").exists()
 
 
-# prepare_images' command line, each image decoded slowly: time to press Ctrl-C mid-way.
-_SLOW_PREPARE = """
+# Installed as sitecustomize.py in every Python process of a prepare job: the job, Beam's
+# driver and its workers. Each image decode says so with a file named by its process id in
+# $DECODING_DIR, then blocks: a fault comes while the pipeline is under way.
+_BLOCKING_DECODER = """
+import os
 import time
-from absl import app
-from contrastive_jax.data import images, prepare_images
-load_image = images.load_image
-def slow_load_image(*args, **kwargs):
-  print("decoding", flush=True)
-  time.sleep(0.5)
-  return load_image(*args, **kwargs)
-images.load_image = slow_load_image
-app.run(prepare_images.main)
+from contrastive_jax.data import images
+
+def blocked(*args, **kwargs):
+  open(os.path.join(os.environ["DECODING_DIR"], str(os.getpid())), "w").close()
+  time.sleep(3600)
+
+images.load_image = blocked
 """
 
 
-def test_ctrl_c_replaces_nothing_and_leaves_no_temporary_folder(prepared, tmp_path):
+def _blocking_hook(tmp_path):
+  """(PYTHONPATH entry, decoding dir): a folder holding _BLOCKING_DECODER as sitecustomize.py."""
+  (tmp_path / "hook").mkdir()
+  (tmp_path / "hook" / "sitecustomize.py").write_text(_BLOCKING_DECODER)
+  decoding = tmp_path / "decoding"
+  decoding.mkdir()
+  return str(tmp_path / "hook"), decoding
+
+
+def _wait_for_decoding(decoding, job_running) -> int:
+  """The process id of the first process that decodes an image (_BLOCKING_DECODER)."""
+  for _ in range(3000):  # An event, not a duration: at most 300 s for the job to start.
+    if os.listdir(decoding) or not job_running():
+      break
+    time.sleep(0.1)
+  assert os.listdir(decoding), "the prepare job ended or decoded nothing"
+  return int(os.listdir(decoding)[0])
+
+
+def _gone(group: int) -> bool:
+  """Whether process group `group` has ended: killed processes leave it once reaped."""
+  for _ in range(600):  # An event, not a duration: SIGKILL ends them, at most 60 s to reap.
+    try:
+      os.killpg(group, 0)
+    except ProcessLookupError:
+      return True
+    time.sleep(0.1)
+  return False
+
+
+def _kept_line(data_dir) -> str:
+  return f"the previous {data_dir}/mini is kept as it was, and no partly written copy is left"
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_prepare_ctrl_c_ends_in_one_line_replaces_nothing_and_stops_its_workers(
+    prepared, tmp_path, workers):
   src, prepared_dir, _ = prepared
   data_dir = tmp_path / "tfds"
   shutil.copytree(prepared_dir, data_dir)
-
   before = _files_and_contents(data_dir)
+  hook, decoding = _blocking_hook(tmp_path)
+  env = subprocess_env(DECODING_DIR=str(decoding))
+  env["PYTHONPATH"] = os.pathsep.join([hook, env["PYTHONPATH"]])  # Every process decodes so.
   log = tmp_path / "stderr"
-  with open(log, "w") as stderr:  # Other options: it would replace the dataset.
-    proc = subprocess.Popen([sys.executable, "-c", _SLOW_PREPARE, f"--src={src}", "--name=mini",
-                             f"--data_dir={data_dir}", "--image_size=48", "--overwrite",
-                             "--direct_num_workers=1"],  # In this process: patched.
-                            stdout=subprocess.PIPE, stderr=stderr, text=True,
-                            env=subprocess_env())
+  with open(log, "w") as stderr:  # In a session of its own: a terminal's foreground job.
+    job = subprocess.Popen(
+        [sys.executable, "-m", "contrastive_jax.main", "--config=configs/prepare.py",
+         f"--config.src={src}", "--config.name=mini", f"--workdir={data_dir}",
+         "--config.image_size=48", "--config.overwrite=True",  # Other options: it replaces.
+         f"--config.beam.direct_num_workers={workers}"],
+        stdout=stderr, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   try:
-    for line in proc.stdout:  # TFDS prints its progress there too.
-      if line == "decoding\n":
-        break
-    else:
-      pytest.fail(f"prepare_images ended before decoding: {log.read_text()[-3000:]}")
+    group = os.getpgid(_wait_for_decoding(decoding, lambda: job.poll() is None))
     assert any(name.startswith(".mini.preparing.") for name in os.listdir(data_dir))
-    proc.send_signal(signal.SIGINT)
-    proc.wait(timeout=60)
+    os.killpg(job.pid, signal.SIGINT)  # A terminal's Ctrl-C: to its foreground process group.
+    job.wait(timeout=120)
   finally:
-    proc.kill()
-    proc.wait()
-  stderr = log.read_text()
-  assert proc.returncode == 1 and "Traceback" not in stderr, stderr[-3000:]
-  assert stderr.strip().splitlines()[-1] == (
-      f"error: interrupted (Ctrl-C): nothing was replaced: {data_dir}/mini is as it was, and no "
-      "partly written copy is left")
+    job.kill()
+    job.wait()
+  output = log.read_text()
+  assert job.returncode == 1, output[-3000:]
+  for noise in ("Traceback", "KeyboardInterrupt", "Worker subprocess"):
+    assert noise not in output, output[-3000:]
+  assert output.strip().splitlines()[-1] == f"error: interrupted (Ctrl-C): {_kept_line(data_dir)}"
   assert _files_and_contents(data_dir) == before  # No temporary folder either.
+  assert _gone(group)  # Nothing left running (Beam's driver's group with 2 workers).
+
+
+def test_prepare_worker_killed_ends_in_one_line_and_stops_the_others(prepared, tmp_path,
+                                                                       monkeypatch):
+  src, prepared_dir, _ = prepared
+  data_dir = tmp_path / "tfds"
+  shutil.copytree(prepared_dir, data_dir)
+  before = _files_and_contents(data_dir)
+  hook, decoding = _blocking_hook(tmp_path)
+  monkeypatch.setenv("PYTHONPATH", os.pathsep.join([hook, os.environ.get("PYTHONPATH", "")]))
+  monkeypatch.setenv("DECODING_DIR", str(decoding))  # For Beam's driver and its workers.
+  killed = {}
+
+  def kill_a_worker():
+    worker = _wait_for_decoding(decoding, lambda: True)
+    killed["group"] = os.getpgid(worker)
+    os.kill(worker, signal.SIGKILL)
+
+  killer = threading.Thread(target=kill_a_worker)
+  killer.start()
+  try:
+    with pytest.raises(JobError) as e:  # Beam's runner alone would wait for it forever.
+      prepare(src, "mini", data_dir, overwrite=True, image_size=48,
+              beam=dict(direct_num_workers=2))
+  finally:
+    killer.join()
+  assert str(e.value) == (
+      "the Beam pipeline failed on FnApiRunner: a worker process was killed by signal 9, "
+      f"SIGKILL (kill -9, or the system ran out of memory); {_kept_line(data_dir)}")
+  assert _files_and_contents(data_dir) == before
+  assert killed["group"] != os.getpgid(0)  # Beam's driver and its workers: a group of their own,
+  assert _gone(killed["group"])  # ended: the other worker too.
+
+
+def test_prepare_removes_its_stale_temporary_folders_and_keeps_live_ones(prepared, tmp_path):
+  src, prepared_dir, _ = prepared
+  data_dir = tmp_path / "tfds"
+  shutil.copytree(prepared_dir, data_dir)
+  killed = subprocess.run(  # A preparation killed (kill -9) while it wrote.
+      [sys.executable, "-c", "import os, sys\n"
+       "from contrastive_jax.data import tfds_folder\n"
+       "staging = tfds_folder.Staging(sys.argv[1], 'mini')\n"
+       "open(os.path.join(staging.path, 'part'), 'w').write('half')\n"
+       "os.kill(os.getpid(), 9)", str(data_dir)], env=subprocess_env(), timeout=300)
+  assert killed.returncode == -signal.SIGKILL
+  (stale,) = [n for n in os.listdir(data_dir) if n.startswith(".mini.preparing.")]
+  live = tfds_folder.Staging(str(data_dir), "mini")  # Held open: a preparation under way.
+  unowned = data_dir / ".mini.preparing.0123456789ab"  # No owner file: not provably one.
+  unowned.mkdir()
+  other = tfds_folder.Staging(str(data_dir), "other")  # Another name's.
+  other.remove()
+  other = tfds_folder.Staging(str(data_dir), "other")
+  try:
+    assert stale != os.path.basename(live.path)
+    prepare(src, "mini", data_dir, overwrite=True, image_size=48)
+    assert sorted(n for n in os.listdir(data_dir) if n.startswith(".")) == sorted(
+        [files.LOCK, os.path.basename(live.path), unowned.name, os.path.basename(other.path)])
+  finally:
+    live.remove()
+    other.remove()
+  assert sources.TfdsSource("mini", str(data_dir)).num_examples("train", "f") == 8
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """A 700 kB tmpfs at tmp_path/disk (as tests/test_interruptions.py's): room for the
+  `prepared` dataset (32 px, 288 kB in pages), not for it again at full size (720 kB)."""
+  mount = tmp_path / "disk"
+  mount.mkdir()
+  made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=700k", "tmpfs", str(mount)],
+                        capture_output=True, text=True)
+  if made.returncode:
+    pytest.skip(f"cannot mount a tmpfs here (root needed): {made.stderr.strip()}")
+  try:
+    yield mount
+  finally:
+    subprocess.run(["umount", "-l", str(mount)], check=True)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_prepare_on_a_full_disk_ends_in_one_line_and_keeps_the_previous_dataset(
+    prepared, small_disk, workers):
+  src, prepared_dir, _ = prepared
+  data_dir = small_disk / "tfds"
+  shutil.copytree(prepared_dir, data_dir)  # 32 px: it fits; at full size it does not.
+  before = _files_and_contents(data_dir)
+  with pytest.raises(NoSpaceError) as e:
+    prepare(src, "mini", data_dir, overwrite=True, image_size=0,
+            beam=dict(direct_num_workers=workers))
+  assert str(e.value) == (f"no space left on device while preparing mini in {data_dir}: "
+                          f"{_kept_line(data_dir)}; free space and start the same command again")
+  assert _files_and_contents(data_dir) == before
+
+
+def test_a_link_to_itself_is_skipped_and_listed_by_prepare_and_embed(tmp_path):
+  src = tmp_path / "src"
+  for name, path in (("hat", PHOTOS[0]), ("shoes", PHOTOS[4]), ("hat", PHOTOS[1])):
+    os.makedirs(src / name, exist_ok=True)
+    shutil.copy(path, src / name)
+  os.symlink("self", src / "hat" / "self")
+  reason = "symbolic link loop: it never leads to a file"
+  assert images.list_files(str(src), flag="config.src")[1] == [("hat/self", reason)]
+  report = prepare(src, "linked", tmp_path / "tfds")
+  assert {"file": "hat/self", "reason": reason} in report["skipped"]
+  assert sum(split["images"] for split in report["splits"].values()) == 3
+  folder = sources.FolderSource(str(src), max_pixels=BIG, shorter_side=32)
+  assert len(list(folder.read(folder.SPLIT, drop_remainder=False))) == 3
+  assert folder.unreadable == [(f"{src}/hat/self", reason)]
 
 
 def test_shards_hold_files_in_hashed_order_of_equal_sizes():
+  from contrastive_jax.data import prepare_beam  # pylint: disable=g-import-not-at-top
   examples = {"train": [(f"{c}/{i}.jpg", c) for c in ("a", "b") for i in range(125)],
               "test": [(f"{c}/t{i}.jpg", c) for c in ("a", "b") for i in range(5)]}
-  shards = prepare_images.shard_examples(examples)  # 100 files a shard at most, here.
+  shards = prepare_beam.shard_examples(examples)  # 100 files a shard at most, here.
   assert [len(s) for s in shards["train"]] == [83, 83, 84]
   assert [len(s) for s in shards["test"]] == [10]
   train = [e for shard in shards["train"] for e in shard]
@@ -631,13 +839,14 @@ def test_shards_hold_files_in_hashed_order_of_equal_sizes():
   for shard in shards["train"]:  # Not class by class: a contiguous part holds both.
     assert 30 < sum(c == "a" for _, c in shard) < 53
   reordered = {"train": examples["train"][::-1], "test": examples["test"]}
-  assert prepare_images.shard_examples(reordered) == shards  # A function of the files.
+  assert prepare_beam.shard_examples(reordered) == shards  # A function of the files.
 
 
 def test_many_shards_one_empty_read_as_one(prepared, tmp_path, monkeypatch):
   src, data_dir, report = prepared
-  monkeypatch.setattr(prepare_images, "_MIN_SHARD", 1)  # A shard per file: broken.jpg's empty.
-  many = prepare_images.prepare(str(src), "mini", str(tmp_path), overwrite=False, **_KWARGS)
+  from contrastive_jax.data import prepare_beam  # pylint: disable=g-import-not-at-top
+  monkeypatch.setattr(prepare_beam, "MIN_SHARD", 1)  # A shard per file: broken.jpg's empty.
+  many = prepare(src, "mini", tmp_path)
   assert many == report
   shards = glob.glob(os.path.join(tmp_path, "mini", "1.0.0", "mini-train.array_record-*"))
   assert len(shards) == 9
@@ -653,8 +862,8 @@ def test_shard_written_twice_is_replaced_whole(prepared, tmp_path):
   shard = [["train/hat/0.jpg", "hat"], ["train/hat/broken.jpg", "hat"]]
   (tmp_path / "files.jsonl").write_text("".join(json.dumps(pair) + "\n" for pair in shard))
   write = prepare_beam.WriteShard(str(src), str(tmp_path),
-                                  prepare_images.features("jpeg", ["hat", "shoes"]),
-                                  max_pixels=BIG, image_size=32)
+                                  prepare_beam.Encoding(image_size=32, format="jpeg",
+                                                        max_pixels=BIG), ["hat", "shoes"])
   write.setup()
   element = (str(tmp_path / "files.jsonl"), str(tmp_path / "records"), str(tmp_path / "done"))
   contents = []
@@ -675,7 +884,6 @@ def test_a_dataset_of_an_earlier_version_is_named_as_such(prepared, tmp_path):
   old.mkdir(parents=True)
   (old / "mini-train.tfrecord-00000-of-00001").write_bytes(b"")
   (old / "prepare_report.json").write_text(json.dumps(dict(report, fingerprint="0" * 64)))
-  with pytest.raises(JobError, match="a TFRecord dataset prepared by an earlier version .* "
-                     "pass --overwrite to prepare it again as ArrayRecord"):
-    prepare_images.prepare(str(src), "mini", str(tmp_path), overwrite=False, image_size=32,
-                           encoding="jpeg", max_pixels=BIG, holdout_fraction=0.1, seed=0)
+  with pytest.raises(JobError, match="already holds a TFRecord dataset .* pass "
+                     "--config.overwrite=True to prepare it again as ArrayRecord"):
+    prepare(src, "mini", tmp_path)

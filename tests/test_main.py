@@ -20,7 +20,7 @@ CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
 # The config fields that count things (or are pixels, seeds, steps, the saved format's
 # version): the only int fields.
 INTEGER_FIELDS = {"batch_size", "bn_group_size", "cell", "chunk_size", "clusters", "data_threads",
-                  "depth", "ef_construction", "ef_search", "format_version", "hidden_dims",
+                  "depth", "direct_num_workers", "ef_construction", "ef_search", "format_version", "hidden_dims",
                   "hnsw_m", "image_size", "k", "k_factor", "keep_checkpoints", "label_seed",
                   "max_pixels", "max_points", "n_neighbors", "nlist", "nprobe", "out_dim",
                   "patch_size", "pca_dims", "picture_pairs", "pretrain_step", "queue_size",

@@ -130,7 +130,7 @@ def _byol_window(height, width, seed, area_min):
   draw_seed, offset_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
   area = tf.cast(height * width, tf.float32)
   target, ratio = _area_and_ratio([], draw_seed, area_min, area)
-  # At least one pixel: a tiny image (prepare_images never upscales) would round to an
+  # At least one pixel: a tiny image (the prepare job never upscales) would round to an
   # empty window, which cannot be resized.
   w = tf.clip_by_value(_rounded(tf.sqrt(target * ratio)), 1, width)
   h = tf.clip_by_value(_rounded(tf.sqrt(target / ratio)), 1, height)

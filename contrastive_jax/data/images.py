@@ -1,10 +1,11 @@
 """Reading image files of any size and format into RGB uint8 arrays (Pillow).
 
 The one place that turns a user's image file into pixels: preparing an image
-folder (prepare_images.py) and reading query images both go through
+folder (the prepare job) and reading query images both go through
 load_image. Formats are those Pillow decodes (JPEG, PNG, BMP, GIF, WebP and
 more); an animated GIF or WebP gives its first frame.
 """
+import errno
 import os
 import struct
 from typing import Optional
@@ -118,8 +119,10 @@ def list_files(src: str, *, flag: str):
 
   Follows symbolic links. Returns (files, skipped) with skipped a list of
   (relative path, reason) for hidden entries (names starting with '.'),
-  folders that cannot be listed, entries that are not regular files (a
-  FIFO would block the reader) and names that are not valid UTF-8.
+  folders that cannot be listed, links that lead nowhere or back to
+  themselves (a link to itself, or a ring of links), entries that are not
+  regular files (a FIFO would block the reader) and names that are not valid
+  UTF-8.
   Raises:
     JobError: src does not exist or is not a folder, or a symbolic link
       points to a folder that contains it (a loop), naming the link; each
@@ -141,7 +144,15 @@ def list_files(src: str, *, flag: str):
       path = rel + entry.name
       if entry.name.startswith("."):
         skipped.append((path, "hidden"))
-      elif entry.is_dir():  # Follows links.
+        continue
+      try:
+        is_dir = entry.is_dir()  # Follows links.
+      except OSError as e:  # ELOOP: a link that leads back to itself, never to a file.
+        loop = e.errno == errno.ELOOP
+        skipped.append((path, "symbolic link loop: it never leads to a file" if loop else
+                        f"cannot be read ({e.strerror})"))
+        continue
+      if is_dir:
         real = os.path.realpath(entry.path)
         if real in ancestors:
           raise JobError(f"{flag}={src!r}: symbolic link loop: {entry.path} points to {real}, "

@@ -212,7 +212,7 @@ def stream_cost_warning(source, split: str, *, cache: bool, shuffle_buffer: int)
     return None
   return (f"{source.name} {split} is stored as TFRecord and read as a stream: "
           f"{'; '.join(costs)}. Prepare it once as ArrayRecord for a fresh full shuffle every "
-          "epoch and resumes at no cost: an image folder with prepare_images (it writes "
+          "epoch and resumes at no cost: an image folder with the prepare job (it writes "
           f"ArrayRecord), a TFDS dataset with tfds.builder('{source.name}', "
           "data_dir=NEW_DATA_DIR, file_format='array_record').download_and_prepare(), then "
           "set data_dir=NEW_DATA_DIR (docs/design.md, Data order).")

@@ -196,7 +196,7 @@ class TfdsSource:
 
   Args:
     name: TFDS name, e.g. 'cifar10' or 'imagenet2012', or the name of an image
-      folder prepared by prepare_images.
+      folder prepared by the prepare job.
     data_dir: where it is prepared; None means TFDS's default (TFDS_DATA_DIR
       or ~/tensorflow_datasets).
 
@@ -215,12 +215,12 @@ class TfdsSource:
     looked = data_dir or os.environ.get("TFDS_DATA_DIR") or "~/tensorflow_datasets"
     try:
       # A name TFDS has no code for is read from its files in data_dir
-      # (read_only_builder): how folders prepared by prepare_images are found.
+      # (read_only_builder): how folders prepared by the prepare job are found.
       self._builder = tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError:
       raise ConfigError("dataset", name,
                         "a TFDS dataset name such as 'cifar10' or 'imagenet2012', or a dataset "
-                        "prepared in data_dir by `python -m contrastive_jax.data.prepare_images` "
+                        "prepared in data_dir by the prepare job (configs/prepare.py) "
                         f"(none named {name!r} in data_dir={looked})") from None
     if not self._builder.is_prepared():
       raise ConfigError(

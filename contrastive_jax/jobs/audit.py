@@ -249,7 +249,7 @@ def leak_pairs(scores: np.ndarray, rows: np.ndarray, threshold: float):
 
 def _class(index: index_lib.Index, row: int) -> str:
   """The class of an index's row: its label's name, or for a folder's file its folder below
-  the index's folder, as prepare_images names classes ('' for a file at the top)."""
+  the index's folder, as the prepare job names classes ('' for a file at the top)."""
   label = index.rows[row].get("label")
   if label is not None:
     return index.class_names[label] if index.class_names else str(label)
