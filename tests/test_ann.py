@@ -499,6 +499,8 @@ def test_an_index_from_before_ann_indexes_is_read_and_an_add_gives_it_one(photos
   old = {key: value for key, value in meta.items()
          if key not in ("format_version", "run_id", "parts", "ann")}
   del old["config"]["ann"], old["config"]["add"]
+  crop = old.pop("eval_crop")  # Format 1 held the eval crop's size and fraction, no resize.
+  old.update(image_size=crop["size"], crop_fraction=crop["fraction"])
   with open(meta_path, "w") as f:
     json.dump(old, f)
   for name in (ann_lib.META, meta["ann"]["file"]):

@@ -497,7 +497,7 @@ def main(argv) -> None:
   spec = json.loads(sys.stdin.readline())
   name = spec["runner"]
   # Open, so locked, until this process ends: the staging folder is in use (tfds_folder.hold).
-  held = tfds_folder.hold(spec["hold"]) if spec["hold"] else None  # pylint: disable=unused-variable
+  held = tfds_folder.hold(spec["hold"]) if spec["hold"] else None  # noqa: F841
 
   def orphaned():
     sys.stdin.read()  # EOF: the job that started this driver is gone.
