@@ -11,11 +11,15 @@ import numpy as np
 import pytest
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from array_record.python import array_record_data_source
 from PIL import Image
+from helpers import CONFIG_DIR
 from helpers import SHARED
 from helpers import TFDS_DIR
+from helpers import damaged_copy
 
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import DataError
 from contrastive_jax.data import crops
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
@@ -286,6 +290,58 @@ def test_a_resume_late_in_an_epoch_reads_no_more_than_one_at_its_start(array_rec
     # Each fetch is one of the stream's next `most` stretches from the resume on, each once,
     # the first batch's among them: nothing before the resume's position is read.
     assert None not in fetches and len(set(fetches)) == len(fetches) and 0 in fetches, fetches
+
+
+@pytest.mark.parametrize("how", ["truncated", "flipped"])
+def test_a_damaged_shard_ends_reading_in_an_error_naming_it(array_record_cifar, tmp_path, how):
+  data_dir, shard = damaged_copy(array_record_cifar, "cifar_array_record", tmp_path, how)
+  source = _source("cifar_array_record", data_dir)
+  failures = []
+  for ds in (_train(source, split="train", threads=2),
+             input_pipeline.eval_dataset(source, "train", local_batch=64, image_size=32,
+                                         crop_fraction=1.0, crop_resize="tf_bicubic", threads=1)):
+    with pytest.raises(tf.errors.OpError) as raised:
+      for _ in tfds.as_numpy(ds):  # Training never ends by itself; it stops at the damage.
+        pass
+    failures.append(sources.read_failure(raised.value))
+  for failure in failures:
+    assert isinstance(failure, DataError) and failure.path == shard
+    assert str(failure).startswith(f"{shard}: record {failure.record} of this file cannot be "
+                                   "read (") and "Riegeli" in str(failure)
+    assert "Prepare the dataset 'cifar_array_record' again" in str(failure)
+    # ArrayRecord's own reader cannot read the record named either.
+    with pytest.raises(RuntimeError, match="Riegeli"):
+      array_record_data_source.ArrayRecordDataSource([shard])[failure.record]
+  if how == "flipped":  # The damage is local: evaluation, in order, read up to it.
+    assert array_record_data_source.ArrayRecordDataSource([shard])[0]
+    assert failures[1].record > 0
+  assert sources.read_failure(tf.errors.InvalidArgumentError(None, None, "other")) is None
+
+
+def test_a_job_outside_the_training_loop_ends_in_the_damaged_shards_line(array_record_cifar,
+                                                                         tmp_path, monkeypatch):
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+  from contrastive_jax import main  # pylint: disable=g-import-not-at-top
+  data_dir, shard = damaged_copy(array_record_cifar, "cifar_array_record", tmp_path, "truncated")
+
+  def run_job(config, workdir):  # What embed and neighbours do: read the split in order.
+    del config, workdir
+    for _ in tfds.as_numpy(input_pipeline.eval_dataset(
+        _source("cifar_array_record", data_dir), "train", local_batch=64, image_size=32,
+        crop_fraction=1.0, crop_resize="tf_bicubic", threads=1)):
+      pass
+
+  monkeypatch.setattr(main, "run_job", run_job)
+  monkeypatch.setattr(main.metrics, "quiet_library_logs", lambda: None)
+  with flagsaver.flagsaver():
+    flags.FLAGS(["main", f"--config={CONFIG_DIR}/embed.py", f"--workdir={tmp_path / 'w'}"])
+    with pytest.raises(SystemExit) as stopped:
+      main.main(["main"])
+  # Read in order, the first record is the first that cannot be read.
+  assert stopped.value.code.startswith(f"error: {shard}: record 0 of this file cannot be read ("), (
+      stopped.value.code)
+  assert stopped.value.code.endswith("or restore the file from a copy")
 
 
 def _photos():

@@ -107,3 +107,17 @@ class Interrupted(JobError):
 
 class NoSpaceError(JobError):
   """The disk (or quota) of the workdir is full; the message says what is kept."""
+
+
+class DataError(JobError):
+  """A file of a prepared dataset that cannot be read: truncated or altered since it was written.
+
+  Attributes:
+    path: the file.
+    record: the index in that file of the record that could not be read, or None.
+  The message names both and what to do.
+  """
+
+  def __init__(self, path: str, record: Optional[int], message: str):
+    self.path, self.record = path, record
+    super().__init__(message)
