@@ -158,7 +158,7 @@ def test_a_damaged_dataset_file_ends_in_one_line_naming_it(array_record_cifar, t
   directory = f"{workdir}/checkpoints"
   stopped = re.fullmatch(
       rf"error: {re.escape(shard)}: record \d+ of this file cannot be read \(Corrupted "
-      r"Riegeli/records file: .*\): the file is damaged\. Prepare the dataset "
+      r"Riegeli/records file: .*\)\. Prepare the dataset "
       r"'cifar_array_record' again \(an image folder: prepare_images with --overwrite\) or "
       rf"restore the file from a copy; the newest checkpoint is step (\d+) \(in {directory}\); "
       "then start the same command again to resume", last_line(job.stderr))

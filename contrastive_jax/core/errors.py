@@ -110,14 +110,14 @@ class NoSpaceError(JobError):
 
 
 class DataError(JobError):
-  """A file of a prepared dataset that cannot be read: truncated or altered since it was written.
+  """A record of a prepared dataset that cannot be read: its file truncated or altered since
+  it was written. The message names the file and the record, and what to do.
 
   Attributes:
     path: the file.
-    record: the index in that file of the record that could not be read, or None.
-  The message names both and what to do.
+    record: the index in that file of the record that could not be read.
   """
 
-  def __init__(self, path: str, record: Optional[int], message: str):
+  def __init__(self, path: str, record: int, message: str):
     self.path, self.record = path, record
     super().__init__(message)

@@ -208,8 +208,7 @@ class Records:
       for index in indices.numpy().tolist():
         try:
           fetched.append(self._data[index])
-        except Exception as e:  # pylint: disable=broad-except
-          # ArrayRecord raises RuntimeError for a damaged file.
+        except RuntimeError as e:  # What ArrayRecord raises for a damaged file.
           return (tf.constant("", shape=indices.shape),
                   tf.constant(_UNREADABLE.add(self._unreadable(index, e))))
     finally:
@@ -217,7 +216,7 @@ class Records:
     self._source.count_read(len(fetched))
     return tf.constant(fetched, tf.string, shape=[len(fetched)]), tf.constant("")
 
-  def _unreadable(self, index: int, error: Exception) -> DataError:
+  def _unreadable(self, index: int, error: RuntimeError) -> DataError:
     """The DataError of record `index` of the spec: its shard file and its place in it."""
     splits = self._source._builder.info.splits  # pylint: disable=protected-access
     shards = splits[self._spec].file_instructions
@@ -227,9 +226,9 @@ class Records:
     record = shards[shard].skip + index - (int(ends[shard - 1]) if shard else 0)
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
     return DataError(path, record, (
-        f"{path}: record {record} of this file cannot be read ({reason}): the file is damaged. "
-        f"Prepare the dataset {self._source.name!r} again (an image folder: prepare_images "
-        "with --overwrite) or restore the file from a copy"))
+        f"{path}: record {record} of this file cannot be read ({reason}). Prepare the dataset "
+        f"{self._source.name!r} again (an image folder: prepare_images with --overwrite) or "
+        "restore the file from a copy"))
 
   def read(self, indices):
     """(image string [k], label int32 [k], name string [k]) of the records at int64 indices [k].
