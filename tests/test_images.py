@@ -572,17 +572,18 @@ def test_gs_source_without_credentials_is_one_clear_error(tmp_path, monkeypatch)
   assert not (tmp_path / "tfds").exists()
 
 
-# prepare_images' command line, each image decoded slowly: time to press Ctrl-C mid-way.
+# prepare_images' command line whose first image decode waits for Ctrl-C: the preparation
+# cannot end before the test presses it, however loaded the machine. The decode runs in the
+# main thread (one in-process worker), where SIGINT raises KeyboardInterrupt in the sleep.
 _SLOW_PREPARE = """
 import time
 from absl import app
 from contrastive_jax.data import images, prepare_images
-load_image = images.load_image
-def slow_load_image(*args, **kwargs):
+def load_image_after_ctrl_c(*args, **kwargs):
   print("decoding", flush=True)
-  time.sleep(0.5)
-  return load_image(*args, **kwargs)
-images.load_image = slow_load_image
+  while True:
+    time.sleep(1)
+images.load_image = load_image_after_ctrl_c
 app.run(prepare_images.main)
 """
 
