@@ -13,11 +13,11 @@ from ml_collections import config_dict
 
 from contrastive_jax import recipes
 
-VARIANTS = ()
+ARGS = {}
 
 
-def get_config(variant: str = ""):
-  recipes.check_variant(variant, VARIANTS)
+def get_config(arg: str = ""):
+  recipes.parse_args(arg, ARGS)
   config = ml_collections.ConfigDict()
   config.job = "prepare"
   config.src = config_dict.placeholder(str)  # Folder of image files (any depth), local or gs://.

@@ -7,10 +7,11 @@ Every config field can be overridden on the command line, e.g.
 workdir that holds a checkpoint resumes from it. Expected failures (a flag
 that cannot be parsed: a missing config file, an unknown argument or field; a
 config that cannot run, a diverged run, a bad workdir) end with one line on
-stderr and exit status 1, and so do Ctrl-C, a full disk (a training job's line
-names its newest checkpoint) and a multi-host process whose computation fails
-because another process died (see _exit_after_peer_failure). Job modules
-define no flags; this one defines them all.
+stderr and exit status 1, and so do Ctrl-C, a full disk, a damaged dataset
+file (a training job's line names its newest checkpoint) and a multi-host
+process whose computation fails because another process died (see
+_exit_after_peer_failure). Job modules define no flags; this one defines them
+all.
 """
 import os
 import re
@@ -29,6 +30,7 @@ from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import closest
 from contrastive_jax.core import files
 from contrastive_jax.core import metrics
+from contrastive_jax.data import sources
 from contrastive_jax.jobs import audit
 from contrastive_jax.jobs import embed
 from contrastive_jax.jobs import embedding_map
@@ -221,6 +223,9 @@ def main(argv):
       raise
     _exit_after_peer_failure(e)
   except Exception as e:  # pylint: disable=broad-except
+    unreadable = sources.read_failure(e)  # runner.run makes a training job's a DataError.
+    if unreadable is not None:
+      sys.exit(f"error: {unreadable}")
     if not files.is_disk_full(e):
       raise
     sys.exit(f"error: no space left on device while writing to {_WORKDIR.value}; free "

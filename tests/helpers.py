@@ -1,6 +1,8 @@
 """Test helpers that touch no JAX device (the multi-host worker imports them too)."""
+import glob
 import importlib.util
 import os
+import shutil
 import signal
 import socket
 
@@ -77,6 +79,27 @@ def sigterm_after_first_train_batch(monkeypatch):
         os.kill(os.getpid(), signal.SIGTERM)
 
   monkeypatch.setattr(input_pipeline, "device_batches", device_batches)
+
+
+def damaged_copy(data_dir, name: str, into, how: str):
+  """A copy in `into` of data_dir's dataset `name` (one ArrayRecord shard) with that shard damaged.
+
+  how: 'truncated' keeps its first half; 'flipped' inverts 64 bytes at its middle.
+  Returns (the copy's data_dir, the damaged shard's path).
+  """
+  copy = os.path.join(into, f"{how}_data")
+  shutil.copytree(data_dir, copy)
+  [shard] = glob.glob(os.path.join(copy, name, "*", f"{name}-*.array_record-*"))
+  size = os.path.getsize(shard)
+  if how == "truncated":
+    os.truncate(shard, size // 2)
+  else:
+    with open(shard, "r+b") as f:
+      f.seek(size // 2)
+      flipped = bytes(b ^ 0xFF for b in f.read(64))
+      f.seek(size // 2)
+      f.write(flipped)
+  return copy, shard
 
 
 def free_port() -> int:

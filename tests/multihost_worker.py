@@ -3,7 +3,7 @@
 usage: python multihost_worker.py PROCESS_ID PORT WORKDIR TFDS_DIR JOB [PRETRAIN_WORKDIR]
 
 JOB 'pretrain' runs 3 steps of the tiny SimCLR config; 'linear_probe' probes
-PRETRAIN_WORKDIR for up to 400 steps (the test stops it with SIGTERM); 'embed'
+PRETRAIN_WORKDIR for up to 100,000 steps (the test stops it with SIGTERM); 'embed'
 embeds CIFAR-10 test[:20] with PRETRAIN_WORKDIR's encoder (tests/test_search.py).
 Imports every module first and initialises jax.distributed after, as a pod
 worker does.
@@ -42,7 +42,7 @@ def main(process_id: int, port: int, workdir: str, tfds_dir: str, job: str,
     config.pretrain_workdir = pretrain_workdir
     config.train_split = "train[:256]"
     config.batch_size = 16
-    config.duration = "400 steps"
+    config.duration = "100000 steps"
     config.log_every = "1 steps"
     config.shuffle_buffer = 256
     config.data_threads = 1

@@ -1,5 +1,6 @@
 """Jobs stopped from outside, through the entry point in subprocesses: a second job on the
-same workdir, Ctrl-C, kill -9 and a full disk each end in one line, and nothing is lost."""
+same workdir, Ctrl-C, kill -9, a full disk and a damaged dataset file each end in one line,
+and nothing is lost."""
 import json
 import os
 import re
@@ -9,7 +10,7 @@ import sys
 import time
 
 import pytest
-from helpers import CONFIG_DIR, TFDS_DIR, subprocess_env
+from helpers import CONFIG_DIR, TFDS_DIR, damaged_copy, subprocess_env
 
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import files
@@ -143,3 +144,27 @@ def test_full_disk_ends_in_one_line_and_the_same_command_resumes(small_disk):
   assert f"Resumed from {directory} at step {step}." in resumed.stderr
   assert sorted(os.listdir(directory), key=int) == [str(s) for s in range(1, 21)]  # No temp left.
   assert metric_steps(workdir) == list(range(1, 21))
+
+
+def test_a_damaged_dataset_file_ends_in_one_line_naming_it(array_record_cifar, tmp_path):
+  data_dir, shard = damaged_copy(array_record_cifar, "cifar_array_record", tmp_path, "flipped")
+  workdir = tmp_path / "run"
+  job = subprocess.run(command(workdir, "--config.dataset=cifar_array_record",
+                               f"--config.data_dir={data_dir}", "--config.train_split=train",
+                               "--config.duration=1000 steps", "--config.checkpoint_every=5 steps"),
+                       capture_output=True, text=True, timeout=300,
+                       env=subprocess_env(fast_compile=True))
+  assert job.returncode == 1, job.stderr[-3000:]
+  directory = f"{workdir}/checkpoints"
+  stopped = re.fullmatch(
+      rf"error: {re.escape(shard)}: record \d+ of this file cannot be read \(Corrupted "
+      r"Riegeli/records file: .*\)\. Prepare the dataset "
+      r"'cifar_array_record' again \(an image folder: the prepare job with --config.overwrite=True\) or "
+      rf"restore the file from a copy; the newest checkpoint is step (\d+) \(in {directory}\); "
+      "then start the same command again to resume", last_line(job.stderr))
+  assert stopped, job.stderr[-3000:]
+  # The damage is read in the first epoch (125 steps), after some checkpoints: they are kept.
+  newest = int(stopped[1])
+  assert 5 <= newest < 125
+  assert checkpointing.Checkpointer(directory, read_only=True).complete_steps()[-1] == newest
+  assert metric_steps(workdir)[:newest] == list(range(1, newest + 1))

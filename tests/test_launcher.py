@@ -30,7 +30,7 @@ def job_args(workdir):
   return [
       "--config=configs/simclr_cifar10.py:runlocal", f"--workdir={workdir}",
       f"--config.data_dir={TFDS_DIR}", "--config.train_split=train[:256]",
-      "--config.batch_size=16", "--config.model.width=0.0625", "--config.duration=400 steps",
+      "--config.batch_size=16", "--config.model.width=0.0625", "--config.duration=100000 steps",
       "--config.log_every=1 steps", "--config.checkpoint_every=1000 steps",
       "--config.evaluators.knn.split=test[:32]", "--config.evaluators.knn.bank_split=train[:64]",
       "--config.evaluators.knn.batch_size=16", "--config.evaluators.online_probe.split=test[:32]",
@@ -100,7 +100,7 @@ def _steps(workdir):
     return [json.loads(line)["step"] for line in f if line.endswith("\n")]
 
 
-def _wait(condition, pod, what, timeout=120):
+def _wait(condition, pod, what, timeout=300):
   deadline = time.time() + timeout
   while not condition():
     if time.time() > deadline or not all(pod.alive(w) for w in WORKERS):
@@ -149,7 +149,7 @@ def test_run_status_stop_resume_on_a_simulated_pod(pod, tmp_path):
   assert "Stopped: worker 0:" in out and "worker 1:" in out, out
   assert not any(pod.alive(w) for w in WORKERS)
   stopped = _checkpoint_steps(workdir)[-1]
-  assert 3 <= stopped < 400
+  assert stopped >= 3
   for worker in WORKERS:  # Both hosts stopped at the step of the checkpoint.
     assert f"Stopped at step {stopped} after a preemption request." in pod.log(worker)
   status = pod.launch("status")

@@ -105,3 +105,17 @@ class Interrupted(JobError):
 
 class NoSpaceError(JobError):
   """The disk (or quota) of the workdir is full; the message says what is kept."""
+
+
+class DataError(JobError):
+  """A record of a prepared dataset that cannot be read: its file truncated or altered since
+  it was written. The message names the file and the record, and what to do.
+
+  Attributes:
+    path: the file.
+    record: the index in that file of the record that could not be read.
+  """
+
+  def __init__(self, path: str, record: int, message: str):
+    self.path, self.record = path, record
+    super().__init__(message)

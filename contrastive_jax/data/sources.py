@@ -19,6 +19,7 @@ import functools
 import hashlib
 import operator
 import os
+import re
 import threading
 import time
 from typing import Optional, Protocol, runtime_checkable
@@ -30,6 +31,7 @@ import tensorflow_datasets as tfds
 from absl import logging
 
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import DataError
 from contrastive_jax.core.errors import ImageError
 from contrastive_jax.core import gcs
 from contrastive_jax.data import images as images_lib
@@ -123,6 +125,46 @@ class _Fetches:
 _FETCHES = _Fetches()
 
 
+class _Unreadable:
+  """The DataErrors of Records' fetches, process-wide, each in the line that fails its pipeline.
+
+  A fetch cannot raise the DataError itself: it runs in a tf.py_function, and
+  the pipeline's iterator raises a TF error instead. The TF error's message
+  holds the line, and the line the DataError's number here.
+  """
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._errors = []
+
+  def add(self, error: DataError) -> str:
+    """Keeps `error`; returns its line: 'unreadable record N: ' and its message."""
+    with self._lock:
+      self._errors.append(error)
+      return f"unreadable record {len(self._errors) - 1}: {error}"
+
+  def behind(self, error: BaseException) -> Optional[DataError]:
+    """The DataError whose line is in the message of `error`, a TF error, or None."""
+    found = (re.search(r"unreadable record (\d+): ", str(error))
+             if isinstance(error, tf.errors.OpError) else None)
+    with self._lock:
+      return self._errors[int(found[1])] if found else None
+
+
+_UNREADABLE = _Unreadable()
+
+
+def read_failure(error: BaseException) -> Optional[DataError]:
+  """The DataError behind `error`, a TF error from iterating a pipeline that read Records, or None.
+
+  A record that cannot be read (a damaged ArrayRecord shard) fails
+  the pipeline with a TF error holding the DataError's number (_Unreadable),
+  which names the shard file and the record. Jobs turn the TF error back into
+  the DataError with this (runner.run, main.py).
+  """
+  return _UNREADABLE.behind(error)
+
+
 class Records:
   """Records of a TFDS dataset in a random-access format, by index: a tf.data bridge.
 
@@ -136,7 +178,10 @@ class Records:
   Use len(records) and read(): indices int64 [k] -> (image, label int32 [k],
   name string [k]), image the encoded bytes string [k]; decode each later with
   decode(image) (TFDS's decoding: uint8 [H, W, 3]) or crops.decode_random_resized_crops.
-  Every record fetched adds one to the source's records_read.
+  Every record fetched adds one to the source's records_read. A record that
+  cannot be read (a damaged shard file) fails the fetch, and the pipeline's
+  iterator raises a TF error that read_failure turns into a DataError naming
+  the file and the record.
   """
 
   def __init__(self, source, spec, indices: Optional[np.ndarray] = None, *,
@@ -153,15 +198,37 @@ class Records:
     return len(self._data) if self._indices is None else len(self._indices)
 
   def _fetch(self, indices):
+    """(serialized records string [k], ''), or (k empty strings, _UNREADABLE's line) when a
+    record cannot be read."""
     _FETCHES.start()
     try:
       # One record at a time: __getitems__ reads through a thread pool, which
       # refuses work once the interpreter shuts down (a traceback at every exit).
-      fetched = [self._data[i] for i in indices.numpy().tolist()]
+      fetched = []
+      for index in indices.numpy().tolist():
+        try:
+          fetched.append(self._data[index])
+        except RuntimeError as e:  # What ArrayRecord raises for a damaged file.
+          return (tf.constant("", shape=indices.shape),
+                  tf.constant(_UNREADABLE.add(self._unreadable(index, e))))
     finally:
       _FETCHES.end()
     self._source.count_read(len(fetched))
-    return tf.constant(fetched, tf.string, shape=[len(fetched)])
+    return tf.constant(fetched, tf.string, shape=[len(fetched)]), tf.constant("")
+
+  def _unreadable(self, index: int, error: RuntimeError) -> DataError:
+    """The DataError of record `index` of the spec: its shard file and its place in it."""
+    splits = self._source._builder.info.splits  # pylint: disable=protected-access
+    shards = splits[self._spec].file_instructions
+    ends = np.cumsum([shard.take for shard in shards])
+    shard = int(np.searchsorted(ends, index, side="right"))
+    path = shards[shard].filename
+    record = shards[shard].skip + index - (int(ends[shard - 1]) if shard else 0)
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    return DataError(path, record, (
+        f"{path}: record {record} of this file cannot be read ({reason}). Prepare the dataset "
+        f"{self._source.name!r} again (an image folder: the prepare job with --config.overwrite=True) or "
+        "restore the file from a copy"))
 
   def read(self, indices):
     """(image string [k], label int32 [k], name string [k]) of the records at int64 indices [k].
@@ -171,7 +238,11 @@ class Records:
     record ids name a position.
     """
     at = indices if self._indices is None else tf.gather(self._indices, indices)
-    serialized = tf.py_function(self._fetch, [at], tf.string)
+    serialized, unreadable = tf.py_function(self._fetch, [at], [tf.string, tf.string])
+    # A record that cannot be read fails the pipeline here: an exception raised in the
+    # py_function would be logged twice with its traceback, and its TF error name no file.
+    with tf.control_dependencies([tf.debugging.Assert(tf.equal(unreadable, ""), [unreadable])]):
+      serialized = tf.identity(serialized)
     serialized.set_shape(indices.shape)
     prefix, offset = self._names
     return self._source.parse(serialized, at + offset, prefix)

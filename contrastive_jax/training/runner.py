@@ -26,6 +26,7 @@ from clu import periodic_actions
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import durations
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import DataError
 from contrastive_jax.core.errors import Interrupted
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import NoSpaceError
@@ -35,6 +36,7 @@ from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import metrics as metrics_lib
 from contrastive_jax.core import pictures
+from contrastive_jax.data import sources
 from contrastive_jax.training import evaluators
 from contrastive_jax import recipes
 
@@ -122,6 +124,7 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
     Interrupted: Ctrl-C; the first one saves a checkpoint after the
       current step (as SIGTERM does), a second one stops at once.
     NoSpaceError: the disk filled up while writing to the workdir.
+    DataError: a record of the dataset cannot be read (a damaged shard file).
     JobError: a workdir that is a file, or that another job is running in.
   """
   workdir = files.prepare_workdir(workdir)
@@ -149,11 +152,14 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
 
 @contextlib.contextmanager
 def _closing(ckpt, workdir: str):
-  """Closes ckpt on exit (waiting for pending writes); a full disk or Ctrl-C becomes a JobError.
+  """Closes ckpt on exit (waiting for pending writes); a full disk, Ctrl-C or a damaged
+  dataset file becomes a JobError.
 
-  A full disk can surface in the body or only when the pending writes are
-  waited for; either way the job ends in NoSpaceError (unless it is already
-  ending in another JobError), naming the newest complete checkpoint. A
+  A dataset record that cannot be read (sources.read_failure) ends the job in
+  DataError naming the file and the newest checkpoint. A full disk can surface
+  in the body or only when the pending writes are waited for; either way the
+  job ends in NoSpaceError (unless it is already ending in another JobError),
+  naming the newest complete checkpoint. A
   KeyboardInterrupt that _loop did not turn into Interrupted (one before the
   training loop, or while _loop waited for the writes) becomes Interrupted.
   """
@@ -173,6 +179,11 @@ def _closing(ckpt, workdir: str):
     return
   if isinstance(error, KeyboardInterrupt):
     raise Interrupted(f"interrupted: {_newest(ckpt)}") from None
+  unreadable = sources.read_failure(error)
+  if unreadable is not None:
+    raise DataError(unreadable.path, unreadable.record,
+                    f"{unreadable}; {_newest(ckpt, 'then start the same command again')}"
+                    ) from None
   if not isinstance(error, JobError) and files.is_disk_full(error):
     raise NoSpaceError(f"no space left on device while writing to {workdir}: "
                        f"{_newest(ckpt, 'free space and start the same command again')}"
