@@ -296,8 +296,7 @@ def test_a_damaged_shard_ends_reading_in_an_error_naming_it(array_record_cifar, 
   source = _source("cifar_array_record", data_dir)
   failures = []
   for ds in (_train(source, split="train", threads=2),
-             input_pipeline.eval_dataset(source, "train", local_batch=64, image_size=32,
-                                         crop_fraction=1.0, crop_resize="tf_bicubic", threads=1)):
+             input_pipeline.eval_dataset(source, "train", local_batch=64, eval_crop=input_pipeline.EvalCrop(32, 1.0, "tf_bicubic"), threads=1)):
     with pytest.raises(tf.errors.OpError) as raised:
       for _ in tfds.as_numpy(ds):  # Training never ends by itself; it stops at the damage.
         pass
@@ -326,8 +325,7 @@ def test_a_job_outside_the_training_loop_ends_in_the_damaged_shards_line(array_r
   def run_job(config, workdir):  # What embed and neighbours do: read the split in order.
     del config, workdir
     for _ in tfds.as_numpy(input_pipeline.eval_dataset(
-        _source("cifar_array_record", data_dir), "train", local_batch=64, image_size=32,
-        crop_fraction=1.0, crop_resize="tf_bicubic", threads=1)):
+        _source("cifar_array_record", data_dir), "train", local_batch=64, eval_crop=input_pipeline.EvalCrop(32, 1.0, "tf_bicubic"), threads=1)):
       pass
 
   monkeypatch.setattr(main, "run_job", run_job)
