@@ -1,1 +1,2 @@
-"""What knows no model: errors, files and workdirs, checkpoints, metrics, pictures, gs://, the mesh."""
+"""What knows no model: errors, files and workdirs, checkpoints, metrics, pictures, gs://,
+the mesh."""

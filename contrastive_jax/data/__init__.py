@@ -1,1 +1,2 @@
-"""Data: sources (TFDS datasets, image folders), the tf.data pipelines, crops and on-device augmentations."""
+"""Data: sources (TFDS datasets, image folders), the tf.data pipelines, crops and on-device
+augmentations."""
