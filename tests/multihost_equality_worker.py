@@ -168,7 +168,7 @@ def probe_run(mesh, pretrained, out: dict):
   for step in range(STEPS):
     batch = global_batch(config.seed + 1, step, config.batch_size, pretrain_config.image_size, 1)
     state, metrics = train_step(
-      state, pretrained, this_process_rows(batch, mesh_lib.batch_sharded(mesh))
+      state, this_process_rows(batch, mesh_lib.batch_sharded(mesh)), pretrained
     )
     out.update(local_copies(metrics, f"probe/metrics/{step}"))
   out.update(local_copies(state, "probe/state"))
