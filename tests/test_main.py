@@ -1,6 +1,7 @@
 """The entry point's flag parsing: a bad --config file, variant or field ends in one line."""
 import glob
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
@@ -11,6 +12,7 @@ import pytest
 from helpers import CONFIG_DIR, subprocess_env
 
 from contrastive_jax.core import checkpointing
+from contrastive_jax.core import metrics
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import VariantError
 from contrastive_jax import main
@@ -154,3 +156,20 @@ def test_a_text_file_as_init_from_ends_in_its_one_line_every_time(tmp_path):
     assert lines[-1] == (f"error: {weights}: not a safetensors file (a header length of "
                          "7935391400498849128 bytes in a file of 19)"), out.stderr
     assert not [line for line in lines if line.startswith(("E", "W", "Traceback"))], out.stderr
+
+
+def test_the_log_filter_drops_restated_settings_and_keeps_real_warnings():
+  keep = metrics._QuietLibraries().filter  # pylint: disable=protected-access
+
+  def record(path, level, message):
+    return logging.LogRecord("absl", level, path, 1, message, None, None)
+
+  jax_path, orbax_path = "/site/jax/_src/xla_bridge.py", "/site/orbax/checkpoint/manager.py"
+  assert not keep(record(jax_path, logging.INFO, "Unable to initialize backend 'tpu': INTERNAL: "
+                         "Failed to open libtpu.so: libtpu.so: cannot open shared object file"))
+  assert keep(record(jax_path, logging.INFO, "Unable to initialize backend 'cuda': no GPU"))
+  assert keep(record(jax_path, logging.WARNING, "An NVIDIA GPU may be present"))
+  assert not keep(record(orbax_path, logging.WARNING, "Given directory is read only=/x"))
+  assert keep(record(orbax_path, logging.WARNING, "Checkpoint step 3 could not be read"))
+  assert keep(record(orbax_path, logging.ERROR, "Given directory is read only: failed"))
+  assert not keep(record(orbax_path, logging.INFO, "Saving item state"))
