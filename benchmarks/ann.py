@@ -22,6 +22,7 @@ pybind module loads (scann 1.4.2's `import scann` loads TensorFlow ops built
 against another TensorFlow than this project's, so only its pybind searcher
 is used, without its package's __init__).
 """
+
 import importlib.util
 import os
 import sys
@@ -32,17 +33,18 @@ import types
 # Time the package this script sits in, not another installed copy of it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import ml_collections  # pylint: disable=g-import-not-at-top
-import numpy as np
 from absl import app
 from absl import flags
+import ml_collections  # pylint: disable=g-import-not-at-top
+import numpy as np
 
 from contrastive_jax import recipes
 from contrastive_jax.search import ann as ann_lib
 from contrastive_jax.search import index as index_lib
 
-CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs",
-                      "embed.py")
+CONFIG = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "embed.py"
+)
 FLAGS = flags.FLAGS
 
 
@@ -50,18 +52,30 @@ def define_flags():
   """Registers the command-line flags (not at import, so that tests can import this file)."""
   flags.DEFINE_integer("rows", 1_000_000, "Random unit vectors in the index.")
   flags.DEFINE_integer("dim", 128, "Their dimension.")
-  flags.DEFINE_integer("queries", 1000, "Queries (random unit vectors, or index rows held "
-                       "out of the indexes with --index_workdir).")
+  flags.DEFINE_integer(
+    "queries",
+    1000,
+    "Queries (random unit vectors, or index rows held out of the indexes with --index_workdir).",
+  )
   flags.DEFINE_integer("k", 10, "Neighbours per query (recall@k).")
   flags.DEFINE_integer("threads", 2, "FAISS (OpenMP) threads.")
-  flags.DEFINE_string("index_workdir", None, "An embed job's workdir: its embeddings instead "
-                      "of random vectors.")
-  flags.DEFINE_string("types", "ivf", "FAISS index types measured besides the default "
-                      "(jobs/ann.py: hnsw, ivf, ivfpq); HNSW takes the longest to build.")
-  flags.DEFINE_string("ef_search", "64,128,512", "HNSW efSearch values measured besides the "
-                      "default.")
-  flags.DEFINE_string("nprobe_fractions", "0.0625,0.125,0.25,0.5", "IVF nprobe values, as "
-                      "fractions of nlist, measured besides the default.")
+  flags.DEFINE_string(
+    "index_workdir", None, "An embed job's workdir: its embeddings instead of random vectors."
+  )
+  flags.DEFINE_string(
+    "types",
+    "ivf",
+    "FAISS index types measured besides the default "
+    "(jobs/ann.py: hnsw, ivf, ivfpq); HNSW takes the longest to build.",
+  )
+  flags.DEFINE_string(
+    "ef_search", "64,128,512", "HNSW efSearch values measured besides the default."
+  )
+  flags.DEFINE_string(
+    "nprobe_fractions",
+    "0.0625,0.125,0.25,0.5",
+    "IVF nprobe values, as fractions of nlist, measured besides the default.",
+  )
   flags.DEFINE_string("k_factors", "10", "IVFPQ k_factor values measured besides the default.")
   flags.DEFINE_bool("scann", True, "Measure ScaNN too, when it loads.")
 
@@ -118,20 +132,36 @@ def _settings(spec: dict, *, ef_search: list, nprobe_fractions: list, k_factors:
   elif spec["type"] in ("ivf", "ivfpq"):
     nprobes = [params["nprobe"], *(max(1, round(params["nlist"] * f)) for f in nprobe_fractions)]
     factors = [params["k_factor"], *k_factors] if spec["type"] == "ivfpq" else [None]
-    options = [dict(params, nprobe=p, **({"k_factor": f} if f else {}))
-               for p in nprobes for f in factors]
+    options = [
+      dict(params, nprobe=p, **({"k_factor": f} if f else {})) for p in nprobes for f in factors
+    ]
   else:
     options = [params]
   unique = []
   for option in options:
     if option not in unique:
       unique.append(option)
-  return [(option, " ".join(f"{key}={value}" for key, value in option.items()
-                            if key not in ("M", "nlist"))) for option in unique]
+  return [
+    (
+      option,
+      " ".join(f"{key}={value}" for key, value in option.items() if key not in ("M", "nlist")),
+    )
+    for option in unique
+  ]
 
 
-def measure(bank: np.ndarray, queries: np.ndarray, *, k: int, threads: int, types: list,
-            ef_search: list, nprobe_fractions: list, k_factors: list, scann: bool) -> list:
+def measure(
+  bank: np.ndarray,
+  queries: np.ndarray,
+  *,
+  k: int,
+  threads: int,
+  types: list,
+  ef_search: list,
+  nprobe_fractions: list,
+  k_factors: list,
+  scann: bool,
+) -> list:
   """Measures exact search, the embed job's default index for bank and `types`, and ScaNN.
 
   Args:
@@ -152,8 +182,9 @@ def measure(bank: np.ndarray, queries: np.ndarray, *, k: int, threads: int, type
   table = []
 
   def row(name, build_s, size, found, seconds):
-    table.append((name, build_s, size, recall(found, exact_rows), len(queries) / seconds,
-                  exact_s / seconds))
+    table.append(
+      (name, build_s, size, recall(found, exact_rows), len(queries) / seconds, exact_s / seconds)
+    )
     print("  measured:", table[-1], flush=True)
 
   start = time.perf_counter()
@@ -166,21 +197,30 @@ def measure(bank: np.ndarray, queries: np.ndarray, *, k: int, threads: int, type
   auto = recipes.load_config_file(CONFIG, "CONFIG").ann  # The embed job's defaults.
   default = ann_lib.choose(n, d, auto)
   specs = [default] if default["type"] != "flat" else []
-  specs += [spec for spec in (ann_lib.choose(n, d, ml_collections.ConfigDict(dict(auto, type=t)))
-                              for t in types) if spec["factory"] != default["factory"]]
+  specs += [
+    spec
+    for spec in (ann_lib.choose(n, d, ml_collections.ConfigDict(dict(auto, type=t))) for t in types)
+    if spec["factory"] != default["factory"]
+  ]
   for number, spec in enumerate(specs):
     start = time.perf_counter()
     built, spec = ann_lib.build(bank, spec, threads=threads)  # Calibrated, as the embed job's.
     build_s = time.perf_counter() - start
     size = len(faiss.serialize_index(built))
-    for params, name in _settings(spec, ef_search=ef_search, nprobe_fractions=nprobe_fractions,
-                                  k_factors=k_factors):
+    for params, name in _settings(
+      spec, ef_search=ef_search, nprobe_fractions=nprobe_fractions, k_factors=k_factors
+    ):
       ann_lib.set_search_params(faiss, built, dict(spec, params=params))
       # As the jobs search (ann.search: at least the calibration's k, the best k kept).
       found, seconds = timed_search(lambda q, b=built: ann_lib.search(b, q, k)[1], queries)
       own = params == spec["params"]
-      mark = (" (default)" if number == 0 and default["type"] != "flat" and own else
-              " (calibrated)" if own and spec["calibration"] else "")
+      mark = (
+        " (default)"
+        if number == 0 and default["type"] != "flat" and own
+        else " (calibrated)"
+        if own and spec["calibration"]
+        else ""
+      )
       row(f"{spec['factory']} {name}{mark}", build_s, size, found, seconds)
     del built
 
@@ -190,10 +230,17 @@ def measure(bank: np.ndarray, queries: np.ndarray, *, k: int, threads: int, type
     return table
   leaves = int(2 ** round(np.log2(np.sqrt(n))))
   start = time.perf_counter()
-  searcher = module.builder(bank, k, "dot_product").tree(
-      num_leaves=leaves, num_leaves_to_search=max(1, leaves // 10),
-      training_sample_size=min(n, 250_000)).score_ah(
-          2, anisotropic_quantization_threshold=0.2).reorder(200).build()
+  searcher = (
+    module.builder(bank, k, "dot_product")
+    .tree(
+      num_leaves=leaves,
+      num_leaves_to_search=max(1, leaves // 10),
+      training_sample_size=min(n, 250_000),
+    )
+    .score_ah(2, anisotropic_quantization_threshold=0.2)
+    .reorder(200)
+    .build()
+  )
   build_s = time.perf_counter() - start
   with tempfile.TemporaryDirectory() as folder:
     searcher.serialize(folder)
@@ -201,19 +248,32 @@ def measure(bank: np.ndarray, queries: np.ndarray, *, k: int, threads: int, type
   for fraction in (16, 8, 4, 2):
     for reorder in (100, 1000):
       searched = max(1, leaves // fraction)
-      found, seconds = timed_search(lambda q, s=searched, r=reorder: searcher.search_batched(
-          q, leaves_to_search=s, pre_reorder_num_neighbors=r)[0], queries)
-      row(f"ScaNN tree {leaves} leaves, search {searched}, AH 2, reorder {reorder}", build_s,
-          size, found, seconds)
+      found, seconds = timed_search(
+        lambda q, s=searched, r=reorder: searcher.search_batched(
+          q, leaves_to_search=s, pre_reorder_num_neighbors=r
+        )[0],
+        queries,
+      )
+      row(
+        f"ScaNN tree {leaves} leaves, search {searched}, AH 2, reorder {reorder}",
+        build_s,
+        size,
+        found,
+        seconds,
+      )
   return table
 
 
 def report(table: list, k: int) -> str:
   """measure's table in markdown."""
-  lines = [f"| index | build (s) | size (MB) | recall@{k} | queries/s | x exact |",
-           "|---|---|---|---|---|---|"]
-  lines += [f"| {name} | {build_s:.1f} | {size / 1e6:.0f} | {rec:.3f} | {qps:.0f} | {ratio:.1f} |"
-            for name, build_s, size, rec, qps, ratio in table]
+  lines = [
+    f"| index | build (s) | size (MB) | recall@{k} | queries/s | x exact |",
+    "|---|---|---|---|---|---|",
+  ]
+  lines += [
+    f"| {name} | {build_s:.1f} | {size / 1e6:.0f} | {rec:.3f} | {qps:.0f} | {ratio:.1f} |"
+    for name, build_s, size, rec, qps, ratio in table
+  ]
   return "\n".join(lines)
 
 
@@ -234,12 +294,21 @@ def main(argv):
     bank = unit_rows(rng, FLAGS.rows, FLAGS.dim)
     queries = unit_rows(rng, FLAGS.queries, FLAGS.dim)
     what = "random unit vectors"
-  print(f"{len(bank)} x {bank.shape[1]} {what}, {len(queries)} queries, k={FLAGS.k}, "
-        f"{FLAGS.threads} FAISS threads, load average at start {os.getloadavg()[0]:.1f}")
-  table = measure(bank, queries, k=FLAGS.k, threads=FLAGS.threads,
-                  types=[t for t in FLAGS.types.split(",") if t], ef_search=_ints(FLAGS.ef_search),
-                  nprobe_fractions=[float(f) for f in FLAGS.nprobe_fractions.split(",") if f],
-                  k_factors=_ints(FLAGS.k_factors), scann=FLAGS.scann)
+  print(
+    f"{len(bank)} x {bank.shape[1]} {what}, {len(queries)} queries, k={FLAGS.k}, "
+    f"{FLAGS.threads} FAISS threads, load average at start {os.getloadavg()[0]:.1f}"
+  )
+  table = measure(
+    bank,
+    queries,
+    k=FLAGS.k,
+    threads=FLAGS.threads,
+    types=[t for t in FLAGS.types.split(",") if t],
+    ef_search=_ints(FLAGS.ef_search),
+    nprobe_fractions=[float(f) for f in FLAGS.nprobe_fractions.split(",") if f],
+    k_factors=_ints(FLAGS.k_factors),
+    scann=FLAGS.scann,
+  )
   print(f"\nload average at end {os.getloadavg()[0]:.1f}\n")
   print(report(table, FLAGS.k))
 

@@ -33,6 +33,7 @@ train and test rows, exact): re-upload pairs, other views of one photo, two
 different source photos of one class (all pairs, and each image's best such
 pair: the hardest), and of two classes.
 """
+
 import collections
 import csv
 import json
@@ -42,21 +43,26 @@ import sys
 # Measure the package this script sits in, not another installed copy of it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import numpy as np  # pylint: disable=g-import-not-at-top
 from absl import app
 from absl import flags
+import numpy as np  # pylint: disable=g-import-not-at-top
 
 from contrastive_jax.jobs import audit
 from contrastive_jax.search import index as index_lib
 
 _MANIFEST = flags.DEFINE_string("manifest", None, "The corpus's manifest.csv.", required=True)
-_TRAIN = flags.DEFINE_string("train_index", None, "The embed output of the train split.",
-                             required=True)
-_TEST = flags.DEFINE_string("test_index", None, "The embed output of the test split.",
-                            required=True)
+_TRAIN = flags.DEFINE_string(
+  "train_index", None, "The embed output of the train split.", required=True
+)
+_TEST = flags.DEFINE_string(
+  "test_index", None, "The embed output of the test split.", required=True
+)
 _AUDIT = flags.DEFINE_string("audit", None, "The audit job's workdir for the two.", required=True)
-_THRESHOLDS = flags.DEFINE_string("thresholds", "0.85,0.9,0.92,0.94,0.95,0.96,0.97,0.98",
-                                  "Thresholds to measure recall and precision at.")
+_THRESHOLDS = flags.DEFINE_string(
+  "thresholds",
+  "0.85,0.9,0.92,0.94,0.95,0.96,0.97,0.98",
+  "Thresholds to measure recall and precision at.",
+)
 _BLOCK = 2048  # Rows scored against all rows at a time (the distributions).
 _BINS = np.linspace(-1.0, 1.0, 20_001)  # Histogram of the many negative pairs' scores.
 
@@ -76,17 +82,21 @@ def ground_truth(manifest: str):
   """
   with open(manifest) as f:
     rows = {r["id"]: r for r in csv.DictReader(f)}
-  truth = {i: (r["split"], r["class"], r["source"], r["duplicate_of"] or i)
-           for i, r in rows.items()}
+  truth = {
+    i: (r["split"], r["class"], r["source"], r["duplicate_of"] or i) for i, r in rows.items()
+  }
   shown = {}
   for i, (_, _, _, original) in truth.items():
     content = shown.setdefault(original, (rows[i]["source"], rows[i]["crop_xywh"]))
     if content != (rows[i]["source"], rows[i]["crop_xywh"]):
       raise ValueError(f"{i}, a re-upload of {original}'s draw, shows another photo or crop")
-  chains = sum(bool(r["duplicate_of"] and rows[r["duplicate_of"]]["duplicate_of"])
-               for r in rows.values())
-  print(f"manifest: {len(rows)} images, {sum(bool(r['duplicate_of']) for r in rows.values())} "
-        f"re-uploads, {chains} of them of a re-upload (paired with what they show: its draw)")
+  chains = sum(
+    bool(r["duplicate_of"] and rows[r["duplicate_of"]]["duplicate_of"]) for r in rows.values()
+  )
+  print(
+    f"manifest: {len(rows)} images, {sum(bool(r['duplicate_of']) for r in rows.values())} "
+    f"re-uploads, {chains} of them of a re-upload (paired with what they show: its draw)"
+  )
   return truth
 
 
@@ -107,8 +117,10 @@ def _quantiles(histogram: np.ndarray, qs) -> list:
 def distributions(truth, ids: list, embeddings: np.ndarray) -> dict:
   """Scores of every pair of rows by relation: arrays for re-uploads and views, histograms
   (and each row's best) for one class and two classes."""
-  codes = {kind: np.unique([truth[i][n] for i in ids], return_inverse=True)[1] for kind, n in
-           (("class", 1), ("source", 2), ("original", 3))}
+  codes = {
+    kind: np.unique([truth[i][n] for i in ids], return_inverse=True)[1]
+    for kind, n in (("class", 1), ("source", 2), ("original", 3))
+  }
   kept = {"reupload": [], "view": []}
   hist = {"class": np.zeros(len(_BINS) - 1), "other": np.zeros(len(_BINS) - 1)}
   best_class = np.full(len(ids), -np.inf)
@@ -135,52 +147,74 @@ def main(argv):
   with open(os.path.join(_AUDIT.value, audit.SUMMARY)) as f:
     summary = json.load(f)
   with open(os.path.join(_AUDIT.value, audit.PAIRS)) as f:
-    pairs = [(r["kind"], float(r["score"]), _image_id(r["name_a"]), _image_id(r["name_b"]))
-             for r in csv.DictReader(f)]
-  print(f"audit: threshold {summary['threshold']}, k {summary['k']}, search "
-        f"{summary['search']}, {summary['search_seconds']} s; rows with k pairs "
-        f"{summary['rows_with_k_pairs']}")
+    pairs = [
+      (r["kind"], float(r["score"]), _image_id(r["name_a"]), _image_id(r["name_b"]))
+      for r in csv.DictReader(f)
+    ]
+  print(
+    f"audit: threshold {summary['threshold']}, k {summary['k']}, search "
+    f"{summary['search']}, {summary['search_seconds']} s; rows with k pairs "
+    f"{summary['rows_with_k_pairs']}"
+  )
 
   found = distributions(truth, ids, embeddings)
   qs = (0.001, 0.01, 0.05, 0.5, 0.95, 0.99, 0.999)
-  print("\nscores of pairs          pairs       min  " +
-        "  ".join(f"q{q:<5g}" for q in qs) + "   max")
-  for kind, title in (("reupload", "re-uploads"), ("view", "other views, one photo"),
-                      ("best_class", "best of one class/image")):
+  print(
+    "\nscores of pairs          pairs       min  " + "  ".join(f"q{q:<5g}" for q in qs) + "   max"
+  )
+  for kind, title in (
+    ("reupload", "re-uploads"),
+    ("view", "other views, one photo"),
+    ("best_class", "best of one class/image"),
+  ):
     x = found[kind]
-    print(f"{title:24s} {len(x):9d}  {x.min():7.4f}  " +
-          "  ".join(f"{v:6.4f}" for v in np.quantile(x, qs)) + f"  {x.max():7.4f}")
+    print(
+      f"{title:24s} {len(x):9d}  {x.min():7.4f}  "
+      + "  ".join(f"{v:6.4f}" for v in np.quantile(x, qs))
+      + f"  {x.max():7.4f}"
+    )
   for kind, title in (("class", "one class, 2 photos"), ("other", "two classes")):
     h = found[kind]
     top = _BINS[1:][np.nonzero(h)[0][-1]]
-    print(f"{title:24s} {int(h.sum()):9d}  {'':7s}  " +
-          "  ".join(f"{v:6.4f}" for v in _quantiles(h, qs)) + f"  {top:7.4f}")
+    print(
+      f"{title:24s} {int(h.sum()):9d}  {'':7s}  "
+      + "  ".join(f"{v:6.4f}" for v in _quantiles(h, qs))
+      + f"  {top:7.4f}"
+    )
 
   train_ids = [_image_id(r["name"]) for r in train.rows]
   test_ids = [_image_id(r["name"]) for r in test.rows]
   groups = collections.Counter(truth[i][3] for i in train_ids)
   wanted_pairs = sum(n * (n - 1) // 2 for n in groups.values())
   leaked = {i for i in test_ids if groups[truth[i][3]]}
-  print(f"\ntruth: {wanted_pairs} train pairs of re-uploads, {len(leaked)} of {len(test_ids)} "
-        "test images leaked (a re-upload in train)")
-  print("threshold  dup pairs  recall   leak pairs  leaked found  recall   views  false pos  "
-        "precision")
+  print(
+    f"\ntruth: {wanted_pairs} train pairs of re-uploads, {len(leaked)} of {len(test_ids)} "
+    "test images leaked (a re-upload in train)"
+  )
+  print(
+    "threshold  dup pairs  recall   leak pairs  leaked found  recall   views  false pos  precision"
+  )
   for threshold in sorted(float(t) for t in _THRESHOLDS.value.split(",")):
     if threshold < summary["threshold"]:
-      raise app.UsageError(f"--thresholds: {threshold} is below the audit's "
-                           f"({summary['threshold']}), whose pairs.csv has no pair under it")
+      raise app.UsageError(
+        f"--thresholds: {threshold} is below the audit's "
+        f"({summary['threshold']}), whose pairs.csv has no pair under it"
+      )
     kept = [p for p in pairs if p[1] >= threshold]
     relations = collections.Counter((kind, relation(truth, a, b)) for kind, _, a, b in kept)
     dup_hits = relations["duplicate", "reupload"]
-    leak_found = {a for kind, _, a, b in kept if kind == "leak" and
-                  relation(truth, a, b) == "reupload"}
+    leak_found = {
+      a for kind, _, a, b in kept if kind == "leak" and relation(truth, a, b) == "reupload"
+    }
     hits = dup_hits + relations["leak", "reupload"]
     views = relations["duplicate", "view"] + relations["leak", "view"]
     false = len(kept) - hits - views
-    print(f"{threshold:9.4f}  {sum(k == 'duplicate' for k, *_ in kept):9d}  "
-          f"{dup_hits / max(wanted_pairs, 1):6.3f}  {sum(k == 'leak' for k, *_ in kept):10d}  "
-          f"{len(leak_found):12d}  {len(leak_found) / max(len(leaked), 1):6.3f}  {views:6d}  "
-          f"{false:9d}  {hits / max(hits + false, 1):9.3f}")
+    print(
+      f"{threshold:9.4f}  {sum(k == 'duplicate' for k, *_ in kept):9d}  "
+      f"{dup_hits / max(wanted_pairs, 1):6.3f}  {sum(k == 'leak' for k, *_ in kept):10d}  "
+      f"{len(leak_found):12d}  {len(leak_found) / max(len(leaked), 1):6.3f}  {views:6d}  "
+      f"{false:9d}  {hits / max(hits + false, 1):9.3f}"
+    )
 
 
 if __name__ == "__main__":

@@ -40,6 +40,7 @@ not as interconnect time, and the host input pipeline is assumed to keep up. The
 MFU is a stated assumption, not a measurement; the FLOPs include the on-device
 augmentations and the optimizer, not only the model.
 """
+
 import dataclasses
 import json
 import math
@@ -50,26 +51,28 @@ import time
 # Plan the package this script sits in, not another installed copy of it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # pylint: disable=g-import-not-at-top
-import jax.numpy as jnp
 from absl import app
 from absl import flags
+import jax  # pylint: disable=g-import-not-at-top
+import jax.numpy as jnp
 from ml_collections import config_flags
 
 from benchmarks import common
 from contrastive_jax.core import durations
-from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import JobError
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import get_method
+
 
 @dataclasses.dataclass(frozen=True)
 class Accelerator:
   """Public peak figures of one JAX device (a chip, except where `note` says a core)."""
-  peak_bf16_flops: float   # dense (no structured sparsity), FLOP/s
+
+  peak_bf16_flops: float  # dense (no structured sparsity), FLOP/s
   hbm_bytes: float
-  hbm_bandwidth: float     # bytes/s
-  hbm_label: str           # the capacity as the vendor writes it
+  hbm_bandwidth: float  # bytes/s
+  hbm_label: str  # the capacity as the vendor writes it
   source: str
   note: str = ""
   # The JAX device_kind strings of this device (a regular expression, matched in full),
@@ -81,7 +84,7 @@ class Accelerator:
   peak_fp32_default_flops: float = 0.0
 
 
-GB, GiB = 1e9, 2.0 ** 30
+GB, GiB = 1e9, 2.0**30
 
 # Public peak figures per JAX device. HBM sizes written "GB" by the vendor are taken
 # as 10^9 bytes, which understates a GiB-sized memory by 7% (conservative for the
@@ -100,33 +103,78 @@ GB, GiB = 1e9, 2.0 ** 30
 #   only against secondary sources (141 GB HBM3e, 4.8 TB/s, the same GH100 compute
 #   as H100, hence 989 TFLOP/s dense BF16).
 ACCELERATORS = {
-    "tpu_v3": Accelerator(61.5e12, 16 * GiB, 450 * GB, "16 GiB", "cloud.google.com/tpu/docs/v3",
-                          "per core (half a chip): 32 v3 cores = 16 chips = 32 JAX devices",
-                          "TPU v3", 61.5e12),
-    "tpu_v4": Accelerator(275e12, 32 * GiB, 1200 * GB, "32 GiB", "cloud.google.com/tpu/docs/v4",
-                          "", "TPU v4", 275e12),
-    "tpu_v5e": Accelerator(197e12, 16 * GB, 819 * GB, "16 GB", "cloud.google.com/tpu/docs/v5e",
-                           "another version of the page: 800 GiB/s", "TPU v5( lite|e)", 197e12),
-    "tpu_v5p": Accelerator(459e12, 95 * GB, 2765 * GB, "95 GB", "cloud.google.com/tpu/docs/v5p",
-                           "", "TPU v5p?", 459e12),
-    "tpu_v6e": Accelerator(918e12, 32 * GB, 1638 * GB, "32 GB", "cloud.google.com/tpu/docs/v6e",
-                           "Trillium; an older version of the page: 1640 GB/s",
-                           "TPU v6( lite|e)", 918e12),
-    # NVIDIA's A100 datasheet (nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/
-    # nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf; read here in a copy of its table):
-    # BF16 Tensor Core 312 TFLOP/s (624 with sparsity), TF32 156 (312), the same for every
-    # A100; 80 GB HBM2e at 2,039 GB/s (SXM4; the 40 GB part has 1,555 GB/s).
-    "a100": Accelerator(312e12, 80 * GB, 2039 * GB, "80 GB", "nvidia.com/en-us/data-center/a100",
-                        "SXM4 80 GB; 624 with sparsity", "NVIDIA A100.*", 156e12),
-    # TF32 Tensor Core: 989 TFLOP/s with sparsity, 494.5 dense (H100 SXM and H200 SXM);
-    # the PCIe and NVL parts are slower and match no device_kind here.
-    "h100": Accelerator(989e12, 80 * GB, 3350 * GB, "80 GB", "nvidia.com/en-us/data-center/h100",
-                        "SXM; 1,979 with sparsity; vendor page not readable here, figures "
-                        "from copies of its table", "NVIDIA H100 80GB HBM3", 494.5e12),
-    "h200": Accelerator(989e12, 141 * GB, 4800 * GB, "141 GB",
-                        "nvidia.com/en-us/data-center/h200",
-                        "SXM; vendor page not readable here, figures from secondary sources",
-                        "NVIDIA H200", 494.5e12),
+  "tpu_v3": Accelerator(
+    61.5e12,
+    16 * GiB,
+    450 * GB,
+    "16 GiB",
+    "cloud.google.com/tpu/docs/v3",
+    "per core (half a chip): 32 v3 cores = 16 chips = 32 JAX devices",
+    "TPU v3",
+    61.5e12,
+  ),
+  "tpu_v4": Accelerator(
+    275e12, 32 * GiB, 1200 * GB, "32 GiB", "cloud.google.com/tpu/docs/v4", "", "TPU v4", 275e12
+  ),
+  "tpu_v5e": Accelerator(
+    197e12,
+    16 * GB,
+    819 * GB,
+    "16 GB",
+    "cloud.google.com/tpu/docs/v5e",
+    "another version of the page: 800 GiB/s",
+    "TPU v5( lite|e)",
+    197e12,
+  ),
+  "tpu_v5p": Accelerator(
+    459e12, 95 * GB, 2765 * GB, "95 GB", "cloud.google.com/tpu/docs/v5p", "", "TPU v5p?", 459e12
+  ),
+  "tpu_v6e": Accelerator(
+    918e12,
+    32 * GB,
+    1638 * GB,
+    "32 GB",
+    "cloud.google.com/tpu/docs/v6e",
+    "Trillium; an older version of the page: 1640 GB/s",
+    "TPU v6( lite|e)",
+    918e12,
+  ),
+  # NVIDIA's A100 datasheet (nvidia.com/content/dam/en-zz/Solutions/Data-Center/a100/pdf/
+  # nvidia-a100-datasheet-us-nvidia-1758950-r4-web.pdf; read here in a copy of its table):
+  # BF16 Tensor Core 312 TFLOP/s (624 with sparsity), TF32 156 (312), the same for every
+  # A100; 80 GB HBM2e at 2,039 GB/s (SXM4; the 40 GB part has 1,555 GB/s).
+  "a100": Accelerator(
+    312e12,
+    80 * GB,
+    2039 * GB,
+    "80 GB",
+    "nvidia.com/en-us/data-center/a100",
+    "SXM4 80 GB; 624 with sparsity",
+    "NVIDIA A100.*",
+    156e12,
+  ),
+  # TF32 Tensor Core: 989 TFLOP/s with sparsity, 494.5 dense (H100 SXM and H200 SXM);
+  # the PCIe and NVL parts are slower and match no device_kind here.
+  "h100": Accelerator(
+    989e12,
+    80 * GB,
+    3350 * GB,
+    "80 GB",
+    "nvidia.com/en-us/data-center/h100",
+    "SXM; 1,979 with sparsity; vendor page not readable here, figures from copies of its table",
+    "NVIDIA H100 80GB HBM3",
+    494.5e12,
+  ),
+  "h200": Accelerator(
+    989e12,
+    141 * GB,
+    4800 * GB,
+    "141 GB",
+    "nvidia.com/en-us/data-center/h200",
+    "SXM; vendor page not readable here, figures from secondary sources",
+    "NVIDIA H200",
+    494.5e12,
+  ),
 }
 
 # (train examples, classes) of the datasets the configs name; --num_train and
@@ -134,9 +182,13 @@ ACCELERATORS = {
 KNOWN_DATASETS = {"imagenet2012": (1_281_167, 1000), "cifar10": (50_000, 10)}
 
 # The parts of the train state, as the plan reports them.
-STATE_PARTS = (("params", "parameters"), ("opt_state", "optimizer state"),
-               ("batch_stats", "BN statistics"), ("extra", "method state"),
-               ("probe", "online probe"))
+STATE_PARTS = (
+  ("params", "parameters"),
+  ("opt_state", "optimizer state"),
+  ("batch_stats", "BN statistics"),
+  ("extra", "method state"),
+  ("probe", "online probe"),
+)
 
 
 def per_device_bytes(tree) -> int:
@@ -155,6 +207,7 @@ def per_device_bytes(tree) -> int:
 @dataclasses.dataclass
 class Plan:
   """What one compile at `num_devices` says, per device."""
+
   config_name: str
   method: str
   num_devices: int
@@ -163,12 +216,12 @@ class Plan:
   num_train: int
   steps_per_epoch: int
   num_steps: int
-  state_bytes: dict          # STATE_PARTS key -> bytes per device, plus 'other' and 'total'.
-  extra_bytes: dict          # the method state's parts (state.extra's keys) -> bytes per device.
-  batch_bytes: int           # this device's shard of the batch.
-  memory: dict               # the executable's memory_analysis(), bytes.
-  flops: float               # per step per device
-  bytes_accessed: float      # per step per device
+  state_bytes: dict  # STATE_PARTS key -> bytes per device, plus 'other' and 'total'.
+  extra_bytes: dict  # the method state's parts (state.extra's keys) -> bytes per device.
+  batch_bytes: int  # this device's shard of the batch.
+  memory: dict  # the executable's memory_analysis(), bytes.
+  flops: float  # per step per device
+  bytes_accessed: float  # per step per device
   transcendentals: float
   compile_seconds: float
 
@@ -196,10 +249,11 @@ def dataset_sizes(config, num_train: int = 0, num_classes: int = -1):
   """(train examples, probe classes) for the config: the arguments, else KNOWN_DATASETS."""
   known = KNOWN_DATASETS.get(config.dataset)
   if (num_train <= 0 or num_classes < 0) and known is None:
-    raise ValueError(f"config.dataset={config.dataset!r} is not in KNOWN_DATASETS "
-                     f"({sorted(KNOWN_DATASETS)}): pass --num_train and --num_classes")
-  return (num_train if num_train > 0 else known[0],
-          num_classes if num_classes >= 0 else known[1])
+    raise ValueError(
+      f"config.dataset={config.dataset!r} is not in KNOWN_DATASETS "
+      f"({sorted(KNOWN_DATASETS)}): pass --num_train and --num_classes"
+    )
+  return (num_train if num_train > 0 else known[0], num_classes if num_classes >= 0 else known[1])
 
 
 def plan(config, num_devices: int, *, num_train: int = 0, num_classes: int = -1) -> Plan:
@@ -211,8 +265,10 @@ def plan(config, num_devices: int, *, num_train: int = 0, num_classes: int = -1)
   """
   devices = jax.devices()
   if num_devices > len(devices):
-    raise ValueError(f"{num_devices} devices asked for, {len(devices)} present: set "
-                     "jax_num_cpu_devices before JAX starts (benchmarks/capacity.py --devices)")
+    raise ValueError(
+      f"{num_devices} devices asked for, {len(devices)} present: set "
+      "jax_num_cpu_devices before JAX starts (benchmarks/capacity.py --devices)"
+    )
   num_train, num_classes = dataset_sizes(config, num_train, num_classes)
   pretrain.check_config(config, num_devices)
   # MoCo's check reads jax.device_count(), which the script sets to num_devices.
@@ -225,10 +281,12 @@ def plan(config, num_devices: int, *, num_train: int = 0, num_classes: int = -1)
   state = jax.eval_shape(run.init)  # ShapeDtypeStructs with the replicated sharding.
   size = config.image_size
   batch_sharding = mesh_lib.batch_sharded(mesh)
-  batch = {"image": jax.ShapeDtypeStruct((config.batch_size, 2, size, size, 3), jnp.uint8,
-                                         sharding=batch_sharding),
-           "label": jax.ShapeDtypeStruct((config.batch_size,), jnp.int32,
-                                         sharding=batch_sharding)}
+  batch = {
+    "image": jax.ShapeDtypeStruct(
+      (config.batch_size, 2, size, size, 3), jnp.uint8, sharding=batch_sharding
+    ),
+    "label": jax.ShapeDtypeStruct((config.batch_size,), jnp.int32, sharding=batch_sharding),
+  }
   start = time.perf_counter()
   compiled = run.train_step.lower(state, batch).compile()
   compile_seconds = time.perf_counter() - start
@@ -238,31 +296,45 @@ def plan(config, num_devices: int, *, num_train: int = 0, num_classes: int = -1)
   state_bytes["other"] = state_bytes["total"] - sum(state_bytes[k] for k, _ in STATE_PARTS)
   extra_parts = {key: per_device_bytes(value) for key, value in state.extra.items()}
   stats = compiled.memory_analysis()
-  memory = {"argument": stats.argument_size_in_bytes, "output": stats.output_size_in_bytes,
-            "alias": stats.alias_size_in_bytes, "temp": stats.temp_size_in_bytes,
-            "generated_code": stats.generated_code_size_in_bytes}
+  memory = {
+    "argument": stats.argument_size_in_bytes,
+    "output": stats.output_size_in_bytes,
+    "alias": stats.alias_size_in_bytes,
+    "temp": stats.temp_size_in_bytes,
+    "generated_code": stats.generated_code_size_in_bytes,
+  }
   cost = common.cost(compiled)
-  return Plan(config_name="", method=config.method,
-              num_devices=num_devices, global_batch=config.batch_size, image_size=size,
-              num_train=num_train, steps_per_epoch=steps_per_epoch, num_steps=num_steps,
-              state_bytes=state_bytes, extra_bytes=extra_parts,
-              batch_bytes=per_device_bytes(batch), memory=memory,
-              flops=float(cost.get("flops", 0.0)),
-              bytes_accessed=float(cost.get("bytes accessed", 0.0)),
-              transcendentals=float(cost.get("transcendentals", 0.0)),
-              compile_seconds=compile_seconds)
+  return Plan(
+    config_name="",
+    method=config.method,
+    num_devices=num_devices,
+    global_batch=config.batch_size,
+    image_size=size,
+    num_train=num_train,
+    steps_per_epoch=steps_per_epoch,
+    num_steps=num_steps,
+    state_bytes=state_bytes,
+    extra_bytes=extra_parts,
+    batch_bytes=per_device_bytes(batch),
+    memory=memory,
+    flops=float(cost.get("flops", 0.0)),
+    bytes_accessed=float(cost.get("bytes accessed", 0.0)),
+    transcendentals=float(cost.get("transcendentals", 0.0)),
+    compile_seconds=compile_seconds,
+  )
 
 
 @dataclasses.dataclass
 class Estimate:
   """A plan at one accelerator."""
-  compute_seconds: float     # FLOPs / (peak x mfu)
-  memory_seconds: float      # bytes accessed / HBM bandwidth
+
+  compute_seconds: float  # FLOPs / (peak x mfu)
+  memory_seconds: float  # bytes accessed / HBM bandwidth
   hbm_needed: int
   hbm_bytes: float
   step_seconds: float
-  images_per_second: float   # the whole slice
-  hours: float               # the config's duration
+  images_per_second: float  # the whole slice
+  hours: float  # the config's duration
   fits: bool
 
   @property
@@ -281,10 +353,16 @@ def estimate(p: Plan, accelerator: Accelerator, mfu: float, hbm_bytes: float = N
   compute = p.flops / (accelerator.peak_bf16_flops * mfu)
   memory = p.bytes_accessed / accelerator.hbm_bandwidth
   step = max(compute, memory)
-  return Estimate(compute_seconds=compute, memory_seconds=memory, hbm_needed=p.hbm_needed,
-                  hbm_bytes=hbm, step_seconds=step,
-                  images_per_second=p.global_batch / step if step > 0 else math.inf,
-                  hours=p.num_steps * step / 3600, fits=p.hbm_needed <= hbm)
+  return Estimate(
+    compute_seconds=compute,
+    memory_seconds=memory,
+    hbm_needed=p.hbm_needed,
+    hbm_bytes=hbm,
+    step_seconds=step,
+    images_per_second=p.global_batch / step if step > 0 else math.inf,
+    hours=p.num_steps * step / 3600,
+    fits=p.hbm_needed <= hbm,
+  )
 
 
 def _gib(n) -> str:
@@ -293,72 +371,98 @@ def _gib(n) -> str:
 
 def report(p: Plan, accelerators: dict, mfu: float) -> str:
   """The plan as markdown tables."""
-  lines = [f"## {p.config_name or p.method}: {p.num_devices} devices",
-           "",
-           f"global batch {p.global_batch}, per device {p.per_device_batch} "
-           f"(x2 views, {p.image_size}x{p.image_size}); {p.num_steps} steps "
-           f"({p.epochs:.1f} epochs of {p.num_train} images); compiled in "
-           f"{p.compile_seconds:.1f} s on CPU",
-           "",
-           "| per device | bytes | GiB |", "|---|---|---|"]
+  lines = [
+    f"## {p.config_name or p.method}: {p.num_devices} devices",
+    "",
+    f"global batch {p.global_batch}, per device {p.per_device_batch} "
+    f"(x2 views, {p.image_size}x{p.image_size}); {p.num_steps} steps "
+    f"({p.epochs:.1f} epochs of {p.num_train} images); compiled in "
+    f"{p.compile_seconds:.1f} s on CPU",
+    "",
+    "| per device | bytes | GiB |",
+    "|---|---|---|",
+  ]
   for key, label in STATE_PARTS + (("other", "step and PRNG key"), ("total", "state total")):
     lines.append(f"| state: {label} | {p.state_bytes[key]} | {_gib(p.state_bytes[key])} |")
     if key == "extra":
       for part, n in p.extra_bytes.items():
         lines.append(f"| state: method state, {part} | {n} | {_gib(n)} |")
-  lines.append(f"| batch shard (uint8 images; int32 labels, an argument only with the probe) "
-               f"| {p.batch_bytes} | {_gib(p.batch_bytes)} |")
+  lines.append(
+    f"| batch shard (uint8 images; int32 labels, an argument only with the probe) "
+    f"| {p.batch_bytes} | {_gib(p.batch_bytes)} |"
+  )
   m = p.memory
-  for key, label in (("argument", "compiled: arguments"), ("output", "compiled: outputs"),
-                     ("alias", "compiled: outputs in donated buffers"),
-                     ("temp", "compiled: temporaries (activations, workspace)"),
-                     ("generated_code", "compiled: generated code")):
+  for key, label in (
+    ("argument", "compiled: arguments"),
+    ("output", "compiled: outputs"),
+    ("alias", "compiled: outputs in donated buffers"),
+    ("temp", "compiled: temporaries (activations, workspace)"),
+    ("generated_code", "compiled: generated code"),
+  ):
     lines.append(f"| {label} | {m[key]} | {_gib(m[key])} |")
-  lines.append(f"| **HBM needed** (arguments + outputs - reused + temporaries + code) | "
-               f"{p.hbm_needed} | {_gib(p.hbm_needed)} |")
+  lines.append(
+    f"| **HBM needed** (arguments + outputs - reused + temporaries + code) | "
+    f"{p.hbm_needed} | {_gib(p.hbm_needed)} |"
+  )
   intensity = p.flops / p.bytes_accessed if p.bytes_accessed else math.inf
-  lines += ["",
-            f"Per step per device (XLA CPU cost analysis): {p.flops:.4g} FLOPs, "
-            f"{p.bytes_accessed:.4g} bytes accessed ({intensity:.1f} FLOP/byte), "
-            f"{p.transcendentals:.4g} transcendentals.",
-            "",
-            f"At MFU {mfu:g}: step = max(FLOPs / (peak x MFU), bytes accessed / HBM bandwidth).",
-            "",
-            "| accelerator | compute s | memory s | step s | bound | images/s (slice) | "
-            "images/s per device | hours | HBM needed / per device | fits |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+  lines += [
+    "",
+    f"Per step per device (XLA CPU cost analysis): {p.flops:.4g} FLOPs, "
+    f"{p.bytes_accessed:.4g} bytes accessed ({intensity:.1f} FLOP/byte), "
+    f"{p.transcendentals:.4g} transcendentals.",
+    "",
+    f"At MFU {mfu:g}: step = max(FLOPs / (peak x MFU), bytes accessed / HBM bandwidth).",
+    "",
+    "| accelerator | compute s | memory s | step s | bound | images/s (slice) | "
+    "images/s per device | hours | HBM needed / per device | fits |",
+    "|---|---|---|---|---|---|---|---|---|---|",
+  ]
   for name, acc in accelerators.items():
     e = estimate(p, acc, mfu)
     lines.append(
-        f"| {name} | {e.compute_seconds:.3g} | {e.memory_seconds:.3g} | {e.step_seconds:.3g} | "
-        f"{e.bound} | {e.images_per_second:.0f} | {e.images_per_second / p.num_devices:.0f} | "
-        f"{e.hours:.3g} | {_gib(e.hbm_needed)} / {_gib(e.hbm_bytes)} GiB "
-        f"({e.hbm_needed / e.hbm_bytes:.0%}) | {'yes' if e.fits else 'NO'} |")
-  lines += ["",
-            "Caveats: the FLOPs and bytes are XLA's CPU cost analysis of the CPU program (same "
-            "arithmetic, different fusion, layouts and bf16 handling than a TPU/GPU program); "
-            "interconnect time and the input pipeline are not modelled; usable HBM is a little "
-            "below nominal; the MFU is an assumption."]
+      f"| {name} | {e.compute_seconds:.3g} | {e.memory_seconds:.3g} | {e.step_seconds:.3g} | "
+      f"{e.bound} | {e.images_per_second:.0f} | {e.images_per_second / p.num_devices:.0f} | "
+      f"{e.hours:.3g} | {_gib(e.hbm_needed)} / {_gib(e.hbm_bytes)} GiB "
+      f"({e.hbm_needed / e.hbm_bytes:.0%}) | {'yes' if e.fits else 'NO'} |"
+    )
+  lines += [
+    "",
+    "Caveats: the FLOPs and bytes are XLA's CPU cost analysis of the CPU program (same "
+    "arithmetic, different fusion, layouts and bf16 handling than a TPU/GPU program); "
+    "interconnect time and the input pipeline are not modelled; usable HBM is a little "
+    "below nominal; the MFU is an assumption.",
+  ]
   return "\n".join(lines)
 
 
 def sources() -> str:
-  lines = ["Public peak figures per JAX device:", "",
-           "| accelerator | peak bf16 TFLOP/s (dense) | HBM | HBM GB/s | source | note |",
-           "|---|---|---|---|---|---|"]
+  lines = [
+    "Public peak figures per JAX device:",
+    "",
+    "| accelerator | peak bf16 TFLOP/s (dense) | HBM | HBM GB/s | source | note |",
+    "|---|---|---|---|---|---|",
+  ]
   for name, acc in ACCELERATORS.items():
-    lines.append(f"| {name} | {acc.peak_bf16_flops / 1e12:g} | {acc.hbm_label} | "
-                 f"{acc.hbm_bandwidth / GB:g} | {acc.source} | {acc.note} |")
+    lines.append(
+      f"| {name} | {acc.peak_bf16_flops / 1e12:g} | {acc.hbm_label} | "
+      f"{acc.hbm_bandwidth / GB:g} | {acc.source} | {acc.note} |"
+    )
   return "\n".join(lines)
 
 
 def to_json(p: Plan, accelerators: dict, mfu: float) -> dict:
   """The plan, its HBM need and its estimate at each accelerator, as plain values."""
-  return dict(dataclasses.asdict(p), per_device_batch=p.per_device_batch, epochs=p.epochs,
-              hbm_needed=p.hbm_needed, mfu=mfu,
-              estimates={name: dict(dataclasses.asdict(estimate(p, acc, mfu)),
-                                    bound=estimate(p, acc, mfu).bound)
-                         for name, acc in accelerators.items()})
+  return dict(
+    dataclasses.asdict(p),
+    per_device_batch=p.per_device_batch,
+    epochs=p.epochs,
+    hbm_needed=p.hbm_needed,
+    mfu=mfu,
+    estimates={
+      name: dict(dataclasses.asdict(estimate(p, acc, mfu)), bound=estimate(p, acc, mfu).bound)
+      for name, acc in accelerators.items()
+    },
+  )
 
 
 def select_accelerators(spec: str) -> dict:
@@ -375,13 +479,16 @@ def define_flags():
   """Registers the command-line flags (not at import, so that tests can import this file)."""
   config_flags.DEFINE_config_file("config", None, "Pretraining config (overrides allowed).")
   flags.DEFINE_integer("devices", 8, "Simulated devices: the slice's chip count.")
-  flags.DEFINE_string("accelerator", "all",
-                      "An accelerator of ACCELERATORS, a comma-separated list, or 'all'.")
+  flags.DEFINE_string(
+    "accelerator", "all", "An accelerator of ACCELERATORS, a comma-separated list, or 'all'."
+  )
   flags.DEFINE_float("mfu", 0.4, "Assumed model-FLOPs utilisation, in (0, 1].")
-  flags.DEFINE_integer("num_train", 0,
-                       "Train split size (0: from KNOWN_DATASETS by config.dataset).")
-  flags.DEFINE_integer("num_classes", -1,
-                       "Classes for the online probe (-1: from KNOWN_DATASETS; 0: no probe).")
+  flags.DEFINE_integer(
+    "num_train", 0, "Train split size (0: from KNOWN_DATASETS by config.dataset)."
+  )
+  flags.DEFINE_integer(
+    "num_classes", -1, "Classes for the online probe (-1: from KNOWN_DATASETS; 0: no probe)."
+  )
   flags.DEFINE_string("json", "", "Also write the plan and its estimates to this JSON file.")
   flags.mark_flag_as_required("config")
 

@@ -4,12 +4,13 @@ pipeline, the cost analysis of a compiled program, and timing loops.
 The scripts import it as `from benchmarks import common` with the repository root first
 on sys.path (each script puts it there), so that they measure this checkout.
 """
+
 import time
 from typing import Iterator
 
 import jax
-import numpy as np
 from ml_collections import config_flags
+import numpy as np
 
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import crops
@@ -23,7 +24,8 @@ def config_name(config_flag) -> str:
   given, its overrides sorted."""
   overrides = config_flags.get_override_values(config_flag)
   return config_flags.get_config_filename(config_flag) + "".join(
-      f" --config.{k}={v}" for k, v in sorted(overrides.items()))
+    f" --config.{k}={v}" for k, v in sorted(overrides.items())
+  )
 
 
 def cost(compiled) -> dict:
@@ -49,11 +51,11 @@ def step_setup(config):
   """
   mesh = mesh_lib.make_mesh()
   num_classes = sources.get_source(config, {}).num_classes or 0
-  run = pretrain.setup(config, mesh, steps_per_epoch=100, num_steps=1000,
-                       num_classes=num_classes)
+  run = pretrain.setup(config, mesh, steps_per_epoch=100, num_steps=1000, num_classes=num_classes)
   size = config.image_size
   images = np.random.default_rng(0).integers(
-      0, 256, (config.batch_size, 2, size, size, 3), np.uint8)
+    0, 256, (config.batch_size, 2, size, size, 3), np.uint8
+  )
   labels = np.zeros(config.batch_size, np.int32)
   batch = jax.device_put({"image": images, "label": labels}, mesh_lib.batch_sharded(mesh))
   return run, run.init(), batch
@@ -76,9 +78,17 @@ def train_pipeline(config, source, *, shuffle_buffer: int):
   data_threads: batches {'image': uint8 [B, 2, S, S, 3], 'label': int32 [B]}.
   """
   return input_pipeline.train_dataset(
-      source, config.train_split, local_batch=config.batch_size, image_size=config.image_size,
-      crop=crops.CropSpec(**config.crop), seed=config.seed, start_step=0, cache=False,
-      shuffle_buffer=shuffle_buffer, threads=config.data_threads)
+    source,
+    config.train_split,
+    local_batch=config.batch_size,
+    image_size=config.image_size,
+    crop=crops.CropSpec(**config.crop),
+    seed=config.seed,
+    start_step=0,
+    cache=False,
+    shuffle_buffer=shuffle_buffer,
+    threads=config.data_threads,
+  )
 
 
 def seconds_per_batch(batches: Iterator, *, warmup: int, timed: int) -> float:

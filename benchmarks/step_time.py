@@ -12,6 +12,7 @@ its own buffer (no copy of the K x D queue per step):
   python benchmarks/step_time.py --config=configs/moco_v2_cifar10.py:runlocal \
       --variants='moco.queue_size=4096;moco.queue_size=65536' --pipeline_batches=0
 """
+
 import ast
 import os
 import sys
@@ -19,9 +20,9 @@ import sys
 # Time the package this script sits in, not another installed copy of it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import jax  # pylint: disable=g-import-not-at-top
 from absl import app
 from absl import flags
+import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
 from benchmarks import common
@@ -58,8 +59,11 @@ def time_step(config):
   queue = state.extra.get("queue")
   pointer = queue.addressable_data(0).unsafe_buffer_pointer() if queue is not None else None
   seconds, state = common.seconds_per_step(run.train_step, state, batch, _STEPS.value)
-  in_place = (None if queue is None else
-              state.extra["queue"].addressable_data(0).unsafe_buffer_pointer() == pointer)
+  in_place = (
+    None
+    if queue is None
+    else state.extra["queue"].addressable_data(0).unsafe_buffer_pointer() == pointer
+  )
   return seconds, in_place
 
 
@@ -77,9 +81,12 @@ def main(_):
     config = override(_CONFIG.value, variant)
     step_s, in_place = time_step(config)
     pipe_s = time_pipeline(config) if _PIPELINE_BATCHES.value else float("nan")
-    print(f"| {variant or 'base'} | {config.batch_size} | {step_s:.3f} | "
-          f"{config.batch_size / step_s:.0f} | {pipe_s:.3f} | "
-          f"{'n/a' if in_place is None else in_place} |", flush=True)
+    print(
+      f"| {variant or 'base'} | {config.batch_size} | {step_s:.3f} | "
+      f"{config.batch_size / step_s:.0f} | {pipe_s:.3f} | "
+      f"{'n/a' if in_place is None else in_place} |",
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

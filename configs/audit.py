@@ -18,6 +18,7 @@ scores at least threshold is counted in summary.json (it may have more pairs).
 search: 'auto' searches the reference's ANN index when it has one (not 'flat'),
 'exact' always exactly.
 """
+
 import ml_collections
 from ml_collections import config_dict
 

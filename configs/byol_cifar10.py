@@ -22,6 +22,7 @@ Arguments (--config=configs/byol_cifar10.py:ARG,ARG..., e.g. :runlocal,dtype=bfl
       coefficient 0.001), initialisation, crop and tf.image views (recipes.byol_views);
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 """
+
 from contrastive_jax import recipes
 
 ARGS = dict(runlocal=False, dtype=("float32", "bfloat16"))
@@ -41,8 +42,9 @@ def get_config(arg: str = ""):
   config.byol = dict(tau_base=0.99)
   config.crop = recipes.crop("torchvision", 0.08, "pil_bicubic")
   config.augment = recipes.byol_views("torchvision", "multiply", blur=False)
-  config.optimizer = recipes.optimizer("larc", base_lr=1.0, weight_decay=1e-5,
-                                       trust_coefficient=0.02)
+  config.optimizer = recipes.optimizer(
+    "larc", base_lr=1.0, weight_decay=1e-5, trust_coefficient=0.02
+  )
   if args.runlocal:
     # LARC's eta 0.02 (2% steps per layer) is tuned for 1000 epochs: in 1500 steps of
     # the width-0.25 network the kNN monitor fell (0.2904 at step 0, 0.2403 at step
@@ -54,14 +56,16 @@ def get_config(arg: str = ""):
     config.duration = "1200 steps"
     for evaluator in config.evaluators.values():
       evaluator.every = "400 steps"
-    config.model = dict(recipes.model("resnet18", "imagenet", "float32", "byol"),
-                        width=0.25, input_mean=config.model.input_mean,
-                        input_std=config.model.input_std)
+    config.model = dict(
+      recipes.model("resnet18", "imagenet", "float32", "byol"),
+      width=0.25,
+      input_mean=config.model.input_mean,
+      input_std=config.model.input_std,
+    )
     config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=True, init="lecun_normal")
     config.predictor = dict(config.projector)
     config.crop = recipes.crop("byol", 0.08, "tf_bicubic")
     config.augment = recipes.byol_views()
-    config.optimizer = recipes.optimizer("lars", base_lr=1.0, weight_decay=1.5e-6,
-                                         warmup_epochs=1)
+    config.optimizer = recipes.optimizer("lars", base_lr=1.0, weight_decay=1.5e-6, warmup_epochs=1)
   config.model.dtype = args.dtype
   return config

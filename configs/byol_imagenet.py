@@ -21,6 +21,7 @@ for ResNet-50 1x), ImageNet standardisation, BYOL's own crop (area 0.08-1,
 bicubic), tf.image color ops with additive brightness, asymmetric blur and
 solarization (recipes.byol_views); bfloat16.
 """
+
 from contrastive_jax import recipes
 
 # epochs -> (base lr, weight decay, tau_base): byol/configs/byol.py's presets.
@@ -32,8 +33,9 @@ VARIANTS = {"300ep": "epochs=300", "1000ep": "epochs=1000"}
 def get_config(arg: str = ""):
   args = recipes.parse_args(arg, ARGS, VARIANTS)
   base_lr, weight_decay, tau_base = PRESETS[args.epochs]
-  config = recipes.imagenet(recipes.base_config(), batch_size=4096, num_epochs=args.epochs,
-                            reference="byol")
+  config = recipes.imagenet(
+    recipes.base_config(), batch_size=4096, num_epochs=args.epochs, reference="byol"
+  )
   config.method = "byol"
   config.projector = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")
   config.predictor = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")

@@ -20,6 +20,7 @@ parameter of 0 takes its measured default, but nprobe, which is calibrated: the
 smallest that finds `recall` of the 10 nearest of the index's own rows (a sample,
 against exact search), when the index is built and after each add.
 """
+
 import ml_collections
 from ml_collections import config_dict
 
@@ -46,7 +47,8 @@ def get_config(arg: str = ""):
   config.batch_size = 256  # Global; a multiple of the device count.
   config.data_threads = 2
   config.add = False  # True: add config.folder's new files to the index in --workdir.
-  config.ann = ml_collections.ConfigDict(dict(
+  config.ann = ml_collections.ConfigDict(
+    dict(
       type="auto",
       hnsw_m=0,  # HNSW: graph links per node (M); 0: 32.
       ef_construction=0,  # HNSW: candidates kept while linking (efConstruction); 0: 40.
@@ -56,5 +58,6 @@ def get_config(arg: str = ""):
       k_factor=0,  # IVFPQ: candidates re-ranked exactly per neighbour; 0: 50.
       recall=0.95,  # What nprobe at 0 is calibrated to: recall@10.
       threads=0,  # FAISS threads while building; 0: every core.
-  ))
+    )
+  )
   return config

@@ -9,6 +9,7 @@ serving signature on uint8 images of any size) or 'onnx' (an ONNX model on uint8
 centre-cropped to the image size; needs the onnx extra). The encoder's architecture, image
 size and eval crop come from the checkpoint's own config.
 """
+
 import ml_collections
 
 from contrastive_jax import recipes

@@ -23,6 +23,7 @@ fewer evaluations and more frequent logs and checkpoints, for the 2-core CPU: 1%
 CIFAR-10 (500 images, 60 epochs = 420 steps) takes 1 to 3 minutes there, 10% (30
 epochs = 2340 steps) about 5.
 """
+
 import ml_collections
 
 from contrastive_jax import recipes
@@ -41,13 +42,15 @@ def get_config(arg: str = ""):
   config.crop = recipes.crop("tensorflow", 0.08, "tf_bicubic")  # SimCLR's crop, as in B.5.
   config.batch_size = 64
   config.duration = "60 epochs"
-  config.optimizer = recipes.optimizer("sgd", base_lr=0.05, weight_decay=0.0, warmup_epochs=0,
-                                       nesterov=True)
+  config.optimizer = recipes.optimizer(
+    "sgd", base_lr=0.05, weight_decay=0.0, warmup_epochs=0, nesterov=True
+  )
   config.log_every = "100 steps"
   config.checkpoint_every = "1000 steps"
   config.keep_checkpoints = 2
-  config.evaluators = dict(finetune=dict(kind="classifier", every="10 epochs", split="test",
-                                         batch_size=1000))
+  config.evaluators = dict(
+    finetune=dict(kind="classifier", every="10 epochs", split="test", batch_size=1000)
+  )
   if args.runlocal:
     config.log_every = "20 steps"
     config.checkpoint_every = "200 steps"

@@ -24,6 +24,7 @@ Argument `runlocal` (--config=configs/linear_probe.py:runlocal): 1000 steps at b
 256 (about 5 epochs) of the preset's recipe, sized for a 2-core CPU; step schedules
 beyond the run's end (MoCo's decays at 60 and 80 epochs) are not reached.
 """
+
 import ml_collections
 from ml_collections import config_dict
 
@@ -42,18 +43,22 @@ def get_config(arg: str = ""):
   # None: the preset's value.
   config.batch_size = config_dict.placeholder(int)
   config.duration = config_dict.placeholder(str)
-  config.crop = dict(sampler=config_dict.placeholder(str),
-                     area_min=config_dict.placeholder(float),
-                     resize=config_dict.placeholder(str))
-  config.head = dict(standardize=config_dict.placeholder(bool),
-                     init=config_dict.placeholder(str))
-  config.optimizer = {key: config_dict.placeholder(type(value))
-                      for key, value in recipes.optimizer("sgd", 0.1, 0.0).items()}
+  config.crop = dict(
+    sampler=config_dict.placeholder(str),
+    area_min=config_dict.placeholder(float),
+    resize=config_dict.placeholder(str),
+  )
+  config.head = dict(standardize=config_dict.placeholder(bool), init=config_dict.placeholder(str))
+  config.optimizer = {
+    key: config_dict.placeholder(type(value))
+    for key, value in recipes.optimizer("sgd", 0.1, 0.0).items()
+  }
   config.log_every = "100 steps"
   config.checkpoint_every = "1000 steps"
   config.keep_checkpoints = 2
-  config.evaluators = dict(linear_probe=dict(kind="classifier", every="10 epochs", split="test",
-                                             batch_size=1000))
+  config.evaluators = dict(
+    linear_probe=dict(kind="classifier", every="10 epochs", split="test", batch_size=1000)
+  )
   if args.runlocal:
     config.batch_size = 256
     config.duration = "1000 steps"

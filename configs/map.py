@@ -10,6 +10,7 @@ Needs the map extra: pip install 'contrastive_jax[map]'. UMAP is the default: on
 this project's 2-core machine it mapped 10,000 points of D = 128 several times
 faster than t-SNE (docs/images.md).
 """
+
 import ml_collections
 from ml_collections import config_dict
 

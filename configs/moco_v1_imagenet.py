@@ -13,6 +13,7 @@ then torchvision's ColorJitter(0.4, 0.4, 0.4, 0.4) always, flip; bfloat16.
 Arguments (--config=configs/moco_v1_imagenet.py:ARG):
   `dtype=bfloat16` (the default) or `dtype=float32`: the encoder's compute dtype.
 """
+
 from contrastive_jax import recipes
 
 ARGS = dict(dtype=("bfloat16", "float32"))
@@ -20,17 +21,25 @@ ARGS = dict(dtype=("bfloat16", "float32"))
 
 def get_config(arg: str = ""):
   args = recipes.parse_args(arg, ARGS)
-  config = recipes.imagenet(recipes.base_config(), batch_size=256, num_epochs=200,
-                            reference="torchvision")
+  config = recipes.imagenet(
+    recipes.base_config(), batch_size=256, num_epochs=200, reference="torchvision"
+  )
   config.method = "moco"
   config.projector = dict(hidden_dims=(), out_dim=128, use_bn=False, init="torch")
   config.temperature = 0.07
-  config.moco = dict(queue_size=65536, momentum=0.999, momentum_schedule="constant",
-                     bn_group_size=32)
+  config.moco = dict(
+    queue_size=65536, momentum=0.999, momentum_schedule="constant", bn_group_size=32
+  )
   config.crop = recipes.crop("torchvision", 0.2, "pil_bilinear")
   config.augment = dict(view1=recipes.moco_v1_view(), view2=recipes.moco_v1_view())
-  config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
-                                       warmup_epochs=0, schedule="step",
-                                       decay_epochs=(120, 160), weight_decay_mask="all")
+  config.optimizer = recipes.optimizer(
+    "sgd",
+    base_lr=0.03,
+    weight_decay=1e-4,
+    warmup_epochs=0,
+    schedule="step",
+    decay_epochs=(120, 160),
+    weight_decay_mask="all",
+  )
   config.model.dtype = args.dtype
   return config

@@ -21,6 +21,7 @@ Arguments (--config=configs/moco_v2_cifar10.py:ARG,ARG..., e.g. :runlocal,dtype=
       groups of 32 to keep 8 groups at batch 256;
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 """
+
 from contrastive_jax import recipes
 
 ARGS = dict(runlocal=False, dtype=("float32", "bfloat16"))
@@ -37,12 +38,12 @@ def get_config(arg: str = ""):
   config.model.input_std = (0.2023, 0.1994, 0.2010)
   config.projector = dict(hidden_dims=(), out_dim=128, use_bn=False, init="torch")
   config.temperature = 0.1
-  config.moco = dict(queue_size=4096, momentum=0.99, momentum_schedule="constant",
-                     bn_group_size=64)
+  config.moco = dict(queue_size=4096, momentum=0.99, momentum_schedule="constant", bn_group_size=64)
   config.crop = recipes.crop("torchvision", 0.08, "pil_bilinear")
   config.augment = dict(view1=recipes.moco_v2_view(0.0), view2=recipes.moco_v2_view(0.0))
-  config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=5e-4,
-                                       warmup_epochs=0, weight_decay_mask="all")
+  config.optimizer = recipes.optimizer(
+    "sgd", base_lr=0.03, weight_decay=5e-4, warmup_epochs=0, weight_decay_mask="all"
+  )
   if args.runlocal:
     recipes.runlocal(config)
     config.moco.bn_group_size = 32

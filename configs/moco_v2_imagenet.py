@@ -17,6 +17,7 @@ BN groups of 32 images (the reference's 8 GPUs x 32), RandomResizedCrop
 (scale 0.2-1, bilinear), torchvision's ColorJitter(0.4, 0.4, 0.4, 0.1) p 0.8,
 grayscale p 0.2, Gaussian blur p 0.5, flip; bfloat16.
 """
+
 from contrastive_jax import recipes
 
 ARGS = dict(epochs=(200, 800), dtype=("bfloat16", "float32"))
@@ -25,16 +26,19 @@ VARIANTS = {"200ep": "epochs=200", "800ep": "epochs=800"}
 
 def get_config(arg: str = ""):
   args = recipes.parse_args(arg, ARGS, VARIANTS)
-  config = recipes.imagenet(recipes.base_config(), batch_size=256, num_epochs=args.epochs,
-                            reference="torchvision")
+  config = recipes.imagenet(
+    recipes.base_config(), batch_size=256, num_epochs=args.epochs, reference="torchvision"
+  )
   config.method = "moco"
   config.projector = dict(hidden_dims=(2048,), out_dim=128, use_bn=False, init="torch")
   config.temperature = 0.2
-  config.moco = dict(queue_size=65536, momentum=0.999, momentum_schedule="constant",
-                     bn_group_size=32)
+  config.moco = dict(
+    queue_size=65536, momentum=0.999, momentum_schedule="constant", bn_group_size=32
+  )
   config.crop = recipes.crop("torchvision", 0.2, "pil_bilinear")
   config.augment = dict(view1=recipes.moco_v2_view(0.5), view2=recipes.moco_v2_view(0.5))
-  config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
-                                       warmup_epochs=0, weight_decay_mask="all")
+  config.optimizer = recipes.optimizer(
+    "sgd", base_lr=0.03, weight_decay=1e-4, warmup_epochs=0, weight_decay_mask="all"
+  )
   config.model.dtype = args.dtype
   return config

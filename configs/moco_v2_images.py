@@ -17,6 +17,7 @@ Arguments (--config=configs/moco_v2_images.py:ARG,ARG...):
       sized for about 10 minutes on a 2-core CPU (recipes.runlocal_images);
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 """
+
 from contrastive_jax import recipes
 
 ARGS = dict(runlocal=False, dtype=("float32", "bfloat16"))
@@ -24,17 +25,18 @@ ARGS = dict(runlocal=False, dtype=("float32", "bfloat16"))
 
 def get_config(arg: str = ""):
   args = recipes.parse_args(arg, ARGS)
-  config = recipes.images(recipes.base_config(), batch_size=256, num_epochs=200,
-                          reference="torchvision")
+  config = recipes.images(
+    recipes.base_config(), batch_size=256, num_epochs=200, reference="torchvision"
+  )
   config.method = "moco"
   config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=False, init="torch")
   config.temperature = 0.2
-  config.moco = dict(queue_size=2048, momentum=0.99, momentum_schedule="constant",
-                     bn_group_size=32)
+  config.moco = dict(queue_size=2048, momentum=0.99, momentum_schedule="constant", bn_group_size=32)
   config.crop = recipes.crop("torchvision", 0.2, "pil_bilinear")
   config.augment = dict(view1=recipes.moco_v2_view(0.5), view2=recipes.moco_v2_view(0.5))
-  config.optimizer = recipes.optimizer("sgd", base_lr=0.03, weight_decay=1e-4,
-                                       warmup_epochs=0, weight_decay_mask="all")
+  config.optimizer = recipes.optimizer(
+    "sgd", base_lr=0.03, weight_decay=1e-4, warmup_epochs=0, weight_decay_mask="all"
+  )
   if args.runlocal:
     recipes.runlocal_images(config, steps=400)
     config.projector.hidden_dims = (128,)

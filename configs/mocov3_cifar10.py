@@ -38,6 +38,7 @@ Arguments (--config=configs/mocov3_cifar10.py:ARG,ARG..., e.g. :model=vit_tiny,r
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 Variant `runlocal_vit`: runlocal,model=vit_tiny.
 """
+
 from contrastive_jax import recipes
 
 ARGS = dict(runlocal=False, model=("resnet18", "vit_tiny"), dtype=("float32", "bfloat16"))
@@ -60,8 +61,9 @@ def get_config(arg: str = ""):
   config.moco = dict(momentum=0.99, momentum_schedule="cosine")
   config.crop = recipes.crop("torchvision", 0.08, "pil_bicubic")
   config.augment = recipes.byol_views("torchvision", "multiply", blur=False)
-  config.optimizer = recipes.optimizer("larc", base_lr=0.3, weight_decay=1e-6,
-                                       trust_coefficient=0.02)
+  config.optimizer = recipes.optimizer(
+    "larc", base_lr=0.3, weight_decay=1e-6, trust_coefficient=0.02
+  )
   if args.runlocal:
     recipes.runlocal(config)
     for mlp in (config.projector, config.predictor):
@@ -72,15 +74,17 @@ def get_config(arg: str = ""):
     if args.runlocal:
       config.model = recipes.vit_model("vit_tiny", 8, "float32", random_patch_projection=True)
       config.model.update(width=0.5, depth=4)
-      config.optimizer = recipes.optimizer("adamw", base_lr=1e-3, weight_decay=0.1,
-                                           warmup_epochs=0.5)
+      config.optimizer = recipes.optimizer(
+        "adamw", base_lr=1e-3, weight_decay=0.1, warmup_epochs=0.5
+      )
       config.duration = "800 steps"
       for evaluator in config.evaluators.values():
         evaluator.every = "400 steps"
     else:
       config.model = recipes.vit_model("vit_tiny", 4, "float32", random_patch_projection=True)
-      config.optimizer = recipes.optimizer("adamw", base_lr=1.5e-4, weight_decay=0.1,
-                                           warmup_epochs=40)
+      config.optimizer = recipes.optimizer(
+        "adamw", base_lr=1.5e-4, weight_decay=0.1, warmup_epochs=40
+      )
     config.model.update(input_mean=mean, input_std=std)
     config.predictor.final_bn = True  # MoCo v3's ViT predictor ends in an affine-free BN.
   config.model.dtype = args.dtype

@@ -36,22 +36,37 @@ view its own forward pass; BYOL's asymmetric views with torchvision's
 ColorJitter (0.4, 0.4, 0.2, 0.1) p 0.8, grayscale p 0.2, PIL blur p 1.0 / 0.1,
 solarize p 0 / 0.2, flip; ImageNet standardisation; bfloat16 compute.
 """
+
 from contrastive_jax import recipes
 
 # epochs -> the ResNet-50's (base lr, weight decay, momentum).
 RESNET50 = {100: (0.6, 1e-6, 0.99), 300: (0.3, 1e-6, 0.99), 1000: (0.3, 1.5e-6, 0.996)}
-ARGS = dict(model=("vit_base", "vit_small", "resnet50"), epochs=(300, 100, 1000),
-            dtype=("bfloat16", "float32"))
-VARIANTS = {"vit_base": "model=vit_base", "vit_small": "model=vit_small",
-            "resnet50": "model=resnet50,epochs=100", "resnet50_300ep": "model=resnet50,epochs=300",
-            "resnet50_1000ep": "model=resnet50,epochs=1000"}
+ARGS = dict(
+  model=("vit_base", "vit_small", "resnet50"),
+  epochs=(300, 100, 1000),
+  dtype=("bfloat16", "float32"),
+)
+VARIANTS = {
+  "vit_base": "model=vit_base",
+  "vit_small": "model=vit_small",
+  "resnet50": "model=resnet50,epochs=100",
+  "resnet50_300ep": "model=resnet50,epochs=300",
+  "resnet50_1000ep": "model=resnet50,epochs=1000",
+}
 
 
 def mlp(hidden_dims, last_bn: bool) -> dict:
   """MoCo v3's _build_mlp: Linear (no bias), BN, ReLU per hidden layer, then a Linear
   (no bias) and, with last_bn, a BN without affine parameters."""
-  return dict(hidden_dims=tuple(hidden_dims), out_dim=256, use_bn=True, final_bn=last_bn,
-              final_bn_scale=False, final_bias=False, init="torch")
+  return dict(
+    hidden_dims=tuple(hidden_dims),
+    out_dim=256,
+    use_bn=True,
+    final_bn=last_bn,
+    final_bn_scale=False,
+    final_bias=False,
+    init="torch",
+  )
 
 
 def get_config(arg: str = ""):
@@ -76,7 +91,8 @@ def get_config(arg: str = ""):
     config.temperature = 0.2
     config.moco = dict(momentum=0.99, momentum_schedule="cosine")
     config.crop = recipes.crop("torchvision", 0.08, "pil_bilinear")
-    config.optimizer = recipes.optimizer("adamw", base_lr=1.5e-4, weight_decay=0.1,
-                                         warmup_epochs=40)
+    config.optimizer = recipes.optimizer(
+      "adamw", base_lr=1.5e-4, weight_decay=0.1, warmup_epochs=40
+    )
   config.model.dtype = args.dtype
   return config

@@ -13,6 +13,7 @@ query_rows. Rows come first, then queries, then queries_file.
 search: 'auto' searches the index's ANN index (ann.json) when it has one and
 exactly otherwise; 'exact' always exactly.
 """
+
 import ml_collections
 from ml_collections import config_dict
 

@@ -8,6 +8,7 @@ WORKDIR/NAME/1.0.0/, and jobs read it with --config.dataset=NAME
 --config.data_dir=WORKDIR. Runs on Apache Beam (pip install -e '.[beam]');
 docs/images.md has the layout rules, the report and the Beam options.
 """
+
 import ml_collections
 from ml_collections import config_dict
 
@@ -28,9 +29,11 @@ def get_config(arg: str = ""):
   config.holdout_fraction = 0.1  # Of each class, held out as test when src has no val/test.
   config.seed = 0  # Of the held-out choice.
   config.overwrite = False  # True: replace a dataset of this name from other files or options.
-  config.beam = ml_collections.ConfigDict(dict(
+  config.beam = ml_collections.ConfigDict(
+    dict(
       runner="DirectRunner",  # This machine; or e.g. 'DataflowRunner'.
       direct_num_workers=0,  # DirectRunner's worker processes; 0: one per core; 1: in-process.
       options="",  # More Beam pipeline options, as on a command line ('--project=P ...').
-  ))
+    )
+  )
   return config

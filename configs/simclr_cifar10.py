@@ -20,6 +20,7 @@ Arguments (--config=configs/simclr_cifar10.py:ARG,ARG..., e.g. :runlocal,dtype=b
       ResNet-18, batch 256, 1500 steps);
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 """
+
 from contrastive_jax import recipes
 
 ARGS = dict(runlocal=False, dtype=("float32", "bfloat16"))
@@ -32,14 +33,15 @@ def get_config(arg: str = ""):
   config.batch_size = 512
   config.duration = "1000 epochs"
   config.model = recipes.model("resnet18", "cifar", "float32", "simclr")
-  config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=True, final_bn=True,
-                          init="normal_0.01")
+  config.projector = dict(
+    hidden_dims=(512,), out_dim=128, use_bn=True, final_bn=True, init="normal_0.01"
+  )
   config.temperature = 0.5
   config.crop = recipes.crop("tensorflow", 0.08, "tf_bicubic")
-  config.augment = dict(view1=recipes.simclr_view(0.5, 0.0),
-                        view2=recipes.simclr_view(0.5, 0.0))
-  config.optimizer = recipes.optimizer("lars", base_lr=1.0, weight_decay=1e-6,
-                                       lr_before_momentum=True)
+  config.augment = dict(view1=recipes.simclr_view(0.5, 0.0), view2=recipes.simclr_view(0.5, 0.0))
+  config.optimizer = recipes.optimizer(
+    "lars", base_lr=1.0, weight_decay=1e-6, lr_before_momentum=True
+  )
   if args.runlocal:
     recipes.runlocal(config)
     config.projector.hidden_dims = (128,)

@@ -20,6 +20,7 @@ inputs in [0, 1], TensorFlow's distorted-bounding-box crop (area 0.08-1,
 bicubic), color jitter strength 1.0 with tf.image ops and v1's additive
 brightness, blur p 0.5 (kernel 10% of the side, zero-padded), bfloat16.
 """
+
 from contrastive_jax import recipes
 
 ARGS = dict(epochs=(100, 1000), dtype=("bfloat16", "float32"))
@@ -28,16 +29,18 @@ VARIANTS = {"100ep": "epochs=100", "1000ep": "epochs=1000"}
 
 def get_config(arg: str = ""):
   args = recipes.parse_args(arg, ARGS, VARIANTS)
-  config = recipes.imagenet(recipes.base_config(), batch_size=4096, num_epochs=args.epochs,
-                            reference="simclr")
+  config = recipes.imagenet(
+    recipes.base_config(), batch_size=4096, num_epochs=args.epochs, reference="simclr"
+  )
   config.method = "simclr"
-  config.projector = dict(hidden_dims=(2048,), out_dim=128, use_bn=True, final_bn=True,
-                          init="normal_0.01")
+  config.projector = dict(
+    hidden_dims=(2048,), out_dim=128, use_bn=True, final_bn=True, init="normal_0.01"
+  )
   config.temperature = 0.1
   config.crop = recipes.crop("tensorflow", 0.08, "tf_bicubic")
-  config.augment = dict(view1=recipes.simclr_view(1.0, 0.5),
-                        view2=recipes.simclr_view(1.0, 0.5))
-  config.optimizer = recipes.optimizer("lars", base_lr=0.3, weight_decay=1e-6,
-                                       lr_before_momentum=True)
+  config.augment = dict(view1=recipes.simclr_view(1.0, 0.5), view2=recipes.simclr_view(1.0, 0.5))
+  config.optimizer = recipes.optimizer(
+    "lars", base_lr=0.3, weight_decay=1e-6, lr_before_momentum=True
+  )
   config.model.dtype = args.dtype
   return config

@@ -17,6 +17,7 @@ Arguments (--config=configs/simclr_images.py:ARG,ARG...):
       sized for about 10 minutes on a 2-core CPU (recipes.runlocal_images);
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 """
+
 from contrastive_jax import recipes
 
 ARGS = dict(runlocal=False, dtype=("float32", "bfloat16"))
@@ -24,17 +25,17 @@ ARGS = dict(runlocal=False, dtype=("float32", "bfloat16"))
 
 def get_config(arg: str = ""):
   args = recipes.parse_args(arg, ARGS)
-  config = recipes.images(recipes.base_config(), batch_size=256, num_epochs=200,
-                          reference="simclr")
+  config = recipes.images(recipes.base_config(), batch_size=256, num_epochs=200, reference="simclr")
   config.method = "simclr"
-  config.projector = dict(hidden_dims=(512,), out_dim=128, use_bn=True, final_bn=True,
-                          init="normal_0.01")
+  config.projector = dict(
+    hidden_dims=(512,), out_dim=128, use_bn=True, final_bn=True, init="normal_0.01"
+  )
   config.temperature = 0.1
   config.crop = recipes.crop("tensorflow", 0.08, "tf_bicubic")
-  config.augment = dict(view1=recipes.simclr_view(1.0, 0.5),
-                        view2=recipes.simclr_view(1.0, 0.5))
-  config.optimizer = recipes.optimizer("lars", base_lr=0.075, weight_decay=1e-6,
-                                       lr_scaling="sqrt", lr_before_momentum=True)
+  config.augment = dict(view1=recipes.simclr_view(1.0, 0.5), view2=recipes.simclr_view(1.0, 0.5))
+  config.optimizer = recipes.optimizer(
+    "lars", base_lr=0.075, weight_decay=1e-6, lr_scaling="sqrt", lr_before_momentum=True
+  )
   if args.runlocal:
     recipes.runlocal_images(config, steps=400)
     config.projector.hidden_dims = (128,)

@@ -13,6 +13,7 @@ process whose computation fails because another process died (see
 _exit_after_peer_failure). Job modules define no flags; this one defines them
 all.
 """
+
 import os
 import re
 import sys
@@ -27,16 +28,16 @@ os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
 from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 from absl import logging
+import jax
 import ml_collections
 from ml_collections import config_flags
 
-import jax
-
+from contrastive_jax import recipes
+from contrastive_jax.core import files
+from contrastive_jax.core import metrics
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import closest
-from contrastive_jax.core import files
-from contrastive_jax.core import metrics
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import audit
 from contrastive_jax.jobs import embed
@@ -48,40 +49,60 @@ from contrastive_jax.jobs import neighbours
 from contrastive_jax.jobs import prepare
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.training import runner
-from contrastive_jax import recipes
 
 # Training jobs (check_config, build) run in runner.run's loop;
 # the others (no build) are not training loops and run themselves: job.run(config, workdir).
-JOBS = {"pretrain": pretrain, "linear_probe": linear_probe, "finetune": finetune,
-        "embed": embed, "neighbours": neighbours, "audit": audit, "export": export,
-        "map": embedding_map, "prepare": prepare}
+JOBS = {
+  "pretrain": pretrain,
+  "linear_probe": linear_probe,
+  "finetune": finetune,
+  "embed": embed,
+  "neighbours": neighbours,
+  "audit": audit,
+  "export": export,
+  "map": embedding_map,
+  "prepare": prepare,
+}
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (configs/*.py[:ARG,...]).",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Config file (configs/*.py[:ARG,...]).", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Directory for checkpoints and metrics.")
 _DISTRIBUTED = flags.DEFINE_bool(
-    "distributed", False, "Call jax.distributed.initialize() first (multi-host TPU pods).")
+  "distributed", False, "Call jax.distributed.initialize() first (multi-host TPU pods)."
+)
 # On a Cloud TPU pod jax.distributed.initialize() finds the coordinator, the process
 # count and this process's id by itself. Elsewhere (the simulated pod of
 # tests/test_launcher.py, a cluster JAX does not detect) these say what it cannot find:
 # JAX reads JAX_COORDINATOR_ADDRESS from the environment, but no environment variable
 # gives the process count or id. Each is passed to initialize() only when given.
 _COORDINATOR_ADDRESS = flags.DEFINE_string(
-    "coordinator_address", None,
-    "With --distributed: host:port of process 0's coordinator (default: "
-    "JAX_COORDINATOR_ADDRESS, or found by JAX on Cloud TPU).")
+  "coordinator_address",
+  None,
+  "With --distributed: host:port of process 0's coordinator (default: "
+  "JAX_COORDINATOR_ADDRESS, or found by JAX on Cloud TPU).",
+)
 _NUM_PROCESSES = flags.DEFINE_integer(
-    "num_processes", None, "With --distributed: the number of processes (default: found by JAX).",
-    lower_bound=1)
+  "num_processes",
+  None,
+  "With --distributed: the number of processes (default: found by JAX).",
+  lower_bound=1,
+)
 _PROCESS_ID = flags.DEFINE_integer(
-    "process_id", None, "With --distributed: this process's index (default: found by JAX).",
-    lower_bound=0)
+  "process_id",
+  None,
+  "With --distributed: this process's index (default: found by JAX).",
+  lower_bound=0,
+)
 # JAX's coordination service declares a process dead when it has sent no heartbeat for
 # this long, and then ends every other process of the job (JAX's default: 100 s).
 _HEARTBEAT_TIMEOUT = flags.DEFINE_integer(
-    "heartbeat_timeout", 100,
-    "With --distributed: seconds after which a silent (dead or hung) process ends the whole "
-    "job; the bound on how long the others wait for a process that died.", lower_bound=1)
+  "heartbeat_timeout",
+  100,
+  "With --distributed: seconds after which a silent (dead or hung) process ends the whole "
+  "job; the bound on how long the others wait for a process that died.",
+  lower_bound=1,
+)
 flags.mark_flags_as_required(["config", "workdir"])
 
 
@@ -145,15 +166,17 @@ def _check_field(config, field: str, arg: str, value: str):
   """
   parts = field.split(".")
   group, depth = config, 0
-  while depth < len(parts) - 1 and isinstance(group.get(parts[depth]),
-                                               ml_collections.ConfigDict):
+  while depth < len(parts) - 1 and isinstance(group.get(parts[depth]), ml_collections.ConfigDict):
     group, depth = group[parts[depth]], depth + 1
   if depth == len(parts) - 1 and parts[-1] in group:
     return
   prefix = "".join(part + "." for part in parts[:depth])
   guess = closest(".".join(parts[depth:]), _field_names(group))
-  hint = (f"; did you mean {prefix + guess!r}?" if guess else
-          f" (the fields of {('config.' + prefix)[:-1]}: {', '.join(sorted(group.keys()))})")
+  hint = (
+    f"; did you mean {prefix + guess!r}?"
+    if guess
+    else f" (the fields of {('config.' + prefix)[:-1]}: {', '.join(sorted(group.keys()))})"
+  )
   raise JobError(f"{arg}: no field {field!r} in --config={value}{hint}")
 
 
@@ -177,8 +200,11 @@ def parse_flags(argv):
 
 def _distributed_args() -> dict:
   """The jax.distributed.initialize() arguments given on the command line."""
-  given = {"coordinator_address": _COORDINATOR_ADDRESS.value,
-           "num_processes": _NUM_PROCESSES.value, "process_id": _PROCESS_ID.value}
+  given = {
+    "coordinator_address": _COORDINATOR_ADDRESS.value,
+    "num_processes": _NUM_PROCESSES.value,
+    "process_id": _PROCESS_ID.value,
+  }
   return {k: v for k, v in given.items() if v is not None}
 
 
@@ -198,11 +224,14 @@ def _exit_after_peer_failure(error: jax.errors.JaxRuntimeError):
   process because the JAX distributed service detected fatal errors'.
   """
   first_line = (str(error).strip().splitlines() or [type(error).__name__])[0]
-  print(f"error: process {jax.process_index()} of {jax.process_count()}: a computation "
-        f"failed: {first_line}. If that is a lost connection, another process of this job "
-        "has died (see its log); this one stops now instead of waiting for it. Starting the "
-        "job again on the same workdir resumes from its newest checkpoint.",
-        file=sys.stderr, flush=True)
+  print(
+    f"error: process {jax.process_index()} of {jax.process_count()}: a computation "
+    f"failed: {first_line}. If that is a lost connection, another process of this job "
+    "has died (see its log); this one stops now instead of waiting for it. Starting the "
+    "job again on the same workdir resumes from its newest checkpoint.",
+    file=sys.stderr,
+    flush=True,
+  )
   logging.flush()
   os._exit(1)
 
@@ -212,13 +241,20 @@ def main(argv):
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   metrics.quiet_library_logs()
   if _DISTRIBUTED.value:
-    jax.distributed.initialize(**_distributed_args(),
-                               heartbeat_timeout_seconds=_HEARTBEAT_TIMEOUT.value)
+    jax.distributed.initialize(
+      **_distributed_args(), heartbeat_timeout_seconds=_HEARTBEAT_TIMEOUT.value
+    )
   elif _distributed_args():
-    raise app.UsageError("--coordinator_address, --num_processes and --process_id need "
-                         "--distributed")
-  logging.info("JAX process %d of %d, %d local devices of %d.", jax.process_index(),
-               jax.process_count(), jax.local_device_count(), jax.device_count())
+    raise app.UsageError(
+      "--coordinator_address, --num_processes and --process_id need --distributed"
+    )
+  logging.info(
+    "JAX process %d of %d, %d local devices of %d.",
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+  )
   try:
     run_job(_CONFIG.value, _WORKDIR.value)
   except JobError as e:
@@ -235,8 +271,10 @@ def main(argv):
       sys.exit(f"error: {unreadable}")
     if not files.is_disk_full(e):
       raise
-    sys.exit(f"error: no space left on device while writing to {_WORKDIR.value}; free "
-             "space and start the same command again")
+    sys.exit(
+      f"error: no space left on device while writing to {_WORKDIR.value}; free "
+      "space and start the same command again"
+    )
 
 
 if __name__ == "__main__":

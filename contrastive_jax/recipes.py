@@ -3,6 +3,7 @@
 The view, crop, model and optimizer blocks below each reproduce one
 reference's recipe; the docstrings name the reference and the code there.
 """
+
 import importlib.machinery
 import importlib.util
 import os
@@ -18,8 +19,7 @@ from contrastive_jax.core.errors import closest
 from contrastive_jax.models import vit
 
 
-def parse_args(arg: str, args: dict,
-               variants: Optional[dict] = None) -> ml_collections.ConfigDict:
+def parse_args(arg: str, args: dict, variants: Optional[dict] = None) -> ml_collections.ConfigDict:
   """The arguments of a config file's get_config(arg), given as --config=FILE:ARG.
 
   arg is a comma-separated list of items, applied left to right (a later item
@@ -59,19 +59,28 @@ def parse_args(arg: str, args: dict,
         values[key] = True
         continue
       if key in args:
-        raise VariantError(f"argument {key!r} needs a value, one of "
-                           f"{', '.join(map(str, choices[key]))} (e.g. {key}={choices[key][0]})",
-                           key, ())
-      raise VariantError(f"no argument or variant {key!r} ({listed})", key,
-                         [*(k for k in args if args[k] is False), *variants,
-                          *(f"{k}={v}" for k in args if args[k] is not False
-                            for v in choices[k])])
+        raise VariantError(
+          f"argument {key!r} needs a value, one of "
+          f"{', '.join(map(str, choices[key]))} (e.g. {key}={choices[key][0]})",
+          key,
+          (),
+        )
+      raise VariantError(
+        f"no argument or variant {key!r} ({listed})",
+        key,
+        [
+          *(k for k in args if args[k] is False),
+          *variants,
+          *(f"{k}={v}" for k in args if args[k] is not False for v in choices[k]),
+        ],
+      )
     if key not in args:
       raise VariantError(f"no argument {key!r} ({listed})", key, args)
     named = {str(allowed): allowed for allowed in choices[key]}
     if value not in named:
-      raise VariantError(f"no value {value!r} of argument {key!r} (its values: "
-                         f"{', '.join(named)})", value, named)
+      raise VariantError(
+        f"no value {value!r} of argument {key!r} (its values: {', '.join(named)})", value, named
+      )
     values[key] = named[value]
   return ml_collections.ConfigDict(values)
 
@@ -82,7 +91,8 @@ def _listed(args: dict, variants: dict) -> str:
   if not args and not variants:
     return "the config takes none"
   listed = "the config's arguments: " + ", ".join(
-      key if spec is False else f"{key}={'|'.join(map(str, spec))}" for key, spec in args.items())
+    key if spec is False else f"{key}={'|'.join(map(str, spec))}" for key, spec in args.items()
+  )
   if variants:
     listed += "; variants: " + ", ".join(f"{name} ({items})" for name, items in variants.items())
   return listed
@@ -109,12 +119,17 @@ def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDic
   fields = saved.to_dict()
   version = fields.get("format_version", 0)
   if version > FORMAT_VERSION:
-    raise ConfigError("format_version", version,
-                      f"at most {FORMAT_VERSION}: the config was written by a newer version "
-                      "of contrastive_jax")
+    raise ConfigError(
+      "format_version",
+      version,
+      f"at most {FORMAT_VERSION}: the config was written by a newer version of contrastive_jax",
+    )
   if version < 1:
-    flat = {key: fields.pop(f"crop_{key}") for key in ("sampler", "area_min", "resize")
-            if f"crop_{key}" in fields}
+    flat = {
+      key: fields.pop(f"crop_{key}")
+      for key in ("sampler", "area_min", "resize")
+      if f"crop_{key}" in fields
+    }
     if flat:
       fields["crop"] = flat
   fields["format_version"] = FORMAT_VERSION
@@ -133,20 +148,28 @@ def load_config_file(value: str, flag: str) -> ml_collections.ConfigDict:
   path, *arg = value.split(":", 1)
   if not os.path.isfile(path):
     folder = os.path.dirname(path)
-    names = ([n for n in os.listdir(folder or ".") if n.endswith(".py")]
-             if os.path.isdir(folder or ".") else [])
+    names = (
+      [n for n in os.listdir(folder or ".") if n.endswith(".py")]
+      if os.path.isdir(folder or ".")
+      else []
+    )
     guess = closest(os.path.basename(path), names)
-    hint = (f"; did you mean {os.path.join(folder, guess)!r}?" if guess else
-            f" (the config files in {folder or '.'}: {', '.join(sorted(names))})" if names else
-            "")
+    hint = (
+      f"; did you mean {os.path.join(folder, guess)!r}?"
+      if guess
+      else f" (the config files in {folder or '.'}: {', '.join(sorted(names))})"
+      if names
+      else ""
+    )
     raise JobError(f"{flag}={value}: no such file{hint}")
   loader = importlib.machinery.SourceFileLoader("contrastive_jax_checked_config", path)
   module = importlib.util.module_from_spec(importlib.util.spec_from_loader(loader.name, loader))
   try:
     loader.exec_module(module)
   except SyntaxError as e:
-    raise JobError(f"{flag}={value}: not a config file: Python cannot read it ({e.msg}, "
-                   f"line {e.lineno})") from None
+    raise JobError(
+      f"{flag}={value}: not a config file: Python cannot read it ({e.msg}, line {e.lineno})"
+    ) from None
   if not callable(getattr(module, "get_config", None)):
     raise JobError(f"{flag}={value}: not a config file: it defines no get_config(arg)")
   try:
@@ -164,10 +187,18 @@ def simclr_view(strength: float, blur_prob: float, brightness_op: str = "add") -
   tf.image.random_brightness (the code behind the v1 paper and README numbers),
   'multiply' the tf2 code's (SimCLR v2).
   """
-  return dict(brightness=0.8 * strength, contrast=0.8 * strength, saturation=0.8 * strength,
-              hue=0.2 * strength, color_jitter_prob=0.8, grayscale_prob=0.2,
-              blur_prob=blur_prob, color_ops="tensorflow", brightness_op=brightness_op,
-              blur_padding="zeros")
+  return dict(
+    brightness=0.8 * strength,
+    contrast=0.8 * strength,
+    saturation=0.8 * strength,
+    hue=0.2 * strength,
+    color_jitter_prob=0.8,
+    grayscale_prob=0.2,
+    blur_prob=blur_prob,
+    color_ops="tensorflow",
+    brightness_op=brightness_op,
+    blur_padding="zeros",
+  )
 
 
 def data_fields(config):
@@ -217,9 +248,17 @@ def base_config() -> ml_collections.ConfigDict:
   config.keep_checkpoints = 3
   # Each evaluator also runs at the last step; the kNN monitor at step 0 too.
   config.evaluators = dict(
-      knn=dict(kind="knn", every="10 epochs", split="test", bank_split="train", k=200,
-               temperature=0.1, batch_size=1000),
-      online_probe=dict(kind="classifier", every="10 epochs", split="test", batch_size=1000))
+    knn=dict(
+      kind="knn",
+      every="10 epochs",
+      split="test",
+      bank_split="train",
+      k=200,
+      temperature=0.1,
+      batch_size=1000,
+    ),
+    online_probe=dict(kind="classifier", every="10 epochs", split="test", batch_size=1000),
+  )
   config.online_probe = dict(learning_rate=1e-3)
   # A weights file (.safetensors; .pth with torch) of a torchvision ResNet or a timm /
   # MoCo v3 ViT that every network starts from (jobs/pretrain.py, docs/weights.md).
@@ -230,21 +269,39 @@ def base_config() -> ml_collections.ConfigDict:
 def moco_v1_view() -> dict:
   """MoCo v1's views (main_moco.py without --aug-plus): grayscale p 0.2, then
   torchvision's ColorJitter(0.4, 0.4, 0.4, 0.4) always."""
-  return dict(brightness=0.4, contrast=0.4, saturation=0.4, hue=0.4, color_jitter_prob=1.0,
-              grayscale_prob=0.2, grayscale_first=True, color_ops="torchvision",
-              brightness_op="multiply")
+  return dict(
+    brightness=0.4,
+    contrast=0.4,
+    saturation=0.4,
+    hue=0.4,
+    color_jitter_prob=1.0,
+    grayscale_prob=0.2,
+    grayscale_first=True,
+    color_ops="torchvision",
+    brightness_op="multiply",
+  )
 
 
 def moco_v2_view(blur_prob: float) -> dict:
   """MoCo v2's views (main_moco.py --aug-plus): torchvision's ColorJitter(0.4, 0.4, 0.4,
   0.1) p 0.8, grayscale p 0.2, PIL Gaussian blur (edges repeated) with p blur_prob."""
-  return dict(brightness=0.4, contrast=0.4, saturation=0.4, hue=0.1, color_jitter_prob=0.8,
-              grayscale_prob=0.2, blur_prob=blur_prob, color_ops="torchvision",
-              brightness_op="multiply", blur_padding="edge")
+  return dict(
+    brightness=0.4,
+    contrast=0.4,
+    saturation=0.4,
+    hue=0.1,
+    color_jitter_prob=0.8,
+    grayscale_prob=0.2,
+    blur_prob=blur_prob,
+    color_ops="torchvision",
+    brightness_op="multiply",
+    blur_padding="edge",
+  )
 
 
-def byol_views(color_ops: str = "tensorflow", brightness_op: str = "add",
-               blur: bool = True) -> dict:
+def byol_views(
+  color_ops: str = "tensorflow", brightness_op: str = "add", blur: bool = True
+) -> dict:
   """BYOL's asymmetric views (Grill et al. 2020, Table 6; byol/utils/augmentations.py).
 
   Jitter (0.4, 0.4, 0.2, 0.1) p 0.8 and grayscale p 0.2 on both; view 1
@@ -254,11 +311,21 @@ def byol_views(color_ops: str = "tensorflow", brightness_op: str = "add",
   (augmentations/asymmetric.yaml) uses torchvision's ColorJitter and no blur
   (blur=False).
   """
-  jitter = dict(brightness=0.4, contrast=0.4, saturation=0.2, hue=0.1, color_jitter_prob=0.8,
-                grayscale_prob=0.2, color_ops=color_ops, brightness_op=brightness_op,
-                blur_padding="zeros")
-  return dict(view1=dict(jitter, blur_prob=1.0 if blur else 0.0, solarize_prob=0.0),
-              view2=dict(jitter, blur_prob=0.1 if blur else 0.0, solarize_prob=0.2))
+  jitter = dict(
+    brightness=0.4,
+    contrast=0.4,
+    saturation=0.2,
+    hue=0.1,
+    color_jitter_prob=0.8,
+    grayscale_prob=0.2,
+    color_ops=color_ops,
+    brightness_op=brightness_op,
+    blur_padding="zeros",
+  )
+  return dict(
+    view1=dict(jitter, blur_prob=1.0 if blur else 0.0, solarize_prob=0.0),
+    view2=dict(jitter, blur_prob=0.1 if blur else 0.0, solarize_prob=0.2),
+  )
 
 
 def mocov3_views() -> dict:
@@ -297,23 +364,46 @@ def model(name: str, stem: str, dtype: str, reference: str) -> dict:
   input_mean/input_std with their own statistics.
   """
   imagenet = dict(input_mean=IMAGENET_MEAN, input_std=IMAGENET_STD)
-  fields = {"simclr": dict(zero_init_residual=True, conv_init="variance_scaling",
-                           padding="tensorflow", stage_projection=True,
-                           input_mean=(0.0, 0.0, 0.0),
-                           input_std=(1.0, 1.0, 1.0)),
-            "byol": dict(zero_init_residual=True, conv_init="variance_scaling", padding="same",
-                         stage_projection=True, **imagenet),
-            "torchvision": dict(zero_init_residual=False, conv_init="he_normal",
-                                padding="torchvision", stage_projection=False, **imagenet)}
+  fields = {
+    "simclr": dict(
+      zero_init_residual=True,
+      conv_init="variance_scaling",
+      padding="tensorflow",
+      stage_projection=True,
+      input_mean=(0.0, 0.0, 0.0),
+      input_std=(1.0, 1.0, 1.0),
+    ),
+    "byol": dict(
+      zero_init_residual=True,
+      conv_init="variance_scaling",
+      padding="same",
+      stage_projection=True,
+      **imagenet,
+    ),
+    "torchvision": dict(
+      zero_init_residual=False,
+      conv_init="he_normal",
+      padding="torchvision",
+      stage_projection=False,
+      **imagenet,
+    ),
+  }
   return dict(name=name, width=1.0, stem=stem, dtype=dtype, **fields[reference])
 
 
 def vit_model(name: str, patch_size: int, dtype: str, random_patch_projection: bool) -> dict:
   """A ViT model config (a vit.SPECS name) at the spec's width (multiplier
   1) and depth, ImageNet standardisation as MoCo v3's inputs."""
-  return dict(name=name, width=1.0, depth=vit.SPECS[name][1], patch_size=patch_size,
-              dtype=dtype, random_patch_projection=random_patch_projection,
-              input_mean=IMAGENET_MEAN, input_std=IMAGENET_STD)
+  return dict(
+    name=name,
+    width=1.0,
+    depth=vit.SPECS[name][1],
+    patch_size=patch_size,
+    dtype=dtype,
+    random_patch_projection=random_patch_projection,
+    input_mean=IMAGENET_MEAN,
+    input_std=IMAGENET_STD,
+  )
 
 
 def runlocal(config):
@@ -345,13 +435,30 @@ def optimizer(name: str, base_lr: float, weight_decay: float, **overrides) -> di
   caller wrote (warmup_epochs=0 is 0.0): a ConfigDict field keeps the type of its first value,
   and --config.optimizer.warmup_epochs=0.5 must parse in every config.
   """
-  config = dict(name=name, base_lr=base_lr, lr_scaling="linear", weight_decay=weight_decay,
-                weight_decay_mask="kernels", momentum=0.9, nesterov=False,
-                lr_before_momentum=False, trust_coefficient=0.001, warmup_epochs=10.0,
-                schedule="cosine", decay_epochs=(), decay_factor=0.1)
+  config = dict(
+    name=name,
+    base_lr=base_lr,
+    lr_scaling="linear",
+    weight_decay=weight_decay,
+    weight_decay_mask="kernels",
+    momentum=0.9,
+    nesterov=False,
+    lr_before_momentum=False,
+    trust_coefficient=0.001,
+    warmup_epochs=10.0,
+    schedule="cosine",
+    decay_epochs=(),
+    decay_factor=0.1,
+  )
   config.update(overrides)
-  for key in ("base_lr", "weight_decay", "momentum", "trust_coefficient", "warmup_epochs",
-              "decay_factor"):
+  for key in (
+    "base_lr",
+    "weight_decay",
+    "momentum",
+    "trust_coefficient",
+    "warmup_epochs",
+    "decay_factor",
+  ):
     config[key] = float(config[key])
   config["decay_epochs"] = tuple(float(epoch) for epoch in config["decay_epochs"])
   return config
@@ -386,55 +493,70 @@ def imagenet(config, *, batch_size: int, num_epochs: int, reference: str):
 # (SimCLR's model_fn: "Finetune just supervised (linear) head will not update
 # BN stats"), and trains on random crops and flips without color changes.
 LINEAR_PROBE_PRESETS = {
-    # SimCLR README, CIFAR-10 fine-tuning of the linear head (run.py
-    # --train_mode=finetune --fine_tune_after_block=4): momentum optimizer
-    # (tf.train.MomentumOptimizer, Nesterov), lr 0.1 x B/256, no weight decay
-    # (1e-6 on ImageNet), batch 512, 100 epochs (90 on ImageNet), cosine, no
-    # warm-up, logits layer zero-initialised.
-    "simclr": dict(
-        batch_size=512, duration="100 epochs",
-        crop=crop("tensorflow", 0.08, "tf_bicubic"),
-        head=dict(standardize=False, init="zeros"),
-        optimizer=optimizer("sgd", 0.1, 0.0, nesterov=True, warmup_epochs=0,
-                            weight_decay_mask="all")),
-    # MoCo main_lincls.py (and its CIFAR-10 demo's advice: lr 30, wd 0, 100
-    # epochs): SGD momentum 0.9, lr 30 at batch 256, no weight decay, lr x0.1
-    # at epochs 60 and 80, RandomResizedCrop(scale 0.08-1) and flip, fc weights
-    # normal(0, 0.01), bias 0.
-    "moco": dict(
-        batch_size=256, duration="100 epochs",
-        crop=crop("torchvision", 0.08, "pil_bilinear"),
-        head=dict(standardize=False, init="normal_0.01"),
-        optimizer=optimizer("sgd", 30.0, 0.0, warmup_epochs=0, schedule="step",
-                            decay_epochs=(60, 80), weight_decay_mask="all")),
-    # BYOL configs/eval.py and eval_experiment.py: SGD with Nesterov momentum
-    # 0.9, base lr 0.2 x B/256, cosine, no warm-up, no weight decay, 80
-    # epochs, batch 1024 (the paper's), BYOL's own crop and a flip, hk.Linear's
-    # default initialisation.
-    "byol": dict(
-        batch_size=1024, duration="80 epochs",
-        crop=crop("byol", 0.08, "tf_bicubic"),
-        head=dict(standardize=False, init="lecun_normal"),
-        optimizer=optimizer("sgd", 0.2, 0.0, nesterov=True, warmup_epochs=0,
-                            weight_decay_mask="all")),
-    # MoCo v3 main_lincls.py: SGD momentum 0.9, lr 0.1 x B/256 (its default, the
-    # ResNet-50 command; CONFIG.md's ViT commands pass --lr=3), no weight decay,
-    # batch 1024, 90 epochs, half-cycle cosine without warm-up, RandomResizedCrop
-    # (scale 0.08-1) and flip, fc weights normal(0, 0.01), bias 0.
-    "mocov3": dict(
-        batch_size=1024, duration="90 epochs",
-        crop=crop("torchvision", 0.08, "pil_bilinear"),
-        head=dict(standardize=False, init="normal_0.01"),
-        optimizer=optimizer("sgd", 0.1, 0.0, warmup_epochs=0, weight_decay_mask="all")),
-    # This project's own probe, no reference's: h standardised by an
-    # affine-free BN (a fixed per-feature affine map, so the classifier stays
-    # linear), so that one learning rate fits every encoder, a random one too;
-    # SGD momentum 0.9, lr 0.1 x B/256, cosine, no weight decay, crop 0.2-1.
-    "standardised": dict(
-        batch_size=256, duration="100 epochs",
-        crop=crop("torchvision", 0.2, "pil_bilinear"),
-        head=dict(standardize=True, init="zeros"),
-        optimizer=optimizer("sgd", 0.1, 0.0, warmup_epochs=0)),
+  # SimCLR README, CIFAR-10 fine-tuning of the linear head (run.py
+  # --train_mode=finetune --fine_tune_after_block=4): momentum optimizer
+  # (tf.train.MomentumOptimizer, Nesterov), lr 0.1 x B/256, no weight decay
+  # (1e-6 on ImageNet), batch 512, 100 epochs (90 on ImageNet), cosine, no
+  # warm-up, logits layer zero-initialised.
+  "simclr": dict(
+    batch_size=512,
+    duration="100 epochs",
+    crop=crop("tensorflow", 0.08, "tf_bicubic"),
+    head=dict(standardize=False, init="zeros"),
+    optimizer=optimizer("sgd", 0.1, 0.0, nesterov=True, warmup_epochs=0, weight_decay_mask="all"),
+  ),
+  # MoCo main_lincls.py (and its CIFAR-10 demo's advice: lr 30, wd 0, 100
+  # epochs): SGD momentum 0.9, lr 30 at batch 256, no weight decay, lr x0.1
+  # at epochs 60 and 80, RandomResizedCrop(scale 0.08-1) and flip, fc weights
+  # normal(0, 0.01), bias 0.
+  "moco": dict(
+    batch_size=256,
+    duration="100 epochs",
+    crop=crop("torchvision", 0.08, "pil_bilinear"),
+    head=dict(standardize=False, init="normal_0.01"),
+    optimizer=optimizer(
+      "sgd",
+      30.0,
+      0.0,
+      warmup_epochs=0,
+      schedule="step",
+      decay_epochs=(60, 80),
+      weight_decay_mask="all",
+    ),
+  ),
+  # BYOL configs/eval.py and eval_experiment.py: SGD with Nesterov momentum
+  # 0.9, base lr 0.2 x B/256, cosine, no warm-up, no weight decay, 80
+  # epochs, batch 1024 (the paper's), BYOL's own crop and a flip, hk.Linear's
+  # default initialisation.
+  "byol": dict(
+    batch_size=1024,
+    duration="80 epochs",
+    crop=crop("byol", 0.08, "tf_bicubic"),
+    head=dict(standardize=False, init="lecun_normal"),
+    optimizer=optimizer("sgd", 0.2, 0.0, nesterov=True, warmup_epochs=0, weight_decay_mask="all"),
+  ),
+  # MoCo v3 main_lincls.py: SGD momentum 0.9, lr 0.1 x B/256 (its default, the
+  # ResNet-50 command; CONFIG.md's ViT commands pass --lr=3), no weight decay,
+  # batch 1024, 90 epochs, half-cycle cosine without warm-up, RandomResizedCrop
+  # (scale 0.08-1) and flip, fc weights normal(0, 0.01), bias 0.
+  "mocov3": dict(
+    batch_size=1024,
+    duration="90 epochs",
+    crop=crop("torchvision", 0.08, "pil_bilinear"),
+    head=dict(standardize=False, init="normal_0.01"),
+    optimizer=optimizer("sgd", 0.1, 0.0, warmup_epochs=0, weight_decay_mask="all"),
+  ),
+  # This project's own probe, no reference's: h standardised by an
+  # affine-free BN (a fixed per-feature affine map, so the classifier stays
+  # linear), so that one learning rate fits every encoder, a random one too;
+  # SGD momentum 0.9, lr 0.1 x B/256, cosine, no weight decay, crop 0.2-1.
+  "standardised": dict(
+    batch_size=256,
+    duration="100 epochs",
+    crop=crop("torchvision", 0.2, "pil_bilinear"),
+    head=dict(standardize=True, init="zeros"),
+    optimizer=optimizer("sgd", 0.1, 0.0, warmup_epochs=0),
+  ),
 }
 
 
@@ -447,10 +569,13 @@ def fill_probe_preset(config, name: str) -> ml_collections.ConfigDict:
   """
   config = config.copy_and_resolve_references()
   preset = LINEAR_PROBE_PRESETS[name]
-  flat = {"batch_size": preset["batch_size"], "duration": preset["duration"],
-          **{f"crop.{k}": v for k, v in preset["crop"].items()},
-          **{f"head.{k}": v for k, v in preset["head"].items()},
-          **{f"optimizer.{k}": v for k, v in preset["optimizer"].items()}}
+  flat = {
+    "batch_size": preset["batch_size"],
+    "duration": preset["duration"],
+    **{f"crop.{k}": v for k, v in preset["crop"].items()},
+    **{f"head.{k}": v for k, v in preset["head"].items()},
+    **{f"optimizer.{k}": v for k, v in preset["optimizer"].items()},
+  }
   for path, value in flat.items():
     *parents, leaf = path.split(".")
     node = config

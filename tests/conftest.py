@@ -11,13 +11,15 @@ the suite's time; level 0 halves it (the contract test of BYOL: 136 s -> 68 s
 on this 2-core machine). Every comparison in the tests is between programs
 compiled alike or against tolerances that hold at any level.
 """
+
 import os
 import tempfile
 
 import pytest
 
-os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
-                                                 "--xla_backend_optimization_level=0"]))
+os.environ["XLA_FLAGS"] = " ".join(
+  filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"])
+)
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CACHE = tempfile.mkdtemp(prefix="contrastive_jax_test_cache_")
@@ -36,13 +38,19 @@ def array_record_cifar(tmp_path_factory):
   labels and ids in the same order (disable_shuffling), PNG-encoded as there:
   record i is train[i] of the shared dataset.
   """
-  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
   from helpers import TFDS_DIR  # pylint: disable=g-import-not-at-top
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
   cifar = tfds.builder("cifar10", data_dir=TFDS_DIR)
   examples = tfds.as_numpy(cifar.as_dataset(split="train[:2000]", shuffle_files=False))
   data_dir = str(tmp_path_factory.mktemp("array_record"))
   tfds.dataset_builders.store_as_tfds_dataset(
-      name="cifar_array_record", version="1.0.0", features=cifar.info.features,
-      split_datasets={"train": ((i, e) for i, e in enumerate(examples))}, data_dir=data_dir,
-      file_format="array_record", disable_shuffling=True)
+    name="cifar_array_record",
+    version="1.0.0",
+    features=cifar.info.features,
+    split_datasets={"train": ((i, e) for i, e in enumerate(examples))},
+    data_dir=data_dir,
+    file_format="array_record",
+    disable_shuffling=True,
+  )
   return data_dir

@@ -25,6 +25,7 @@ x-goog-generation header TensorStore needs. It serves one request at a time (its
 storage is not thread-safe) and ignores preconditions (ifGenerationMatch), which
 a single writer does not need.
 """
+
 import datetime
 import functools
 import http
@@ -36,9 +37,9 @@ import ssl
 import subprocess
 import sys
 import threading
+from typing import NamedTuple
 import urllib.parse
 import urllib.request
-from typing import NamedTuple
 
 _HOSTS = ("www.googleapis.com", "storage.googleapis.com")
 
@@ -60,14 +61,23 @@ class Emulator(NamedTuple):
 
 def start(directory: str, bucket: str) -> Emulator:
   """Starts the emulator with an empty `bucket`; files it makes go to `directory`."""
-  process = subprocess.Popen([sys.executable, __file__, directory, bucket],
-                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+  process = subprocess.Popen(
+    [sys.executable, __file__, directory, bucket],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    text=True,
+  )
   port = int(process.stdout.readline())
   url = f"http://127.0.0.1:{port}"
-  env = {"STORAGE_EMULATOR_HOST": url, "TENSORSTORE_GCS_HTTP_URL": url,
-         "https_proxy": url, "http_proxy": url, "no_proxy": "127.0.0.1,localhost",
-         "CURL_CA_BUNDLE": os.path.join(directory, "cert.pem"),
-         "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator"}
+  env = {
+    "STORAGE_EMULATOR_HOST": url,
+    "TENSORSTORE_GCS_HTTP_URL": url,
+    "https_proxy": url,
+    "http_proxy": url,
+    "no_proxy": "127.0.0.1,localhost",
+    "CURL_CA_BUNDLE": os.path.join(directory, "cert.pem"),
+    "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
+  }
   return Emulator(process, port, bucket, env)
 
 
@@ -75,8 +85,11 @@ def upload(emulator: Emulator, name: str, data: bytes):
   """Writes object `name` of the bucket (a plain JSON-API upload, no client library)."""
   query = urllib.parse.urlencode({"uploadType": "media", "name": name})
   request = urllib.request.Request(
-      f"http://127.0.0.1:{emulator.port}/upload/storage/v1/b/{emulator.bucket}/o?{query}",
-      data=data, method="POST", headers={"Content-Type": "application/octet-stream"})
+    f"http://127.0.0.1:{emulator.port}/upload/storage/v1/b/{emulator.bucket}/o?{query}",
+    data=data,
+    method="POST",
+    headers={"Content-Type": "application/octet-stream"},
+  )
   with urllib.request.urlopen(request, timeout=30) as response:
     json.load(response)
 
@@ -88,23 +101,31 @@ def _write_certificate(directory: str) -> ssl.SSLContext:
   from cryptography.hazmat.primitives import hashes
   from cryptography.hazmat.primitives import serialization
   from cryptography.hazmat.primitives.asymmetric import ec
+
   key = ec.generate_private_key(ec.SECP256R1())
   name = x509.Name([x509.NameAttribute(x509.NameOID.COMMON_NAME, "gcs emulator")])
   now = datetime.datetime.now(datetime.timezone.utc)
-  cert = (x509.CertificateBuilder().subject_name(name).issuer_name(name)
-          .public_key(key.public_key()).serial_number(x509.random_serial_number())
-          .not_valid_before(now - datetime.timedelta(hours=1))
-          .not_valid_after(now + datetime.timedelta(days=1))
-          .add_extension(x509.SubjectAlternativeName([x509.DNSName(h) for h in _HOSTS]),
-                         critical=False)
-          .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
-          .sign(key, hashes.SHA256()))
+  cert = (
+    x509.CertificateBuilder()
+    .subject_name(name)
+    .issuer_name(name)
+    .public_key(key.public_key())
+    .serial_number(x509.random_serial_number())
+    .not_valid_before(now - datetime.timedelta(hours=1))
+    .not_valid_after(now + datetime.timedelta(days=1))
+    .add_extension(x509.SubjectAlternativeName([x509.DNSName(h) for h in _HOSTS]), critical=False)
+    .add_extension(x509.BasicConstraints(ca=True, path_length=None), critical=True)
+    .sign(key, hashes.SHA256())
+  )
   cert_path, key_path = os.path.join(directory, "cert.pem"), os.path.join(directory, "key.pem")
   with open(cert_path, "wb") as f:
     f.write(cert.public_bytes(serialization.Encoding.PEM))
   with open(key_path, "wb") as f:
-    f.write(key.private_bytes(serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-                              serialization.NoEncryption()))
+    f.write(
+      key.private_bytes(
+        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8, serialization.NoEncryption()
+      )
+    )
   context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
   context.load_cert_chain(cert_path, key_path)
   return context
@@ -153,9 +174,11 @@ def _serve(directory: str, bucket: str):
         self.handle_one_request()
 
   for method in ("GET", "POST", "PUT", "DELETE", "PATCH"):
+
     def serialised(self, handle=getattr(emulator.RequestHandler, f"do_{method}")):
       with lock:
         handle(self)
+
     setattr(_Handler, f"do_{method}", serialised)
 
   read_data = emulator._read_data  # pylint: disable=protected-access
@@ -172,8 +195,7 @@ def _serve(directory: str, bucket: str):
 
   storage = Storage(use_memory_fs=True)
   buckets.create_bucket(bucket, storage)
-  httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
-                                          functools.partial(_Handler, storage))
+  httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(_Handler, storage))
   threading.Thread(target=lambda: (sys.stdin.read(), httpd.shutdown()), daemon=True).start()
   print(httpd.server_address[1], flush=True)
   httpd.serve_forever()

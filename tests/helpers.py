@@ -1,4 +1,5 @@
 """Test helpers that touch no JAX device (the multi-host worker imports them too)."""
+
 import glob
 import importlib.util
 import os
@@ -10,7 +11,9 @@ import numpy as np
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 SHARED = os.path.join(os.path.dirname(__file__), "..", "..", "shared")
-TFDS_DIR = os.path.abspath(os.environ.get("TFDS_DATA_DIR", os.path.join(SHARED, "tensorflow_datasets")))
+TFDS_DIR = os.path.abspath(
+  os.environ.get("TFDS_DATA_DIR", os.path.join(SHARED, "tensorflow_datasets"))
+)
 CONFIG_DIR = os.path.join(os.path.dirname(__file__), "..", "configs")
 
 
@@ -56,8 +59,9 @@ def tiny_config(method: str = "simclr", variant: str = "runlocal"):
   if "depth" in config.model:  # A ViT.
     config.model.depth = 1
     for view in ("view1", "view2"):
-      config.augment[view] = dict(color_jitter_prob=0.0, grayscale_prob=0.0, blur_prob=0.0,
-                                  solarize_prob=0.0)
+      config.augment[view] = dict(
+        color_jitter_prob=0.0, grayscale_prob=0.0, blur_prob=0.0, solarize_prob=0.0
+      )
   config.log_every = "1 steps"
   config.checkpoint_every = "2 steps"
   config.shuffle_buffer = 256
@@ -68,6 +72,7 @@ def tiny_config(method: str = "simclr", variant: str = "runlocal"):
 def sigterm_after_first_train_batch(monkeypatch):
   """Sends SIGTERM while the loop runs step 2, so the job stops after it."""
   from contrastive_jax.data import input_pipeline  # pylint: disable=g-import-not-at-top
+
   original = input_pipeline.device_batches
 
   def device_batches(ds, sharding, prefetch=2):
@@ -119,14 +124,16 @@ def subprocess_env(fast_compile: bool = False, **extra) -> dict:
   """
   env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.path.dirname(TESTS)]), **extra)
   if fast_compile:
-    env["XLA_FLAGS"] = " ".join(filter(None, [env.get("XLA_FLAGS"),
-                                              "--xla_cpu_use_fusion_emitters=false"]))
+    env["XLA_FLAGS"] = " ".join(
+      filter(None, [env.get("XLA_FLAGS"), "--xla_cpu_use_fusion_emitters=false"])
+    )
   return env
 
 
 def checkpoints_are_finite(directory):
   """Asserts every float leaf of every checkpoint in `directory` is finite; returns the steps."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+
   steps = sorted(int(name) for name in os.listdir(directory) if name.isdigit())
   assert sorted(os.listdir(directory)) == sorted(map(str, steps))  # No half-written step.
   for step in steps:

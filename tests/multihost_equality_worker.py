@@ -14,25 +14,27 @@ steps of the linear-probe job's train step, and writes what they give to
 OUT_DIR/process_PROCESS_ID.npz: every state leaf as [local devices, ...] (each
 local device's copy) and the metrics of every step.
 """
+
 import os
 import sys
 
+from helpers import load_config
+from helpers import tiny_config
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from contrastive_jax import models
+from contrastive_jax import recipes
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.training import evaluators
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import get_method
 from contrastive_jax.methods import optim
-from contrastive_jax import models
 from contrastive_jax.models import resnet
-from contrastive_jax import recipes
-from helpers import load_config, tiny_config
+from contrastive_jax.training import evaluators
 
 NUM_DEVICES = 4
 STEPS = 3
@@ -62,9 +64,12 @@ def method_config(method: str):
 def global_batch(seed: int, step: int, batch_size: int, image_size: int, num_views: int):
   """The global batch of a step, the same in every process: uint8 noise images, labels."""
   rng = np.random.default_rng([seed, step])
-  return {"image": rng.integers(0, 256, (batch_size, num_views, image_size, image_size, 3),
-                                dtype=np.uint8),
-          "label": rng.integers(0, 10, (batch_size,), dtype=np.int32)}
+  return {
+    "image": rng.integers(
+      0, 256, (batch_size, num_views, image_size, image_size, 3), dtype=np.uint8
+    ),
+    "label": rng.integers(0, 10, (batch_size,), dtype=np.int32),
+  }
 
 
 def this_process_rows(batch, sharding):
@@ -77,16 +82,20 @@ def this_process_rows(batch, sharding):
 
   def rows(x):
     local = len(x) // n
-    return jax.make_array_from_process_local_data(sharding, x[p * local:(p + 1) * local])
+    return jax.make_array_from_process_local_data(sharding, x[p * local : (p + 1) * local])
+
   return jax.tree.map(rows, batch)
 
 
 def local_copies(tree, prefix: str) -> dict:
   """{prefix/path: [local devices, ...]} of every leaf of a replicated pytree."""
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
-  return {f"{prefix}/{jax.tree_util.keystr(path)}":
-          np.stack([np.asarray(shard.data) for shard in leaf.addressable_shards])
-          for path, leaf in flat}
+  return {
+    f"{prefix}/{jax.tree_util.keystr(path)}": np.stack(
+      [np.asarray(shard.data) for shard in leaf.addressable_shards]
+    )
+    for path, leaf in flat
+  }
 
 
 def fixed(tree, mesh, seed: int):
@@ -95,7 +104,10 @@ def fixed(tree, mesh, seed: int):
 
   def leaf(x):
     value = rng.standard_normal(x.shape).astype(x.dtype)
-    return jax.make_array_from_callback(x.shape, mesh_lib.replicated(mesh), lambda index: value[index])
+    return jax.make_array_from_callback(
+      x.shape, mesh_lib.replicated(mesh), lambda index: value[index]
+    )
+
   return jax.tree.map(leaf, tree)
 
 
@@ -113,13 +125,16 @@ def pretrain_runs(mesh, out: dict):
       encoder = encoder_variables(task.init())  # A copy: the train step donates `state`.
       # The online probe starts at zero (all logits equal): evaluate fixed weights instead.
       probe = dict(state.probe, params=fixed(state.probe["params"], mesh, config.seed))
-      for _, evaluator in evaluators.build(config.evaluators, task.eval_model, mesh,
-                                           task.num_classes, task.steps_per_epoch):
+      for _, evaluator in evaluators.build(
+        config.evaluators, task.eval_model, mesh, task.num_classes, task.steps_per_epoch
+      ):
         for name, value in evaluator(state.replace(probe=probe)).items():
           out[f"eval/{name}"] = np.float64(value)
     for step in range(STEPS):
       batch = global_batch(config.seed, step, config.batch_size, config.image_size, 2)
-      state, metrics = task.train_step(state, this_process_rows(batch, mesh_lib.batch_sharded(mesh)))
+      state, metrics = task.train_step(
+        state, this_process_rows(batch, mesh_lib.batch_sharded(mesh))
+      )
       out.update(local_copies(metrics, f"{method}/metrics/{step}"))
     out.update(local_copies(state, f"{method}/state"))
   return encoder
@@ -133,24 +148,28 @@ def probe_run(mesh, pretrained, out: dict):
   config = recipes.fill_probe_preset(load_config("linear_probe", "runlocal"), "standardised")
   config.batch_size = 16
   head = linear_probe.LinearHead(10)
-  tx = optim.build_optimizer(config.optimizer, optim.learning_rate_schedule(
-      config.optimizer, config.batch_size, 16, 100))
+  tx = optim.build_optimizer(
+    config.optimizer, optim.learning_rate_schedule(config.optimizer, config.batch_size, 16, 100)
+  )
   feature_dim = models.encoder_width(pretrain_config.model)
 
   def init():  # As linear_probe.build initialises its state.
-    variables = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, feature_dim)),
-                          train=False)
-    return common.TrainState(step=jnp.zeros((), jnp.int32), params=variables["params"],
-                             batch_stats=variables["batch_stats"],
-                             opt_state=tx.init(variables["params"]),
-                             rng=jax.random.PRNGKey(config.seed))
+    variables = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, feature_dim)), train=False)
+    return common.TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=variables["params"],
+      batch_stats=variables["batch_stats"],
+      opt_state=tx.init(variables["params"]),
+      rng=jax.random.PRNGKey(config.seed),
+    )
 
   state = jax.jit(init, out_shardings=mesh_lib.replicated(mesh))()
   train_step = linear_probe.make_train_step(encoder, head, tx)
   for step in range(STEPS):
     batch = global_batch(config.seed + 1, step, config.batch_size, pretrain_config.image_size, 1)
-    state, metrics = train_step(state, pretrained,
-                                this_process_rows(batch, mesh_lib.batch_sharded(mesh)))
+    state, metrics = train_step(
+      state, pretrained, this_process_rows(batch, mesh_lib.batch_sharded(mesh))
+    )
     out.update(local_copies(metrics, f"probe/metrics/{step}"))
   out.update(local_copies(state, "probe/state"))
 
@@ -159,8 +178,9 @@ def main(num_processes: int, process_id: int, port: int, out_dir: str):
   jax.config.update("jax_num_cpu_devices", NUM_DEVICES // num_processes)
   if num_processes > 1:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=num_processes,
-                               process_id=process_id)
+    jax.distributed.initialize(
+      f"127.0.0.1:{port}", num_processes=num_processes, process_id=process_id
+    )
   mesh = mesh_lib.make_mesh()
   assert mesh.size == NUM_DEVICES, mesh
   out = {}

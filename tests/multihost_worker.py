@@ -8,6 +8,7 @@ embeds CIFAR-10 test[:20] with PRETRAIN_WORKDIR's encoder (tests/test_search.py)
 Imports every module first and initialises jax.distributed after, as a pod
 worker does.
 """
+
 import sys
 
 import jax
@@ -21,15 +22,23 @@ jax.config.update("jax_num_cpu_devices", 4)
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
 
 
-def main(process_id: int, port: int, workdir: str, tfds_dir: str, job: str,
-         pretrain_workdir: str = ""):
+def main(
+  process_id: int, port: int, workdir: str, tfds_dir: str, job: str, pretrain_workdir: str = ""
+):
   jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-  from helpers import load_config, tiny_config
+  from helpers import load_config
+  from helpers import tiny_config
 
   if job == "embed":
     config = load_config("embed")
-    config.update(pretrain_workdir=pretrain_workdir, dataset="cifar10", data_dir=tfds_dir,
-                  split="test[:20]", batch_size=8, data_threads=1)
+    config.update(
+      pretrain_workdir=pretrain_workdir,
+      dataset="cifar10",
+      data_dir=tfds_dir,
+      split="test[:20]",
+      batch_size=8,
+      data_threads=1,
+    )
     rows = len(embed.run(config, workdir))
     print(f"RESULT process={jax.process_index()} rows={rows}", flush=True)
     return
@@ -51,8 +60,11 @@ def main(process_id: int, port: int, workdir: str, tfds_dir: str, job: str,
   config.data_dir = tfds_dir
   state, _ = runner.run({"pretrain": pretrain, "linear_probe": linear_probe}[job], config, workdir)
   leaf = jax.tree.leaves(state.params)[0]
-  print(f"RESULT process={jax.process_index()} step={int(state.step)} "
-        f"checksum={float(leaf.addressable_data(0).sum()):.8f}", flush=True)
+  print(
+    f"RESULT process={jax.process_index()} step={int(state.step)} "
+    f"checksum={float(leaf.addressable_data(0).sum()):.8f}",
+    flush=True,
+  )
 
 
 if __name__ == "__main__":

@@ -1,28 +1,33 @@
 """The ANN index (jobs/ann.py) of an embed job, its search, and adding images to an index."""
+
 import json
 import os
 import shutil
 import sys
 import zlib
 
+from helpers import load_benchmark
 import ml_collections
 import numpy as np
 import pytest
-from helpers import load_benchmark
-# The tiny pretraining workdir and the job configs of the embed and neighbours tests.
-from test_search import embed_config, neighbours_config, pretrained  # noqa: F401
 
+# The tiny pretraining workdir and the job configs of the embed and neighbours tests.
+from test_search import embed_config  # noqa: F401
+from test_search import neighbours_config  # noqa: F401
+from test_search import pretrained  # noqa: F401
+
+from contrastive_jax.core import files
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
-from contrastive_jax.core import files
-from contrastive_jax.search import ann as ann_lib
 from contrastive_jax.jobs import embed
-from contrastive_jax.search import index as index_lib
 from contrastive_jax.jobs import neighbours
+from contrastive_jax.search import ann as ann_lib
+from contrastive_jax.search import index as index_lib
 
 faiss = pytest.importorskip("faiss")
-CLOTHING = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "images", "clothing",
-                        "test")
+CLOTHING = os.path.join(
+  os.path.dirname(__file__), "..", "..", "shared", "images", "clothing", "test"
+)
 
 
 def _unit(rng, n, d):
@@ -47,16 +52,23 @@ def test_choose_is_exact_below_the_measured_size_and_ivfpq_above_unless_told():
   auto = _ann_config()
   assert ann_lib.choose(ann_lib.EXACT_BELOW - 1, 128, auto)["type"] == "flat"
   assert ann_lib.choose(1_000_000, 128, auto) == {
-      "type": "ivfpq", "factory": "IVF4096,PQ64x4fs,RFlat",
-      "params": {"nlist": 4096, "nprobe": None, "k_factor": ann_lib.IVFPQ_K_FACTOR},
-      "calibration": {"param": "nprobe", "target": 0.95}}
+    "type": "ivfpq",
+    "factory": "IVF4096,PQ64x4fs,RFlat",
+    "params": {"nlist": 4096, "nprobe": None, "k_factor": ann_lib.IVFPQ_K_FACTOR},
+    "calibration": {"param": "nprobe", "target": 0.95},
+  }
   assert ann_lib.choose(10, 7, _ann_config(type="ivfpq", nlist=4))["factory"] == (
-      "IVF4,PQ7x4fs,RFlat")
+    "IVF4,PQ7x4fs,RFlat"
+  )
   hnsw = ann_lib.choose(10, 128, _ann_config(type="hnsw", hnsw_m=8, ef_search=20))
-  assert hnsw["params"] == {"M": 8, "efConstruction": ann_lib.HNSW_EF_CONSTRUCTION,
-                            "efSearch": 20} and hnsw["calibration"] is None
+  assert (
+    hnsw["params"] == {"M": 8, "efConstruction": ann_lib.HNSW_EF_CONSTRUCTION, "efSearch": 20}
+    and hnsw["calibration"] is None
+  )
   assert ann_lib.choose(10, 128, _ann_config(type="ivf", recall=0.8))["calibration"] == {
-      "param": "nprobe", "target": 0.8}
+    "param": "nprobe",
+    "target": 0.8,
+  }
   given = ann_lib.choose(1_000_000, 128, _ann_config(type="ivf", nprobe=9))
   assert given["params"] == {"nlist": 4096, "nprobe": 9} and given["calibration"] is None
   assert ann_lib.choose(10, 128, _ann_config(type="none")) is None
@@ -104,8 +116,12 @@ def _self_recall(index, bank, k=10):
   np.fill_diagonal(sims, -np.inf)
   kth = np.sort(sims, axis=1)[:, -k]
   scores, found = index.search(bank, k + 1)
-  return np.mean([np.sum(s[(f != i) & (f >= 0)][:k] >= t - 1e-6) / k
-                  for i, (s, f, t) in enumerate(zip(scores, found, kth))])
+  return np.mean(
+    [
+      np.sum(s[(f != i) & (f >= 0)][:k] >= t - 1e-6) / k
+      for i, (s, f, t) in enumerate(zip(scores, found, kth))
+    ]
+  )
 
 
 def test_calibration_takes_the_smallest_nprobe_that_finds_the_target_recall(monkeypatch):
@@ -114,12 +130,20 @@ def test_calibration_takes_the_smallest_nprobe_that_finds_the_target_recall(monk
   monkeypatch.setattr(ann_lib, "CALIBRATION_QUERIES", 10**6)
   rng = np.random.default_rng(0)
   chosen = {}
-  for name, bank in (("random", _unit(rng, 3000, 32)), ("clustered", _clustered(rng, 3000, 32, 40))):
+  for name, bank in (
+    ("random", _unit(rng, 3000, 32)),
+    ("clustered", _clustered(rng, 3000, 32, 40)),
+  ):
     spec = ann_lib.choose(len(bank), 32, _ann_config(type="ivf", nlist=64, recall=0.9))
     index, built = ann_lib.build(bank, spec, threads=1)
     p = built["params"]["nprobe"]
-    assert built["calibration"] == {"param": "nprobe", "target": 0.9, "k": 10, "queries": 3000,
-                                    "recall": pytest.approx(_self_recall(index, bank), abs=1e-9)}
+    assert built["calibration"] == {
+      "param": "nprobe",
+      "target": 0.9,
+      "k": 10,
+      "queries": 3000,
+      "recall": pytest.approx(_self_recall(index, bank), abs=1e-9),
+    }
     assert built["calibration"]["recall"] >= 0.9
     faiss.extract_index_ivf(index).nprobe = p - 1
     assert _self_recall(index, bank) < 0.9
@@ -128,16 +152,19 @@ def test_calibration_takes_the_smallest_nprobe_that_finds_the_target_recall(monk
 
 
 def test_calibration_stands_for_new_queries_and_says_when_the_target_is_out_of_reach(
-    monkeypatch, caplog):
+  monkeypatch, caplog
+):
   # Rows as queries (the calibration) and new queries find about as much (calibrate's docstring).
   rng = np.random.default_rng(2)
   rows = _clustered(rng, 5500, 16, 30)  # One set of clusters for both.
   bank, fresh = rows[:5000], rows[5000:]
-  index, built = ann_lib.build(bank, ann_lib.choose(5000, 16, _ann_config(type="ivfpq", nlist=64,
-                                                                           recall=0.9)), threads=1)
+  index, built = ann_lib.build(
+    bank, ann_lib.choose(5000, 16, _ann_config(type="ivfpq", nlist=64, recall=0.9)), threads=1
+  )
   _, found = index.search(fresh, 10)
-  fresh_recall = np.mean([len(set(a) & set(b)) / 10 for a, b in
-                          zip(found, _exact(fresh, bank, 10)[1])])
+  fresh_recall = np.mean(
+    [len(set(a) & set(b)) / 10 for a, b in zip(found, _exact(fresh, bank, 10)[1])]
+  )
   assert abs(fresh_recall - built["calibration"]["recall"]) < 0.03, fresh_recall
   bank = bank[:2000]
   monkeypatch.setattr(ann_lib, "CALIBRATION_QUERIES", 10**6)
@@ -198,8 +225,10 @@ def photos(pretrained, tmp_path):
   """(index workdir, folder): an index of 6 photos with an HNSW index (forced: few rows)."""
   folder = _folder(tmp_path, "photos", ["dress", "hat", "shoes"])
   workdir = str(tmp_path / "index")
-  embed.run(embed_config(pretrained, dataset=None, folder=folder,
-                         ann=_ann_config(type="hnsw").to_dict()), workdir)
+  embed.run(
+    embed_config(pretrained, dataset=None, folder=folder, ann=_ann_config(type="hnsw").to_dict()),
+    workdir,
+  )
   return workdir, folder
 
 
@@ -225,19 +254,25 @@ def test_neighbours_searches_the_ann_index_and_says_so(photos, tmp_path):
   results = {}
   for search in ("auto", "exact"):
     results[search] = neighbours.run(
-        neighbours_config(workdir, query_rows="0,1,2,3,4,5", search=search),
-        str(tmp_path / search))
+      neighbours_config(workdir, query_rows="0,1,2,3,4,5", search=search), str(tmp_path / search)
+    )
     got = results[search]["queries"]
     np.testing.assert_array_equal([[n["row"] for n in q["neighbours"]] for q in got], want_rows)
-    np.testing.assert_allclose([[n["score"] for n in q["neighbours"]] for q in got], want_scores,
-                               atol=1e-5)
-  assert results["auto"]["search"] == {"method": "ann", "type": "hnsw",
-                                       "params": saved.ann["params"], "file": saved.ann["file"]}
+    np.testing.assert_allclose(
+      [[n["score"] for n in q["neighbours"]] for q in got], want_scores, atol=1e-5
+    )
+  assert results["auto"]["search"] == {
+    "method": "ann",
+    "type": "hnsw",
+    "params": saved.ann["params"],
+    "file": saved.ann["file"],
+  }
   assert results["exact"]["search"] == {"method": "exact"}
 
 
 def test_adding_files_embeds_only_new_ones_rows_continue_and_their_queries_find_them(
-    pretrained, photos, tmp_path):
+  pretrained, photos, tmp_path
+):
   workdir, folder = photos
   before = index_lib.load_index(workdir)
   first_bytes = open(os.path.join(workdir, index_lib.EMBEDDINGS), "rb").read()
@@ -245,8 +280,11 @@ def test_adding_files_embeds_only_new_ones_rows_continue_and_their_queries_find_
   added = embed.run(embed_config(None, dataset=None, folder=folder, add=True), workdir)
   assert added.shape == (2, before.embeddings.shape[1])
   after = index_lib.load_index(workdir)
-  new_names = [os.path.join(new, cls, f) for cls in ("pants", "skirt")
-               for f in sorted(os.listdir(os.path.join(new, cls)))]
+  new_names = [
+    os.path.join(new, cls, f)
+    for cls in ("pants", "skirt")
+    for f in sorted(os.listdir(os.path.join(new, cls)))
+  ]
   assert after.rows == before.rows + [{"name": name} for name in new_names]
   # The first part is as it was; the new rows are a new part, embedded as a fresh index does.
   assert open(os.path.join(workdir, index_lib.EMBEDDINGS), "rb").read() == first_bytes
@@ -254,14 +292,16 @@ def test_adding_files_embeds_only_new_ones_rows_continue_and_their_queries_find_
   alone = str(tmp_path / "alone")
   only_new = _folder(tmp_path, "only_new", ["pants", "skirt"], per_class=1)
   embed.run(embed_config(pretrained, dataset=None, folder=only_new), alone)
-  np.testing.assert_allclose(np.asarray(after.embeddings)[6:],
-                             index_lib.load_index(alone).embeddings, atol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(after.embeddings)[6:], index_lib.load_index(alone).embeddings, atol=1e-5
+  )
   assert after.ann["rows"] == 8 and after.ann["file"] == "ann.1.faiss"
 
   assert sorted(f for f in os.listdir(workdir) if f.endswith(".faiss")) == ["ann.1.faiss"]
   # The new files, as query files, find themselves first through the ANN index.
-  results = neighbours.run(neighbours_config(workdir, queries=",".join(new_names)),
-                           str(tmp_path / "search"))
+  results = neighbours.run(
+    neighbours_config(workdir, queries=",".join(new_names)), str(tmp_path / "search")
+  )
   assert results["search"]["method"] == "ann"
   for i, query in enumerate(results["queries"]):
     assert query["neighbours"][0]["row"] == 6 + i
@@ -274,8 +314,9 @@ def test_adding_files_embeds_only_new_ones_rows_continue_and_their_queries_find_
 def test_an_interrupted_add_leaves_the_previous_index_as_it_was(photos, tmp_path, monkeypatch):
   workdir, folder = photos
   before = index_lib.load_index(workdir)
-  listing = {f: open(os.path.join(workdir, f), "rb").read() for f in os.listdir(workdir)
-             if f != files.LOCK}
+  listing = {
+    f: open(os.path.join(workdir, f), "rb").read() for f in os.listdir(workdir) if f != files.LOCK
+  }
   _folder(tmp_path, "photos", ["pants"], per_class=1)
   original = files.write_atomic
 
@@ -328,9 +369,10 @@ def test_bad_indexes_and_adds_are_refused_in_one_line(pretrained, photos, tmp_pa
   ann_path = os.path.join(workdir, ann_lib.META)
   ann_pristine = open(ann_path).read()
   for field, value, match in [
-      ("embed_run", "0123", "has embed_run='0123': must be the embeddings' .*another embed run"),
-      ("dim", 7, "has dim=7: must be the embeddings' .*another embed run or dimension"),
-      ("format_version", 99, "format_version=99: must be 1 ")]:
+    ("embed_run", "0123", "has embed_run='0123': must be the embeddings' .*another embed run"),
+    ("dim", 7, "has dim=7: must be the embeddings' .*another embed run or dimension"),
+    ("format_version", 99, "format_version=99: must be 1 "),
+  ]:
     _edit_json(meta_path, ann=dict(meta["ann"], **{field: value}))
     _edit_json(ann_path, **{field: value})
     refused(JobError, "config.index_workdir=.*" + match, neighbours, search)
@@ -339,27 +381,44 @@ def test_bad_indexes_and_adds_are_refused_in_one_line(pretrained, photos, tmp_pa
   open(meta_path, "w").write(pristine)
   # ann.json alone: of an unknown version, other than embed.json's copy, missing, not JSON.
   for edit, match in [
-      (lambda: _edit_json(ann_path, format_version=99),
-       "ann.json has format_version=99: must be 1 "),
-      (lambda: _edit_json(ann_path, params={"efSearch": 1}),
-       r"ann.json has params=\{'efSearch': 1\} where embed.json's copy of it has .*the same"),
-      (lambda: os.remove(ann_path), "ann.json is missing: embed.json lists the ANN index "
-       "ann.0.faiss"),
-      (lambda: open(ann_path, "w").write("{"), "ann.json must be the JSON an embed job")]:
+    (lambda: _edit_json(ann_path, format_version=99), "ann.json has format_version=99: must be 1 "),
+    (
+      lambda: _edit_json(ann_path, params={"efSearch": 1}),
+      r"ann.json has params=\{'efSearch': 1\} where embed.json's copy of it has .*the same",
+    ),
+    (
+      lambda: os.remove(ann_path),
+      "ann.json is missing: embed.json lists the ANN index ann.0.faiss",
+    ),
+    (lambda: open(ann_path, "w").write("{"), "ann.json must be the JSON an embed job"),
+  ]:
     edit()
     refused(JobError, "config.index_workdir=.*: " + match, neighbours, search)
     refused(JobError, f"--workdir={workdir}: " + match, embed, add)
-    refused(JobError, "config.index_workdir=.*: " + match, neighbours,
-            neighbours_config(workdir, query_rows="0", search="exact"))
+    refused(
+      JobError,
+      "config.index_workdir=.*: " + match,
+      neighbours,
+      neighbours_config(workdir, query_rows="0", search="exact"),
+    )
     open(ann_path, "w").write(ann_pristine)
   _edit_json(meta_path, format_version=index_lib.FORMAT_VERSION + 1)
-  refused(JobError, f"embed.json has format_version={index_lib.FORMAT_VERSION + 1}: must be 1 to "
-           f"{index_lib.FORMAT_VERSION}", neighbours, search)
+  refused(
+    JobError,
+    f"embed.json has format_version={index_lib.FORMAT_VERSION + 1}: must be 1 to "
+    f"{index_lib.FORMAT_VERSION}",
+    neighbours,
+    search,
+  )
   open(meta_path, "w").write(pristine)
   with open(ann_file, "wb") as f:
     f.write(ann_bytes[:1000])
-  refused(JobError, f"ann.0.faiss has 1000 bytes: must have {len(ann_bytes)} .*truncated",
-          neighbours, search)
+  refused(
+    JobError,
+    f"ann.0.faiss has 1000 bytes: must have {len(ann_bytes)} .*truncated",
+    neighbours,
+    search,
+  )
   # Sizes agree (no checksum recorded): FAISS refuses it.
   unchecked = {k: v for k, v in meta["ann"].items() if k != "crc32"}
   _edit_json(meta_path, ann=dict(unchecked, bytes=1000))
@@ -379,45 +438,76 @@ def test_bad_indexes_and_adds_are_refused_in_one_line(pretrained, photos, tmp_pa
   whole = open(embeddings, "rb").read()
   with open(embeddings, "wb") as f:
     f.write(whole[:200])
-  refused(JobError, "embeddings.npy and index.jsonl must be the files of 6 rows .*truncated",
-          neighbours, search)
+  refused(
+    JobError,
+    "embeddings.npy and index.jsonl must be the files of 6 rows .*truncated",
+    neighbours,
+    search,
+  )
   with open(embeddings, "wb") as f:
     f.write(whole)
   # Adds with another checkpoint, from no folder or one that cannot be read, to no index.
   other = str(tmp_path / "other")
   shutil.copytree(pretrained, other)
   for config, match in [
-      (embed_config(other, dataset=None, folder=folder, add=True),
-       "config.pretrain_workdir=.*other': must be unset or the index's checkpoint .*step 0"),
-      (embed_config(None, dataset=None, folder=folder, add=True, pretrain_step=3),
-       "config.pretrain_step=3: must be -1 or 0"),
-      (embed_config(None, dataset=None, folder=str(tmp_path / "nowhere"), add=True),
-       "config.folder=.*nowhere': must be an existing folder"),
-      (embed_config(pretrained, add=True), "config.folder=None: must be .* when config.add"),
-      (embed_config(None, dataset=None, folder=folder, add=True,
-                    ann=_ann_config(type="annoy").to_dict()), "config.ann.type='annoy'")]:
+    (
+      embed_config(other, dataset=None, folder=folder, add=True),
+      "config.pretrain_workdir=.*other': must be unset or the index's checkpoint .*step 0",
+    ),
+    (
+      embed_config(None, dataset=None, folder=folder, add=True, pretrain_step=3),
+      "config.pretrain_step=3: must be -1 or 0",
+    ),
+    (
+      embed_config(None, dataset=None, folder=str(tmp_path / "nowhere"), add=True),
+      "config.folder=.*nowhere': must be an existing folder",
+    ),
+    (embed_config(pretrained, add=True), "config.folder=None: must be .* when config.add"),
+    (
+      embed_config(
+        None, dataset=None, folder=folder, add=True, ann=_ann_config(type="annoy").to_dict()
+      ),
+      "config.ann.type='annoy'",
+    ),
+  ]:
     refused(ConfigError, match, embed, config)
   with pytest.raises(JobError, match=f"--workdir={out}: must hold a finished embed job's index"):
     embed.run(add, out)
   # A query file that cannot be read, with an ANN index too.
   broken = tmp_path / "broken.jpg"
   broken.write_bytes(b"\xff\xd8\xff not a JPEG")
-  refused(ConfigError, f"config.queries='{broken}': must be an image file that can be read",
-          neighbours, neighbours_config(workdir, queries=str(broken)))
+  refused(
+    ConfigError,
+    f"config.queries='{broken}': must be an image file that can be read",
+    neighbours,
+    neighbours_config(workdir, queries=str(broken)),
+  )
   # Without FAISS (the base install): one line saying what to install.
   monkeypatch.setitem(sys.modules, "faiss", None)
-  refused(ConfigError, r"config.search='auto': must be 'exact' unless FAISS is installed: pip "
-          r"install 'contrastive_jax\[search\]'", neighbours, search)
-  refused(ConfigError, r"config.add=True: must be False \(the index's ANN index ann.0.faiss "
-          r"grows with its rows\) unless FAISS is installed: pip install "
-          r"'contrastive_jax\[search\]'", embed, add)
-  assert neighbours.run(neighbours_config(workdir, query_rows="0", search="exact"),
-                        out)["search"] == {"method": "exact"}
+  refused(
+    ConfigError,
+    r"config.search='auto': must be 'exact' unless FAISS is installed: pip "
+    r"install 'contrastive_jax\[search\]'",
+    neighbours,
+    search,
+  )
+  refused(
+    ConfigError,
+    r"config.add=True: must be False \(the index's ANN index ann.0.faiss "
+    r"grows with its rows\) unless FAISS is installed: pip install "
+    r"'contrastive_jax\[search\]'",
+    embed,
+    add,
+  )
+  assert neighbours.run(neighbours_config(workdir, query_rows="0", search="exact"), out)[
+    "search"
+  ] == {"method": "exact"}
   assert open(meta_path).read() == pristine
 
 
 def test_a_flat_index_searched_exactly_still_has_its_file_checked_and_says_how(
-    pretrained, tmp_path, caplog):
+  pretrained, tmp_path, caplog
+):
   """The default below EXACT_BELOW rows: neighbours never loads the file, but checks it."""
   folder = _folder(tmp_path, "photos", ["dress", "hat"])
   workdir = str(tmp_path / "index")
@@ -429,14 +519,19 @@ def test_a_flat_index_searched_exactly_still_has_its_file_checked_and_says_how(
   search = neighbours_config(workdir, query_rows="0")
   with caplog.at_level("INFO"):
     assert neighbours.run(search, str(tmp_path / "out"))["search"] == {"method": "exact"}
-  assert ("Searching the 4 rows exactly (its ANN index ann.0.faiss is 'flat', itself exact); "
-          "ann.0.faiss: size and CRC-32 checked.") in caplog.text
+  assert (
+    "Searching the 4 rows exactly (its ANN index ann.0.faiss is 'flat', itself exact); "
+    "ann.0.faiss: size and CRC-32 checked."
+  ) in caplog.text
   # A garbled file of the same size: refused in one line where it would be passed over.
   with open(path, "wb") as f:
     f.write(content[:-8] + bytes(8))
-  with pytest.raises(JobError, match=r"config.index_workdir=.*: the ANN index ann.0.faiss has "
-                     rf"CRC-32 {zlib.crc32(content[:-8] + bytes(8))}: must have "
-                     rf"{described['crc32']} \(ann.json\); its bytes are damaged") as raised:
+  with pytest.raises(
+    JobError,
+    match=r"config.index_workdir=.*: the ANN index ann.0.faiss has "
+    rf"CRC-32 {zlib.crc32(content[:-8] + bytes(8))}: must have "
+    rf"{described['crc32']} \(ann.json\); its bytes are damaged",
+  ) as raised:
     neighbours.run(search, str(tmp_path / "out2"))
   assert "\n" not in str(raised.value)
   # An ann.json written without a checksum: its size only, and the log line says so.
@@ -449,10 +544,13 @@ def test_a_flat_index_searched_exactly_still_has_its_file_checked_and_says_how(
     open(os.path.join(workdir, name), "w").write(json.dumps(meta))
   caplog.clear()
   with caplog.at_level("INFO"):
-    neighbours.run(neighbours_config(workdir, query_rows="0", search="exact"),
-                   str(tmp_path / "out3"))
-  assert ("Searching the 4 rows exactly (config.search='exact'); ann.0.faiss: size checked "
-          "(ann.json records no CRC-32).") in caplog.text
+    neighbours.run(
+      neighbours_config(workdir, query_rows="0", search="exact"), str(tmp_path / "out3")
+    )
+  assert (
+    "Searching the 4 rows exactly (config.search='exact'); ann.0.faiss: size checked "
+    "(ann.json records no CRC-32)."
+  ) in caplog.text
 
 
 def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_ivfpq(tmp_path, monkeypatch):
@@ -464,14 +562,33 @@ def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_ivfpq(tmp_path, mon
   run_id = "r"
   description = index_lib._write_ann(workdir, config, first, generation=0, run_id=run_id)
   assert description["type"] == "flat"
-  meta = {"format_version": 2, "run_id": run_id, "config": {"folder": "/x"}, "image_size": 32,
-          "crop_fraction": 1.0, "crop_resize": "bilinear", "num_images": 100, "dim": 16,
-          "class_names": None, "unreadable": 0, "parts": [], "ann": description}
-  meta["parts"].append(index_lib._write_part(workdir, 0, first, [{"name": str(i)}
-                                                                 for i in range(100)], "/x"))
+  meta = {
+    "format_version": 2,
+    "run_id": run_id,
+    "config": {"folder": "/x"},
+    "image_size": 32,
+    "crop_fraction": 1.0,
+    "crop_resize": "bilinear",
+    "num_images": 100,
+    "dim": 16,
+    "class_names": None,
+    "unreadable": 0,
+    "parts": [],
+    "ann": description,
+  }
+  meta["parts"].append(
+    index_lib._write_part(workdir, 0, first, [{"name": str(i)} for i in range(100)], "/x")
+  )
   index_lib._commit(workdir, meta, None)
-  index_lib.append(workdir, index_lib.load_index(workdir), config.ann, second,
-                   [str(i) for i in range(100, 200)], "/y", 0)
+  index_lib.append(
+    workdir,
+    index_lib.load_index(workdir),
+    config.ann,
+    second,
+    [str(i) for i in range(100, 200)],
+    "/y",
+    0,
+  )
   grown = index_lib.load_index(workdir)
   assert grown.ann["type"] == "ivfpq" and grown.ann["rows"] == 200
   assert sorted(f for f in os.listdir(workdir) if f.endswith(".faiss")) == ["ann.1.faiss"]
@@ -486,8 +603,11 @@ def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_ivfpq(tmp_path, mon
   again = index_lib.load_index(workdir)
   assert again.ann["file"] == "ann.2.faiss" and again.ann["calibration"]["queries"] == 260
   loaded = ann_lib.load(workdir, again.ann, where="x")
-  fresh = ann_lib.calibrate(loaded, np.concatenate([bank, third]),
-                            dict(again.ann, calibration={"param": "nprobe", "target": 0.95}))
+  fresh = ann_lib.calibrate(
+    loaded,
+    np.concatenate([bank, third]),
+    dict(again.ann, calibration={"param": "nprobe", "target": 0.95}),
+  )
   assert (fresh["params"], fresh["calibration"]) == (again.ann["params"], again.ann["calibration"])
 
 
@@ -496,8 +616,11 @@ def test_an_index_from_before_ann_indexes_is_read_and_an_add_gives_it_one(photos
   meta_path = os.path.join(workdir, index_lib.META)
   with open(meta_path) as f:
     meta = json.load(f)
-  old = {key: value for key, value in meta.items()
-         if key not in ("format_version", "run_id", "parts", "ann")}
+  old = {
+    key: value
+    for key, value in meta.items()
+    if key not in ("format_version", "run_id", "parts", "ann")
+  }
   del old["config"]["ann"], old["config"]["add"]
   crop = old.pop("eval_crop")  # Format 1 held the eval crop's size and fraction, no resize.
   old.update(image_size=crop["size"], crop_fraction=crop["fraction"])
@@ -520,18 +643,29 @@ def test_an_index_from_before_ann_indexes_is_read_and_an_add_gives_it_one(photos
 def test_the_benchmark_measures_exact_search_and_each_index_against_it():
   bench = load_benchmark("ann")
   assert bench.recall(np.array([[1, 2, 3], [5, 6, 7]]), np.array([[3, 4, 1], [5, 6, 7]])) == (
-      pytest.approx((2 / 3 + 1) / 2))
+    pytest.approx((2 / 3 + 1) / 2)
+  )
   rng = np.random.default_rng(0)
-  table = bench.measure(bench.unit_rows(rng, 4000, 32), bench.unit_rows(rng, 100, 32), k=10,
-                        threads=1, types=["ivf", "ivfpq"], ef_search=[], nprobe_fractions=[1.0],
-                        k_factors=[], scann=False)
+  table = bench.measure(
+    bench.unit_rows(rng, 4000, 32),
+    bench.unit_rows(rng, 100, 32),
+    k=10,
+    threads=1,
+    types=["ivf", "ivfpq"],
+    ef_search=[],
+    nprobe_fractions=[1.0],
+    k_factors=[],
+    scann=False,
+  )
   rows = {name: numbers for name, *numbers in table}
   assert table[0][0] == "exact: faiss IndexFlatIP" and table[0][3:6:2] == (1.0, 1.0)
   # IVF probing all of its 64 lists (4,000 / 39 rows: MIN_ROWS_PER_LIST) is exact search;
   # the calibrated nprobe (first) finds about its target of 0.95 with fewer.
   assert rows["IVF64,Flat nprobe=64"][2] == 1.0
-  ivf, ivfpq = ([name for name in rows if name.startswith(f"IVF64,{codes}")]
-                for codes in ("Flat", "PQ16x4fs,RFlat"))
+  ivf, ivfpq = (
+    [name for name in rows if name.startswith(f"IVF64,{codes}")]
+    for codes in ("Flat", "PQ16x4fs,RFlat")
+  )
   assert len(ivf) == 2 and ivf[0].endswith(" (calibrated)") and 0.9 < rows[ivf[0]][2] < 1.0
   assert int(ivf[0].split("=")[1].split()[0]) < 64
   assert len(ivfpq) == 2 and ivfpq[1] == "IVF64,PQ16x4fs,RFlat nprobe=64 k_factor=50"
@@ -540,15 +674,21 @@ def test_the_benchmark_measures_exact_search_and_each_index_against_it():
   assert len(lines) == len(table) + 2 and lines[2].startswith("| exact: faiss IndexFlatIP | ")
 
 
-def test_the_base_install_embeds_without_faiss_and_searches_exactly(pretrained, tmp_path,
-                                                                   monkeypatch):
+def test_the_base_install_embeds_without_faiss_and_searches_exactly(
+  pretrained, tmp_path, monkeypatch
+):
   """ann.type 'auto' without FAISS: no ANN index, a warning, exact search; a type named needs it."""
   folder = _folder(tmp_path, "photos", ["dress", "hat"])
   monkeypatch.setitem(sys.modules, "faiss", None)
-  with pytest.raises(ConfigError, match=r"config.ann.type='hnsw': must be 'auto' or 'none' "
-                     r"unless FAISS"):
-    embed.run(embed_config(pretrained, dataset=None, folder=folder,
-                           ann=_ann_config(type="hnsw").to_dict()), str(tmp_path / "named"))
+  with pytest.raises(
+    ConfigError,
+    match=r"config.ann.type='hnsw': must be 'auto' or 'none' "
+    r"unless FAISS",
+  ):
+    embed.run(
+      embed_config(pretrained, dataset=None, folder=folder, ann=_ann_config(type="hnsw").to_dict()),
+      str(tmp_path / "named"),
+    )
   workdir = str(tmp_path / "index")
   h = embed.run(embed_config(pretrained, dataset=None, folder=folder), workdir)
   with open(os.path.join(workdir, index_lib.META)) as f:

@@ -1,28 +1,32 @@
 """The audit job (jobs/audit.py): planted duplicates and leaks among real photos, and bad input."""
+
 import csv
 import json
 import os
 import shutil
 
+from helpers import load_benchmark
+from helpers import load_config
+from helpers import tiny_config
 import jax
 import numpy as np
-import pytest
-from helpers import load_benchmark, load_config, tiny_config
 from PIL import Image
+import pytest
 from test_search import embed_config  # The embed config of the search tests.
 
-from contrastive_jax.core import checkpointing
-from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.search import ann as ann_lib
-from contrastive_jax.search import exact
-from contrastive_jax.jobs import audit
-from contrastive_jax.search import index as index_lib
 from contrastive_jax import main
 from contrastive_jax import models
+from contrastive_jax.core import checkpointing
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.jobs import audit
+from contrastive_jax.search import ann as ann_lib
+from contrastive_jax.search import exact
+from contrastive_jax.search import index as index_lib
 
 pytest.importorskip("faiss")
-CLOTHING = os.path.join(os.path.dirname(__file__), "..", "..", "shared", "images", "clothing",
-                        "test")
+CLOTHING = os.path.join(
+  os.path.dirname(__file__), "..", "..", "shared", "images", "clothing", "test"
+)
 
 
 def _photo(cls, number):
@@ -55,9 +59,13 @@ def pretrained(tmp_path_factory):
   config = tiny_config()
   config.model.zero_init_residual = False
   encoder = models.build_encoder(config.model)
-  photos = np.stack([np.asarray(Image.open(_photo(cls, n)).convert("RGB").resize((32, 32)))
-                     for cls in ("longsleeve", "outwear", "pants", "shirt", "shorts", "t-shirt",
-                                 "shoes", "dress") for n in range(6, 14)]) / np.float32(255)
+  photos = np.stack(
+    [
+      np.asarray(Image.open(_photo(cls, n)).convert("RGB").resize((32, 32)))
+      for cls in ("longsleeve", "outwear", "pants", "shirt", "shorts", "t-shirt", "shoes", "dress")
+      for n in range(6, 14)
+    ]
+  ) / np.float32(255)
   variables = encoder.init(jax.random.PRNGKey(0), photos[:1], train=False)
   step = jax.jit(lambda v: encoder.apply(v, photos, train=True, mutable=["batch_stats"])[1])
   for _ in range(60):  # BN momentum 0.9: the initial statistics' weight falls to 0.9^60.
@@ -92,10 +100,12 @@ def indexes(pretrained, tmp_path_factory):
   _copy(_photo("hat", 1), str(train / "hat" / "dup.jpg"), scale=1.3, quality=80)
   _copy(_photo("shoes", 2), str(test / "shoes" / "leak.jpg"), scale=0.6, quality=70)
   _copy(_photo("dress", 3), str(test / "dress" / "leak.jpg"), scale=0.8, quality=50)
-  planted = {("duplicate", f"{train}/dress/0.jpg", f"{train}/dress/dup.jpg"),
-             ("duplicate", f"{train}/hat/1.jpg", f"{train}/hat/dup.jpg"),
-             ("leak", f"{test}/shoes/leak.jpg", f"{train}/shoes/2.jpg"),
-             ("leak", f"{test}/dress/leak.jpg", f"{train}/dress/3.jpg")}
+  planted = {
+    ("duplicate", f"{train}/dress/0.jpg", f"{train}/dress/dup.jpg"),
+    ("duplicate", f"{train}/hat/1.jpg", f"{train}/hat/dup.jpg"),
+    ("leak", f"{test}/shoes/leak.jpg", f"{train}/shoes/2.jpg"),
+    ("leak", f"{test}/dress/leak.jpg", f"{train}/dress/3.jpg"),
+  }
   hnsw = dict(embed_config(None).ann.to_dict(), type="hnsw")
   train_index, test_index = str(root / "train_index"), str(root / "test_index")
   main.run_job(embed_config(pretrained, dataset=None, folder=str(train), ann=hnsw), train_index)
@@ -116,10 +126,20 @@ def _numpy_pairs(train, test, threshold):
   x, y = (np.asarray(index_lib.load_index(d).embeddings, np.float64) for d in (train, test))
   names = [[r["name"] for r in index_lib.load_index(d).rows] for d in (train, test)]
   within, across = x @ x.T, y @ x.T
-  pairs = {("duplicate", names[0][i], names[0][j]): within[i, j]
-           for i in range(len(x)) for j in range(i + 1, len(x)) if within[i, j] >= threshold}
-  pairs.update({("leak", names[1][i], names[0][j]): across[i, j]
-                for i in range(len(y)) for j in range(len(x)) if across[i, j] >= threshold})
+  pairs = {
+    ("duplicate", names[0][i], names[0][j]): within[i, j]
+    for i in range(len(x))
+    for j in range(i + 1, len(x))
+    if within[i, j] >= threshold
+  }
+  pairs.update(
+    {
+      ("leak", names[1][i], names[0][j]): across[i, j]
+      for i in range(len(y))
+      for j in range(len(x))
+      if across[i, j] >= threshold
+    }
+  )
   return pairs
 
 
@@ -129,7 +149,8 @@ def _read_csv(workdir):
 
 
 def test_the_planted_duplicates_and_leaks_are_the_top_pairs_and_exactly_those_found(
-    indexes, tmp_path):
+  indexes, tmp_path
+):
   train, test, planted = indexes
   every = _numpy_pairs(train, test, -1.0)
   lowest_planted = min(every[p] for p in planted)
@@ -143,37 +164,48 @@ def test_the_planted_duplicates_and_leaks_are_the_top_pairs_and_exactly_those_fo
   assert {(r["kind"], r["name_a"], r["name_b"]) for r in table} == planted
   for r in table:
     assert float(r["score"]) == pytest.approx(every[r["kind"], r["name_a"], r["name_b"]], abs=1e-5)
-  assert [float(r["score"]) for r in table] == sorted((float(r["score"]) for r in table),
-                                                      reverse=True)
+  assert [float(r["score"]) for r in table] == sorted(
+    (float(r["score"]) for r in table), reverse=True
+  )
   # The summary agrees with the CSV; the picture holds the 4 pairs on one line of 8 cells.
   assert summary == json.load(open(os.path.join(workdir, audit.SUMMARY)))
   assert summary["pairs"] == {"duplicate": 2, "leak": 2}
   assert summary["threshold"] == threshold and summary["search"] == {"method": "exact"}
   train_folder, test_folder = (index_lib.load_index(d).config.folder for d in (train, test))
   assert summary["splits"] == {
-      train_folder: {"rows": 14, "pairs": 2, "images_in_pairs": 4},
-      test_folder: {"rows": 6, "pairs": 2, "images_in_pairs": 2}}
-  assert {(r["class_a"], r["class_b"]) for r in table} == {("dress", "dress"), ("hat", "hat"),
-                                                          ("shoes", "shoes")}
-  assert summary["classes"] == {"dress": {"duplicate": 1, "leak": 1}, "hat": {"duplicate": 1,
-                                "leak": 0}, "shoes": {"duplicate": 0, "leak": 1}}
+    train_folder: {"rows": 14, "pairs": 2, "images_in_pairs": 4},
+    test_folder: {"rows": 6, "pairs": 2, "images_in_pairs": 2},
+  }
+  assert {(r["class_a"], r["class_b"]) for r in table} == {
+    ("dress", "dress"),
+    ("hat", "hat"),
+    ("shoes", "shoes"),
+  }
+  assert summary["classes"] == {
+    "dress": {"duplicate": 1, "leak": 1},
+    "hat": {"duplicate": 1, "leak": 0},
+    "shoes": {"duplicate": 0, "leak": 1},
+  }
   assert summary["different_classes"] == {"duplicate": 0, "leak": 0}
   assert summary["rows_with_k_pairs"] == {"duplicate": 0, "leak": 0}
   picture = np.asarray(Image.open(os.path.join(workdir, audit.PICTURE)))
   assert picture.shape == (2 + 32 + 12 + 2, 2 + 8 * (32 + 2), 3)
   # The same pairs through the train index's HNSW index ('auto').
-  approximate = main.run_job(audit_config(train, test, threshold=threshold),
-                             str(tmp_path / "ann"))
+  approximate = main.run_job(audit_config(train, test, threshold=threshold), str(tmp_path / "ann"))
   assert approximate["search"]["method"] == "ann" and approximate["search"]["type"] == "hnsw"
   found = _read_csv(str(tmp_path / "ann"))
   assert {(r["kind"], r["name_a"], r["name_b"]) for r in found} == planted
   # A picture of 2 pairs shows the best of each kind: the best leak and the best duplicate.
-  main.run_job(audit_config(train, test, threshold=threshold, picture_pairs=2),
-               str(tmp_path / "two"))
-  best = {kind: max(float(r["score"]) for r in table if r["kind"] == kind)
-          for kind in ("duplicate", "leak")}
+  main.run_job(
+    audit_config(train, test, threshold=threshold, picture_pairs=2), str(tmp_path / "two")
+  )
+  best = {
+    kind: max(float(r["score"]) for r in table if r["kind"] == kind)
+    for kind in ("duplicate", "leak")
+  }
   assert audit._shown([(r["kind"], float(r["score"])) for r in table], 2) == sorted(
-      best.items(), key=lambda p: -p[1])
+    best.items(), key=lambda p: -p[1]
+  )
   picture = np.asarray(Image.open(os.path.join(tmp_path, "two", audit.PICTURE)))
   assert picture.shape == (2 + 32 + 12 + 2, 2 + 4 * (32 + 2), 3)
 
@@ -187,8 +219,9 @@ def test_pairs_at_a_low_threshold_are_numpys_all_pairs_up_to_k_per_row(indexes, 
   workdir = str(tmp_path / str(k))
   os.makedirs(workdir)
   Image.new("RGB", (4, 4)).save(os.path.join(workdir, audit.PICTURE))  # An earlier audit's.
-  summary = audit.run(audit_config(train, test, threshold=threshold, k=k, search="exact",
-                                   picture_pairs=0), workdir)
+  summary = audit.run(
+    audit_config(train, test, threshold=threshold, k=k, search="exact", picture_pairs=0), workdir
+  )
   found = {(r["kind"], r["name_a"], r["name_b"]): float(r["score"]) for r in _read_csv(workdir)}
   assert not os.path.exists(os.path.join(workdir, audit.PICTURE)) and summary["picture"] is None
   if k == 13:  # Every other train row searched, and no row has 13 pairs: all of numpy's pairs.
@@ -202,12 +235,15 @@ def test_pairs_at_a_low_threshold_are_numpys_all_pairs_up_to_k_per_row(indexes, 
     np.fill_diagonal(within, -np.inf)
     kth = np.sort(within, axis=1)[:, -k]
     leak_kth = np.sort(y @ x.T, axis=1)[:, -k]
-    assert summary["rows_with_k_pairs"] == {"duplicate": int((kth >= threshold).sum()),
-                                            "leak": int((leak_kth >= threshold).sum())}
+    assert summary["rows_with_k_pairs"] == {
+      "duplicate": int((kth >= threshold).sum()),
+      "leak": int((leak_kth >= threshold).sum()),
+    }
   for key, score in found.items():
     assert score == pytest.approx(want[key], abs=1e-5)
-  assert summary["pairs"] == {kind: sum(key[0] == kind for key in found)
-                              for kind in ("duplicate", "leak")}
+  assert summary["pairs"] == {
+    kind: sum(key[0] == kind for key in found) for kind in ("duplicate", "leak")
+  }
 
 
 def _edit_json(path, **fields):
@@ -218,8 +254,9 @@ def _edit_json(path, **fields):
     json.dump(content, f)
 
 
-def test_bad_input_is_refused_in_one_line_before_any_search(pretrained, indexes, tmp_path,
-                                                            monkeypatch):
+def test_bad_input_is_refused_in_one_line_before_any_search(
+  pretrained, indexes, tmp_path, monkeypatch
+):
   train, test, _ = indexes
 
   def no_search(*args, **kwargs):
@@ -230,29 +267,39 @@ def test_bad_input_is_refused_in_one_line_before_any_search(pretrained, indexes,
   other = str(tmp_path / "other_checkpoint")
   shutil.copytree(test, other)
   meta = json.load(open(os.path.join(other, index_lib.META)))
-  _edit_json(os.path.join(other, index_lib.META),
-             config=dict(meta["config"], pretrain_step=7))
+  _edit_json(os.path.join(other, index_lib.META), config=dict(meta["config"], pretrain_step=7))
   other_dim = str(tmp_path / "other_dim")
   shutil.copytree(test, other_dim)
   _edit_json(os.path.join(other_dim, index_lib.META), dim=meta["dim"] + 1)
   for config, match in [
-      (audit_config(train, test, threshold=1.5),
-       r"config.threshold=1.5: must be a cosine similarity in \[-1, 1\]$"),
-      (audit_config(train, test, threshold=-1.01), r"config.threshold=-1.01: must be"),
-      (audit_config(train, test, threshold=float("nan")), r"config.threshold=nan: must be"),
-      (audit_config(pretrained, test),
-       f"config.index_workdir='{pretrained}': must be the workdir of a finished embed job"),
-      (audit_config(train, f"{test},{pretrained}"),
-       f"config.against=.*: must be comma-separated workdirs of finished embed jobs "
-       f"\\('{pretrained}' holds no embed.json\\)"),
-      (audit_config(train, train), "config.against=.*is named twice"),
-      (audit_config(train, other),
-       r"config.against=.*: must be embed outputs of config.index_workdir's encoder: "
-       r".*was embedded with pretrain_step 7 \(the reference's: 0\); embed it again"),
-      (audit_config(train, f"{test},{other}"), "pretrain_step 7"),
-      (audit_config(train, test, k=14), r"config.k=14: must be at most the reference's rows "
-                                        r"less one \(13\)"),
-      (audit_config(train, test, search="fast"), "config.search='fast': must be one of"),
+    (
+      audit_config(train, test, threshold=1.5),
+      r"config.threshold=1.5: must be a cosine similarity in \[-1, 1\]$",
+    ),
+    (audit_config(train, test, threshold=-1.01), r"config.threshold=-1.01: must be"),
+    (audit_config(train, test, threshold=float("nan")), r"config.threshold=nan: must be"),
+    (
+      audit_config(pretrained, test),
+      f"config.index_workdir='{pretrained}': must be the workdir of a finished embed job",
+    ),
+    (
+      audit_config(train, f"{test},{pretrained}"),
+      f"config.against=.*: must be comma-separated workdirs of finished embed jobs "
+      f"\\('{pretrained}' holds no embed.json\\)",
+    ),
+    (audit_config(train, train), "config.against=.*is named twice"),
+    (
+      audit_config(train, other),
+      r"config.against=.*: must be embed outputs of config.index_workdir's encoder: "
+      r".*was embedded with pretrain_step 7 \(the reference's: 0\); embed it again",
+    ),
+    (audit_config(train, f"{test},{other}"), "pretrain_step 7"),
+    (
+      audit_config(train, test, k=14),
+      r"config.k=14: must be at most the reference's rows "
+      r"less one \(13\)",
+    ),
+    (audit_config(train, test, search="fast"), "config.search='fast': must be one of"),
   ]:
     with pytest.raises(ConfigError, match=match) as raised:
       audit.run(config, str(tmp_path / "out"))
@@ -270,18 +317,21 @@ def test_the_benchmarks_ground_truth_pairs_re_uploads_by_what_they_show(tmp_path
   # (another crop), so 2 is another view of 1's photo, no copy; 3 another crop of 0's photo;
   # 4 another photo of its class; 5 one of another class.
   manifest.write_text(
-      "id,split,class,source,crop_xywh,size,quality,duplicate_of\n"
-      "0,train,hat,a.jpg,0 0 10 10,300x300,90,\n"
-      "1,test,hat,a.jpg,0 0 10 10,400x400,80,0\n"
-      "2,train,hat,a.jpg,5 5 20 20,500x500,85,1\n"
-      "3,train,hat,a.jpg,2 2 8 8,300x300,90,\n"
-      "4,train,hat,c.jpg,0 0 10 10,300x300,90,\n"
-      "5,train,dress,d.jpg,0 0 10 10,300x300,90,\n")
+    "id,split,class,source,crop_xywh,size,quality,duplicate_of\n"
+    "0,train,hat,a.jpg,0 0 10 10,300x300,90,\n"
+    "1,test,hat,a.jpg,0 0 10 10,400x400,80,0\n"
+    "2,train,hat,a.jpg,5 5 20 20,500x500,85,1\n"
+    "3,train,hat,a.jpg,2 2 8 8,300x300,90,\n"
+    "4,train,hat,c.jpg,0 0 10 10,300x300,90,\n"
+    "5,train,dress,d.jpg,0 0 10 10,300x300,90,\n"
+  )
   truth = benchmark.ground_truth(str(manifest))
-  assert [benchmark.relation(truth, a, b) for a, b in [("0", "1"), ("1", "2"), ("0", "2"),
-                                                        ("0", "3"), ("0", "4"), ("0", "5")]] == [
-      "reupload", "view", "view", "view", "class", "other"]
-  manifest.write_text(manifest.read_text().replace("1,test,hat,a.jpg,0 0 10 10",
-                                                   "1,test,hat,a.jpg,1 1 10 10"))
+  assert [
+    benchmark.relation(truth, a, b)
+    for a, b in [("0", "1"), ("1", "2"), ("0", "2"), ("0", "3"), ("0", "4"), ("0", "5")]
+  ] == ["reupload", "view", "view", "view", "class", "other"]
+  manifest.write_text(
+    manifest.read_text().replace("1,test,hat,a.jpg,0 0 10 10", "1,test,hat,a.jpg,1 1 10 10")
+  )
   with pytest.raises(ValueError, match="1, a re-upload of 0's draw, shows another photo or crop"):
     benchmark.ground_truth(str(manifest))

@@ -1,4 +1,5 @@
 """On-device augmentations against independent references; key separation."""
+
 import colorsys
 
 import jax
@@ -30,16 +31,18 @@ def test_grayscale_blur_and_solarize_hand_cases():
   assert float(zeros[0, 5, 0]) < 0.3
   impulse = jnp.zeros((20, 20, 3)).at[10, 10].set(1.0)
   blurred = augment.gaussian_blur(impulse, 1.0)
-  w = np.exp(-np.arange(-1, 2) ** 2 / 2.0)
+  w = np.exp(-(np.arange(-1, 2) ** 2) / 2.0)
   w /= w.sum()  # Radius 1 for a 20-pixel side (10% kernel).
   np.testing.assert_allclose(blurred[9:12, 9:12, 0], np.outer(w, w), atol=1e-6)
-  np.testing.assert_allclose(augment.solarize(jnp.array([0.2, 0.5, 0.9])), [0.2, 0.5, 0.1],
-                             atol=1e-6)
+  np.testing.assert_allclose(
+    augment.solarize(jnp.array([0.2, 0.5, 0.9])), [0.2, 0.5, 0.1], atol=1e-6
+  )
 
 
 def test_color_jitter_stays_in_range_and_changes_images():
-  view = augment.ViewAugment(brightness=0.4, contrast=0.4, saturation=0.4, hue=0.1,
-                             color_jitter_prob=1.0)
+  view = augment.ViewAugment(
+    brightness=0.4, contrast=0.4, saturation=0.4, hue=0.1, color_jitter_prob=1.0
+  )
   images = jnp.asarray(np.random.default_rng(1).integers(0, 256, (8, 16, 16, 3)), jnp.uint8)
   out = augment.augment_batch(images, jax.random.PRNGKey(0), view)
   assert out.dtype == jnp.float32 and float(out.min()) >= 0 and float(out.max()) <= 1
@@ -50,20 +53,32 @@ def test_color_jitter_stays_in_range_and_changes_images():
 
 def test_view_keys_differ_across_steps_devices_and_views():
   rng = jax.random.PRNGKey(0)
-  keys = {tuple(np.asarray(common.view_key(rng, s, d, v)))
-          for s in range(3) for d in range(8) for v in range(2)}
+  keys = {
+    tuple(np.asarray(common.view_key(rng, s, d, v)))
+    for s in range(3)
+    for d in range(8)
+    for v in range(2)
+  }
   assert len(keys) == 3 * 8 * 2
 
 
 def test_augmentations_differ_across_devices_and_views_in_shard_map():
   mesh = mesh_lib.make_mesh()
-  view = augment.ViewAugment(brightness=0.8, contrast=0.8, saturation=0.8, hue=0.2,
-                             color_jitter_prob=1.0)
+  view = augment.ViewAugment(
+    brightness=0.8, contrast=0.8, saturation=0.8, hue=0.2, color_jitter_prob=1.0
+  )
   image = np.random.default_rng(2).integers(0, 256, (1, 1, 8, 8, 3), np.uint8)
-  images = jax.device_put(np.tile(image, (8, 2, 1, 1, 1)), mesh_lib.batch_sharded(mesh))  # Same image everywhere.
-  fn = jax.jit(jax.shard_map(
+  images = jax.device_put(
+    np.tile(image, (8, 2, 1, 1, 1)), mesh_lib.batch_sharded(mesh)
+  )  # Same image everywhere.
+  fn = jax.jit(
+    jax.shard_map(
       lambda im, rng, step: jnp.stack(common.augmented_views(im, rng, step, (view, view)), 1),
-      mesh=mesh, in_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P(), jax.P()), out_specs=jax.P(mesh_lib.DATA_AXIS)))
+      mesh=mesh,
+      in_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P(), jax.P()),
+      out_specs=jax.P(mesh_lib.DATA_AXIS),
+    )
+  )
   out = np.asarray(fn(images, jax.random.PRNGKey(0), jnp.int32(0))).reshape(16, -1)
   assert len({row.tobytes() for row in out}) == 16
   again = np.asarray(fn(images, jax.random.PRNGKey(0), jnp.int32(0))).reshape(16, -1)

@@ -1,14 +1,15 @@
 """benchmarks/throughput.py end to end on 12 real photos, and its FLOP count and peaks."""
+
 import math
 import os
 import shutil
 
-import jax
-import jax.numpy as jnp
-import pytest
 from helpers import SHARED
 from helpers import load_benchmark
 from helpers import load_config
+import jax
+import jax.numpy as jnp
+import pytest
 
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import prepare
@@ -37,9 +38,17 @@ def measured(tmp_path_factory):
   config.model.width = 0.0625
   config.batch_size, config.image_size, config.data_threads = 8, 64, 2
   source = sources.get_source(config, {"train_split": config.train_split})
-  m = throughput.measure(config, source, warmup_batches=1, batches=2, rounds=1, steps=2,
-                         peak_tflops=0.0, matmul_size=256,
-                         config_name="simclr_images.py:runlocal (tiny)")
+  m = throughput.measure(
+    config,
+    source,
+    warmup_batches=1,
+    batches=2,
+    rounds=1,
+    steps=2,
+    peak_tflops=0.0,
+    matmul_size=256,
+    config_name="simclr_images.py:runlocal (tiny)",
+  )
   return m, throughput.report(m)
 
 
@@ -60,8 +69,13 @@ def _number(cell: str):
 def test_report_has_every_row_with_positive_finite_numbers(measured):
   m, report = measured
   rows = _rows(report)
-  assert set(rows) == {throughput.PROJECT, throughput.PEER_WINDOW, throughput.PEER_WHOLE,
-                       "step: train step on a fixed batch", "1"}  # "1": the verdict's chips.
+  assert set(rows) == {
+    throughput.PROJECT,
+    throughput.PEER_WINDOW,
+    throughput.PEER_WHOLE,
+    "step: train step on a fixed batch",
+    "1",
+  }  # "1": the verdict's chips.
   for label, cells in rows.items():
     numbers = [n for n in map(_number, cells) if n is not None]
     assert numbers, label
@@ -82,10 +96,30 @@ def test_cost_analysis_counts_a_matmul_as_2mnk_flops():
 def test_peaks_come_from_the_flag_else_the_device_kind():
   flops, source = throughput.peak_flops("float32", peak_tflops=2.0, matmul_size=8)
   assert flops == 2e12 * jax.device_count() and "--peak_tflops" in source
-  names = {kind: throughput.accelerator_name(kind) for kind in (
-      "TPU v4", "TPU v5 lite", "TPU v5", "TPU v5p", "TPU v6 lite", "NVIDIA A100-SXM4-40GB",
-      "NVIDIA H100 80GB HBM3", "NVIDIA H100 PCIe", "NVIDIA H200", "cpu")}
-  assert names == {"TPU v4": "tpu_v4", "TPU v5 lite": "tpu_v5e", "TPU v5": "tpu_v5p",
-                   "TPU v5p": "tpu_v5p", "TPU v6 lite": "tpu_v6e",
-                   "NVIDIA A100-SXM4-40GB": "a100", "NVIDIA H100 80GB HBM3": "h100",
-                   "NVIDIA H100 PCIe": None, "NVIDIA H200": "h200", "cpu": None}
+  names = {
+    kind: throughput.accelerator_name(kind)
+    for kind in (
+      "TPU v4",
+      "TPU v5 lite",
+      "TPU v5",
+      "TPU v5p",
+      "TPU v6 lite",
+      "NVIDIA A100-SXM4-40GB",
+      "NVIDIA H100 80GB HBM3",
+      "NVIDIA H100 PCIe",
+      "NVIDIA H200",
+      "cpu",
+    )
+  }
+  assert names == {
+    "TPU v4": "tpu_v4",
+    "TPU v5 lite": "tpu_v5e",
+    "TPU v5": "tpu_v5p",
+    "TPU v5p": "tpu_v5p",
+    "TPU v6 lite": "tpu_v6e",
+    "NVIDIA A100-SXM4-40GB": "a100",
+    "NVIDIA H100 80GB HBM3": "h100",
+    "NVIDIA H100 PCIe": None,
+    "NVIDIA H200": "h200",
+    "cpu": None,
+  }

@@ -1,16 +1,17 @@
 """BYOL: tau schedule, loss vs numpy, target EMA, asymmetric views, 8 devices vs one."""
+
+from helpers import load_config
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import load_config
+from test_simclr import numeric_grad
 
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import augment
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import byol
 from contrastive_jax.methods import common
-from test_simclr import numeric_grad
 
 
 def test_tau_schedule_first_middle_last():
@@ -25,6 +26,7 @@ def byol_loss_numpy(p1, p2, z1, z2):
     p = p / np.linalg.norm(p, axis=1, keepdims=True)
     z = z / np.linalg.norm(z, axis=1, keepdims=True)
     return np.mean(2 - 2 * np.sum(p * z, axis=1))
+
   return reg(p1, z2) + reg(p2, z1)
 
 
@@ -34,10 +36,12 @@ def test_loss_value_and_gradient_match_numpy_and_spare_the_target():
   args = [jnp.asarray(a, jnp.float32) for a in (p1, p2, z1, z2)]
   np.testing.assert_allclose(byol.byol_loss(*args), byol_loss_numpy(p1, p2, z1, z2), rtol=1e-5)
   g = jax.grad(lambda *a: byol.byol_loss(*a), argnums=(0, 1, 2, 3))(*args)
-  np.testing.assert_allclose(g[0], numeric_grad(lambda a: byol_loss_numpy(a, p2, z1, z2), p1),
-                             atol=1e-5)
-  np.testing.assert_allclose(g[1], numeric_grad(lambda a: byol_loss_numpy(p1, a, z1, z2), p2),
-                             atol=1e-5)
+  np.testing.assert_allclose(
+    g[0], numeric_grad(lambda a: byol_loss_numpy(a, p2, z1, z2), p1), atol=1e-5
+  )
+  np.testing.assert_allclose(
+    g[1], numeric_grad(lambda a: byol_loss_numpy(p1, a, z1, z2), p2), atol=1e-5
+  )
   assert not np.any(g[2]) and not np.any(g[3])  # No gradient reaches the target.
 
 
@@ -49,10 +53,14 @@ def test_views_get_their_own_settings():
   mesh = mesh_lib.make_mesh()
   images = np.random.default_rng(1).integers(0, 256, (8, 2, 8, 8, 3), np.uint8)
   first, second = augment.ViewAugment(solarize_prob=1.0), augment.ViewAugment()
-  fn = jax.jit(jax.shard_map(lambda im: common.augmented_views(im, jax.random.PRNGKey(0), 0,
-                                                            (first, second)),
-                             mesh=mesh, in_specs=jax.P(mesh_lib.DATA_AXIS),
-                             out_specs=jax.P(mesh_lib.DATA_AXIS)))
+  fn = jax.jit(
+    jax.shard_map(
+      lambda im: common.augmented_views(im, jax.random.PRNGKey(0), 0, (first, second)),
+      mesh=mesh,
+      in_specs=jax.P(mesh_lib.DATA_AXIS),
+      out_specs=jax.P(mesh_lib.DATA_AXIS),
+    )
+  )
   x1, x2 = fn(jax.device_put(images, mesh_lib.batch_sharded(mesh)))
   np.testing.assert_allclose(x1, augment.solarize(images[:, 0] / 255.0), atol=1e-6)
   np.testing.assert_allclose(x2, images[:, 1] / 255.0, atol=1e-6)
@@ -88,11 +96,18 @@ def stem_stats_per_view(model_config, params, batch_stats, images):
   size = (side + before + after - k) // stride + 1
   for v in range(2):  # Identity augmentation: the views are the host crops.
     x = (images[:, v] / 255.0 - np.asarray(model_config.input_mean)) / np.asarray(
-        model_config.input_std)
+      model_config.input_std
+    )
     x = np.pad(x, ((0, 0), (before, after), (before, after), (0, 0)))
-    y = sum(np.einsum("bhwc,cd->bhwd",
-                      x[:, i:i + stride * size:stride, j:j + stride * size:stride], kernel[i, j])
-            for i in range(k) for j in range(k))
+    y = sum(
+      np.einsum(
+        "bhwc,cd->bhwd",
+        x[:, i : i + stride * size : stride, j : j + stride * size : stride],
+        kernel[i, j],
+      )
+      for i in range(k)
+      for j in range(k)
+    )
     mean = 0.9 * mean + 0.1 * y.mean(axis=(0, 1, 2))
     var = 0.9 * var + 0.1 * y.var(axis=(0, 1, 2))
   return mean, var
@@ -108,15 +123,22 @@ def test_eight_devices_equal_one_device_and_target_follows_the_ema():
     state0 = jax.device_get(state)
     target0 = state0.extra["target_params"]
     # The target network has its own initialisation, not a copy of the online one.
-    assert not np.allclose(target0["encoder"]["stem_conv"]["kernel"],
-                           state0.params["encoder"]["stem_conv"]["kernel"])
-    state, m1 = run.train_step(state, {"image": jax.device_put(images[0], mesh_lib.batch_sharded(mesh))})
+    assert not np.allclose(
+      target0["encoder"]["stem_conv"]["kernel"], state0.params["encoder"]["stem_conv"]["kernel"]
+    )
+    state, m1 = run.train_step(
+      state, {"image": jax.device_put(images[0], mesh_lib.batch_sharded(mesh))}
+    )
     # BN statistics per view in both networks, as the reference's separate forward passes
     # (one pass over both views would give 0.1 of the joint batch's mean instead).
     for params, before, after in (
-        (state0.params, state0.batch_stats, state.batch_stats),
-        (state0.extra["target_params"], state0.extra["target_batch_stats"],
-         state.extra["target_batch_stats"])):
+      (state0.params, state0.batch_stats, state.batch_stats),
+      (
+        state0.extra["target_params"],
+        state0.extra["target_batch_stats"],
+        state.extra["target_batch_stats"],
+      ),
+    ):
       mean, var = stem_stats_per_view(config.model, params, before, images[0])
       after = jax.device_get(after)["encoder"]["stem_bn"]
       np.testing.assert_allclose(after["mean"], mean, rtol=1e-4, atol=1e-6)
@@ -124,11 +146,19 @@ def test_eight_devices_equal_one_device_and_target_follows_the_ema():
     # After step k = 0: target = tau_0 target + (1 - tau_0) online, tau_0 = tau_base.
     tau = config.byol.tau_base
     online = jax.device_get(state.params)
-    expected = jax.tree.map(lambda t, o: tau * t + (1 - tau) * o, target0,
-                            {k: online[k] for k in ("encoder", "projector")})
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-                 jax.device_get(state.extra["target_params"]), expected)
-    state, m2 = run.train_step(state, {"image": jax.device_put(images[1], mesh_lib.batch_sharded(mesh))})
+    expected = jax.tree.map(
+      lambda t, o: tau * t + (1 - tau) * o,
+      target0,
+      {k: online[k] for k in ("encoder", "projector")},
+    )
+    jax.tree.map(
+      lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+      jax.device_get(state.extra["target_params"]),
+      expected,
+    )
+    state, m2 = run.train_step(
+      state, {"image": jax.device_put(images[1], mesh_lib.batch_sharded(mesh))}
+    )
     states.append((jax.device_get(state), float(m1["loss"]), float(m2["loss"])))
   (s8, *l8), (s1, *l1) = states
   np.testing.assert_allclose(l8, l1, rtol=1e-4)
@@ -136,10 +166,13 @@ def test_eight_devices_equal_one_device_and_target_follows_the_ema():
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)  # Float summation order.
 
 
-@pytest.mark.parametrize("field,value,message", [
+@pytest.mark.parametrize(
+  "field,value,message",
+  [
     ("byol.tau_base", 1.2, "config.byol.tau_base=1.2: must be in [0, 1]"),
     ("predictor.out_dim", 0, "config.predictor.out_dim=0: must be an integer > 0"),
-])
+  ],
+)
 def test_bad_byol_config(field, value, message):
   config = tiny_byol_config()
   section, name = field.split(".")

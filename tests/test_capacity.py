@@ -1,16 +1,16 @@
 """benchmarks/capacity.py's plan against independent references, on a tiny SimCLR config
 (ResNet-18 at width 0.0625, 32x32 images) compiled for 2 of the 8 test devices."""
+
 import math
 
+from helpers import load_benchmark
+from helpers import load_config
 import jax
 import jax.numpy as jnp
 import pytest
-from helpers import load_benchmark
-from helpers import load_config
 
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import get_method
-
 
 capacity = load_benchmark("capacity")
 DEVICES = 2
@@ -31,8 +31,9 @@ def plan16():
 def test_parameter_bytes_are_the_param_tree_in_float32(plan16):
   config = _config(16)
   model = get_method(config.method).build_model(config)
-  variables = jax.eval_shape(lambda: model.init(
-      jax.random.PRNGKey(0), jnp.zeros((2, 32, 32, 3), jnp.float32), train=False))
+  variables = jax.eval_shape(
+    lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((2, 32, 32, 3), jnp.float32), train=False)
+  )
   leaves = jax.tree.leaves(variables["params"])
   assert all(leaf.dtype == jnp.float32 for leaf in leaves)
   assert plan16.state_bytes["params"] == 4 * sum(math.prod(leaf.shape) for leaf in leaves)
@@ -71,7 +72,6 @@ def test_estimate_is_the_slower_bound_and_fit_flips_at_the_needed_bytes(plan16):
   assert "| tpu_v5e |" in capacity.report(plan16, {"tpu_v5e": acc}, 0.5)
 
 
-
 @pytest.mark.parametrize("variant", ["vit_small", "vit_base", "resnet50"])
 def test_mocov3_imagenet_configs_pass_their_checks_and_build_their_state(variant):
   # The shapes part of the plan, from the jitted init's eval_shape as plan() takes it;
@@ -86,14 +86,19 @@ def test_mocov3_imagenet_configs_pass_their_checks_and_build_their_state(variant
   # timm's vit_small/base_patch16_224 (22,050,664 and 86,567,656 parameters) less their
   # 1000-class head and position embedding (a constant here); torchvision's resnet50
   # (25,557,032) less its fc.
-  assert sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params["encoder"])) == {
-      "vit_small": 21_590_016, "vit_base": 85_647_360, "resnet50": 23_508_032}[variant]
+  assert (
+    sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(params["encoder"]))
+    == {"vit_small": 21_590_016, "vit_base": 85_647_360, "resnet50": 23_508_032}[variant]
+  )
   # The momentum network (encoder and projector, no queue) and the optimizer's moments:
   # AdamW's two of every trained parameter (none for the frozen patch projection),
   # LARS's one.
-  assert nbytes(state.extra) == (nbytes(params["encoder"]) + nbytes(params["projector"])
-                                 + nbytes(state.batch_stats.get("encoder", {}))
-                                 + nbytes(state.batch_stats["projector"]))
+  assert nbytes(state.extra) == (
+    nbytes(params["encoder"])
+    + nbytes(params["projector"])
+    + nbytes(state.batch_stats.get("encoder", {}))
+    + nbytes(state.batch_stats["projector"])
+  )
   frozen = nbytes(params["encoder"].get("frozen_patch_embed", {}))
   moments = 2 * (nbytes(params) - frozen) if variant.startswith("vit") else nbytes(params)
   assert 0 <= nbytes(state.opt_state) - moments <= 64  # Step counters.

@@ -1,5 +1,6 @@
 """The docs name what the code has: every job of main.JOBS has a command in the README's jobs
 table and a line in docs/jobs.md, and every config file the README or docs/jobs.md names exists."""
+
 import os
 import re
 

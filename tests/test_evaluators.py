@@ -1,4 +1,5 @@
 """Evaluators: the sharded kNN monitor and classifier accuracy against numpy references."""
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -43,30 +44,48 @@ def knn_numpy(bank, bank_labels, queries, k, t, num_classes):
 
 def _eval_model(images_by_split, labels_by_split, logits=None):
   """An EvalModel whose h is the flattened image, over in-memory splits."""
+
   def dataset(split, local_batch):
     images, labels = images_by_split[split], labels_by_split[split]
     n = len(images)
     padded = -(-n // local_batch) * local_batch
     pad = padded - n
-    return tf.data.Dataset.from_tensor_slices({
+    return tf.data.Dataset.from_tensor_slices(
+      {
         "image": np.concatenate([images, np.zeros((pad,) + images.shape[1:], np.uint8)]),
         "label": np.concatenate([labels, np.zeros(pad, np.int32)]),
-        "mask": np.arange(padded) < n}).batch(local_batch)
+        "mask": np.arange(padded) < n,
+      }
+    ).batch(local_batch)
 
   features = lambda v, x: x.reshape(x.shape[0], -1).astype(jnp.float32) * v
-  return evaluators.EvalModel(variables=lambda state: state, features=features, logits=logits,
-                              dataset=dataset)
+  return evaluators.EvalModel(
+    variables=lambda state: state, features=features, logits=logits, dataset=dataset
+  )
 
 
 @pytest.mark.parametrize("k", [1, 5, 200])
 def test_sharded_knn_equals_numpy_reference(k):
   rng = np.random.default_rng(0)
-  images = {"bank": rng.integers(1, 256, (203, 2, 2, 3), np.uint8),  # Padded to 208.
-            "test": rng.integers(1, 256, (45, 2, 2, 3), np.uint8)}
-  labels = {"bank": rng.integers(0, 4, 203).astype(np.int32),
-            "test": rng.integers(0, 4, 45).astype(np.int32)}
-  cfg = ml_collections.ConfigDict(dict(kind="knn", every="1 steps", split="test",
-                                       bank_split="bank", k=k, temperature=0.1, batch_size=16))
+  images = {
+    "bank": rng.integers(1, 256, (203, 2, 2, 3), np.uint8),  # Padded to 208.
+    "test": rng.integers(1, 256, (45, 2, 2, 3), np.uint8),
+  }
+  labels = {
+    "bank": rng.integers(0, 4, 203).astype(np.int32),
+    "test": rng.integers(0, 4, 45).astype(np.int32),
+  }
+  cfg = ml_collections.ConfigDict(
+    dict(
+      kind="knn",
+      every="1 steps",
+      split="test",
+      bank_split="bank",
+      k=k,
+      temperature=0.1,
+      batch_size=16,
+    )
+  )
   mesh = mesh_lib.make_mesh()
   knn = evaluators.Knn("knn", cfg, _eval_model(images, labels), mesh, num_classes=4)
   result = knn(jnp.float32(1.0))
@@ -74,8 +93,9 @@ def test_sharded_knn_equals_numpy_reference(k):
   expected = knn_numpy(flat["bank"], labels["bank"], flat["test"], k, 0.1, 4)
   assert result == {"knn_top1": np.mean(expected == labels["test"])}
   # One device gives the same answer as eight.
-  one = evaluators.Knn("knn", cfg, _eval_model(images, labels),
-                       mesh_lib.make_mesh(jax.devices()[:1]), num_classes=4)
+  one = evaluators.Knn(
+    "knn", cfg, _eval_model(images, labels), mesh_lib.make_mesh(jax.devices()[:1]), num_classes=4
+  )
   assert one(jnp.float32(1.0)) == result
 
 
@@ -86,19 +106,21 @@ def test_classifier_counts_every_image_once_and_top5_only_with_5_classes(num_cla
   labels = {"test": rng.integers(0, num_classes, 37).astype(np.int32)}
   w = rng.normal(size=(3, num_classes)).astype(np.float32)
   model = _eval_model(images, labels, logits=lambda v, x: x.reshape(-1, 3).astype(jnp.float32) @ v)
-  cfg = ml_collections.ConfigDict(dict(kind="classifier", every="1 steps", split="test",
-                                       batch_size=8))
+  cfg = ml_collections.ConfigDict(
+    dict(kind="classifier", every="1 steps", split="test", batch_size=8)
+  )
   result = evaluators.Classifier("c", cfg, model, mesh_lib.make_mesh(), num_classes)(jnp.asarray(w))
   assert set(result) == names
   logits = images["test"].reshape(-1, 3).astype(np.float32) @ w
   ranks = np.argsort(-logits, axis=1)
-  for k in (1, 5)[:len(names)]:
+  for k in (1, 5)[: len(names)]:
     hits = [labels["test"][i] in ranks[i, :k] for i in range(37)]
     assert result[f"c_top{k}"] == pytest.approx(np.mean(hits), abs=1e-12)
 
 
 class _Unlabeled:
   """A data source without labels, as an unlabelled image folder is."""
+
   name, num_classes = "photos", None
 
   def num_examples(self, split, field):
@@ -107,10 +129,22 @@ class _Unlabeled:
 
 @pytest.mark.parametrize("name,kind", [("knn", "knn"), ("online_probe", "classifier")])
 def test_evaluators_that_need_labels_refuse_an_unlabeled_dataset(name, kind):
-  evaluators_config = ml_collections.ConfigDict({name: dict(
-      kind=kind, every="1 epochs", split="test", bank_split="train", k=5, temperature=0.1,
-      batch_size=8)})
-  with pytest.raises(evaluators.ConfigError,
-                     match=f"config.evaluators.{name}.kind='{kind}': must be an evaluator "
-                           "that needs no labels: dataset 'photos' has none"):
+  evaluators_config = ml_collections.ConfigDict(
+    {
+      name: dict(
+        kind=kind,
+        every="1 epochs",
+        split="test",
+        bank_split="train",
+        k=5,
+        temperature=0.1,
+        batch_size=8,
+      )
+    }
+  )
+  with pytest.raises(
+    evaluators.ConfigError,
+    match=f"config.evaluators.{name}.kind='{kind}': must be an evaluator "
+    "that needs no labels: dataset 'photos' has none",
+  ):
     evaluators.check_config(evaluators_config, _Unlabeled(), num_devices=8)

@@ -1,28 +1,29 @@
 """The export job: each format read back by its own runtime gives the project's h."""
-import json
+
 import importlib.util
+import json
 import os
 
+from helpers import TFDS_DIR
+from helpers import load_config
+from helpers import tiny_config
 import jax
 import numpy as np
 import pytest
 import tensorflow as tf
-from helpers import TFDS_DIR
-from helpers import load_config
-from helpers import tiny_config
 
-from contrastive_jax.training import restore
-from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.core.errors import JobError
+from contrastive_jax import models
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import tensor_files
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.jobs import embed
 from contrastive_jax.jobs import export
 from contrastive_jax.jobs import pretrain
-from contrastive_jax.training import runner
-from contrastive_jax import models
 from contrastive_jax.models import state_dicts
+from contrastive_jax.training import restore
+from contrastive_jax.training import runner
 
 TOLERANCE = 1e-4
 
@@ -47,13 +48,19 @@ def export_config(pretrain_workdir, fmt):
 
 def _project_h(pretrained, images):
   """The project's h of uint8 images after the evaluation's centre crop."""
-  encoder = restore.restore_encoder(export_config(pretrained, "safetensors"),
-                                       mesh_lib.make_mesh())
+  encoder = restore.restore_encoder(export_config(pretrained, "safetensors"), mesh_lib.make_mesh())
   pretrained = encoder.pretrained
-  crops = np.stack([input_pipeline.center_crop(tf.constant(image), pretrained.image_size,
-                                               pretrained.eval_crop_fraction,
-                                               pretrained.crop.resize).numpy()
-                    for image in images])
+  crops = np.stack(
+    [
+      input_pipeline.center_crop(
+        tf.constant(image),
+        pretrained.image_size,
+        pretrained.eval_crop_fraction,
+        pretrained.crop.resize,
+      ).numpy()
+      for image in images
+    ]
+  )
   return encoder, np.asarray(models.encode(encoder.module, encoder.variables, crops))
 
 
@@ -61,9 +68,14 @@ def _crops(pretrained, images):
   """uint8 images centre-cropped as the evaluation of the checkpoint in workdir pretrained does."""
   encoder, _ = _project_h(pretrained, images[:1])
   config = encoder.pretrained
-  return np.stack([input_pipeline.center_crop(tf.constant(image), config.image_size,
-                                              config.eval_crop_fraction,
-                                              config.crop.resize).numpy() for image in images])
+  return np.stack(
+    [
+      input_pipeline.center_crop(
+        tf.constant(image), config.image_size, config.eval_crop_fraction, config.crop.resize
+      ).numpy()
+      for image in images
+    ]
+  )
 
 
 def _relative(h, ref):
@@ -73,8 +85,9 @@ def _relative(h, ref):
 def test_safetensors_export_reimports_bit_for_bit(pretrained, tmp_path):
   path = export.run(export_config(pretrained, "safetensors"), str(tmp_path / "out"))
   encoder, _ = _project_h(pretrained, np.zeros((1, 32, 32, 3), np.uint8))
-  variables = state_dicts.from_state_dict(tensor_files.read(path), path,
-                                          encoder.pretrained.model, 32)
+  variables = state_dicts.from_state_dict(
+    tensor_files.read(path), path, encoder.pretrained.model, 32
+  )
   jax.tree.map(np.testing.assert_array_equal, variables, jax.device_get(encoder.variables))
 
 
@@ -104,8 +117,9 @@ def test_bad_export_formats_are_refused_before_anything_is_read(tmp_path):
 
 
 @pytest.mark.parametrize("method", ["simclr", "mocov3"])
-def test_pretraining_from_an_imported_file_starts_every_network_from_it(pretrained, tmp_path,
-                                                                        method):
+def test_pretraining_from_an_imported_file_starts_every_network_from_it(
+  pretrained, tmp_path, method
+):
   path = export.run(export_config(pretrained, "safetensors"), str(tmp_path / "out"))
   config = tiny_config(method)
   config.model.stage_projection = True  # The exported SimCLR ResNet's shortcuts.
@@ -115,21 +129,23 @@ def test_pretraining_from_an_imported_file_starts_every_network_from_it(pretrain
   state = jax.device_get(task.init())
   check = lambda tree: jax.tree.map(np.testing.assert_array_equal, tree, imported["params"])
   check(state.params["encoder"])
-  jax.tree.map(np.testing.assert_array_equal, state.batch_stats["encoder"],
-               imported["batch_stats"])
+  jax.tree.map(np.testing.assert_array_equal, state.batch_stats["encoder"], imported["batch_stats"])
   if method == "mocov3":  # The momentum encoder too.
     check(state.extra["key_params"]["encoder"])
-    jax.tree.map(np.testing.assert_array_equal, state.extra["key_batch_stats"]["encoder"],
-                 imported["batch_stats"])
+    jax.tree.map(
+      np.testing.assert_array_equal,
+      state.extra["key_batch_stats"]["encoder"],
+      imported["batch_stats"],
+    )
   if method != "simclr":  # The same model config as the exported run's: same features.
     return
   # Step 0's kNN monitor and the exporter see the same encoder: the kNN of the two is equal.
-  source = restore.restore_encoder(export_config(pretrained, "safetensors"),
-                                      mesh_lib.make_mesh())
+  source = restore.restore_encoder(export_config(pretrained, "safetensors"), mesh_lib.make_mesh())
   images = np.random.default_rng(1).integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
   np.testing.assert_array_equal(
-      task.eval_model.features(task.eval_model.variables(state), images),
-      models.encode(source.module, source.variables, images))
+    task.eval_model.features(task.eval_model.variables(state), images),
+    models.encode(source.module, source.variables, images),
+  )
 
 
 def test_a_file_of_another_size_is_refused_before_pretraining(pretrained, tmp_path):
@@ -140,15 +156,18 @@ def test_a_file_of_another_size_is_refused_before_pretraining(pretrained, tmp_pa
   with pytest.raises(JobError, match="tensor 'conv1.weight' has shape"):
     runner.run(pretrain, config, str(tmp_path / "run"))
   assert not (tmp_path / "run" / "checkpoints").exists() or not list(
-      (tmp_path / "run" / "checkpoints").iterdir())
+    (tmp_path / "run" / "checkpoints").iterdir()
+  )
 
 
 def _tiny_config_file(tmp_path):
   """A config file whose get_config is tiny_config() (the fixture's model)."""
   path = tmp_path / "tiny.py"
-  path.write_text(f"import sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-                  "from helpers import tiny_config\n\n\n"
-                  "def get_config(variant=''):\n  return tiny_config()\n")
+  path.write_text(
+    f"import sys\nsys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+    "from helpers import tiny_config\n\n\n"
+    "def get_config(variant=''):\n  return tiny_config()\n"
+  )
   return str(path)
 
 
@@ -157,21 +176,30 @@ def test_downstream_jobs_take_a_weights_file_as_their_pretrain_config_says(pretr
   config = export_config(path, "safetensors")
   config.pretrain_config = _tiny_config_file(tmp_path)
   encoder = restore.restore_encoder(config, mesh_lib.make_mesh())
-  source = restore.restore_encoder(export_config(pretrained, "safetensors"),
-                                      mesh_lib.make_mesh())
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(encoder.variables),
-               jax.device_get(source.variables))
+  source = restore.restore_encoder(export_config(pretrained, "safetensors"), mesh_lib.make_mesh())
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    jax.device_get(encoder.variables),
+    jax.device_get(source.variables),
+  )
   assert (encoder.step, encoder.dim, encoder.pretrained.image_size) == (0, source.dim, 32)
   embed_config = load_config("embed")
-  embed_config.update(pretrain_workdir=path, pretrain_config=config.pretrain_config,
-                      dataset="cifar10", data_dir=TFDS_DIR, split="test[:16]", batch_size=16)
+  embed_config.update(
+    pretrain_workdir=path,
+    pretrain_config=config.pretrain_config,
+    dataset="cifar10",
+    data_dir=TFDS_DIR,
+    split="test[:16]",
+    batch_size=16,
+  )
   h = embed.run(embed_config, str(tmp_path / "index"))
   assert h.shape == (16, source.dim)
   # Without pretrain_config: the export job's export.json beside the file says it.
   config.pretrain_config = None
   again = restore.restore_encoder(config, mesh_lib.make_mesh())
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(again.variables),
-               jax.device_get(source.variables))
+  jax.tree.map(
+    np.testing.assert_array_equal, jax.device_get(again.variables), jax.device_get(source.variables)
+  )
   assert again.pretrained.to_dict() == source.pretrained.to_dict()
   alone = tmp_path / "alone" / "encoder.safetensors"
   alone.parent.mkdir()
@@ -213,6 +241,7 @@ def test_saved_model_serves_the_projection_too_when_asked(pretrained, tmp_path):
 def test_onnx_export_gives_the_projects_h_and_z_under_onnx_runtime(pretrained, tmp_path):
   import onnx
   import onnxruntime
+
   config = export_config(pretrained, "onnx")
   config.projection = True
   path = export.run(config, str(tmp_path / "out"))
@@ -226,14 +255,17 @@ def test_onnx_export_gives_the_projects_h_and_z_under_onnx_runtime(pretrained, t
   metadata = {p.key: p.value for p in onnx.load(path).metadata_props}
   assert metadata["pretrain_step"] == str(encoder.step)
   assert json.loads(metadata["eval_crop"]) == {
-      "size": 32, "fraction": encoder.pretrained.eval_crop_fraction,
-      "resize": encoder.pretrained.crop.resize}
+    "size": 32,
+    "fraction": encoder.pretrained.eval_crop_fraction,
+    "resize": encoder.pretrained.crop.resize,
+  }
 
 
 def test_onnx_export_without_the_onnx_package_is_refused_in_one_line(tmp_path, monkeypatch):
   find_spec = importlib.util.find_spec
-  monkeypatch.setattr(importlib.util, "find_spec",
-                      lambda name, *a: None if name == "onnx" else find_spec(name, *a))
+  monkeypatch.setattr(
+    importlib.util, "find_spec", lambda name, *a: None if name == "onnx" else find_spec(name, *a)
+  )
   with pytest.raises(ConfigError, match=r"'onnx' needs the onnx package \(pip install"):
     export.run(export_config(str(tmp_path), "onnx"), str(tmp_path / "out"))
   assert not (tmp_path / "out" / export.META).exists()

@@ -1,28 +1,31 @@
 """Fine-tuning on few labels: the labelled subset, its bad inputs, and a tiny run."""
+
 import hashlib
 import json
 
+from helpers import TFDS_DIR
+from helpers import load_config
+from helpers import tiny_config
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
 import tensorflow_datasets as tfds
-from helpers import TFDS_DIR, load_config, tiny_config
 
-from contrastive_jax.training import restore
+from contrastive_jax import models
 from contrastive_jax.core import checkpointing
+from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import ResumeError
-from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import crops
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import finetune
 from contrastive_jax.jobs import linear_probe
+from contrastive_jax.training import restore
 from contrastive_jax.training import runner
-from contrastive_jax import models
 
 
 def _reference_subset(ids, labels, fraction, seed):
@@ -31,10 +34,14 @@ def _reference_subset(ids, labels, fraction, seed):
   chosen = set()
   for label in set(labels.tolist()):
     members = [i for i, l in zip(ids, labels) if l == label]
-    rank = {i: int.from_bytes(hashlib.blake2b(i.encode(), digest_size=8,
-                                              key=seed.to_bytes(8, "little")).digest(), "little")
-            for i in members}
-    chosen.update(sorted(members, key=lambda i: (rank[i], i))[:int(fraction * len(members) + 0.5)])
+    rank = {
+      i: int.from_bytes(
+        hashlib.blake2b(i.encode(), digest_size=8, key=seed.to_bytes(8, "little")).digest(),
+        "little",
+      )
+      for i in members
+    }
+    chosen.update(sorted(members, key=lambda i: (rank[i], i))[: int(fraction * len(members) + 0.5)])
   return chosen
 
 
@@ -51,41 +58,53 @@ def test_selection_is_class_balanced_fixed_and_independent_of_order():
   # process count) select the same images.
   order = rng.permutation(len(ids))
   assert set(ids[order][sources.select_labelled(ids[order], labels[order], 0.1, 0)]) == set(
-      ids[chosen])
+    ids[chosen]
+  )
   assert set(ids[sources.select_labelled(ids, labels, 0.1, seed=1)]) != set(ids[chosen])
   assert len(sources.select_labelled(ids, labels, 1.0, 0)) == len(ids)
   # Fixed ids: a change of the selection rule would change every run's subset.
   ids = np.array([f"img_{i:02d}" for i in range(20)], dtype=object)
   labels = np.arange(20, dtype=np.int32) % 2
   assert ids[sources.select_labelled(ids, labels, 0.2, 0)].tolist() == [
-      "img_07", "img_08", "img_14", "img_17"]
+    "img_07",
+    "img_08",
+    "img_14",
+    "img_17",
+  ]
 
 
 def test_too_small_a_fraction_names_the_class_and_the_fraction_it_needs():
   ids = np.array([f"x{i}" for i in range(300)], dtype=object)
   labels = np.array([0] * 200 + [1] * 95 + [2] * 5, dtype=np.int32)
-  with pytest.raises(ConfigError, match=r"config.label_fraction=0.05: must be in \[0.1, 1\], "
-                                        r"so that every class keeps an image \(class 2 has 5 "):
+  with pytest.raises(
+    ConfigError,
+    match=r"config.label_fraction=0.05: must be in \[0.1, 1\], "
+    r"so that every class keeps an image \(class 2 has 5 ",
+  ):
     sources.select_labelled(ids, labels, 0.05, 0)
   assert np.bincount(labels[sources.select_labelled(ids, labels, 0.1, 0)]).tolist() == [20, 10, 1]
 
 
 @pytest.fixture(scope="module")
 def cifar():
-  config = ml_collections.ConfigDict(dict(data_source="tfds", dataset="cifar10",
-                                          data_dir=TFDS_DIR))
+  config = ml_collections.ConfigDict(dict(data_source="tfds", dataset="cifar10", data_dir=TFDS_DIR))
   return sources.get_source(config, {})
 
 
 def test_each_process_reads_its_part_and_together_the_subset(cifar, monkeypatch):
   split = "train[100:164]"  # An offset slice: parts are read by absolute position.
-  reference = {ex["id"].decode(): (ex["image"], ex["label"]) for ex in tfds.as_numpy(
-      tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split=split))}
+  reference = {
+    ex["id"].decode(): (ex["image"], ex["label"])
+    for ex in tfds.as_numpy(tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split=split))
+  }
   subset = sources.LabelledSubset(cifar, split, 0.15, seed=0)  # 11 images.
   assert subset.ids.tolist() == [i for i in reference if i in set(subset.ids)]  # Read order.
   assert set(subset.ids) == _reference_subset(
-      np.array(list(reference), dtype=object),
-      np.array([l for _, l in reference.values()], np.int32), 0.15, 0)
+    np.array(list(reference), dtype=object),
+    np.array([l for _, l in reference.values()], np.int32),
+    0.15,
+    0,
+  )
 
   def read(count, index):
     """Process `index` of `count`'s part, checked against the count it announces."""
@@ -110,11 +129,21 @@ def test_each_process_reads_its_part_and_together_the_subset(cifar, monkeypatch)
   monkeypatch.setattr(jax, "process_index", lambda: 0)
 
   def stream(start_step, steps):
-    ds = input_pipeline.train_dataset(subset, split, local_batch=4, image_size=32,
-                                      crop=crops.CropSpec("tensorflow", 0.5, "tf_bicubic"),
-                                      seed=1, start_step=start_step,
-                                      cache=True, shuffle_buffer=64, threads=1, num_views=1)
+    ds = input_pipeline.train_dataset(
+      subset,
+      split,
+      local_batch=4,
+      image_size=32,
+      crop=crops.CropSpec("tensorflow", 0.5, "tf_bicubic"),
+      seed=1,
+      start_step=start_step,
+      cache=True,
+      shuffle_buffer=64,
+      threads=1,
+      num_views=1,
+    )
     return [b["image"] for _, b in zip(range(steps), tfds.as_numpy(ds))]
+
   # 11 images, batch 4: step 3 starts inside epoch 2, step 5 crosses into epoch 3.
   for a, b in zip(stream(0, 7)[3:], stream(3, 4), strict=True):
     np.testing.assert_array_equal(a, b)
@@ -132,18 +161,24 @@ def pretrained(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("pretrain")
   config = tiny_config()
   encoder = models.build_encoder(config.model)
-  shapes = jax.eval_shape(lambda: encoder.init(jax.random.PRNGKey(0),
-                                               jnp.zeros((1, 32, 32, 3)), train=False))
+  shapes = jax.eval_shape(
+    lambda: encoder.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)
+  )
   rng = np.random.default_rng(0)
 
   def draw(path, leaf):
     if path[-1].key == "kernel":  # He-normal, as resnet.ResNet draws (fan-in here).
       return rng.normal(0, np.sqrt(2 / np.prod(leaf.shape[:-1])), leaf.shape).astype(np.float32)
-    return (rng.uniform(0.5, 1.5, leaf.shape) if path[-1].key in ("scale", "var") else
-            rng.normal(0, 0.1, leaf.shape)).astype(np.float32)
+    return (
+      rng.uniform(0.5, 1.5, leaf.shape)
+      if path[-1].key in ("scale", "var")
+      else rng.normal(0, 0.1, leaf.shape)
+    ).astype(np.float32)
 
-  state = {name: {"encoder": jax.tree_util.tree_map_with_path(draw, shapes[name])}
-           for name in ("params", "batch_stats")}
+  state = {
+    name: {"encoder": jax.tree_util.tree_map_with_path(draw, shapes[name])}
+    for name in ("params", "batch_stats")
+  }
   ckpt = checkpointing.Checkpointer(str(workdir / "checkpoints"))
   ckpt.save(1, state, config)
   ckpt.close()
@@ -182,14 +217,18 @@ def finetuned(pretrained, tmp_path_factory):
 def test_finetune_trains_the_whole_encoder_and_reports_the_test_split(finetuned):
   _, workdir, restored, state, result = finetuned
   assert int(state.step) == 3
-  tuned = jax.device_get({"params": state.params["encoder"],
-                          "batch_stats": state.batch_stats["encoder"]})
+  tuned = jax.device_get(
+    {"params": state.params["encoder"], "batch_stats": state.batch_stats["encoder"]}
+  )
   # Every convolution and BN statistic moved. (Some BN scales, at 1.0, move by
   # less than float32 resolves in 3 steps.)
   moved = jax.tree.map(lambda a, b: not np.array_equal(a, b), restored, tuned)
   assert all(jax.tree.leaves(moved["batch_stats"]))
-  kernels = [changed for path, changed in jax.tree_util.tree_leaves_with_path(moved["params"])
-             if path[-1].key == "kernel"]
+  kernels = [
+    changed
+    for path, changed in jax.tree_util.tree_leaves_with_path(moved["params"])
+    if path[-1].key == "kernel"
+  ]
   # SimCLR's ResNet-18: the stem, 16 in blocks, 4 shortcuts (every stage's first block).
   assert len(kernels) == 21 and all(kernels)
   assert np.any(jax.device_get(state.params["head"]["kernel"]))
@@ -208,8 +247,12 @@ def test_the_subset_file_lists_the_images_and_survives_a_resume(finetuned):
   lines = text.splitlines()
   subset = sources.LabelledSubset(sources.get_source(config, {}), "train[:64]", 0.5, 0)
   assert lines == ["id,label"] + [f"{i},{l}" for i, l in zip(subset.ids, subset.labels)]
-  split_labels = [ex["label"] for ex in tfds.as_numpy(
-      tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split="train[:64]"))]
+  split_labels = [
+    ex["label"]
+    for ex in tfds.as_numpy(
+      tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split="train[:64]")
+    )
+  ]
   assert len(lines) - 1 == sum(int(n / 2 + 0.5) for n in np.bincount(split_labels))
   # Resuming the finished run reports the same numbers and keeps the file.
   assert runner.run(finetune, config, str(workdir))[1] == result
@@ -248,6 +291,7 @@ def test_resume_refuses_another_config_or_another_job(finetuned, pretrained):
 
 class _Unlabeled(sources.TfdsSource):
   """CIFAR-10 without its labels, as an unlabeled image folder reads."""
+
   num_classes = None
 
 
@@ -259,15 +303,23 @@ def test_fraction_outside_0_1_stops_before_any_compute(fraction, tmp_path):
 
 
 def test_bad_datasets_stop_before_any_compute(pretrained, tmp_path, monkeypatch):
-  with pytest.raises(ConfigError, match=r"config.label_fraction=0.01: must be in \[0.\d+, 1\], "
-                                        "so that every class keeps an image"):
+  with pytest.raises(
+    ConfigError,
+    match=r"config.label_fraction=0.01: must be in \[0.\d+, 1\], "
+    "so that every class keeps an image",
+  ):
     runner.run(finetune, finetune_config(pretrained, label_fraction=0.01), str(tmp_path))
-  with pytest.raises(ConfigError, match=r"config.batch_size=48: must be at most the labelled "
-                                        r"subset.s size \(34 images: "):
+  with pytest.raises(
+    ConfigError,
+    match=r"config.batch_size=48: must be at most the labelled "
+    r"subset.s size \(34 images: ",
+  ):
     runner.run(finetune, finetune_config(pretrained, batch_size=48), str(tmp_path))
   monkeypatch.setitem(sources.SOURCES, "unlabeled", _Unlabeled)
-  with pytest.raises(ConfigError, match="config.dataset='cifar10': must be a labelled dataset: "
-                                        "fine-tuning trains on labels"):
+  with pytest.raises(
+    ConfigError,
+    match="config.dataset='cifar10': must be a labelled dataset: fine-tuning trains on labels",
+  ):
     runner.run(finetune, finetune_config(pretrained, data_source="unlabeled"), str(tmp_path))
   assert not (tmp_path / "labelled_subset.csv").exists()
   assert not list((tmp_path / "checkpoints").iterdir())

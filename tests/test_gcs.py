@@ -10,26 +10,30 @@ google-cloud-storage (Orbax's bucket query) directly. What no emulator shows: th
 service's consistency and permissions, hierarchical-namespace buckets (Orbax lists
 those through google-cloud-storage), and a TPU VM's metadata-server credentials.
 """
+
 import json
 import os
 
+import gcs_emulator
+from google.auth.compute_engine import _metadata
+from helpers import TFDS_DIR
+from helpers import load_config
+from helpers import sigterm_after_first_train_batch
+from helpers import tiny_config
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 import tensorflow as tf
-from google.auth.compute_engine import _metadata
-from helpers import TFDS_DIR, load_config, sigterm_after_first_train_batch, tiny_config
 
-import gcs_emulator
-from contrastive_jax.training import restore
 from contrastive_jax.core import checkpointing
-from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import JobError
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
-from contrastive_jax.training import runner
 from contrastive_jax.methods import encoder_variables
+from contrastive_jax.training import restore
+from contrastive_jax.training import runner
 
 
 @pytest.fixture(scope="module")
@@ -90,8 +94,11 @@ def test_stopped_run_resumes_on_gs_and_the_probe_reads_it(bucket, monkeypatch):
   probe_config.pretrain_workdir = workdir
   _, variables, pretrained, step, _ = restore.restore_encoder(probe_config, mesh_lib.make_mesh())
   assert step == 4 and pretrained.data_dir == config.data_dir
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(variables),
-               jax.device_get(encoder_variables(resumed)))
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    jax.device_get(variables),
+    jax.device_get(encoder_variables(resumed)),
+  )
 
 
 @pytest.mark.parametrize("field", ["--workdir", "config.data_dir", "config.pretrain_workdir"])

@@ -1,22 +1,23 @@
 """Host pipeline and data sources on the real CIFAR-10 in ../shared (TFRecord, and 2,000 of
 its images as ArrayRecord: conftest's array_record_cifar) and the shared photos."""
+
 import glob
 import inspect
 import logging
 import os
 
-import jax
-import ml_collections
-import numpy as np
-import pytest
-import tensorflow as tf
-import tensorflow_datasets as tfds
 from array_record.python import array_record_data_source
-from PIL import Image
 from helpers import CONFIG_DIR
 from helpers import SHARED
 from helpers import TFDS_DIR
 from helpers import damaged_copy
+import jax
+import ml_collections
+import numpy as np
+from PIL import Image
+import pytest
+import tensorflow as tf
+import tensorflow_datasets as tfds
 
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import DataError
@@ -45,17 +46,26 @@ def array_record(array_record_cifar):
 
 
 def _train(cifar, start_step=0, area=0.08, split="train[:40]", **kw):
-  args = dict(local_batch=8, image_size=32, crop=crops.CropSpec("tensorflow", area, "tf_bicubic"),
-              seed=3, start_step=start_step,
-              cache=False, shuffle_buffer=64, threads=1)
+  args = dict(
+    local_batch=8,
+    image_size=32,
+    crop=crops.CropSpec("tensorflow", area, "tf_bicubic"),
+    seed=3,
+    start_step=start_step,
+    cache=False,
+    shuffle_buffer=64,
+    threads=1,
+  )
   args.update(kw)
   source = cifar[0] if isinstance(cifar, tuple) else cifar
   return input_pipeline.train_dataset(source, split, **args)
 
 
 def test_two_views_of_a_row_come_from_the_same_image(cifar):
-  images = {im.tobytes() for im in
-            tfds.as_numpy(cifar[1].as_dataset(split="train[:40]").map(lambda e: e["image"]))}
+  images = {
+    im.tobytes()
+    for im in tfds.as_numpy(cifar[1].as_dataset(split="train[:40]").map(lambda e: e["image"]))
+  }
   # Full-area crops are the whole image, flipped or not: both views must be
   # that image (or its mirror), and the image must be in the split.
   batch = next(iter(tfds.as_numpy(_train(cifar, area=1.0))))["image"]
@@ -78,8 +88,9 @@ def test_stream_from_a_later_step_equals_the_uninterrupted_stream(cifar, array_r
   # 40 examples, batch 8: steps 4..7 cross the epoch boundary at step 5.
   for area in (0.08, 1.0):
     full = [b["image"] for _, b in zip(range(10), tfds.as_numpy(_train(cifar, area=area)))]
-    resumed = [b["image"] for _, b in
-               zip(range(6), tfds.as_numpy(_train(cifar, area=area, start_step=4)))]
+    resumed = [
+      b["image"] for _, b in zip(range(6), tfds.as_numpy(_train(cifar, area=area, start_step=4)))
+    ]
     for a, b in zip(full[4:], resumed):
       np.testing.assert_array_equal(a, b)
   # Full-area views are the image or its mirror: name each image by the smaller
@@ -90,7 +101,13 @@ def test_stream_from_a_later_step_equals_the_uninterrupted_stream(cifar, array_r
 
 
 def test_eval_dataset_counts_every_image_once(cifar):
-  ds = input_pipeline.eval_dataset(cifar[0], "test[:37]", local_batch=8, eval_crop=input_pipeline.EvalCrop(32, 1.0, "tf_bicubic"), threads=1)
+  ds = input_pipeline.eval_dataset(
+    cifar[0],
+    "test[:37]",
+    local_batch=8,
+    eval_crop=input_pipeline.EvalCrop(32, 1.0, "tf_bicubic"),
+    threads=1,
+  )
   batches = list(tfds.as_numpy(ds))
   assert len(batches) == 5
   mask = np.concatenate([b["mask"] for b in batches])
@@ -124,8 +141,9 @@ def test_source_knows_sizes_and_classes(cifar):
 def test_every_source_has_the_source_interface(cifar, tmp_path):
   for kind in (sources.TfdsSource, sources.FolderSource, sources.LabelledSubset):
     for method in ("num_examples", "process_counts", "read"):
-      assert (inspect.signature(getattr(kind, method))
-              == inspect.signature(getattr(sources.Source, method))), (kind, method)
+      assert inspect.signature(getattr(kind, method)) == inspect.signature(
+        getattr(sources.Source, method)
+      ), (kind, method)
   for i in range(2):
     Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(tmp_path / f"{i}.png")
   folder = sources.FolderSource(str(tmp_path), max_pixels=10_000, shorter_side=8)
@@ -136,29 +154,49 @@ def test_every_source_has_the_source_interface(cifar, tmp_path):
   named = list(tfds.as_numpy(subset.read("test[:100]", drop_remainder=False, names=True)))
   assert [name.decode() for _, _, name in named] == list(subset.ids)
   assert [int(label) for _, label, _ in named] == list(subset.labels)
-  assert [name.decode() for _, _, name in tfds.as_numpy(
-      folder.read(folder.SPLIT, drop_remainder=False, names=True))] == folder.files
+  assert [
+    name.decode()
+    for _, _, name in tfds.as_numpy(folder.read(folder.SPLIT, drop_remainder=False, names=True))
+  ] == folder.files
 
 
 def test_array_record_source_reads_what_the_tfrecord_source_reads(cifar, array_record):
   assert array_record.random_access and not cifar[0].random_access
-  evals = [list(tfds.as_numpy(input_pipeline.eval_dataset(
-      source, "train[:300]", local_batch=128, eval_crop=input_pipeline.EvalCrop(32, 1.0, "tf_bicubic"), threads=1, names=True))) for source in (cifar[0], array_record)]
+  evals = [
+    list(
+      tfds.as_numpy(
+        input_pipeline.eval_dataset(
+          source,
+          "train[:300]",
+          local_batch=128,
+          eval_crop=input_pipeline.EvalCrop(32, 1.0, "tf_bicubic"),
+          threads=1,
+          names=True,
+        )
+      )
+    )
+    for source in (cifar[0], array_record)
+  ]
   for a, b in zip(*evals):
     for key in a:
       np.testing.assert_array_equal(a[key], b[key])
   for a, b in zip(cifar[0].ids_and_labels("train[:2000]"), array_record.ids_and_labels("train")):
     np.testing.assert_array_equal(a, b)
-  subsets = [sources.LabelledSubset(source, split, 0.05, seed=1)
-             for source, split in ((cifar[0], "train[:2000]"), (array_record, "train"))]
-  reads = [list(tfds.as_numpy(subset.read(subset._split, drop_remainder=False, names=True)))
-           for subset in subsets]
+  subsets = [
+    sources.LabelledSubset(source, split, 0.05, seed=1)
+    for source, split in ((cifar[0], "train[:2000]"), (array_record, "train"))
+  ]
+  reads = [
+    list(tfds.as_numpy(subset.read(subset._split, drop_remainder=False, names=True)))
+    for subset in subsets
+  ]
   assert len(reads[0]) == len(reads[1]) > 90
   for (image_a, label_a, name_a), (image_b, label_b, name_b) in zip(*reads):
     np.testing.assert_array_equal(image_a, image_b)
     assert (label_a, name_a) == (label_b, name_b)
-  np.testing.assert_array_equal(cifar[0].images("train", [7, 3])[1],
-                                array_record.images("train", [7, 3])[1])
+  np.testing.assert_array_equal(
+    cifar[0].images("train", [7, 3])[1], array_record.images("train", [7, 3])[1]
+  )
   # The subset of an ArrayRecord source trains by index too, on its own records.
   records = subsets[1].records("train")
   _, labels, names = records.read(tf.range(len(records), dtype=tf.int64))
@@ -175,8 +213,13 @@ def _spearman(a, b):
 
 def test_each_epoch_is_a_fresh_permutation_of_the_whole_part(array_record):
   num = 2000  # 10 x the shuffle buffer (200) a stream would need to match it.
-  order = np.array(list(tf.data.Dataset.range(2 * num).map(
-      lambda p: input_pipeline.epoch_order(p, num, seed=3)).as_numpy_iterator()))
+  order = np.array(
+    list(
+      tf.data.Dataset.range(2 * num)
+      .map(lambda p: input_pipeline.epoch_order(p, num, seed=3))
+      .as_numpy_iterator()
+    )
+  )
   first, second = order[:num], order[num:]
   np.testing.assert_array_equal(np.sort(first), np.arange(num))
   np.testing.assert_array_equal(np.sort(second), np.arange(num))
@@ -186,20 +229,23 @@ def test_each_epoch_is_a_fresh_permutation_of_the_whole_part(array_record):
   # The training stream reads the records in that order: full-area crops of
   # 32 px images are the images, flipped or not.
   records = array_record.records("train")
-  batches = [b for _, b in zip(range(3), tfds.as_numpy(_train(array_record, area=1.0,
-                                                             split="train")))]
+  batches = [
+    b for _, b in zip(range(3), tfds.as_numpy(_train(array_record, area=1.0, split="train")))
+  ]
   views = np.concatenate([b["image"][:, 0] for b in batches])
   images = [records.decode(image) for image in records.read(tf.constant(order[:24]))[0]]
   for view, image in zip(views, images):
     assert np.array_equal(view, image) or np.array_equal(view, image.numpy()[:, ::-1])
-  np.testing.assert_array_equal(np.concatenate([b["label"] for b in batches]),
-                                records.read(tf.constant(order[:24]))[1])
+  np.testing.assert_array_equal(
+    np.concatenate([b["label"] for b in batches]), records.read(tf.constant(order[:24]))[1]
+  )
 
 
 def _epoch(num, epoch, seed=3):
   """Epoch `epoch`'s order of `num` records, evaluated as one vector (not through tf.data)."""
-  return input_pipeline.epoch_permutation(tf.range(num, dtype=tf.int64), num, seed,
-                                          tf.constant(epoch, tf.int64)).numpy()
+  return input_pipeline.epoch_permutation(
+    tf.range(num, dtype=tf.int64), num, seed, tf.constant(epoch, tf.int64)
+  ).numpy()
 
 
 def _co_batched_again(first, second, batch=256):
@@ -241,9 +287,14 @@ def test_the_stream_reads_the_permutation_and_each_epoch_is_whole(num):
   for epoch in (0, 1):
     np.testing.assert_array_equal(np.sort(_epoch(num, epoch)), np.arange(num))
   # What the vector gives is what the scalar stream reads, across an epoch boundary.
-  positions = np.r_[0:300, num - 300:num + 300, 5 * num - 3:5 * num + 3].astype(np.int64)
-  streamed = np.array(list(tf.data.Dataset.from_tensor_slices(positions).map(
-      lambda p: input_pipeline.epoch_order(p, num, seed=3)).as_numpy_iterator()))
+  positions = np.r_[0:300, num - 300 : num + 300, 5 * num - 3 : 5 * num + 3].astype(np.int64)
+  streamed = np.array(
+    list(
+      tf.data.Dataset.from_tensor_slices(positions)
+      .map(lambda p: input_pipeline.epoch_order(p, num, seed=3))
+      .as_numpy_iterator()
+    )
+  )
   expected = {e: _epoch(num, e) for e in (0, 1, 4, 5)}
   np.testing.assert_array_equal(streamed, [expected[p // num][p % num] for p in positions])
 
@@ -282,9 +333,11 @@ def test_a_resume_late_in_an_epoch_reads_no_more_than_one_at_its_start(array_rec
     positions = np.arange(start_step * 8, start_step * 8 + most * size)
     orders = {e: _epoch(2000, e) for e in set(positions // 2000)}
     stream = np.array([orders[p // 2000][p % 2000] for p in positions])
-    chunks = {tuple(stream[k * size:(k + 1) * size]): k for k in range(most)}
-    fetches = [chunks.get(tuple(f)) for f in _fetches_until_first_batch(array_record, start_step,
-                                                                       monkeypatch)]
+    chunks = {tuple(stream[k * size : (k + 1) * size]): k for k in range(most)}
+    fetches = [
+      chunks.get(tuple(f))
+      for f in _fetches_until_first_batch(array_record, start_step, monkeypatch)
+    ]
     # Each fetch is one of the stream's next `most` stretches from the resume on, each once,
     # the first batch's among them: nothing before the resume's position is read.
     assert None not in fetches and len(set(fetches)) == len(fetches) and 0 in fetches, fetches
@@ -295,16 +348,25 @@ def test_a_damaged_shard_ends_reading_in_an_error_naming_it(array_record_cifar, 
   data_dir, shard = damaged_copy(array_record_cifar, "cifar_array_record", tmp_path, how)
   source = _source("cifar_array_record", data_dir)
   failures = []
-  for ds in (_train(source, split="train", threads=2),
-             input_pipeline.eval_dataset(source, "train", local_batch=64, eval_crop=input_pipeline.EvalCrop(32, 1.0, "tf_bicubic"), threads=1)):
+  for ds in (
+    _train(source, split="train", threads=2),
+    input_pipeline.eval_dataset(
+      source,
+      "train",
+      local_batch=64,
+      eval_crop=input_pipeline.EvalCrop(32, 1.0, "tf_bicubic"),
+      threads=1,
+    ),
+  ):
     with pytest.raises(tf.errors.OpError) as raised:
       for _ in tfds.as_numpy(ds):  # Training never ends by itself; it stops at the damage.
         pass
     failures.append(sources.read_failure(raised.value))
   for failure in failures:
     assert isinstance(failure, DataError) and failure.path == shard
-    assert str(failure).startswith(f"{shard}: record {failure.record} of this file cannot be "
-                                   "read (") and "Riegeli" in str(failure)
+    assert str(failure).startswith(
+      f"{shard}: record {failure.record} of this file cannot be read ("
+    ) and "Riegeli" in str(failure)
     assert "Prepare the dataset 'cifar_array_record' again" in str(failure)
     # ArrayRecord's own reader cannot read the record named either.
     with pytest.raises(RuntimeError, match="Riegeli"):
@@ -315,17 +377,27 @@ def test_a_damaged_shard_ends_reading_in_an_error_naming_it(array_record_cifar, 
   assert sources.read_failure(tf.errors.InvalidArgumentError(None, None, "other")) is None
 
 
-def test_a_job_outside_the_training_loop_ends_in_the_damaged_shards_line(array_record_cifar,
-                                                                         tmp_path, monkeypatch):
+def test_a_job_outside_the_training_loop_ends_in_the_damaged_shards_line(
+  array_record_cifar, tmp_path, monkeypatch
+):
   from absl import flags  # pylint: disable=g-import-not-at-top
   from absl.testing import flagsaver  # pylint: disable=g-import-not-at-top
+
   from contrastive_jax import main  # pylint: disable=g-import-not-at-top
+
   data_dir, shard = damaged_copy(array_record_cifar, "cifar_array_record", tmp_path, "truncated")
 
   def run_job(config, workdir):  # What embed and neighbours do: read the split in order.
     del config, workdir
-    for _ in tfds.as_numpy(input_pipeline.eval_dataset(
-        _source("cifar_array_record", data_dir), "train", local_batch=64, eval_crop=input_pipeline.EvalCrop(32, 1.0, "tf_bicubic"), threads=1)):
+    for _ in tfds.as_numpy(
+      input_pipeline.eval_dataset(
+        _source("cifar_array_record", data_dir),
+        "train",
+        local_batch=64,
+        eval_crop=input_pipeline.EvalCrop(32, 1.0, "tf_bicubic"),
+        threads=1,
+      )
+    ):
       pass
 
   monkeypatch.setattr(main, "run_job", run_job)
@@ -336,7 +408,8 @@ def test_a_job_outside_the_training_loop_ends_in_the_damaged_shards_line(array_r
       main.main(["main"])
   # Read in order, the first record is the first that cannot be read.
   assert stopped.value.code.startswith(f"error: {shard}: record 0 of this file cannot be read ("), (
-      stopped.value.code)
+    stopped.value.code
+  )
   assert stopped.value.code.endswith("or restore the file from a copy")
 
 
@@ -355,13 +428,19 @@ def test_views_of_a_jpeg_decoded_over_their_windows_equal_those_of_the_whole_ima
     seeds = tf.random.experimental.stateless_split(tf.constant([i, 5], tf.int64), 2)
     views = crops.decode_random_resized_crops(encoded, seeds, 64, sampler, 0.08, "pil_bilinear")
     for v in range(2):
-      np.testing.assert_array_equal(views[v], crops.random_resized_crop(
-          image, seeds[v], 64, sampler, 0.08, "pil_bilinear"))
+      np.testing.assert_array_equal(
+        views[v], crops.random_resized_crop(image, seeds[v], 64, sampler, 0.08, "pil_bilinear")
+      )
   # Why the margin: without it the window's edge pixels differ from a whole decode's.
   encoded = tf.io.read_file(_photos()[0])
   whole = tf.io.decode_jpeg(encoded, channels=3)
-  diffs = [np.abs(tf.image.decode_and_crop_jpeg(encoded, [t, t, 101, 77], channels=3).numpy()
-                  .astype(int) - whole[t:t + 101, t:t + 77].numpy()).max() for t in (9, 37, 101)]
+  diffs = [
+    np.abs(
+      tf.image.decode_and_crop_jpeg(encoded, [t, t, 101, 77], channels=3).numpy().astype(int)
+      - whole[t : t + 101, t : t + 77].numpy()
+    ).max()
+    for t in (9, 37, 101)
+  ]
   assert max(diffs) > 0
 
 
@@ -370,10 +449,12 @@ def test_centre_crops_are_antialiased_as_pils_resize():
     photo = np.asarray(Image.open(path).convert("RGB"))
     side = int(min(photo.shape[:2]) * np.float32(0.875))
     top, left = (photo.shape[0] - side) // 2, (photo.shape[1] - side) // 2
-    crop = Image.fromarray(photo[top:top + side, left:left + side])
+    crop = Image.fromarray(photo[top : top + side, left : left + side])
     for size in (64, 224):
-      for resize, pil_filter, bound in (("pil_bilinear", Image.BILINEAR, 1),
-                                        ("tf_bicubic", Image.BICUBIC, 3)):
+      for resize, pil_filter, bound in (
+        ("pil_bilinear", Image.BILINEAR, 1),
+        ("tf_bicubic", Image.BICUBIC, 3),
+      ):
         ours = input_pipeline.center_crop(tf.constant(photo), size, 0.875, resize).numpy()
         diff = np.abs(ours.astype(int) - np.asarray(crop.resize((size, size), pil_filter)))
         # Measured on the shared photos: max 1 (bilinear) and 3 (bicubic), mean
@@ -397,8 +478,11 @@ def test_a_costly_stream_is_warned_about_once_with_its_numbers(cifar, array_reco
 
   logged = warnings(cifar[0], cache=False, shuffle_buffer=10_000)
   assert len(logged) == 1
-  assert ("shuffle_buffer=10000 of this process's 50000 records" in logged[0]
-          and "mod 50000 records" in logged[0] and "file_format='array_record'" in logged[0])
+  assert (
+    "shuffle_buffer=10000 of this process's 50000 records" in logged[0]
+    and "mod 50000 records" in logged[0]
+    and "file_format='array_record'" in logged[0]
+  )
   assert not warnings(cifar[0], cache=True, shuffle_buffer=50_000)  # CIFAR-10's presets.
   assert not warnings(array_record, cache=False, shuffle_buffer=100)
 
@@ -411,11 +495,15 @@ def test_each_process_reads_by_index_the_part_it_would_stream(cifar, array_recor
     records = array_record.records("train")
     assert len(records) == array_record.process_counts("train", drop_remainder=True)[process]
     names = records.read(tf.range(len(records), dtype=tf.int64))[2].numpy()
-    streamed = [name for _, _, name in tfds.as_numpy(
-        cifar[0].read("train[:2000]", drop_remainder=True, names=True))]
+    streamed = [
+      name
+      for _, _, name in tfds.as_numpy(
+        cifar[0].read("train[:2000]", drop_remainder=True, names=True)
+      )
+    ]
     assert list(names) == streamed
     # tfds.even_splits: 666 contiguous records each, the last two dropped.
-    assert [name.decode() for name in names] == list(ids[666 * process:666 * (process + 1)])
+    assert [name.decode() for name in names] == list(ids[666 * process : 666 * (process + 1)])
 
 
 def test_a_parquet_dataset_is_read_as_a_stream(tmp_path):
@@ -424,9 +512,14 @@ def test_a_parquet_dataset_is_read_as_a_stream(tmp_path):
   cifar = tfds.builder("cifar10", data_dir=TFDS_DIR)
   examples = tfds.as_numpy(cifar.as_dataset(split="train[:20]", shuffle_files=False))
   tfds.dataset_builders.store_as_tfds_dataset(
-      name="cifar_parquet", version="1.0.0", features=cifar.info.features,
-      split_datasets={"train": ((i, e) for i, e in enumerate(examples))},
-      data_dir=str(tmp_path), file_format="parquet", disable_shuffling=True)
+    name="cifar_parquet",
+    version="1.0.0",
+    features=cifar.info.features,
+    split_datasets={"train": ((i, e) for i, e in enumerate(examples))},
+    data_dir=str(tmp_path),
+    file_format="parquet",
+    disable_shuffling=True,
+  )
   source = sources.TfdsSource("cifar_parquet", str(tmp_path))
   assert not source.random_access
   ids, labels = source.ids_and_labels("train")
@@ -435,14 +528,21 @@ def test_a_parquet_dataset_is_read_as_a_stream(tmp_path):
 
 
 def test_byol_crop_of_a_one_pixel_image_is_one_pixel_upscaled():
-  view = crops.random_resized_crop(tf.fill([1, 1, 3], tf.constant(7, tf.uint8)),
-                                   tf.constant([1, 2], tf.int64), 8, "byol", 0.08, "tf_bicubic")
+  view = crops.random_resized_crop(
+    tf.fill([1, 1, 3], tf.constant(7, tf.uint8)),
+    tf.constant([1, 2], tf.int64),
+    8,
+    "byol",
+    0.08,
+    "tf_bicubic",
+  )
   assert view.shape == (8, 8, 3) and np.all(view.numpy() == 7)
 
 
 @pytest.mark.parametrize("which", ["tfrecord", "array_record"])
-def test_a_process_with_no_example_of_a_split_yields_only_padding(cifar, array_record, which,
-                                                                  monkeypatch):
+def test_a_process_with_no_example_of_a_split_yields_only_padding(
+  cifar, array_record, which, monkeypatch
+):
   # One image on two hosts: the second host reads nothing but must yield the same
   # number of batches, all masked.
   source, split = (cifar[0], "test[:1]") if which == "tfrecord" else (array_record, "train[:1]")
@@ -450,29 +550,47 @@ def test_a_process_with_no_example_of_a_split_yields_only_padding(cifar, array_r
   batches = {}
   for process in range(2):
     monkeypatch.setattr(jax, "process_index", lambda p=process: p)
-    batches[process] = list(tfds.as_numpy(input_pipeline.eval_dataset(
-        source, split, local_batch=4, eval_crop=input_pipeline.EvalCrop(32, 1.0, "pil_bilinear"), threads=1, names=True)))
+    batches[process] = list(
+      tfds.as_numpy(
+        input_pipeline.eval_dataset(
+          source,
+          split,
+          local_batch=4,
+          eval_crop=input_pipeline.EvalCrop(32, 1.0, "pil_bilinear"),
+          threads=1,
+          names=True,
+        )
+      )
+    )
   assert [b["mask"].tolist() for b in batches[0]] == [[True, False, False, False]]
   assert [b["mask"].tolist() for b in batches[1]] == [[False] * 4]
 
 
 def test_records_without_ids_are_named_by_their_position_in_the_split(tmp_path, monkeypatch):
   cifar = tfds.builder("cifar10", data_dir=TFDS_DIR)
-  features = tfds.features.FeaturesDict({"image": cifar.info.features["image"],
-                                         "label": cifar.info.features["label"]})
+  features = tfds.features.FeaturesDict(
+    {"image": cifar.info.features["image"], "label": cifar.info.features["label"]}
+  )
   examples = tfds.as_numpy(cifar.as_dataset(split="train[:10]", shuffle_files=False))
   tfds.dataset_builders.store_as_tfds_dataset(
-      name="cifar_no_id", version="1.0.0", features=features,
-      split_datasets={"train": ((i, {"image": e["image"], "label": e["label"]})
-                                for i, e in enumerate(examples))},
-      data_dir=str(tmp_path), file_format="array_record", disable_shuffling=True)
+    name="cifar_no_id",
+    version="1.0.0",
+    features=features,
+    split_datasets={
+      "train": ((i, {"image": e["image"], "label": e["label"]}) for i, e in enumerate(examples))
+    },
+    data_dir=str(tmp_path),
+    file_format="array_record",
+    disable_shuffling=True,
+  )
   source = sources.TfdsSource("cifar_no_id", str(tmp_path))
   ids = list(source.ids_and_labels("train")[0])
   assert ids == [f"train__{i}" for i in range(10)]
   monkeypatch.setattr(jax, "process_count", lambda: 2)
   monkeypatch.setattr(jax, "process_index", lambda: 1)
-  read = [n.decode() for _, _, n in tfds.as_numpy(
-      source.read("train", drop_remainder=False, names=True))]
+  read = [
+    n.decode() for _, _, n in tfds.as_numpy(source.read("train", drop_remainder=False, names=True))
+  ]
   by_index = source.records("train")
   named = by_index.read(tf.range(len(by_index), dtype=tf.int64))[2].numpy()
   assert read == ids[5:] == [n.decode() for n in named]

@@ -1,6 +1,7 @@
 """Jobs stopped from outside, through the entry point in subprocesses: a second job on the
 same workdir, Ctrl-C, kill -9, a full disk and a damaged dataset file each end in one line,
 and nothing is lost."""
+
 import json
 import os
 import re
@@ -9,8 +10,11 @@ import subprocess
 import sys
 import time
 
+from helpers import CONFIG_DIR
+from helpers import TFDS_DIR
+from helpers import damaged_copy
+from helpers import subprocess_env
 import pytest
-from helpers import CONFIG_DIR, TFDS_DIR, damaged_copy, subprocess_env
 
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import files
@@ -18,19 +22,30 @@ from contrastive_jax.core import files
 
 def command(workdir, *overrides):
   """main.py on the tiny SimCLR (1 CPU device, no evaluator), logging every step."""
-  return [sys.executable, "-m", "contrastive_jax.main",
-          f"--config={CONFIG_DIR}/simclr_cifar10.py:runlocal", f"--workdir={workdir}",
-          f"--config.data_dir={TFDS_DIR}", "--config.train_split=train[:256]",
-          "--config.batch_size=16", "--config.model.width=0.0625", "--config.log_every=1 steps",
-          "--config.evaluators={}", "--config.shuffle_buffer=256", "--config.data_threads=1",
-          *overrides]
+  return [
+    sys.executable,
+    "-m",
+    "contrastive_jax.main",
+    f"--config={CONFIG_DIR}/simclr_cifar10.py:runlocal",
+    f"--workdir={workdir}",
+    f"--config.data_dir={TFDS_DIR}",
+    "--config.train_split=train[:256]",
+    "--config.batch_size=16",
+    "--config.model.width=0.0625",
+    "--config.log_every=1 steps",
+    "--config.evaluators={}",
+    "--config.shuffle_buffer=256",
+    "--config.data_threads=1",
+    *overrides,
+  ]
 
 
 def start(args, log):
   """Popen of args with stdout and stderr to the file `log` (a pipe could fill and stall it)."""
   with open(log, "w") as f:
-    return subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=f,
-                            env=subprocess_env(fast_compile=True))
+    return subprocess.Popen(
+      args, stdout=subprocess.DEVNULL, stderr=f, env=subprocess_env(fast_compile=True)
+    )
 
 
 def wait_for(condition, proc, log, timeout=300):
@@ -55,19 +70,23 @@ def last_line(stderr: str) -> str:
 
 def test_second_job_is_refused_and_ctrl_c_checkpoints_and_stops(tmp_path):
   workdir, log = tmp_path / "run", tmp_path / "first.log"
-  first = start(command(workdir, "--config.duration=100000 steps",
-                        "--config.checkpoint_every=1000 steps"), log)
+  first = start(
+    command(workdir, "--config.duration=100000 steps", "--config.checkpoint_every=1000 steps"), log
+  )
   try:
     wait_for(lambda: len(metric_steps(workdir)) >= 2, first, log)
     # The same command again while the first job trains: refused before it writes anything.
-    second = subprocess.run(command(workdir, "--config.duration=100000 steps",
-                                    "--config.checkpoint_every=1000 steps"),
-                            capture_output=True, text=True, timeout=300,
-                            env=subprocess_env(fast_compile=True))
+    second = subprocess.run(
+      command(workdir, "--config.duration=100000 steps", "--config.checkpoint_every=1000 steps"),
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env=subprocess_env(fast_compile=True),
+    )
     assert second.returncode == 1
     assert last_line(second.stderr).startswith(
-        f"error: --workdir={workdir}: another job is running in it (pid {first.pid} on host "), (
-            second.stderr[-2000:])
+      f"error: --workdir={workdir}: another job is running in it (pid {first.pid} on host "
+    ), second.stderr[-2000:]
     assert first.poll() is None
     first.send_signal(signal.SIGINT)
     first.wait(timeout=120)
@@ -77,9 +96,11 @@ def test_second_job_is_refused_and_ctrl_c_checkpoints_and_stops(tmp_path):
   stderr = log.read_text()
   assert first.returncode == 1, stderr[-3000:]
   directory = f"{workdir}/checkpoints"
-  stopped = re.fullmatch(rf"error: interrupted at step (\d+): the newest checkpoint is step "
-                         rf"(\d+) \(in {directory}\); start the same command again to resume",
-                         last_line(stderr))
+  stopped = re.fullmatch(
+    rf"error: interrupted at step (\d+): the newest checkpoint is step "
+    rf"(\d+) \(in {directory}\); start the same command again to resume",
+    last_line(stderr),
+  )
   assert stopped and stopped[1] == stopped[2], stderr[-3000:]
   step = int(stopped[1])
   assert "Ctrl-C: saving a checkpoint after this step" in stderr
@@ -107,8 +128,11 @@ def small_disk(tmp_path):
   """A 2.5 MB tmpfs (room for 2 or 3 checkpoints of the tiny model) at tmp_path/disk."""
   mount = tmp_path / "disk"
   mount.mkdir()
-  made = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(mount)],
-                        capture_output=True, text=True)
+  made = subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", "size=2500k", "tmpfs", str(mount)],
+    capture_output=True,
+    text=True,
+  )
   if made.returncode:
     pytest.skip(f"cannot mount a tmpfs here (root needed): {made.stderr.strip()}")
   try:
@@ -119,19 +143,27 @@ def small_disk(tmp_path):
 
 def test_full_disk_ends_in_one_line_and_the_same_command_resumes(small_disk):
   workdir = small_disk / "run"
-  args = command(workdir, "--config.duration=20 steps", "--config.checkpoint_every=1 steps",
-                 "--config.keep_checkpoints=20")
+  args = command(
+    workdir,
+    "--config.duration=20 steps",
+    "--config.checkpoint_every=1 steps",
+    "--config.keep_checkpoints=20",
+  )
   env = subprocess_env(fast_compile=True)
   full = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
   assert full.returncode == 1, full.stderr[-3000:]
   directory = f"{workdir}/checkpoints"
-  stopped = re.fullmatch(rf"error: no space left on device while writing to {workdir}: the "
-                         rf"newest checkpoint is step (\d+) \(in {directory}\); free space and "
-                         "start the same command again to resume", last_line(full.stderr))
+  stopped = re.fullmatch(
+    rf"error: no space left on device while writing to {workdir}: the "
+    rf"newest checkpoint is step (\d+) \(in {directory}\); free space and "
+    "start the same command again to resume",
+    last_line(full.stderr),
+  )
   assert stopped, full.stderr[-3000:]
   step = int(stopped[1])
   assert checkpointing.Checkpointer(directory, read_only=True).complete_steps() == list(
-      range(1, step + 1))
+    range(1, step + 1)
+  )
   # An atomic write that finds the disk full leaves neither the file nor a partial copy.
   with pytest.raises(Exception) as error:
     files.write_atomic(f"{workdir}/big", b"x" * 4_000_000)
@@ -149,19 +181,30 @@ def test_full_disk_ends_in_one_line_and_the_same_command_resumes(small_disk):
 def test_a_damaged_dataset_file_ends_in_one_line_naming_it(array_record_cifar, tmp_path):
   data_dir, shard = damaged_copy(array_record_cifar, "cifar_array_record", tmp_path, "flipped")
   workdir = tmp_path / "run"
-  job = subprocess.run(command(workdir, "--config.dataset=cifar_array_record",
-                               f"--config.data_dir={data_dir}", "--config.train_split=train",
-                               "--config.duration=1000 steps", "--config.checkpoint_every=5 steps"),
-                       capture_output=True, text=True, timeout=300,
-                       env=subprocess_env(fast_compile=True))
+  job = subprocess.run(
+    command(
+      workdir,
+      "--config.dataset=cifar_array_record",
+      f"--config.data_dir={data_dir}",
+      "--config.train_split=train",
+      "--config.duration=1000 steps",
+      "--config.checkpoint_every=5 steps",
+    ),
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=subprocess_env(fast_compile=True),
+  )
   assert job.returncode == 1, job.stderr[-3000:]
   directory = f"{workdir}/checkpoints"
   stopped = re.fullmatch(
-      rf"error: {re.escape(shard)}: record \d+ of this file cannot be read \(Corrupted "
-      r"Riegeli/records file: .*\)\. Prepare the dataset "
-      r"'cifar_array_record' again \(an image folder: the prepare job with --config.overwrite=True\) or "
-      rf"restore the file from a copy; the newest checkpoint is step (\d+) \(in {directory}\); "
-      "then start the same command again to resume", last_line(job.stderr))
+    rf"error: {re.escape(shard)}: record \d+ of this file cannot be read \(Corrupted "
+    r"Riegeli/records file: .*\)\. Prepare the dataset "
+    r"'cifar_array_record' again \(an image folder: the prepare job with --config.overwrite=True\) or "
+    rf"restore the file from a copy; the newest checkpoint is step (\d+) \(in {directory}\); "
+    "then start the same command again to resume",
+    last_line(job.stderr),
+  )
   assert stopped, job.stderr[-3000:]
   # The damage is read in the first epoch (125 steps), after some checkpoints: they are kept.
   newest = int(stopped[1])

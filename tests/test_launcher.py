@@ -6,6 +6,7 @@ that are their homes), each running its part of a real 2-process JAX job on
 virtualenv, starts the job detached, reports its status, stops it (a checkpoint at
 one step, written by both hosts) and resumes it.
 """
+
 import json
 import os
 import re
@@ -14,9 +15,8 @@ import subprocess
 import sys
 import time
 
-import pytest
-
 from helpers import TFDS_DIR
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAUNCHER = os.path.join(REPO, "launch", "tpu.sh")
@@ -28,14 +28,22 @@ WORKERS = (0, 1)
 def job_args(workdir):
   """A tiny 2-host SimCLR pretraining, as command-line overrides of runlocal."""
   return [
-      "--config=configs/simclr_cifar10.py:runlocal", f"--workdir={workdir}",
-      f"--config.data_dir={TFDS_DIR}", "--config.train_split=train[:256]",
-      "--config.batch_size=16", "--config.model.width=0.0625", "--config.duration=100000 steps",
-      "--config.log_every=1 steps", "--config.checkpoint_every=1000 steps",
-      "--config.evaluators.knn.split=test[:32]", "--config.evaluators.knn.bank_split=train[:64]",
-      "--config.evaluators.knn.batch_size=16", "--config.evaluators.online_probe.split=test[:32]",
-      "--config.evaluators.online_probe.batch_size=16", "--config.shuffle_buffer=256",
-      "--config.data_threads=1",
+    "--config=configs/simclr_cifar10.py:runlocal",
+    f"--workdir={workdir}",
+    f"--config.data_dir={TFDS_DIR}",
+    "--config.train_split=train[:256]",
+    "--config.batch_size=16",
+    "--config.model.width=0.0625",
+    "--config.duration=100000 steps",
+    "--config.log_every=1 steps",
+    "--config.checkpoint_every=1000 steps",
+    "--config.evaluators.knn.split=test[:32]",
+    "--config.evaluators.knn.bank_split=train[:64]",
+    "--config.evaluators.knn.batch_size=16",
+    "--config.evaluators.online_probe.split=test[:32]",
+    "--config.evaluators.online_probe.batch_size=16",
+    "--config.shuffle_buffer=256",
+    "--config.data_threads=1",
   ]
 
 
@@ -44,15 +52,25 @@ class Pod:
 
   def __init__(self, root):
     self.root = root
-    self.env = dict(os.environ, PATH=f"{FAKE_GCLOUD}{os.pathsep}{os.environ['PATH']}",
-                    FAKE_GCLOUD_ROOT=str(root), FAKE_GCLOUD_TPU=TPU, FAKE_GCLOUD_ZONE=ZONE,
-                    FAKE_GCLOUD_PYTHON=sys.executable)  # The workers use this python's packages.
+    self.env = dict(
+      os.environ,
+      PATH=f"{FAKE_GCLOUD}{os.pathsep}{os.environ['PATH']}",
+      FAKE_GCLOUD_ROOT=str(root),
+      FAKE_GCLOUD_TPU=TPU,
+      FAKE_GCLOUD_ZONE=ZONE,
+      FAKE_GCLOUD_PYTHON=sys.executable,
+    )  # The workers use this python's packages.
     self.env.pop("GCLOUD", None)
 
   def launch(self, command, *args, tpu=TPU, expect=0, env=None):
     """Runs `launch/tpu.sh COMMAND TPU ZONE ARGS`; returns stdout + stderr."""
-    proc = subprocess.run([LAUNCHER, command, tpu, ZONE, *args], env=dict(self.env, **(env or {})),
-                          capture_output=True, text=True, timeout=180)
+    proc = subprocess.run(
+      [LAUNCHER, command, tpu, ZONE, *args],
+      env=dict(self.env, **(env or {})),
+      capture_output=True,
+      text=True,
+      timeout=180,
+    )
     out = proc.stdout + proc.stderr
     assert proc.returncode == expect, out[-4000:]
     return out
@@ -104,8 +122,7 @@ def _wait(condition, pod, what, timeout=300):
   deadline = time.time() + timeout
   while not condition():
     if time.time() > deadline or not all(pod.alive(w) for w in WORKERS):
-      pytest.fail(f"waiting for {what}; logs:\n" +
-                  "\n".join(pod.log(w)[-3000:] for w in WORKERS))
+      pytest.fail(f"waiting for {what}; logs:\n" + "\n".join(pod.log(w)[-3000:] for w in WORKERS))
     time.sleep(0.5)
 
 
@@ -117,7 +134,7 @@ def _checkpoint_steps(workdir):
 def test_run_status_stop_resume_on_a_simulated_pod(pod, tmp_path):
   # Spaces, quotes and a $ in the workdir: it reaches python unchanged or the
   # checkpoints land elsewhere.
-  workdir = str(tmp_path / "work dir" / "it's \"quoted\" $HOME")
+  workdir = str(tmp_path / "work dir" / 'it\'s "quoted" $HOME')
   args = job_args(workdir)
 
   out = pod.launch("run", *args)
@@ -130,9 +147,17 @@ def test_run_status_stop_resume_on_a_simulated_pod(pod, tmp_path):
     python = pod.path(worker, "contrastive_jax_run", "venv", "bin", "python")
     assert python in pod.log(worker)
     origin = subprocess.run(
-        [python, "-c", "import importlib.util; print(importlib.util.find_spec('contrastive_jax').origin)"],
-        cwd=pod.path(worker, "contrastive_jax"), capture_output=True, text=True, check=True,
-        env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"}).stdout.strip()
+      [
+        python,
+        "-c",
+        "import importlib.util; print(importlib.util.find_spec('contrastive_jax').origin)",
+      ],
+      cwd=pod.path(worker, "contrastive_jax"),
+      capture_output=True,
+      text=True,
+      check=True,
+      env={k: v for k, v in os.environ.items() if k != "PYTHONPATH"},
+    ).stdout.strip()
     assert origin == pod.path(worker, "contrastive_jax", "contrastive_jax", "__init__.py")
 
   status = pod.launch("status")
@@ -160,8 +185,13 @@ def test_run_status_stop_resume_on_a_simulated_pod(pod, tmp_path):
   out = pod.launch("run", *args)
   assert "virtualenv up to date" in out and "installing" not in out, out
   resumed = f"Resumed from {workdir}/checkpoints at step {stopped}."
-  _wait(lambda: all(resumed in pod.log(w) for w in WORKERS)
-        and max(_steps(workdir), default=0) > stopped, pod, "the resumed run's steps")
+  _wait(
+    lambda: (
+      all(resumed in pod.log(w) for w in WORKERS) and max(_steps(workdir), default=0) > stopped
+    ),
+    pod,
+    "the resumed run's steps",
+  )
   assert pod.launch("stop").startswith("Stopped: ")
   assert _checkpoint_steps(workdir)[-1] > stopped
 
@@ -171,29 +201,40 @@ def test_run_status_stop_resume_on_a_simulated_pod(pod, tmp_path):
 
 def _bash_words(line):
   """The words bash reads from `line` (as the user would paste it)."""
-  out = subprocess.run(["bash", "-c", 'eval "words=($1)"; printf "%s\\0" "${words[@]}"', "-", line],
-                       capture_output=True, text=True, check=True).stdout
+  out = subprocess.run(
+    ["bash", "-c", 'eval "words=($1)"; printf "%s\\0" "${words[@]}"', "-", line],
+    capture_output=True,
+    text=True,
+    check=True,
+  ).stdout
   return out.split("\0")[:-1]
 
 
 def test_dry_run_prints_gcloud_commands_that_keep_every_argument(pod):
-  tricky = "--config.data_dir=/a b/it's \"q\" $HOME `x` \\ \n; *"
-  out = pod.launch("run", "--dry-run", "--config=configs/simclr_cifar10.py", "--workdir=/w d",
-                   tricky)
+  tricky = '--config.data_dir=/a b/it\'s "q" $HOME `x` \\ \n; *'
+  out = pod.launch(
+    "run", "--dry-run", "--config=configs/simclr_cifar10.py", "--workdir=/w d", tricky
+  )
   lines = [_bash_words(line) for line in out.splitlines()]
   assert [words[:5] for words in lines] == [
-      ["gcloud", "compute", "tpus", "tpu-vm", c] for c in ("describe", "ssh", "scp", "ssh")]
+    ["gcloud", "compute", "tpus", "tpu-vm", c] for c in ("describe", "ssh", "scp", "ssh")
+  ]
   assert not os.listdir(pod.root)  # Nothing ran, not even describe.
   command = [w for w in lines[3] if w.startswith("--command=")][0]
   job_line = [line for line in command.splitlines() if line.startswith("job_args=(")]
   assert _bash_words(job_line[0].removeprefix("job_args=(").removesuffix(")")) == [
-      "--config=configs/simclr_cifar10.py", "--workdir=/w d", tricky]
+    "--config=configs/simclr_cifar10.py",
+    "--workdir=/w d",
+    tricky,
+  ]
 
 
 def test_bad_input_gives_one_clear_message(pod):
   out = pod.launch("status", tpu="no-such-tpu", expect=1)
-  assert out.startswith("launch/tpu.sh: error: cannot use TPU VM 'no-such-tpu' in zone") and \
-      out.count("\n") == 1, out
+  assert (
+    out.startswith("launch/tpu.sh: error: cannot use TPU VM 'no-such-tpu' in zone")
+    and out.count("\n") == 1
+  ), out
   out = pod.launch("status", env={"GCLOUD": "/nonexistent/gcloud"}, expect=1)
   assert "'/nonexistent/gcloud' not found: install the Google Cloud CLI" in out, out
   out = pod.launch("run", "--config=configs/simclr_cifar10.py", "--workdir=relative", expect=1)

@@ -7,14 +7,24 @@ module uses another's private (underscored) names. The imports are read from
 the source with ast, so the rules hold for every module, imported at run time
 or not; the checker itself is tested on a small tree that breaks each rule.
 """
+
 import ast
 import os
 
-PACKAGE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                       "contrastive_jax")
+PACKAGE = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "contrastive_jax"
+)
 # Bottom to top; the packages of one floor may not import each other.
-LAYERS = (("core",), ("data",), ("models",), ("methods",), ("recipes",), ("training", "search"),
-          ("jobs",), ("main",))
+LAYERS = (
+  ("core",),
+  ("data",),
+  ("models",),
+  ("methods",),
+  ("recipes",),
+  ("training", "search"),
+  ("jobs",),
+  ("main",),
+)
 # The modules of methods/ that are not a method: what every method shares.
 METHOD_SHARED = ("common", "optim")
 
@@ -47,15 +57,19 @@ def modules(root: str, name: str = "contrastive_jax") -> dict:
         base = node.module or ""
         if node.level:  # Relative: from the module's own package, up level - 1.
           package = module if module in packages else module.rsplit(".", 1)[0]
-          parts = package.split(".")[:len(package.split(".")) - node.level + 1]
+          parts = package.split(".")[: len(package.split(".")) - node.level + 1]
           base = ".".join(parts + ([node.module] if node.module else []))
         if base.split(".")[0] == name:
           for alias in node.names:
             sub = f"{base}.{alias.name}"
             imported.add(sub if sub in paths else base)
-      elif (isinstance(node, ast.Call) and getattr(node.func, "attr", None) == "import_module"
-            and node.args and isinstance(node.args[0], ast.Constant)
-            and str(node.args[0].value).split(".")[0] == name):
+      elif (
+        isinstance(node, ast.Call)
+        and getattr(node.func, "attr", None) == "import_module"
+        and node.args
+        and isinstance(node.args[0], ast.Constant)
+        and str(node.args[0].value).split(".")[0] == name
+      ):
         imported.add(node.args[0].value)
     graph[module] = imported - {module}
   return graph
@@ -88,9 +102,13 @@ def private_uses(root: str, name: str = "contrastive_jax") -> list:
             if alias.name.startswith(name) and alias.asname:
               aliases[alias.asname] = alias.name
       for node in ast.walk(tree):
-        if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
-            and node.value.id in aliases and node.attr.startswith("_")
-            and not node.attr.startswith("__")):
+        if (
+          isinstance(node, ast.Attribute)
+          and isinstance(node.value, ast.Name)
+          and node.value.id in aliases
+          and node.attr.startswith("_")
+          and not node.attr.startswith("__")
+        ):
           found.append(f"{module} uses {aliases[node.value.id]}.{node.attr}")
   return found
 
@@ -118,24 +136,30 @@ def violations(graph: dict) -> list:
       if layer(i) > layer(m):
         found.append(f"{m} (layer {package(m)}) imports {i} (layer {package(i)})")
       elif layer(i) == layer(m) and package(i) != package(m):
-        found.append(f"{m} (layer {package(m)}) imports {i} (layer {package(i)}, the same "
-                     "floor)")
+        found.append(f"{m} (layer {package(m)}) imports {i} (layer {package(i)}, the same floor)")
   for m, imported in graph.items():
     parts = m.split(".")
     if len(parts) == 3 and parts[1] == "methods" and parts[2] not in METHOD_SHARED:
-      found += [f"{m} imports another method, {i}" for i in imported
-                if len(i.split(".")) == 3 and i.split(".")[1] == "methods"
-                and i.split(".")[2] not in METHOD_SHARED]
+      found += [
+        f"{m} imports another method, {i}"
+        for i in imported
+        if len(i.split(".")) == 3
+        and i.split(".")[1] == "methods"
+        and i.split(".")[2] not in METHOD_SHARED
+      ]
     if len(parts) == 3 and parts[1] == "jobs":
-      found += [f"{m} imports another job, {i}" for i in imported
-                if len(i.split(".")) == 3 and i.split(".")[1] == "jobs"]
+      found += [
+        f"{m} imports another job, {i}"
+        for i in imported
+        if len(i.split(".")) == 3 and i.split(".")[1] == "jobs"
+      ]
   state = {}
 
   def visit(m, stack):
     state[m] = "open"
     for i in sorted(graph.get(m, ())):
       if state.get(i) == "open":
-        found.append("import cycle: " + " -> ".join(stack[stack.index(i):] + [i]))
+        found.append("import cycle: " + " -> ".join(stack[stack.index(i) :] + [i]))
       elif i not in state:
         visit(i, stack + [i])
     state[m] = "done"
@@ -150,7 +174,8 @@ def test_every_module_belongs_to_a_layer():
   for module in modules(PACKAGE):
     if module != "contrastive_jax":
       assert any(module.split(".")[1] in packages for packages in LAYERS), (
-          f"{module} is in no layer of {LAYERS}")
+        f"{module} is in no layer of {LAYERS}"
+      )
 
 
 def test_no_module_imports_from_a_layer_above_it_and_there_are_no_cycles():
@@ -164,42 +189,47 @@ def test_no_module_uses_another_modules_private_names():
 def test_the_checker_finds_each_kind_of_violation(tmp_path):
   root = tmp_path / "contrastive_jax"
   for rel, text in {
-      "__init__.py": "",
-      "core/__init__.py": "",
-      "core/a.py": "from contrastive_jax.core import b\n",
-      "core/b.py": "from contrastive_jax.core import a\n",
-      "data/__init__.py": "",
-      "data/c.py": "import contrastive_jax.jobs.d\n",
-      "data/e.py": "def f():\n  from ..jobs import d\n",
-      "data/f.py": "import importlib\nimportlib.import_module('contrastive_jax.jobs.d')\n",
-      "jobs/__init__.py": "",
-      "jobs/d.py": "from contrastive_jax.core.a import something\n",
-      "methods/__init__.py": "",
-      "methods/simclr.py": "from contrastive_jax.methods import byol\n",
-      "methods/byol.py": "",
-      "methods/common.py": "",
-      "methods/moco.py": "from contrastive_jax.methods import common\n",
-      "training/__init__.py": "",
-      "training/t.py": "from contrastive_jax.search import s\n",
-      "search/__init__.py": "",
-      "search/s.py": "from contrastive_jax.core import a as a_lib\nx = a_lib._hidden\n",
-      "jobs/g.py": "from contrastive_jax.jobs import d\nfrom contrastive_jax.core.b import _y\n",
+    "__init__.py": "",
+    "core/__init__.py": "",
+    "core/a.py": "from contrastive_jax.core import b\n",
+    "core/b.py": "from contrastive_jax.core import a\n",
+    "data/__init__.py": "",
+    "data/c.py": "import contrastive_jax.jobs.d\n",
+    "data/e.py": "def f():\n  from ..jobs import d\n",
+    "data/f.py": "import importlib\nimportlib.import_module('contrastive_jax.jobs.d')\n",
+    "jobs/__init__.py": "",
+    "jobs/d.py": "from contrastive_jax.core.a import something\n",
+    "methods/__init__.py": "",
+    "methods/simclr.py": "from contrastive_jax.methods import byol\n",
+    "methods/byol.py": "",
+    "methods/common.py": "",
+    "methods/moco.py": "from contrastive_jax.methods import common\n",
+    "training/__init__.py": "",
+    "training/t.py": "from contrastive_jax.search import s\n",
+    "search/__init__.py": "",
+    "search/s.py": "from contrastive_jax.core import a as a_lib\nx = a_lib._hidden\n",
+    "jobs/g.py": "from contrastive_jax.jobs import d\nfrom contrastive_jax.core.b import _y\n",
   }.items():
     (root / rel).parent.mkdir(parents=True, exist_ok=True)
     (root / rel).write_text(text)
   found = violations(modules(str(root)))
   assert "contrastive_jax.data.c (layer data) imports contrastive_jax.jobs.d (layer jobs)" in found
-  assert ("contrastive_jax.methods.simclr imports another method, contrastive_jax.methods.byol"
-          in found)
-  assert any(line.startswith("import cycle: contrastive_jax.core.a -> contrastive_jax.core.b")
-             for line in found)
+  assert (
+    "contrastive_jax.methods.simclr imports another method, contrastive_jax.methods.byol" in found
+  )
+  assert any(
+    line.startswith("import cycle: contrastive_jax.core.a -> contrastive_jax.core.b")
+    for line in found
+  )
   assert "contrastive_jax.data.e (layer data) imports contrastive_jax.jobs.d (layer jobs)" in found
   assert "contrastive_jax.data.f (layer data) imports contrastive_jax.jobs.d (layer jobs)" in found
-  assert ("contrastive_jax.training.t (layer training) imports contrastive_jax.search.s (layer "
-          "search, the same floor)") in found
+  assert (
+    "contrastive_jax.training.t (layer training) imports contrastive_jax.search.s (layer "
+    "search, the same floor)"
+  ) in found
   assert "contrastive_jax.jobs.g imports another job, contrastive_jax.jobs.d" in found
   assert len(found) == 7, found  # methods.moco may import methods.common.
   assert sorted(private_uses(str(root))) == [
-      "contrastive_jax.jobs.g uses contrastive_jax.core.b._y",
-      "contrastive_jax.search.s uses contrastive_jax.core.a._hidden"]
-
+    "contrastive_jax.jobs.g uses contrastive_jax.core.b._y",
+    "contrastive_jax.search.s uses contrastive_jax.core.a._hidden",
+  ]

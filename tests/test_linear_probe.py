@@ -1,26 +1,31 @@
 """Linear probe: restores only the encoder of any method's checkpoint, keeps it frozen."""
+
 import json
 import os
 import subprocess
 import sys
 
+from helpers import CONFIG_DIR
+from helpers import TFDS_DIR
+from helpers import checkpoints_are_finite
+from helpers import load_config
+from helpers import subprocess_env
+from helpers import tiny_config
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from helpers import CONFIG_DIR, TFDS_DIR, checkpoints_are_finite, load_config, subprocess_env
-from helpers import tiny_config
 
-from contrastive_jax.training import restore
+from contrastive_jax import methods
+from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
+from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import NonFiniteError
-from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
-from contrastive_jax import methods
-from contrastive_jax import recipes
+from contrastive_jax.training import restore
 from contrastive_jax.training import runner
 
 
@@ -59,13 +64,20 @@ def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path)
   before = jax.device_get(encoder.variables)
   # The partial restore read exactly what pretraining saved.
   ckpt = checkpointing.Checkpointer(os.path.join(pretrained, "checkpoints"), read_only=True)
-  full = ckpt.restore(checkpointing.abstract_like(
+  full = ckpt.restore(
+    checkpointing.abstract_like(
       jax.eval_shape(pretrain.setup(saved_config, mesh, 1, 1, num_classes=10).init),
-      mesh_lib.replicated(mesh)))
-  jax.tree.map(np.testing.assert_array_equal, before["params"],
-               jax.device_get(full.params["encoder"]))
-  jax.tree.map(np.testing.assert_array_equal, before["batch_stats"],
-               jax.device_get(full.batch_stats["encoder"]))
+      mesh_lib.replicated(mesh),
+    )
+  )
+  jax.tree.map(
+    np.testing.assert_array_equal, before["params"], jax.device_get(full.params["encoder"])
+  )
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    before["batch_stats"],
+    jax.device_get(full.batch_stats["encoder"]),
+  )
 
   task = linear_probe.build(probe_config(pretrained), mesh, None, str(tmp_path))
   # 'auto' ran the SimCLR checkpoint's reference's probe: a plain linear layer.
@@ -88,11 +100,17 @@ def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path)
   with pytest.raises(ConfigError, match=r"^config.batch_size=32 \(the checkpoint.s: 16\)"):
     runner.run(linear_probe, probe_config(pretrained, batch_size=32), str(tmp_path))
   # So is a probe into a pretraining workdir, and pretraining into a probe's.
-  with pytest.raises(ConfigError, match="config.job='linear_probe': must be 'pretrain': another "
-                     "kind of job wrote the checkpoints in"):
+  with pytest.raises(
+    ConfigError,
+    match="config.job='linear_probe': must be 'pretrain': another "
+    "kind of job wrote the checkpoints in",
+  ):
     runner.run(linear_probe, probe_config(pretrained), pretrained)
-  with pytest.raises(ConfigError, match="config.job='pretrain': must be 'linear_probe': another "
-                     "kind of job wrote the checkpoints in"):
+  with pytest.raises(
+    ConfigError,
+    match="config.job='pretrain': must be 'linear_probe': another "
+    "kind of job wrote the checkpoints in",
+  ):
     runner.run(pretrain, tiny_config(), str(tmp_path))
 
 
@@ -118,19 +136,25 @@ def test_restore_onto_another_device_count(pretrained):
 def test_random_init_baseline_is_the_pretraining_runs_initialisation(pretrained):
   restored = restore.restore_encoder(probe_config(pretrained), mesh_lib.make_mesh())
   trained, saved = restored.variables, restored.pretrained
-  random = restore.restore_encoder(probe_config(pretrained, random_init=True),
-                                      mesh_lib.make_mesh()).variables
+  random = restore.restore_encoder(
+    probe_config(pretrained, random_init=True), mesh_lib.make_mesh()
+  ).variables
   init = jax.device_get(pretrain.setup(saved, mesh_lib.make_mesh(), 1, 1).init())
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(random["params"]),
-               init.params["encoder"])
-  assert not np.array_equal(jax.device_get(trained["params"]["stem_conv"]["kernel"]),
-                            jax.device_get(random["params"]["stem_conv"]["kernel"]))
+  jax.tree.map(
+    np.testing.assert_array_equal, jax.device_get(random["params"]), init.params["encoder"]
+  )
+  assert not np.array_equal(
+    jax.device_get(trained["params"]["stem_conv"]["kernel"]),
+    jax.device_get(random["params"]["stem_conv"]["kernel"]),
+  )
 
 
 def test_bad_probe_inputs(pretrained, tmp_path):
   with pytest.raises(ConfigError, match="config.pretrain_workdir=.*looked in"):
     restore.restore_encoder(probe_config(str(tmp_path)), mesh_lib.make_mesh())
-  with pytest.raises(ConfigError, match=r"config.pretrain_step=7: must be one of the saved steps \[1, 2\]"):
+  with pytest.raises(
+    ConfigError, match=r"config.pretrain_step=7: must be one of the saved steps \[1, 2\]"
+  ):
     restore.restore_encoder(probe_config(pretrained, pretrain_step=7), mesh_lib.make_mesh())
   with pytest.raises(ConfigError, match="config.model_name='resnet50': must be 'resnet18'"):
     restore.restore_encoder(probe_config(pretrained, model_name="resnet50"), mesh_lib.make_mesh())
@@ -149,25 +173,40 @@ def test_checkpoints_of_another_tool_end_in_one_line_naming_pretrain_workdir(tmp
   manager.close()
   (numbered_dir / "checkpoints" / "5").mkdir(parents=True)
   for workdir, step in ((orbax_dir, 3), (numbered_dir, 5)):
-    with pytest.raises(ConfigError, match=(
+    with pytest.raises(
+      ConfigError,
+      match=(
         f"config.pretrain_workdir='{workdir}': must be a pretraining workdir of contrastive_jax; "
-        f"{workdir}/checkpoints/{step} is not a checkpoint of contrastive_jax")):
+        f"{workdir}/checkpoints/{step} is not a checkpoint of contrastive_jax"
+      ),
+    ):
       restore.restore_encoder(probe_config(str(workdir)), mesh_lib.make_mesh())
   # A job's own workdir holding them: one line too, before anything is built.
   with pytest.raises(JobError, match=f"{numbered_dir}/checkpoints/5 is not a checkpoint"):
     runner.run(pretrain, tiny_config(), str(numbered_dir))
   # Through the entry point: one line on stderr, exit status 1.
   out = subprocess.run(
-      [sys.executable, "-m", "contrastive_jax.main", f"--config={CONFIG_DIR}/linear_probe.py",
-       f"--config.pretrain_workdir={orbax_dir}", f"--config.data_dir={TFDS_DIR}",
-       f"--workdir={tmp_path / 'probe'}"],
-      capture_output=True, text=True, timeout=300, env=subprocess_env())
+    [
+      sys.executable,
+      "-m",
+      "contrastive_jax.main",
+      f"--config={CONFIG_DIR}/linear_probe.py",
+      f"--config.pretrain_workdir={orbax_dir}",
+      f"--config.data_dir={TFDS_DIR}",
+      f"--workdir={tmp_path / 'probe'}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=subprocess_env(),
+  )
   assert out.returncode == 1 and "Traceback" not in out.stderr
   assert out.stderr.strip().splitlines()[-1] == (
-      f"error: config.pretrain_workdir='{orbax_dir}': must be a pretraining workdir of "
-      f"contrastive_jax; {orbax_dir}/checkpoints/3 is not a checkpoint of contrastive_jax (it "
-      "has the items ['state'], not the items 'state' and 'config'); nothing in it was read "
-      "or changed")
+    f"error: config.pretrain_workdir='{orbax_dir}': must be a pretraining workdir of "
+    f"contrastive_jax; {orbax_dir}/checkpoints/3 is not a checkpoint of contrastive_jax (it "
+    "has the items ['state'], not the items 'state' and 'config'); nothing in it was read "
+    "or changed"
+  )
   # Neither was deleted (as an incomplete checkpoint of this project would be).
   assert os.listdir(orbax_dir / "checkpoints") == ["3"]
   assert os.listdir(numbered_dir / "checkpoints") == ["5"]
@@ -177,24 +216,57 @@ def test_checkpoints_of_another_tool_end_in_one_line_naming_pretrain_workdir(tmp
 # cites them): batch, duration, base lr (x B/256), Nesterov, weight decay, schedule,
 # decay epochs, crop sampler, smallest crop area, head init, standardised features.
 PROBE_REFERENCES = {
-    "simclr": (512, "100 epochs", 0.1, True, 0.0, "cosine", (), "tensorflow", 0.08, "zeros",
-               False),
-    "moco": (256, "100 epochs", 30.0, False, 0.0, "step", (60, 80), "torchvision", 0.08,
-             "normal_0.01", False),
-    "byol": (1024, "80 epochs", 0.2, True, 0.0, "cosine", (), "byol", 0.08, "lecun_normal",
-             False),
-    "mocov3": (1024, "90 epochs", 0.1, False, 0.0, "cosine", (), "torchvision", 0.08,
-               "normal_0.01", False),
-    "standardised": (256, "100 epochs", 0.1, False, 0.0, "cosine", (), "torchvision", 0.2,
-                     "zeros", True),
+  "simclr": (512, "100 epochs", 0.1, True, 0.0, "cosine", (), "tensorflow", 0.08, "zeros", False),
+  "moco": (
+    256,
+    "100 epochs",
+    30.0,
+    False,
+    0.0,
+    "step",
+    (60, 80),
+    "torchvision",
+    0.08,
+    "normal_0.01",
+    False,
+  ),
+  "byol": (1024, "80 epochs", 0.2, True, 0.0, "cosine", (), "byol", 0.08, "lecun_normal", False),
+  "mocov3": (
+    1024,
+    "90 epochs",
+    0.1,
+    False,
+    0.0,
+    "cosine",
+    (),
+    "torchvision",
+    0.08,
+    "normal_0.01",
+    False,
+  ),
+  "standardised": (
+    256,
+    "100 epochs",
+    0.1,
+    False,
+    0.0,
+    "cosine",
+    (),
+    "torchvision",
+    0.2,
+    "zeros",
+    True,
+  ),
 }
 
 
 def test_every_method_has_a_probe_preset_and_a_reference_here():
   missing = sorted(set(methods.METHODS) - set(recipes.LINEAR_PROBE_PRESETS))
-  assert not missing, (f"methods {missing} have no linear-probe preset: preset 'auto' runs "
-                       "the one named as the checkpoint's method; add its reference's linear "
-                       "evaluation to recipes.LINEAR_PROBE_PRESETS")
+  assert not missing, (
+    f"methods {missing} have no linear-probe preset: preset 'auto' runs "
+    "the one named as the checkpoint's method; add its reference's linear "
+    "evaluation to recipes.LINEAR_PROBE_PRESETS"
+  )
   assert set(PROBE_REFERENCES) == set(recipes.LINEAR_PROBE_PRESETS)
 
 
@@ -208,9 +280,19 @@ def test_probe_presets_resolve_to_their_references_recipes(pretrained):
   for preset, expected in PROBE_REFERENCES.items():
     c = resolved(preset=preset)
     o = c.optimizer
-    assert (c.batch_size, c.duration, o.base_lr, o.nesterov, o.weight_decay, o.schedule,
-            tuple(o.decay_epochs), c.crop.sampler, c.crop.area_min, c.head.init,
-            c.head.standardize) == expected, preset
+    assert (
+      c.batch_size,
+      c.duration,
+      o.base_lr,
+      o.nesterov,
+      o.weight_decay,
+      o.schedule,
+      tuple(o.decay_epochs),
+      c.crop.sampler,
+      c.crop.area_min,
+      c.head.init,
+      c.head.standardize,
+    ) == expected, preset
     assert (c.preset, o.name, o.momentum, o.warmup_epochs) == (preset, "sgd", 0.9, 0)
   # 'auto' runs the checkpoint's method's (SimCLR here); a value given wins over the preset's.
   c = resolved(batch_size=64)

@@ -1,5 +1,6 @@
 """The entry point's flag parsing: a bad --config file, argument or field ends in one line;
 config arguments (recipes.parse_args) combine."""
+
 import glob
 import importlib.util
 import logging
@@ -8,27 +9,58 @@ import subprocess
 import sys
 import threading
 
+from helpers import CONFIG_DIR
+from helpers import subprocess_env
 import ml_collections
 import pytest
-from helpers import CONFIG_DIR, subprocess_env
 
+from contrastive_jax import main
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import metrics
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import VariantError
-from contrastive_jax import main
 
 SIMCLR = os.path.join(CONFIG_DIR, "simclr_cifar10.py")
 MOCOV3 = os.path.join(CONFIG_DIR, "mocov3_cifar10.py")
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
 # The config fields that count things (or are pixels, seeds, steps, the saved format's
 # version): the only int fields.
-INTEGER_FIELDS = {"batch_size", "bn_group_size", "cell", "chunk_size", "clusters", "data_threads",
-                  "depth", "direct_num_workers", "ef_construction", "ef_search", "format_version", "hidden_dims",
-                  "hnsw_m", "image_size", "k", "k_factor", "keep_checkpoints", "label_seed",
-                  "max_pixels", "max_points", "n_neighbors", "nlist", "nprobe", "out_dim",
-                  "patch_size", "pca_dims", "picture_pairs", "pretrain_step", "queue_size",
-                  "seed", "shuffle_buffer", "size", "threads", "thumbnail"}
+INTEGER_FIELDS = {
+  "batch_size",
+  "bn_group_size",
+  "cell",
+  "chunk_size",
+  "clusters",
+  "data_threads",
+  "depth",
+  "direct_num_workers",
+  "ef_construction",
+  "ef_search",
+  "format_version",
+  "hidden_dims",
+  "hnsw_m",
+  "image_size",
+  "k",
+  "k_factor",
+  "keep_checkpoints",
+  "label_seed",
+  "max_pixels",
+  "max_points",
+  "n_neighbors",
+  "nlist",
+  "nprobe",
+  "out_dim",
+  "patch_size",
+  "pca_dims",
+  "picture_pairs",
+  "pretrain_step",
+  "queue_size",
+  "seed",
+  "shuffle_buffer",
+  "size",
+  "threads",
+  "thumbnail",
+}
 
 
 def _int_fields(config, prefix=""):
@@ -36,8 +68,9 @@ def _int_fields(config, prefix=""):
   for key, value in config.items():
     if isinstance(value, ml_collections.ConfigDict):
       yield from _int_fields(value, f"{prefix}{key}.")
-    elif config.get_type(key) is int or (isinstance(value, tuple) and value and
-                                         all(type(v) is int for v in value)):
+    elif config.get_type(key) is int or (
+      isinstance(value, tuple) and value and all(type(v) is int for v in value)
+    ):
       yield prefix + key
 
 
@@ -48,35 +81,57 @@ def _module(path):
   return module
 
 
-@pytest.mark.parametrize("args, line", [
-    ([f"--config={SIMCLR}", "--config.batchsize=64"],
-     f"error: --config.batchsize=64: no field 'batchsize' in --config={SIMCLR}; "
-     "did you mean 'batch_size'?"),
-    ([f"--config={SIMCLR}:runlocl"],
-     f"error: --config={SIMCLR}:runlocl: no argument or variant 'runlocl' (the config's "
-     "arguments: runlocal, dtype=float32|bfloat16); did you mean 'runlocal'?"),
-    ([f"--config={MOCOV3}:runlocal,model=vit_tin"],
-     f"error: --config={MOCOV3}:runlocal,model=vit_tin: no value 'vit_tin' of argument "
-     "'model' (its values: resnet18, vit_tiny); did you mean 'vit_tiny'?"),
-    ([f"--config={CONFIG_DIR}/simclr_cifar.py"],
-     f"error: --config={CONFIG_DIR}/simclr_cifar.py: no such file; did you mean "
-     f"'{CONFIG_DIR}/simclr_cifar10.py'?"),
-    ([f"--config={CONFIG_DIR}/xyzzy.py"],
-     f"error: --config={CONFIG_DIR}/xyzzy.py: no such file (the config files in {CONFIG_DIR}: "
-     + ", ".join(os.path.basename(f) for f in CONFIG_FILES) + ")"),
-    ([f"--config={SIMCLR}", "--config.batch_size=abc"],
-     "error: flag --config.batch_size=abc: invalid literal for int() with base 10: 'abc'"),
-])
+@pytest.mark.parametrize(
+  "args, line",
+  [
+    (
+      [f"--config={SIMCLR}", "--config.batchsize=64"],
+      f"error: --config.batchsize=64: no field 'batchsize' in --config={SIMCLR}; "
+      "did you mean 'batch_size'?",
+    ),
+    (
+      [f"--config={SIMCLR}:runlocl"],
+      f"error: --config={SIMCLR}:runlocl: no argument or variant 'runlocl' (the config's "
+      "arguments: runlocal, dtype=float32|bfloat16); did you mean 'runlocal'?",
+    ),
+    (
+      [f"--config={MOCOV3}:runlocal,model=vit_tin"],
+      f"error: --config={MOCOV3}:runlocal,model=vit_tin: no value 'vit_tin' of argument "
+      "'model' (its values: resnet18, vit_tiny); did you mean 'vit_tiny'?",
+    ),
+    (
+      [f"--config={CONFIG_DIR}/simclr_cifar.py"],
+      f"error: --config={CONFIG_DIR}/simclr_cifar.py: no such file; did you mean "
+      f"'{CONFIG_DIR}/simclr_cifar10.py'?",
+    ),
+    (
+      [f"--config={CONFIG_DIR}/xyzzy.py"],
+      f"error: --config={CONFIG_DIR}/xyzzy.py: no such file (the config files in {CONFIG_DIR}: "
+      + ", ".join(os.path.basename(f) for f in CONFIG_FILES)
+      + ")",
+    ),
+    (
+      [f"--config={SIMCLR}", "--config.batch_size=abc"],
+      "error: flag --config.batch_size=abc: invalid literal for int() with base 10: 'abc'",
+    ),
+  ],
+)
 def test_bad_config_flags_end_in_one_line(tmp_path, args, line):
-  out = subprocess.run([sys.executable, "-m", "contrastive_jax.main", *args,
-                        f"--workdir={tmp_path / 'run'}"],
-                       capture_output=True, text=True, timeout=300, env=subprocess_env())
+  out = subprocess.run(
+    [sys.executable, "-m", "contrastive_jax.main", *args, f"--workdir={tmp_path / 'run'}"],
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env=subprocess_env(),
+  )
   assert out.returncode == 1, out.stderr
   assert out.stderr.strip().splitlines()[-1] == line
   assert "Traceback" not in out.stderr and not os.path.exists(tmp_path / "run")
 
 
-@pytest.mark.parametrize("override, message", [
+@pytest.mark.parametrize(
+  "override, message",
+  [
     # The guess is looked for under the deepest group the name reaches, at any depth.
     ("--config.optimizer.warmup_epoch=1", "did you mean 'optimizer.warmup_epochs'?"),
     ("--config.warmup_epochs=1", "did you mean 'optimizer.warmup_epochs'?"),
@@ -84,22 +139,42 @@ def test_bad_config_flags_end_in_one_line(tmp_path, args, line):
     ("--config.evaluators.knn.kk=1", "did you mean 'evaluators.knn.k'?"),
     ("--config.batch_size.x=1", "did you mean 'batch_size'?"),
     # Nothing close: the group's fields are listed.
-    ("--config.optimizer.xyzzy=1", "no field 'optimizer.xyzzy' in --config=.* \\(the fields of "
-     "config.optimizer: base_lr, decay_epochs, .*, weight_decay_mask\\)$"),
-    ("--noconfig.xyzzy", "^--noconfig.xyzzy: no field 'xyzzy' .*\\(the fields of config: augment, "),
-])
+    (
+      "--config.optimizer.xyzzy=1",
+      "no field 'optimizer.xyzzy' in --config=.* \\(the fields of "
+      "config.optimizer: base_lr, decay_epochs, .*, weight_decay_mask\\)$",
+    ),
+    (
+      "--noconfig.xyzzy",
+      "^--noconfig.xyzzy: no field 'xyzzy' .*\\(the fields of config: augment, ",
+    ),
+  ],
+)
 def test_misspelled_field_names_its_closest(override, message):
   with pytest.raises(JobError, match=message):
     main.check_config_flags(["main", f"--config={SIMCLR}", override])
 
 
 def test_valid_flags_pass_the_check():
-  for argv in (["main", "--config", SIMCLR, "--config.evaluators.knn.k=3", "--noconfig.cache",
-                "--config.evaluators={}", "--config.evaluators.knn", "3"],
-               ["main", f"--config={MOCOV3}:runlocal_vit", "--config.model.depth=2"],
-               ["main", f"--config={MOCOV3}:model=vit_tiny,runlocal,dtype=bfloat16",
-                "--config.model.patch_size=4"],
-               ["main", "--workdir=x"]):  # No --config: absl says it is required.
+  for argv in (
+    [
+      "main",
+      "--config",
+      SIMCLR,
+      "--config.evaluators.knn.k=3",
+      "--noconfig.cache",
+      "--config.evaluators={}",
+      "--config.evaluators.knn",
+      "3",
+    ],
+    ["main", f"--config={MOCOV3}:runlocal_vit", "--config.model.depth=2"],
+    [
+      "main",
+      f"--config={MOCOV3}:model=vit_tiny,runlocal,dtype=bfloat16",
+      "--config.model.patch_size=4",
+    ],
+    ["main", "--workdir=x"],
+  ):  # No --config: absl says it is required.
     main.check_config_flags(argv)
 
 
@@ -120,21 +195,33 @@ def test_every_config_declares_its_arguments_and_refuses_others():
     with pytest.raises(VariantError) as error:
       module.get_config("runlocl")
     assert error.value.given == "runlocl"
-  with pytest.raises(JobError, match=r"embed.py:runlocal: no argument or variant 'runlocal' "
-                     r"\(the config takes none\)$"):
+  with pytest.raises(
+    JobError,
+    match=r"embed.py:runlocal: no argument or variant 'runlocal' "
+    r"\(the config takes none\)$",
+  ):
     main.check_config_flags(["main", f"--config={CONFIG_DIR}/embed.py:runlocal"])
 
 
-@pytest.mark.parametrize("arg, message", [
-    ("runlocal,modle=vit_tiny", r"^no argument 'modle' \(the config's arguments: runlocal, "
-     r"model=resnet18\|vit_tiny, dtype=float32\|bfloat16; variants: runlocal_vit "
-     r"\(runlocal,model=vit_tiny\)\); did you mean 'model'\?$"),
+@pytest.mark.parametrize(
+  "arg, message",
+  [
+    (
+      "runlocal,modle=vit_tiny",
+      r"^no argument 'modle' \(the config's arguments: runlocal, "
+      r"model=resnet18\|vit_tiny, dtype=float32\|bfloat16; variants: runlocal_vit "
+      r"\(runlocal,model=vit_tiny\)\); did you mean 'model'\?$",
+    ),
     ("vit_tiny", r"^no argument or variant 'vit_tiny' .*; did you mean 'model=vit_tiny'\?$"),
-    ("model", r"^argument 'model' needs a value, one of resnet18, vit_tiny "
-     r"\(e.g. model=resnet18\)$"),
+    (
+      "model",
+      r"^argument 'model' needs a value, one of resnet18, vit_tiny "
+      r"\(e.g. model=resnet18\)$",
+    ),
     ("runlocal=yes", r"^no value 'yes' of argument 'runlocal' \(its values: False, True\)$"),
     ("dtype=bfloat61", r"did you mean 'bfloat16'\?$"),
-])
+  ],
+)
 def test_a_bad_argument_names_what_the_config_takes(arg, message):
   with pytest.raises(VariantError, match=message):
     _module(MOCOV3).get_config(arg)
@@ -146,7 +233,8 @@ def test_arguments_combine_left_to_right_and_variants_stand_for_their_items():
   assert mocov3.get_config("model=vit_tiny,runlocal").to_dict() == vit
   assert mocov3.get_config(" runlocal , model=vit_tiny ,").to_dict() == vit
   assert mocov3.get_config("runlocal_vit,model=resnet18").to_dict() == (
-      mocov3.get_config("runlocal").to_dict())
+    mocov3.get_config("runlocal").to_dict()
+  )
   assert simclr.get_config("runlocal=True").to_dict() == simclr.get_config("runlocal").to_dict()
   assert simclr.get_config("runlocal,runlocal=False").to_dict() == simclr.get_config().to_dict()
 
@@ -159,8 +247,9 @@ def _leaves(tree, prefix=""):
       yield prefix + key, value
 
 
-@pytest.mark.parametrize("name", ["simclr_cifar10", "moco_v2_cifar10", "byol_cifar10",
-                                  "mocov3_cifar10"])
+@pytest.mark.parametrize(
+  "name", ["simclr_cifar10", "moco_v2_cifar10", "byol_cifar10", "mocov3_cifar10"]
+)
 def test_dtype_combines_with_runlocal_and_changes_only_the_dtype(name):
   module = _module(os.path.join(CONFIG_DIR, f"{name}.py"))
   models = ("resnet18", "vit_tiny") if "model" in module.ARGS else (None,)
@@ -181,7 +270,9 @@ def test_only_counts_are_integer_fields_so_fractions_parse():
     for arg in _arguments(module):
       config = module.get_config(arg)
       assert [f for f in _int_fields(config) if f.split(".")[-1] not in INTEGER_FIELDS] == [], (
-          path, arg)
+        path,
+        arg,
+      )
       if "optimizer" in config:
         assert config.optimizer.get_type("warmup_epochs") is float
         assert all(isinstance(e, float) for e in config.optimizer.decay_epochs or ())
@@ -192,8 +283,11 @@ def test_a_file_that_is_not_a_config_is_named(tmp_path):
   (tmp_path / "notes.md").write_text("# Not Python at all\nSee the README.\n")
   with pytest.raises(JobError, match=r"notes.py: not a config file: it defines no get_config"):
     main.check_config_flags(["main", f"--config={tmp_path}/notes.py"])
-  with pytest.raises(JobError, match=r"notes.md: not a config file: Python cannot read it "
-                                     r"\(invalid syntax, line 2\)"):
+  with pytest.raises(
+    JobError,
+    match=r"notes.md: not a config file: Python cannot read it "
+    r"\(invalid syntax, line 2\)",
+  ):
     main.check_config_flags(["main", f"--config={tmp_path}/notes.md"])
 
 
@@ -211,14 +305,26 @@ def test_a_text_file_as_init_from_ends_in_its_one_line_every_time(tmp_path):
   weights = tmp_path / "x.safetensors"
   weights.write_text("hello, not weights\n")
   for attempt in range(3):
-    out = subprocess.run([sys.executable, "-m", "contrastive_jax.main",
-                          f"--config={SIMCLR}:runlocal", f"--workdir={tmp_path / str(attempt)}",
-                          f"--config.init_from={weights}"],
-                         capture_output=True, text=True, timeout=300, env=subprocess_env())
+    out = subprocess.run(
+      [
+        sys.executable,
+        "-m",
+        "contrastive_jax.main",
+        f"--config={SIMCLR}:runlocal",
+        f"--workdir={tmp_path / str(attempt)}",
+        f"--config.init_from={weights}",
+      ],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env=subprocess_env(),
+    )
     assert out.returncode == 1, out.stderr
     lines = out.stderr.strip().splitlines()
-    assert lines[-1] == (f"error: {weights}: not a safetensors file (a header length of "
-                         "7935391400498849128 bytes in a file of 19)"), out.stderr
+    assert lines[-1] == (
+      f"error: {weights}: not a safetensors file (a header length of "
+      "7935391400498849128 bytes in a file of 19)"
+    ), out.stderr
     assert not [line for line in lines if line.startswith(("E", "W", "Traceback"))], out.stderr
 
 
@@ -229,8 +335,14 @@ def test_the_log_filter_drops_restated_settings_and_keeps_real_warnings():
     return logging.LogRecord("absl", level, path, 1, message, None, None)
 
   jax_path, orbax_path = "/site/jax/_src/xla_bridge.py", "/site/orbax/checkpoint/manager.py"
-  assert not keep(record(jax_path, logging.INFO, "Unable to initialize backend 'tpu': INTERNAL: "
-                         "Failed to open libtpu.so: libtpu.so: cannot open shared object file"))
+  assert not keep(
+    record(
+      jax_path,
+      logging.INFO,
+      "Unable to initialize backend 'tpu': INTERNAL: "
+      "Failed to open libtpu.so: libtpu.so: cannot open shared object file",
+    )
+  )
   assert keep(record(jax_path, logging.INFO, "Unable to initialize backend 'cuda': no GPU"))
   assert keep(record(jax_path, logging.WARNING, "An NVIDIA GPU may be present"))
   assert not keep(record(orbax_path, logging.WARNING, "Given directory is read only=/x"))

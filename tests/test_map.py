@@ -1,5 +1,6 @@
 """The map job: a 2-D map (UMAP, t-SNE) of an embed job's index, its pictures, its table and
 TensorBoard's projector files, checked through the projector plugin's own server."""
+
 import csv
 import io
 import json
@@ -7,25 +8,28 @@ import os
 import subprocess
 import sys
 
+from helpers import TFDS_DIR
+from helpers import load_config
+from helpers import subprocess_env
+from helpers import tiny_config
 import jax
 import numpy as np
-import pytest
-import tensorflow_datasets as tfds
-from helpers import TFDS_DIR, load_config, subprocess_env, tiny_config
 from PIL import Image
+import pytest
 from tensorboard.plugins.base_plugin import TBContext
 from tensorboard.plugins.projector.projector_plugin import ProjectorPlugin
+import tensorflow_datasets as tfds
 from werkzeug.test import Client
 from werkzeug.wrappers import Response
 
-from contrastive_jax.core import checkpointing
-from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.core.errors import JobError
-from contrastive_jax.core import scatter
-from contrastive_jax.jobs import embedding_map
-from contrastive_jax.search import index as index_lib
 from contrastive_jax import main
 from contrastive_jax import models
+from contrastive_jax.core import checkpointing
+from contrastive_jax.core import scatter
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.jobs import embedding_map
+from contrastive_jax.search import index as index_lib
 
 NUM = 256  # CIFAR-10 test images embedded by the tiny encoder.
 SIZE = 256  # The plot's side in the tests' pictures.
@@ -38,11 +42,16 @@ def pretrained(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("pretrain"))
   config = tiny_config()
   encoder = models.build_encoder(config.model)
-  shapes = jax.eval_shape(lambda: encoder.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3)),
-                                               train=False))
+  shapes = jax.eval_shape(
+    lambda: encoder.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3)), train=False)
+  )
   rng = np.random.default_rng(0)
-  variables = jax.tree.map(lambda s: (0.5 + rng.random(s.shape) * 0.1 if len(s.shape) == 1 else
-                                      rng.normal(size=s.shape) * 0.2).astype(np.float32), shapes)
+  variables = jax.tree.map(
+    lambda s: (
+      0.5 + rng.random(s.shape) * 0.1 if len(s.shape) == 1 else rng.normal(size=s.shape) * 0.2
+    ).astype(np.float32),
+    shapes,
+  )
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
   ckpt.save(0, {name: {"encoder": variables[name]} for name in ("params", "batch_stats")}, config)
   ckpt.close()
@@ -62,8 +71,9 @@ def index(pretrained, tmp_path_factory):
 
 
 def _cifar_test(count: int):
-  ds = tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split=f"test[:{count}]",
-                                                              shuffle_files=False)
+  ds = tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(
+    split=f"test[:{count}]", shuffle_files=False
+  )
   return np.stack([e["image"] for e in tfds.as_numpy(ds)])
 
 
@@ -80,9 +90,15 @@ def hand_made_index(workdir, embeddings, labels=None, class_names=None):
       f.write(json.dumps(row) + "\n")
   config = load_config("embed")
   config.dataset, config.data_dir, config.split = "cifar10", TFDS_DIR, f"test[:{len(embeddings)}]"
-  meta = {"config": config.to_dict(), "image_size": 32, "crop_fraction": 1.0,
-          "crop_resize": "pil_bilinear", "num_images": len(embeddings),
-          "dim": embeddings.shape[1], "class_names": class_names}
+  meta = {
+    "config": config.to_dict(),
+    "image_size": 32,
+    "crop_fraction": 1.0,
+    "crop_resize": "pil_bilinear",
+    "num_images": len(embeddings),
+    "dim": embeddings.shape[1],
+    "class_names": class_names,
+  }
   with open(os.path.join(workdir, index_lib.META), "w") as f:
     json.dump(meta, f)
   return str(workdir)
@@ -110,6 +126,7 @@ def _projector(workdir):
   def get(route, **query):
     response = Client(apps[route], Response).get(route, query_string=query)
     return response.status_code, response.get_data()
+
   return get
 
 
@@ -120,8 +137,14 @@ def test_map_of_an_embed_index_draws_lists_and_projects_the_sampled_rows(index, 
   meta = main.run_job(config, str(out))  # Through the entry point's dispatch.
   with open(out / embedding_map.META) as f:
     assert json.load(f) == meta
-  assert (meta["method"], meta["sample_size"], meta["index_rows"], meta["coloured_by"],
-          meta["pca_dims"], meta["seed"]) == ("tsne", 200, NUM, "class", None, 0)  # D = 32 < 50.
+  assert (
+    meta["method"],
+    meta["sample_size"],
+    meta["index_rows"],
+    meta["coloured_by"],
+    meta["pca_dims"],
+    meta["seed"],
+  ) == ("tsne", 200, NUM, "class", None, 0)  # D = 32 < 50.
   saved = index_lib.load_index(index)
   images = _cifar_test(NUM)
 
@@ -130,7 +153,8 @@ def test_map_of_an_embed_index_draws_lists_and_projects_the_sampled_rows(index, 
   rows = [int(l[0]) for l in lines]
   assert len(rows) == 200 and rows == sorted(set(rows)) and 0 <= rows[0] and rows[-1] < NUM
   assert [(l[1], int(l[2]), l[3]) for l in lines] == [
-      (saved.rows[r]["name"], saved.rows[r]["label"], "") for r in rows]
+    (saved.rows[r]["name"], saved.rows[r]["label"], "") for r in rows
+  ]
   assert np.all(np.isfinite(xy)) and np.ptp(xy, axis=0).min() > 0
 
   # map.png: every dot's centre shows the class colour of a point whose dot covers it.
@@ -152,8 +176,9 @@ def test_map_of_an_embed_index_draws_lists_and_projects_the_sampled_rows(index, 
   assert len(places) >= 10
   for point, (left, top) in places.items():
     top += scatter.TITLE_HEIGHT
-    np.testing.assert_array_equal(view[top + 1:top + 31, left + 1:left + 31],
-                                  images[rows[point]][1:31, 1:31])
+    np.testing.assert_array_equal(
+      view[top + 1 : top + 31, left + 1 : left + 31], images[rows[point]][1:31, 1:31]
+    )
 
   # The projector, as TensorBoard serves it: the sampled rows' embeddings, names, classes
   # and thumbnails.
@@ -161,22 +186,25 @@ def test_map_of_an_embed_index_draws_lists_and_projects_the_sampled_rows(index, 
   assert get("/runs") == (200, b'["."]')
   status, info = get("/info", run=".")
   assert status == 200
-  embedding, = json.loads(info)["embeddings"]
+  (embedding,) = json.loads(info)["embeddings"]
   assert embedding["tensorShape"] == [200, saved.embeddings.shape[1]]
   status, tensor = get("/tensor", run=".", name=embedding["tensorName"])
   assert status == 200
-  np.testing.assert_allclose(np.frombuffer(tensor, np.float32).reshape(200, -1),
-                             saved.embeddings[rows], rtol=1e-7, atol=1e-8)
+  np.testing.assert_allclose(
+    np.frombuffer(tensor, np.float32).reshape(200, -1), saved.embeddings[rows], rtol=1e-7, atol=1e-8
+  )
   status, metadata = get("/metadata", run=".", name=embedding["tensorName"])
   assert status == 200 and metadata.decode().splitlines() == ["name\tclass"] + [
-      f"{saved.rows[r]['name']}\t{saved.class_names[saved.rows[r]['label']]}" for r in rows]
+    f"{saved.rows[r]['name']}\t{saved.class_names[saved.rows[r]['label']]}" for r in rows
+  ]
   status, sprite = get("/sprite_image", run=".", name=embedding["tensorName"])
   sprite = np.asarray(Image.open(io.BytesIO(sprite)))
   assert status == 200 and embedding["sprite"]["singleImageDim"] == [32, 32]
   assert sprite.shape == (14 * 32, 15 * 32, 3)  # 200 thumbnails, 15 to a row.
   for i in (0, 14, 15, 199):
-    np.testing.assert_array_equal(sprite[i // 15 * 32:(i // 15 + 1) * 32,
-                                         i % 15 * 32:(i % 15 + 1) * 32], images[rows[i]])
+    np.testing.assert_array_equal(
+      sprite[i // 15 * 32 : (i // 15 + 1) * 32, i % 15 * 32 : (i % 15 + 1) * 32], images[rows[i]]
+    )
   assert any(name.startswith("events.out.tfevents") for name in os.listdir(out))
 
 
@@ -217,18 +245,24 @@ def test_separated_clusters_stay_apart_in_2d_and_k_means_finds_them(method, monk
 def test_layout_and_sprite_against_hand_computed_values():
   # Both axes at one scale: a 2 x 1 box in a 100 px plot, less 8 px each side,
   # is 41.5 px per unit, centred vertically.
-  np.testing.assert_array_equal(scatter.to_pixels(np.array([[0, 0], [2, 1], [1, 0.5]]), 100),
-                                [[8, 70], [91, 29], [50, 50]])
+  np.testing.assert_array_equal(
+    scatter.to_pixels(np.array([[0, 0], [2, 1], [1, 0.5]]), 100), [[8, 70], [91, 29], [50, 50]]
+  )
   images = [np.full((2, 2, 3), 10 * i, np.uint8) for i in range(5)]
   sprite = scatter.sprite(images)  # 3 to a row, 2 rows, the sixth cell white.
   assert sprite.shape == (4, 6, 3)
   assert [sprite[r, c, 0] for r, c in [(0, 0), (0, 2), (0, 4), (2, 0), (2, 2), (2, 4)]] == [
-      0, 10, 20, 30, 40, 255]
+    0,
+    10,
+    20,
+    30,
+    40,
+    255,
+  ]
   # One thumbnail per 10 px square, the point nearest the square's centre.
   # (At 83 px per unit from 8 px: points 2 and 3 at (13, 86) and (10, 89), both in the
   # square from (10, 80) whose centre is (15, 85).)
-  places = scatter.thumbnail_places(np.array([[0, 0], [1, 1], [0.06, 0.06], [0.02, 0.02]]), 100,
-                                    10)
+  places = scatter.thumbnail_places(np.array([[0, 0], [1, 1], [0.06, 0.06], [0.02, 0.02]]), 100, 10)
   assert places == {0: (0, 90), 1: (90, 0), 2: (10, 80)}
 
 
@@ -237,51 +271,85 @@ def test_bad_input_is_refused_with_one_line_before_any_compute(monkeypatch, tmp_
   small = hand_made_index(tmp_path / "small", rng.normal(size=(40, 8)))
   out = tmp_path / "out"
   cases = [
-      (map_config(str(tmp_path)), r"config.index_workdir='.*': must be the workdir of a finished "
-       "embed job"),
-      (map_config(small, max_points=1), r"config.max_points=1: must be an integer in \[2, 100000\]"),
-      (map_config(small, max_points=100_001), r"config.max_points=100001: must be an integer in"),
-      (map_config(small, method="pca"), r"config.method='pca': must be one of \['umap', 'tsne'\]$"),
-      (map_config(small, method="tsne"), r"config.tsne.perplexity=30.0: must be less than a third "
-       r"of the points mapped \(40: "),
-      (map_config(small, max_points=12), r"config.umap.n_neighbors=15: must be less than the "
-       r"number of points mapped \(12: "),
-      (map_config(small, clusters=41), r"config.clusters=41: must be at most the number of points "
-       r"mapped \(40\), the index being unlabelled$"),
-      (map_config(small, thumbnail=4), r"config.thumbnail=4: must be a side in pixels in \[8, "),
+    (
+      map_config(str(tmp_path)),
+      r"config.index_workdir='.*': must be the workdir of a finished "
+      "embed job",
+    ),
+    (map_config(small, max_points=1), r"config.max_points=1: must be an integer in \[2, 100000\]"),
+    (map_config(small, max_points=100_001), r"config.max_points=100001: must be an integer in"),
+    (map_config(small, method="pca"), r"config.method='pca': must be one of \['umap', 'tsne'\]$"),
+    (
+      map_config(small, method="tsne"),
+      r"config.tsne.perplexity=30.0: must be less than a third "
+      r"of the points mapped \(40: ",
+    ),
+    (
+      map_config(small, max_points=12),
+      r"config.umap.n_neighbors=15: must be less than the "
+      r"number of points mapped \(12: ",
+    ),
+    (
+      map_config(small, clusters=41),
+      r"config.clusters=41: must be at most the number of points "
+      r"mapped \(40\), the index being unlabelled$",
+    ),
+    (map_config(small, thumbnail=4), r"config.thumbnail=4: must be a side in pixels in \[8, "),
   ]
   for config, match in cases:
     with pytest.raises(ConfigError, match=match) as error:
       embedding_map.run(config, str(out))
     assert "\n" not in str(error.value)
   real = embedding_map.importlib.util.find_spec
-  monkeypatch.setattr(embedding_map.importlib.util, "find_spec",
-                      lambda name, *args: None if name == "umap" else real(name, *args))
-  with pytest.raises(ConfigError, match=r"^config.method='umap': must be a method whose library "
-                     r"is installed: 'umap' needs umap-learn \(pip install "
-                     r"'contrastive_jax\[map\]'\)$"):
+  monkeypatch.setattr(
+    embedding_map.importlib.util,
+    "find_spec",
+    lambda name, *args: None if name == "umap" else real(name, *args),
+  )
+  with pytest.raises(
+    ConfigError,
+    match=r"^config.method='umap': must be a method whose library "
+    r"is installed: 'umap' needs umap-learn \(pip install "
+    r"'contrastive_jax\[map\]'\)$",
+  ):
     embedding_map.run(map_config(small), str(out))
   assert not out.exists()
   (out / "done").mkdir(parents=True)
   (out / "done" / embedding_map.META).write_text("{}")
-  with pytest.raises(JobError, match=r"--workdir=.*done: already holds a map \(map.json, map.png\)"):
+  with pytest.raises(
+    JobError, match=r"--workdir=.*done: already holds a map \(map.json, map.png\)"
+  ):
     embedding_map.run(map_config(small), str(out / "done"))
   assert os.listdir(out / "done") == [embedding_map.META]
 
 
 def test_without_the_extra_every_module_imports_and_the_job_names_it(tmp_path):
   # None in sys.modules makes an import fail as a missing package does.
-  code = ("import sys\n"
-          "sys.modules.update(umap=None, sklearn=None)\n"
-          "from absl import app\n"
-          "from contrastive_jax import main\n"
-          "app.run(main.main, flags_parser=main.parse_flags)\n")
+  code = (
+    "import sys\n"
+    "sys.modules.update(umap=None, sklearn=None)\n"
+    "from absl import app\n"
+    "from contrastive_jax import main\n"
+    "app.run(main.main, flags_parser=main.parse_flags)\n"
+  )
   result = subprocess.run(
-      [sys.executable, "-c", code, f"--config={os.path.dirname(__file__)}/../configs/map.py",
-       f"--config.index_workdir={tmp_path}", f"--workdir={tmp_path / 'out'}"],
-      capture_output=True, text=True, env=subprocess_env(), timeout=300, check=False)
+    [
+      sys.executable,
+      "-c",
+      code,
+      f"--config={os.path.dirname(__file__)}/../configs/map.py",
+      f"--config.index_workdir={tmp_path}",
+      f"--workdir={tmp_path / 'out'}",
+    ],
+    capture_output=True,
+    text=True,
+    env=subprocess_env(),
+    timeout=300,
+    check=False,
+  )
   assert result.returncode == 1, result.stderr[-3000:]
   assert result.stderr.strip().splitlines()[-1] == (
-      "error: config.method='umap': must be a method whose library is installed: 'umap' needs "
-      "scikit-learn (pip install 'contrastive_jax[map]')")
+    "error: config.method='umap': must be a method whose library is installed: 'umap' needs "
+    "scikit-learn (pip install 'contrastive_jax[map]')"
+  )
   assert not (tmp_path / "out").exists()

@@ -1,34 +1,39 @@
 """Every registered method against the method contract (methods/__init__.py); the
 online probe and the training-health scalars; importing every module."""
+
 import os
 import socket
 import subprocess
 import sys
 
+from helpers import tiny_config
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import tiny_config
 
+from contrastive_jax import methods
+from contrastive_jax import models
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.jobs import pretrain
-from contrastive_jax import methods
 from contrastive_jax.methods import common
-from contrastive_jax import models
 from contrastive_jax.models import heads
 
 # Method -> tiny config.
 # MoCo v3 runs its ViT variant: its compile is a fraction of the ResNet's.
-CONFIGS = {"simclr": "simclr", "moco": "moco_v2", "mocov3": "mocov3:runlocal_vit",
-           "byol": "byol"}
+CONFIGS = {"simclr": "simclr", "moco": "moco_v2", "mocov3": "mocov3:runlocal_vit", "byol": "byol"}
 
 
 def _batches(config, n, seed=0):
   rng = np.random.default_rng(seed)
   size = config.image_size
-  return [{"image": rng.integers(0, 256, (config.batch_size, 2, size, size, 3), np.uint8),
-           "label": rng.integers(0, 10, config.batch_size).astype(np.int32)} for _ in range(n)]
+  return [
+    {
+      "image": rng.integers(0, 256, (config.batch_size, 2, size, size, 3), np.uint8),
+      "label": rng.integers(0, 10, config.batch_size).astype(np.int32),
+    }
+    for _ in range(n)
+  ]
 
 
 def _run(config, mesh, batches, num_classes):
@@ -60,13 +65,21 @@ def test_method_meets_the_contract_and_its_online_probe_leaves_the_encoder_uncha
   x = jnp.zeros((2, config.image_size, config.image_size, 3))
   h = model.encoder.apply(encoder, x, train=False)
   assert h.shape == (2, models.encoder_width(config.model)) and h.dtype == jnp.float32
-  for key in ("loss", "grad_norm", "update_norm", "param_norm", "projection_std",
-              "online_probe_loss", "online_probe_train_top1"):
+  for key in (
+    "loss",
+    "grad_norm",
+    "update_norm",
+    "param_norm",
+    "projection_std",
+    "online_probe_loss",
+    "online_probe_train_top1",
+  ):
     assert metrics[key].shape == () and metrics[key].dtype == np.float32, key
     assert np.isfinite(metrics[key]), key
   # The norms are the ones of the trees they name.
-  param_norm = np.sqrt(sum(np.sum(np.square(p.astype(np.float64)))
-                           for p in jax.tree.leaves(state.params)))
+  param_norm = np.sqrt(
+    sum(np.sum(np.square(p.astype(np.float64))) for p in jax.tree.leaves(state.params))
+  )
   np.testing.assert_allclose(metrics["param_norm"], param_norm, rtol=1e-5)
 
   # The same steps without the online probe: the encoder's training is bitwise the same.
@@ -84,27 +97,41 @@ def test_projection_std_on_8_devices_matches_numpy():
   rng = np.random.default_rng(0)
   z = rng.normal(size=(32, 6)).astype(np.float32)
   mesh = mesh_lib.make_mesh()
-  fn = jax.jit(jax.shard_map(lambda z: common.projection_std(z, mesh_lib.DATA_AXIS), mesh=mesh,
-                             in_specs=jax.P(mesh_lib.DATA_AXIS), out_specs=jax.P()))
+  fn = jax.jit(
+    jax.shard_map(
+      lambda z: common.projection_std(z, mesh_lib.DATA_AXIS),
+      mesh=mesh,
+      in_specs=jax.P(mesh_lib.DATA_AXIS),
+      out_specs=jax.P(),
+    )
+  )
   unit = z / np.linalg.norm(z, axis=1, keepdims=True)
-  np.testing.assert_allclose(fn(jax.device_put(z, mesh_lib.batch_sharded(mesh))),
-                             np.mean(np.std(unit, axis=0)), rtol=1e-5)
+  np.testing.assert_allclose(
+    fn(jax.device_put(z, mesh_lib.batch_sharded(mesh))), np.mean(np.std(unit, axis=0)), rtol=1e-5
+  )
   collapsed = np.tile(z[:1], (32, 1))
   assert float(fn(jax.device_put(collapsed, mesh_lib.batch_sharded(mesh)))) < 1e-3
 
 
 def test_every_module_imports_without_touching_a_device_then_distributed_initialises():
   package = os.path.join(os.path.dirname(__file__), "..", "contrastive_jax")
-  names = sorted("contrastive_jax." + os.path.relpath(os.path.join(d, f), package)[:-3]
-                 .replace(os.sep, ".") for d, _, files in os.walk(package)
-                 for f in files if f.endswith(".py") and f != "__init__.py")
+  names = sorted(
+    "contrastive_jax." + os.path.relpath(os.path.join(d, f), package)[:-3].replace(os.sep, ".")
+    for d, _, files in os.walk(package)
+    for f in files
+    if f.endswith(".py") and f != "__init__.py"
+  )
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
-  code = "\n".join([*(f"import {n}" for n in names),
-                    "import jax",
-                    f"jax.distributed.initialize('127.0.0.1:{port}', num_processes=1, process_id=0)",
-                    "print('OK', jax.process_count())"])
+  code = "\n".join(
+    [
+      *(f"import {n}" for n in names),
+      "import jax",
+      f"jax.distributed.initialize('127.0.0.1:{port}', num_processes=1, process_id=0)",
+      "print('OK', jax.process_count())",
+    ]
+  )
   out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
   assert out.returncode == 0 and "OK 1" in out.stdout, out.stderr[-3000:]
   assert "contrastive_jax.main" in names and "contrastive_jax.jobs.linear_probe" in names

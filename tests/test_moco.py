@@ -1,19 +1,20 @@
 """MoCo: queue, EMA, InfoNCE, shuffle BN, and 8 devices vs one."""
+
 import re
 
+from helpers import load_config
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from helpers import load_config
+from test_simclr import numeric_grad
 
+from contrastive_jax import models
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import common
 from contrastive_jax.methods import moco
-from contrastive_jax import models
 from contrastive_jax.models import heads
-from test_simclr import numeric_grad
 
 
 def test_queue_is_fifo_with_pointer_sequence_like_numpy():
@@ -55,11 +56,12 @@ def test_info_nce_value_and_gradient_match_numpy():
   ref_loss, ref_top1 = info_nce_numpy(q, k, queue, 0.2)
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   np.testing.assert_allclose(top1, ref_top1)
-  grad_q = jax.grad(lambda a: moco.info_nce(a, jnp.asarray(k, jnp.float32),
-                                            jnp.asarray(queue, jnp.float32), 0.2)[0])(
-                                                jnp.asarray(q, jnp.float32))
-  np.testing.assert_allclose(grad_q, numeric_grad(lambda a: info_nce_numpy(a, k, queue, 0.2)[0], q),
-                             atol=1e-5)
+  grad_q = jax.grad(
+    lambda a: moco.info_nce(a, jnp.asarray(k, jnp.float32), jnp.asarray(queue, jnp.float32), 0.2)[0]
+  )(jnp.asarray(q, jnp.float32))
+  np.testing.assert_allclose(
+    grad_q, numeric_grad(lambda a: info_nce_numpy(a, k, queue, 0.2)[0], q), atol=1e-5
+  )
 
 
 def test_ema_update_on_every_leaf():
@@ -77,10 +79,14 @@ def test_shuffle_then_unshuffle_is_identity_and_moves_keys_to_other_groups():
   B = 64
   perm = jax.random.permutation(jax.random.PRNGKey(3), B)
   ids = jax.device_put(jnp.arange(B), mesh_lib.batch_sharded(mesh))
-  fn = jax.jit(jax.shard_map(
+  fn = jax.jit(
+    jax.shard_map(
       lambda x, p: (moco.shuffle_rows(x, p), moco.unshuffle_rows(moco.shuffle_rows(x, p), p)),
-      mesh=mesh, in_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P()),
-      out_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P())))
+      mesh=mesh,
+      in_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P()),
+      out_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P()),
+    )
+  )
   shuffled, restored = fn(ids, perm)
   np.testing.assert_array_equal(restored, np.arange(B))
   # Example i's query is encoded on device i // 8; its key on the device that got it.
@@ -106,7 +112,9 @@ def run_steps(config, mesh, images, steps=3):
   state = run.init()
   losses = []
   for i in range(steps):
-    state, metrics = run.train_step(state, {"image": jax.device_put(images[i], mesh_lib.batch_sharded(mesh))})
+    state, metrics = run.train_step(
+      state, {"image": jax.device_put(images[i], mesh_lib.batch_sharded(mesh))}
+    )
     losses.append(float(metrics["loss"]))
   return state, losses
 
@@ -119,8 +127,9 @@ def test_eight_devices_equal_one_device_with_the_same_bn_groups():
   state8, losses8 = run_steps(config, mesh_lib.make_mesh(), images)
   state1, losses1 = run_steps(config, mesh_lib.make_mesh(jax.devices()[:1]), images)
   np.testing.assert_allclose(losses8, losses1, rtol=1e-4)
-  for a, b in zip(jax.tree.leaves(jax.device_get(state8.params)),
-                  jax.tree.leaves(jax.device_get(state1.params))):
+  for a, b in zip(
+    jax.tree.leaves(jax.device_get(state8.params)), jax.tree.leaves(jax.device_get(state1.params))
+  ):
     np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4)  # Float summation order.
   # Keys pass through BN over 8-image groups, which amplifies float rounding.
   np.testing.assert_allclose(state8.extra["queue"], state1.extra["queue"], atol=3e-4)
@@ -131,9 +140,11 @@ def test_eight_devices_equal_one_device_with_the_same_bn_groups():
   # The newest keys are unit vectors; the key encoder moved towards the query encoder.
   np.testing.assert_allclose(np.linalg.norm(state8.extra["queue"][:48], axis=1), 1.0, rtol=1e-5)
   init = pretrain.setup(config, mesh_lib.make_mesh(), 10, 100).init()
-  for k0, k, q in zip(jax.tree.leaves(init.extra["key_params"]),
-                      jax.tree.leaves(state8.extra["key_params"]),
-                      jax.tree.leaves(state8.params)):
+  for k0, k, q in zip(
+    jax.tree.leaves(init.extra["key_params"]),
+    jax.tree.leaves(state8.extra["key_params"]),
+    jax.tree.leaves(state8.params),
+  ):
     assert np.linalg.norm(k - q) <= np.linalg.norm(k0 - q) + 1e-6
 
 
@@ -144,24 +155,34 @@ def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
   run = pretrain.setup(config, mesh, steps_per_epoch=10, num_steps=100)
   state0 = jax.device_get(run.init())
   images = np.random.default_rng(5).integers(0, 256, (2, 16, 2, 32, 32, 3), np.uint8)
-  state1, _ = run.train_step(run.init(), {"image": jax.device_put(images[0], mesh_lib.batch_sharded(mesh))})
+  state1, _ = run.train_step(
+    run.init(), {"image": jax.device_put(images[0], mesh_lib.batch_sharded(mesh))}
+  )
   state1_host = jax.device_get(state1)
-  state2, _ = run.train_step(state1, {"image": jax.device_put(images[1], mesh_lib.batch_sharded(mesh))})
+  state2, _ = run.train_step(
+    state1, {"image": jax.device_put(images[1], mesh_lib.batch_sharded(mesh))}
+  )
 
   # Reference keys of step 0, written out: the key encoder (an EMA of two
   # equal encoders, so the initial one) encodes 2 BN groups of 8 rows each,
   # group g holding the images at shuffled positions g, g + 2, ...
   # (order[g::2]), in train mode, with each group's own BN statistics.
-  model = heads.ContrastiveModel(encoder=models.build_encoder(config.model),
-                                 projector=models.build_mlp(config.projector, "float32"))
+  model = heads.ContrastiveModel(
+    encoder=models.build_encoder(config.model),
+    projector=models.build_mlp(config.projector, "float32"),
+  )
   x = images[0][:, 1] / np.float32(255)
 
   def keys(order):
     out = np.zeros((16, config.projector.out_dim), np.float32)
     for g in range(2):
       rows = order[g::2]
-      (_, z), _ = model.apply({"params": state0.params, "batch_stats": state0.batch_stats},
-                              x[rows], train=True, mutable=["batch_stats"])
+      (_, z), _ = model.apply(
+        {"params": state0.params, "batch_stats": state0.batch_stats},
+        x[rows],
+        train=True,
+        mutable=["batch_stats"],
+      )
       out[rows] = z / np.linalg.norm(z, axis=1, keepdims=True)
     return out
 
@@ -174,16 +195,24 @@ def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
 
   # Step 1's key encoder: m * (step 0's key encoder) + (1 - m) * (query encoder after step 0).
   m = config.moco.momentum
-  expected = jax.tree.map(lambda k, q: m * k + (1 - m) * q, state1_host.extra["key_params"],
-                          state1_host.params)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
-               jax.device_get(state2.extra["key_params"]), expected)
+  expected = jax.tree.map(
+    lambda k, q: m * k + (1 - m) * q, state1_host.extra["key_params"], state1_host.params
+  )
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7),
+    jax.device_get(state2.extra["key_params"]),
+    expected,
+  )
   # ... and the query encoder did move (warm-up off), so the check is not 0 = 0.
-  assert not np.allclose(state1_host.params["encoder"]["stem_conv"]["kernel"],
-                         state0.params["encoder"]["stem_conv"]["kernel"])
+  assert not np.allclose(
+    state1_host.params["encoder"]["stem_conv"]["kernel"],
+    state0.params["encoder"]["stem_conv"]["kernel"],
+  )
 
 
-@pytest.mark.parametrize("field,value,message", [
+@pytest.mark.parametrize(
+  "field,value,message",
+  [
     ("moco.queue_size", 100, "multiple of batch_size (16)"),
     ("moco.queue_size", 60_000, "at most the train split's size (50000)"),
     ("moco.momentum", 1.5, "config.moco.momentum=1.5: must be in [0, 1]"),
@@ -191,7 +220,8 @@ def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
     ("moco.bn_group_size", 4, "a multiple of the device count (8)"),
     ("moco.bn_group_size", 24, "that divides batch_size (16)"),
     ("moco.bn_group_size", 16, "into >= 2 groups"),
-])
+  ],
+)
 def test_bad_moco_config(field, value, message):
   config = tiny_moco_config()
   section, _, name = field.rpartition(".")

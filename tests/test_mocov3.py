@@ -1,41 +1,46 @@
 """MoCo v3 and the ViT encoders: the loss against the paper's pseudo-code, 8 devices vs 1,
 the position embedding, ViT shapes, the AdamW mask, bad input, and the linear probe of a
 ViT checkpoint."""
+
 import math
 
+from helpers import TFDS_DIR
+from helpers import load_config
+from helpers import tiny_config
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 import pytest
-from helpers import TFDS_DIR, load_config, tiny_config
+from test_simclr import numeric_grad
 
-from contrastive_jax.training import restore
+from contrastive_jax import models
+from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
-from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
-from contrastive_jax.training import runner
 from contrastive_jax.methods import common
 from contrastive_jax.methods import mocov3
 from contrastive_jax.methods import optim
-from contrastive_jax import models
 from contrastive_jax.models import vit
-from contrastive_jax import recipes
-from test_simclr import numeric_grad
+from contrastive_jax.training import restore
+from contrastive_jax.training import runner
 
 
 def algorithm1_loss(q1, q2, k1, k2, t):
   """MoCo v3 Algorithm 1, in numpy: ctr(q1, k2) + ctr(q2, k1) with
   ctr(q, k) = CrossEntropyLoss(q k^T / t, labels = arange(N)) * 2t, q and k normalised."""
+
   def ctr(q, k):
     q = q / np.linalg.norm(q, axis=1, keepdims=True)
     k = k / np.linalg.norm(k, axis=1, keepdims=True)
     logits = q @ k.T / t
     log_softmax = logits - np.log(np.sum(np.exp(logits), axis=1, keepdims=True))
     return -np.mean(np.diag(log_softmax)) * 2 * t
+
   return ctr(q1, k2) + ctr(q2, k1)
 
 
@@ -43,13 +48,15 @@ def algorithm1_loss(q1, q2, k1, k2, t):
 def test_loss_and_gradient_match_algorithm_1(t):
   rng = np.random.default_rng(0)
   q1, q2, k1, k2 = rng.normal(size=(4, 6, 5))
-  loss = lambda a: (mocov3.contrastive_loss(a, jnp.asarray(k2), t)[0]
-                    + mocov3.contrastive_loss(jnp.asarray(q2), jnp.asarray(k1), t)[0])
-  np.testing.assert_allclose(loss(jnp.asarray(q1)), algorithm1_loss(q1, q2, k1, k2, t),
-                             rtol=1e-5)
+  loss = lambda a: (
+    mocov3.contrastive_loss(a, jnp.asarray(k2), t)[0]
+    + mocov3.contrastive_loss(jnp.asarray(q2), jnp.asarray(k1), t)[0]
+  )
+  np.testing.assert_allclose(loss(jnp.asarray(q1)), algorithm1_loss(q1, q2, k1, k2, t), rtol=1e-5)
   grad = jax.grad(loss)(jnp.asarray(q1, jnp.float32))
-  np.testing.assert_allclose(grad, numeric_grad(lambda a: algorithm1_loss(a, q2, k1, k2, t), q1),
-                             atol=1e-5)
+  np.testing.assert_allclose(
+    grad, numeric_grad(lambda a: algorithm1_loss(a, q2, k1, k2, t), q1), atol=1e-5
+  )
   # top1: row i is right when key i is the most similar; identical queries and keys: all.
   _, top1 = mocov3.contrastive_loss(jnp.asarray(k2), jnp.asarray(k2), t)
   assert float(top1) == 1.0
@@ -63,16 +70,25 @@ def test_sharded_loss_and_gradients_equal_single_device():
 
   def loss_of(w, x1, x2, axis_name):
     k1, k2 = jax.lax.stop_gradient((jnp.tanh(x1 @ u), jnp.tanh(x2 @ u)))
-    return (mocov3.contrastive_loss(jnp.tanh(x1 @ w), k2, 0.2, axis_name)[0]
-            + mocov3.contrastive_loss(jnp.tanh(x2 @ w), k1, 0.2, axis_name)[0])
+    return (
+      mocov3.contrastive_loss(jnp.tanh(x1 @ w), k2, 0.2, axis_name)[0]
+      + mocov3.contrastive_loss(jnp.tanh(x2 @ w), k1, 0.2, axis_name)[0]
+    )
 
   single, single_grad = jax.value_and_grad(loss_of)(w, x1, x2, None)
-  sharded_fn = jax.jit(jax.shard_map(
-      jax.value_and_grad(lambda w, a, b: loss_of(w, a, b, mesh_lib.DATA_AXIS)), mesh=mesh,
-      in_specs=(jax.P(), jax.P(mesh_lib.DATA_AXIS), jax.P(mesh_lib.DATA_AXIS)), out_specs=jax.P()))
-  sharded, sharded_grad = sharded_fn(jax.device_put(w, mesh_lib.replicated(mesh)),
-                                     jax.device_put(x1, mesh_lib.batch_sharded(mesh)),
-                                     jax.device_put(x2, mesh_lib.batch_sharded(mesh)))
+  sharded_fn = jax.jit(
+    jax.shard_map(
+      jax.value_and_grad(lambda w, a, b: loss_of(w, a, b, mesh_lib.DATA_AXIS)),
+      mesh=mesh,
+      in_specs=(jax.P(), jax.P(mesh_lib.DATA_AXIS), jax.P(mesh_lib.DATA_AXIS)),
+      out_specs=jax.P(),
+    )
+  )
+  sharded, sharded_grad = sharded_fn(
+    jax.device_put(w, mesh_lib.replicated(mesh)),
+    jax.device_put(x1, mesh_lib.batch_sharded(mesh)),
+    jax.device_put(x2, mesh_lib.batch_sharded(mesh)),
+  )
   np.testing.assert_allclose(sharded, single, rtol=1e-6)
   np.testing.assert_allclose(sharded_grad, single_grad, rtol=1e-5, atol=1e-7)
 
@@ -95,8 +111,9 @@ def test_train_steps_on_8_devices_equal_1_device_and_the_momentum_encoder_is_an_
     state, states, losses = r.init(), [], []
     for batch in images:
       states.append(jax.device_get(state))
-      state, metrics = r.train_step(state, {"image": jax.device_put(batch,
-                                                                    mesh_lib.batch_sharded(mesh))})
+      state, metrics = r.train_step(
+        state, {"image": jax.device_put(batch, mesh_lib.batch_sharded(mesh))}
+      )
       losses.append(float(metrics["loss"]))
     return states + [jax.device_get(state)], losses, float(metrics["key_momentum"])
 
@@ -107,13 +124,17 @@ def test_train_steps_on_8_devices_equal_1_device_and_the_momentum_encoder_is_an_
     np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
   # Step 0 starts from a copy; step k's EMA uses m_k and the query network before step k.
   s0, s1, s2 = states8
-  jax.tree.map(np.testing.assert_array_equal, s0.extra["key_params"]["encoder"],
-               s0.params["encoder"])
+  jax.tree.map(
+    np.testing.assert_array_equal, s0.extra["key_params"]["encoder"], s0.params["encoder"]
+  )
   m1 = 1 - (1 - 0.99) * (math.cos(math.pi / 100) + 1) / 2
   assert momentum == pytest.approx(m1, rel=1e-6)
-  jax.tree.map(lambda k, k1, q1: np.testing.assert_allclose(k, m1 * k1 + (1 - m1) * q1,
-                                                            rtol=1e-5, atol=1e-7),
-               s2.extra["key_params"], s1.extra["key_params"], mocov3._momentum_part(s1.params))
+  jax.tree.map(
+    lambda k, k1, q1: np.testing.assert_allclose(k, m1 * k1 + (1 - m1) * q1, rtol=1e-5, atol=1e-7),
+    s2.extra["key_params"],
+    s1.extra["key_params"],
+    mocov3._momentum_part(s1.params),
+  )
   # The frozen patch projection never moved; everything else trained.
   frozen = s2.params["encoder"]["frozen_patch_embed"]
   jax.tree.map(np.testing.assert_array_equal, frozen, s0.params["encoder"]["frozen_patch_embed"])
@@ -128,17 +149,29 @@ def test_position_embedding_matches_its_formula():
   omega = 1.0 / 10000 ** (np.arange(2) / 2)  # dim / 4 = 2 frequencies: 1 and 1/100.
   for patch in range(grid * grid):
     r, c = divmod(patch, grid)  # Row-major patches, as the convolution's output.
-    expected = [np.sin(r * omega[0]), np.sin(r * omega[1]), np.cos(r * omega[0]),
-                np.cos(r * omega[1]), np.sin(c * omega[0]), np.sin(c * omega[1]),
-                np.cos(c * omega[0]), np.cos(c * omega[1])]
+    expected = [
+      np.sin(r * omega[0]),
+      np.sin(r * omega[1]),
+      np.cos(r * omega[0]),
+      np.cos(r * omega[1]),
+      np.sin(c * omega[0]),
+      np.sin(c * omega[1]),
+      np.cos(c * omega[0]),
+      np.cos(c * omega[1]),
+    ]
     np.testing.assert_allclose(emb[patch], expected, rtol=1e-6, atol=1e-7)
 
 
-@pytest.mark.parametrize("name,width,params", [
-    ("vit_tiny", 192, None), ("vit_small", 384, None),
+@pytest.mark.parametrize(
+  "name,width,params",
+  [
+    ("vit_tiny", 192, None),
+    ("vit_small", 384, None),
     # timm's vit_base_patch16_224 has 86,567,656 parameters: minus its 1000-class head
     # (769,000) and its position embedding (151,296), a constant here.
-    ("vit_base", 768, 85_647_360)])
+    ("vit_base", 768, 85_647_360),
+  ],
+)
 def test_vit_output_shapes_for_each_size(name, width, params):
   cfg = ml_collections.ConfigDict(recipes.vit_model(name, 16, "bfloat16", True))
   encoder = models.build_encoder(cfg)
@@ -158,11 +191,17 @@ def test_adamw_decays_kernels_only_and_leaves_the_frozen_projection_alone():
   cfg = ml_collections.ConfigDict(recipes.vit_model("vit_tiny", 8, "float32", True))
   cfg.update(width=0.125, depth=1)
   params, _ = common.init_variables(models.build_encoder(cfg), jax.random.PRNGKey(0), 16)
-  mask = {"/".join(k.key for k in path): v for path, v in jax.tree_util.tree_leaves_with_path(
-      optim.decay_mask(params, "kernels"))}
+  mask = {
+    "/".join(k.key for k in path): v
+    for path, v in jax.tree_util.tree_leaves_with_path(optim.decay_mask(params, "kernels"))
+  }
   assert {k for k, v in mask.items() if v} == {
-      "frozen_patch_embed/kernel", "block0/attn/qkv/kernel", "block0/attn/proj/kernel",
-      "block0/fc1/kernel", "block0/fc2/kernel"}
+    "frozen_patch_embed/kernel",
+    "block0/attn/qkv/kernel",
+    "block0/attn/proj/kernel",
+    "block0/fc1/kernel",
+    "block0/fc2/kernel",
+  }
   assert not mask["cls_token"] and not mask["norm/scale"] and not mask["block0/norm1/bias"]
   lr, wd = 0.1, 0.5
   opt = recipes.optimizer("adamw", 1.0, wd)
@@ -178,8 +217,9 @@ def test_adamw_decays_kernels_only_and_leaves_the_frozen_projection_alone():
     for k in path:
       old = old[k.key]
     decayed = mask[name] and not name.startswith("frozen_")
-    np.testing.assert_allclose(leaf, old * (1 - lr * wd) if decayed else old, rtol=1e-6,
-                               err_msg=name)
+    np.testing.assert_allclose(
+      leaf, old * (1 - lr * wd) if decayed else old, rtol=1e-6, err_msg=name
+    )
 
 
 def test_bad_input_raises_one_config_error_naming_the_field():
@@ -192,8 +232,9 @@ def test_bad_input_raises_one_config_error_naming_the_field():
   method_check = lambda c: mocov3.check_config(c, 50_000)
   config = tiny_vit_config()
   config.model.patch_size = 5
-  assert error(config, check).startswith("config.model.patch_size=5: must be an integer > 0 "
-                                         "that divides image_size (32)")
+  assert error(config, check).startswith(
+    "config.model.patch_size=5: must be an integer > 0 that divides image_size (32)"
+  )
   config = tiny_vit_config()
   config.model.name = "vit_huge"
   assert error(config, check).startswith("config.model.name='vit_huge': must be one of")
@@ -217,13 +258,25 @@ def test_linear_probe_of_a_vit_checkpoint(tmp_path):
   ckpt.wait()
   ckpt.close()
   probe = load_config("linear_probe", "runlocal")
-  probe.update(dict(pretrain_workdir=pretrain_dir, data_dir=TFDS_DIR, train_split="train[:64]",
-                    batch_size=16, duration="1 steps", log_every="1 steps", shuffle_buffer=64,
-                    data_threads=1))
+  probe.update(
+    dict(
+      pretrain_workdir=pretrain_dir,
+      data_dir=TFDS_DIR,
+      train_split="train[:64]",
+      batch_size=16,
+      duration="1 steps",
+      log_every="1 steps",
+      shuffle_buffer=64,
+      data_threads=1,
+    )
+  )
   probe.evaluators.linear_probe.update(split="test[:32]", batch_size=16)
   encoder = restore.restore_encoder(probe, mesh_lib.make_mesh())
   assert encoder.variables["batch_stats"] == {} and encoder.dim == 12
-  jax.tree.map(np.testing.assert_array_equal, jax.device_get(encoder.variables["params"]),
-               jax.device_get(state.params["encoder"]))
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    jax.device_get(encoder.variables["params"]),
+    jax.device_get(state.params["encoder"]),
+  )
   _, results = runner.run(linear_probe, probe, str(tmp_path / "probe"))
   assert 0 <= results["linear_probe_top1"] <= 1

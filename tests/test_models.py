@@ -1,30 +1,40 @@
 """Global BatchNorm across devices; model shapes for every config."""
+
+from helpers import load_config
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-from helpers import load_config
 
+from contrastive_jax import models
+from contrastive_jax import recipes
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.methods import common
 from contrastive_jax.methods import get_method
-from contrastive_jax import models
-from contrastive_jax import recipes
 
 # Each model's dimension of h, from its paper: the last stage's channels of a ResNet (He et
 # al. 2016, Table 1), the token width D of a ViT (DeiT-Ti, ViT-S and ViT-B).
-H_DIMS = {"resnet18": 512, "resnet34": 512, "resnet50": 2048, "vit_tiny": 192,
-          "vit_small": 384, "vit_base": 768}
+H_DIMS = {
+  "resnet18": 512,
+  "resnet34": 512,
+  "resnet50": 2048,
+  "vit_tiny": 192,
+  "vit_small": 384,
+  "vit_base": 768,
+}
 # models.FAMILIES key -> a model config of the name given, at width 1.
-FAMILY_CONFIGS = {"resnet": lambda name: recipes.model(name, "cifar", "float32", "simclr"),
-                  "vit": lambda name: recipes.vit_model(name, 16, "float32", False)}
+FAMILY_CONFIGS = {
+  "resnet": lambda name: recipes.model(name, "cifar", "float32", "simclr"),
+  "vit": lambda name: recipes.vit_model(name, 16, "float32", False),
+}
 
 
 def _encoder(axis_name):
-  cfg = ml_collections.ConfigDict(dict(name="resnet18", width=0.0625, stem="cifar",
-                                       dtype="float32"))
+  cfg = ml_collections.ConfigDict(
+    dict(name="resnet18", width=0.0625, stem="cifar", dtype="float32")
+  )
   return models.build_encoder(cfg, bn_axis_name=axis_name)
 
 
@@ -44,8 +54,11 @@ def test_every_family_owns_its_names_and_builds_each_model_at_its_width():
       h = jax.eval_shape(lambda x: encoder.apply(init(x), x, train=False), x)
       assert h.shape == (2, H_DIMS[name]) == (2, models.encoder_width(config)), name
       assert h.dtype == jnp.float32
-  with pytest.raises(ConfigError, match=r"config.model.name='resnet7': must be one of "
-                     r"\['resnet18', 'resnet34', 'resnet50', 'vit_base', 'vit_small', 'vit_tiny'\]"):
+  with pytest.raises(
+    ConfigError,
+    match=r"config.model.name='resnet7': must be one of "
+    r"\['resnet18', 'resnet34', 'resnet50', 'vit_base', 'vit_small', 'vit_tiny'\]",
+  ):
     models.encoder_width(ml_collections.ConfigDict(dict(name="resnet7")))
 
 
@@ -56,31 +69,48 @@ def test_global_bn_equals_bn_on_the_whole_batch():
 
   def forward(model):
     def fn(x):
-      h, upd = model.apply({"params": params, "batch_stats": stats}, x, train=True,
-                           mutable=["batch_stats"])
+      h, upd = model.apply(
+        {"params": params, "batch_stats": stats}, x, train=True, mutable=["batch_stats"]
+      )
       return h, upd["batch_stats"]
+
     return fn
 
   h_ref, stats_ref = jax.jit(forward(_encoder(None)))(x)
-  sharded = jax.jit(jax.shard_map(forward(_encoder(mesh_lib.DATA_AXIS)), mesh=mesh,
-                                  in_specs=jax.P(mesh_lib.DATA_AXIS),
-                                  out_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P())))
+  sharded = jax.jit(
+    jax.shard_map(
+      forward(_encoder(mesh_lib.DATA_AXIS)),
+      mesh=mesh,
+      in_specs=jax.P(mesh_lib.DATA_AXIS),
+      out_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P()),
+    )
+  )
   h, new_stats = sharded(jax.device_put(x, mesh_lib.batch_sharded(mesh)))
   np.testing.assert_allclose(h, h_ref, rtol=1e-4, atol=1e-5)
-  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6),
-               new_stats, stats_ref)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6), new_stats, stats_ref
+  )
   # Per-device BN differs: the test would catch a missing axis_name.
-  local = jax.jit(jax.shard_map(forward(_encoder(None)), mesh=mesh, in_specs=jax.P(mesh_lib.DATA_AXIS),
-                                out_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P(mesh_lib.DATA_AXIS))))
+  local = jax.jit(
+    jax.shard_map(
+      forward(_encoder(None)),
+      mesh=mesh,
+      in_specs=jax.P(mesh_lib.DATA_AXIS),
+      out_specs=(jax.P(mesh_lib.DATA_AXIS), jax.P(mesh_lib.DATA_AXIS)),
+    )
+  )
   h_local, _ = local(jax.device_put(x, mesh_lib.batch_sharded(mesh)))
   assert not np.allclose(h_local, h_ref, atol=1e-3)
 
 
-@pytest.mark.parametrize("name,variant,image_size,h_dim", [
+@pytest.mark.parametrize(
+  "name,variant,image_size,h_dim",
+  [
     ("simclr_cifar10", "", 32, 512),
     ("simclr_cifar10", "runlocal", 32, 128),
     ("simclr_imagenet", "", 224, 2048),
-])
+  ],
+)
 def test_config_builds_model_with_expected_shapes(name, variant, image_size, h_dim):
   config = load_config(name, variant)
   assert config.image_size == image_size
@@ -94,8 +124,9 @@ def test_config_builds_model_with_expected_shapes(name, variant, image_size, h_d
 
 
 def test_bfloat16_compute_keeps_float32_params_and_outputs():
-  cfg = ml_collections.ConfigDict(dict(name="resnet18", width=0.0625, stem="cifar",
-                                       dtype="bfloat16"))
+  cfg = ml_collections.ConfigDict(
+    dict(name="resnet18", width=0.0625, stem="cifar", dtype="bfloat16")
+  )
   model = models.build_encoder(cfg)
   params, stats = common.init_variables(model, jax.random.PRNGKey(0), 8)
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))

@@ -1,4 +1,5 @@
 """Two processes on 127.0.0.1: pretraining, a preempted probe, a worker killed mid-run."""
+
 import json
 import os
 import re
@@ -7,8 +8,12 @@ import subprocess
 import sys
 import time
 
+from helpers import CONFIG_DIR
+from helpers import TFDS_DIR
+from helpers import free_port
+from helpers import subprocess_env
+from helpers import tiny_config
 import pytest
-from helpers import CONFIG_DIR, TFDS_DIR, free_port, subprocess_env, tiny_config
 
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import files
@@ -19,19 +24,25 @@ from contrastive_jax.training import runner
 def _start(workdir, job, *extra):
   port = free_port()
   worker = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
-  return [subprocess.Popen([sys.executable, worker, str(i), str(port), str(workdir), TFDS_DIR,
-                            job, *extra],
-                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-                           env=subprocess_env(fast_compile=True))
-          for i in range(2)]
+  return [
+    subprocess.Popen(
+      [sys.executable, worker, str(i), str(port), str(workdir), TFDS_DIR, job, *extra],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      env=subprocess_env(fast_compile=True),
+    )
+    for i in range(2)
+  ]
 
 
 def _results(procs, timeout=600):
   outputs = [p.communicate(timeout=timeout)[0] for p in procs]
   for p, out in zip(procs, outputs):
     assert p.returncode == 0, out[-3000:]
-  return [re.search(r"RESULT process=(\d) step=(\d+) checksum=(\S+)", out).groups()
-          for out in outputs]
+  return [
+    re.search(r"RESULT process=(\d) step=(\d+) checksum=(\S+)", out).groups() for out in outputs
+  ]
 
 
 def _steps(workdir):
@@ -53,10 +64,12 @@ def test_both_processes_stop_when_another_job_holds_the_workdir(tmp_path):
     procs = _start(tmp_path, "pretrain")
     outputs = [p.communicate(timeout=300)[0] for p in procs]
   assert [p.returncode for p in procs] == [1, 1], outputs[0][-3000:]
-  assert (f"JobError: --workdir={tmp_path}: another job is running in it (pid {os.getpid()} on "
-          "host ") in outputs[0]
-  assert (f"JobError: --workdir={tmp_path}: process 0 found another job running in it"
-          in outputs[1]), outputs[1][-3000:]
+  assert (
+    f"JobError: --workdir={tmp_path}: another job is running in it (pid {os.getpid()} on host "
+  ) in outputs[0]
+  assert (
+    f"JobError: --workdir={tmp_path}: process 0 found another job running in it" in outputs[1]
+  ), outputs[1][-3000:]
   assert sorted(os.listdir(tmp_path)) == [files.LOCK]
 
 
@@ -70,8 +83,7 @@ def pretrained(tmp_path_factory):
   return workdir
 
 
-def test_sigterm_to_one_process_stops_both_probe_processes_at_the_same_step(pretrained,
-                                                                             tmp_path):
+def test_sigterm_to_one_process_stops_both_probe_processes_at_the_same_step(pretrained, tmp_path):
   probe_dir = tmp_path / "probe"
   procs = _start(probe_dir, "linear_probe", str(pretrained))
   deadline = time.time() + 300
@@ -100,24 +112,39 @@ def test_a_killed_worker_stops_the_other(pretrained, tmp_path):
   heartbeat_timeout = 10
   workdir = tmp_path / "probe"
   port = free_port()
-  args = [f"--config={CONFIG_DIR}/linear_probe.py:runlocal", f"--workdir={workdir}",
-          f"--config.pretrain_workdir={pretrained}", f"--config.data_dir={TFDS_DIR}",
-          "--config.train_split=train[:256]", "--config.batch_size=16",
-          "--config.duration=100000 steps", "--config.log_every=1 steps",
-          "--config.shuffle_buffer=256", "--config.data_threads=1",
-          "--config.evaluators.linear_probe.split=test[:32]",
-          "--config.evaluators.linear_probe.batch_size=16", "--distributed",
-          f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
-          f"--heartbeat_timeout={heartbeat_timeout}"]
-  env = subprocess_env(fast_compile=True, JAX_NUM_CPU_DEVICES="2",
-                       JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
+  args = [
+    f"--config={CONFIG_DIR}/linear_probe.py:runlocal",
+    f"--workdir={workdir}",
+    f"--config.pretrain_workdir={pretrained}",
+    f"--config.data_dir={TFDS_DIR}",
+    "--config.train_split=train[:256]",
+    "--config.batch_size=16",
+    "--config.duration=100000 steps",
+    "--config.log_every=1 steps",
+    "--config.shuffle_buffer=256",
+    "--config.data_threads=1",
+    "--config.evaluators.linear_probe.split=test[:32]",
+    "--config.evaluators.linear_probe.batch_size=16",
+    "--distributed",
+    f"--coordinator_address=127.0.0.1:{port}",
+    "--num_processes=2",
+    f"--heartbeat_timeout={heartbeat_timeout}",
+  ]
+  env = subprocess_env(
+    fast_compile=True, JAX_NUM_CPU_DEVICES="2", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo"
+  )
   logs = [tmp_path / f"process_{i}.log" for i in range(2)]
   procs = []
   for i, log in enumerate(logs):
     with open(log, "w") as f:  # A file, not a pipe: a full pipe would stall the job.
-      procs.append(subprocess.Popen([sys.executable, "-m", "contrastive_jax.main", *args,
-                                     f"--process_id={i}"], stdout=f, stderr=subprocess.STDOUT,
-                                    env=env))
+      procs.append(
+        subprocess.Popen(
+          [sys.executable, "-m", "contrastive_jax.main", *args, f"--process_id={i}"],
+          stdout=f,
+          stderr=subprocess.STDOUT,
+          env=env,
+        )
+      )
   try:
     deadline = time.time() + 300
     while not (os.path.exists(workdir / "metrics.jsonl") and len(_steps(workdir)) >= 3):
@@ -139,5 +166,7 @@ def test_a_killed_worker_stops_the_other(pretrained, tmp_path):
     assert "Traceback" not in output, output[-3000:]
   else:  # Aborted by JAX's coordination service or, rarely, by gloo.
     assert procs[0].returncode == -signal.SIGABRT, output[-3000:]
-    assert ("This most likely indicates that another task died" in output
-            or "Received data size doesn't match expected size" in output), output[-3000:]
+    assert (
+      "This most likely indicates that another task died" in output
+      or "Received data size doesn't match expected size" in output
+    ), output[-3000:]

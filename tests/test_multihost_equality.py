@@ -22,14 +22,15 @@ What is bitwise and what is not, and why:
   (about 1e-7 relative), and the steps after carry that on. Everything else is
   the same program on the same rows with the same per-device PRNG keys.
 """
+
 import os
 import subprocess
 import sys
 
+from helpers import free_port
+from helpers import subprocess_env
 import numpy as np
 import pytest
-
-from helpers import free_port, subprocess_env
 
 WORKER = os.path.join(os.path.dirname(__file__), "multihost_equality_worker.py")
 METHODS = ("simclr", "moco_v2", "byol")
@@ -48,14 +49,25 @@ def runs(tmp_path_factory):
   out = tmp_path_factory.mktemp("equality")
   port = free_port()  # The 1-process reference ignores it.
   procs = []
-  for setup, num_processes, process_id in [("one_host", 1, 0), ("two_hosts", 2, 0),
-                                           ("two_hosts", 2, 1)]:
+  for setup, num_processes, process_id in [
+    ("one_host", 1, 0),
+    ("two_hosts", 2, 0),
+    ("two_hosts", 2, 1),
+  ]:
     os.makedirs(out / setup, exist_ok=True)
     log = out / setup / f"process_{process_id}.log"
     with open(log, "w") as f:  # A file, not a pipe: a full pipe would stall a process.
-      procs.append((subprocess.Popen(
-          [sys.executable, WORKER, str(num_processes), str(process_id), str(port), out / setup],
-          stdout=f, stderr=subprocess.STDOUT, env=subprocess_env(fast_compile=True)), log))
+      procs.append(
+        (
+          subprocess.Popen(
+            [sys.executable, WORKER, str(num_processes), str(process_id), str(port), out / setup],
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            env=subprocess_env(fast_compile=True),
+          ),
+          log,
+        )
+      )
   try:
     for proc, log in procs:
       proc.wait(timeout=900)
@@ -66,8 +78,10 @@ def runs(tmp_path_factory):
   one = np.load(out / "one_host" / "process_0.npz")
   two = [np.load(out / "two_hosts" / f"process_{i}.npz") for i in range(2)]
   assert sorted(one.files) == sorted(two[0].files) == sorted(two[1].files)
-  return {"one_host": {k: np.atleast_1d(one[k]) for k in one.files},
-          "two_hosts": {k: np.concatenate([np.atleast_1d(t[k]) for t in two]) for k in one.files}}
+  return {
+    "one_host": {k: np.atleast_1d(one[k]) for k in one.files},
+    "two_hosts": {k: np.concatenate([np.atleast_1d(t[k]) for t in two]) for k in one.files},
+  }
 
 
 def _keys(runs, prefix):

@@ -1,39 +1,50 @@
 """LARS masks on a real ResNet parameter tree; schedule values."""
+
+from absl import flags
+from helpers import CONFIG_DIR
 import jax
 import jax.numpy as jnp
 import ml_collections
-import numpy as np
-from absl import flags
-from helpers import CONFIG_DIR
 from ml_collections import config_flags
+import numpy as np
 
+from contrastive_jax import models
+from contrastive_jax import recipes
 from contrastive_jax.methods import common
 from contrastive_jax.methods import optim
-from contrastive_jax import models
 from contrastive_jax.models import heads
-from contrastive_jax import recipes
 
 
 def _resnet_params():
   model = heads.ContrastiveModel(
-      encoder=models.build_encoder(ml_collections.ConfigDict(
-          dict(name="resnet18", width=0.125, stem="cifar", dtype="float32"))),
-      projector=models.build_mlp(ml_collections.ConfigDict(
-          dict(hidden_dims=(16,), out_dim=8, use_bn=True)), "float32"))
+    encoder=models.build_encoder(
+      ml_collections.ConfigDict(dict(name="resnet18", width=0.125, stem="cifar", dtype="float32"))
+    ),
+    projector=models.build_mlp(
+      ml_collections.ConfigDict(dict(hidden_dims=(16,), out_dim=8, use_bn=True)), "float32"
+    ),
+  )
   params, _ = common.init_variables(model, jax.random.PRNGKey(0), 8)
   return params
 
 
 def _opt_config(**kw):
-  return ml_collections.ConfigDict(recipes.optimizer(
-      "lars", base_lr=1.0, weight_decay=0.1, **{"warmup_epochs": 1, "lr_before_momentum": True,
-                                               **kw}))
+  return ml_collections.ConfigDict(
+    recipes.optimizer(
+      "lars",
+      base_lr=1.0,
+      weight_decay=0.1,
+      **{"warmup_epochs": 1, "lr_before_momentum": True, **kw},
+    )
+  )
 
 
 def test_decay_mask_leaves_out_biases_and_bn_parameters():
   params = _resnet_params()
-  flat = {jax.tree_util.keystr(p): v for p, v in
-          jax.tree_util.tree_leaves_with_path(optim.decay_mask(params, "kernels"))}
+  flat = {
+    jax.tree_util.keystr(p): v
+    for p, v in jax.tree_util.tree_leaves_with_path(optim.decay_mask(params, "kernels"))
+  }
   kernels = [k for k in flat if k.endswith("['kernel']")]
   excluded = [k for k in flat if k.endswith("['bias']") or k.endswith("['scale']")]
   assert len(kernels) + len(excluded) == len(flat)
@@ -67,22 +78,27 @@ def test_schedule_warmup_then_cosine_and_lr_scaling():
   np.testing.assert_allclose(optim.peak_learning_rate(cfg, 4096), 64.0)
   cfg.lr_scaling = "linear"
   sched = optim.learning_rate_schedule(cfg, 256, steps_per_epoch=10, total_steps=110)
-  np.testing.assert_allclose([sched(0), sched(5), sched(10), sched(60), sched(110)],
-                             [0.0, 0.5, 1.0, 0.5, 0.0], atol=1e-6)
+  np.testing.assert_allclose(
+    [sched(0), sched(5), sched(10), sched(60), sched(110)], [0.0, 0.5, 1.0, 0.5, 0.0], atol=1e-6
+  )
 
 
 def test_step_schedule_decays_at_the_given_epochs():
   cfg = _opt_config(schedule="step", decay_epochs=(3, 4), warmup_epochs=1)
   sched = optim.learning_rate_schedule(cfg, 256, steps_per_epoch=10, total_steps=50)
-  np.testing.assert_allclose([sched(5), sched(10), sched(29), sched(30), sched(39), sched(40)],
-                             [0.5, 1.0, 1.0, 0.1, 0.1, 0.01], rtol=1e-6)
+  np.testing.assert_allclose(
+    [sched(5), sched(10), sched(29), sched(30), sched(39), sched(40)],
+    [0.5, 1.0, 1.0, 0.1, 0.1, 0.01],
+    rtol=1e-6,
+  )
 
 
 def test_schedules_without_warmup_start_at_their_peak_and_log_nothing(caplog):
   # Cosine from step 0 over 100 steps: lr(t) = 0.5 (1 + cos(pi t / 100)) x peak (1.0).
   for schedule, points, want in [
-      ("cosine", [0, 25, 50, 100], [1.0, 0.5 * (1 + np.cos(np.pi / 4)), 0.5, 0.0]),
-      ("step", [0, 29, 30, 40], [1.0, 1.0, 0.1, 0.01])]:
+    ("cosine", [0, 25, 50, 100], [1.0, 0.5 * (1 + np.cos(np.pi / 4)), 0.5, 0.0]),
+    ("step", [0, 29, 30, 40], [1.0, 1.0, 0.1, 0.01]),
+  ]:
     cfg = _opt_config(schedule=schedule, decay_epochs=(3, 4), warmup_epochs=0)
     with caplog.at_level("INFO"):
       sched = optim.learning_rate_schedule(cfg, 256, steps_per_epoch=10, total_steps=100)
@@ -93,8 +109,9 @@ def test_schedules_without_warmup_start_at_their_peak_and_log_nothing(caplog):
 def test_nesterov_sgd_steps():
   # Constant gradient 1, lr 1, momentum 0.9: v_t = 0.9 v_{t-1} + g; the Nesterov
   # step is -(g + 0.9 v_t): -1.9, then -2.71 (plain momentum: -1, then -1.9).
-  cfg = ml_collections.ConfigDict(recipes.optimizer("sgd", base_lr=1.0, weight_decay=0.0,
-                                                    nesterov=True))
+  cfg = ml_collections.ConfigDict(
+    recipes.optimizer("sgd", base_lr=1.0, weight_decay=0.0, nesterov=True)
+  )
   tx = optim.build_optimizer(cfg, lambda step: 1.0)
   params = {"kernel": jnp.zeros(3)}
   state = tx.init(params)
@@ -106,8 +123,11 @@ def test_nesterov_sgd_steps():
 
 
 def test_half_an_epoch_of_warmup_parses_and_warms_up_for_half_an_epoch():
-  argv = ["main", f"--config={CONFIG_DIR}/simclr_cifar10.py",
-          "--config.optimizer.warmup_epochs=0.5"]
+  argv = [
+    "main",
+    f"--config={CONFIG_DIR}/simclr_cifar10.py",
+    "--config.optimizer.warmup_epochs=0.5",
+  ]
   flag_values = flags.FlagValues()
   config = config_flags.DEFINE_config_file("config", flag_values=flag_values, sys_argv=argv)
   flag_values(argv)
@@ -115,9 +135,11 @@ def test_half_an_epoch_of_warmup_parses_and_warms_up_for_half_an_epoch():
   assert cfg.warmup_epochs == 0.5
   sched = optim.learning_rate_schedule(cfg, 512, steps_per_epoch=98, total_steps=980)
   # Peak 1.0 x 512 / 256 = 2, reached at step 49 after a linear rise.
-  np.testing.assert_allclose([sched(0), sched(24), sched(49), sched(50)],
-                             [0.0, 2.0 * 24 / 49, 2.0, 2.0 * (1 + np.cos(np.pi / 931)) / 2],
-                             rtol=1e-6)
+  np.testing.assert_allclose(
+    [sched(0), sched(24), sched(49), sched(50)],
+    [0.0, 2.0 * 24 / 49, 2.0, 2.0 * (1 + np.cos(np.pi / 931)) / 2],
+    rtol=1e-6,
+  )
 
 
 def test_whole_warmup_epochs_give_the_same_steps_as_integers_did():

@@ -9,31 +9,33 @@ numpy transcriptions of SimCLR's, BYOL's and solo-learn's LARS. The old variant
 names' recipes pinned; one crop spec (config.crop) in every config and preset, and
 older saved configs' flat crop fields upgraded.
 """
+
 import glob
 import json
 import math
 import os
 
+from helpers import CONFIG_DIR
+from helpers import load_config
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
 import pytest
-import tensorflow as tf
-from helpers import CONFIG_DIR, load_config
 from scipy import ndimage
 from scipy import stats
+import tensorflow as tf
 
+from contrastive_jax import models
+from contrastive_jax import recipes
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import VariantError
 from contrastive_jax.data import augment
 from contrastive_jax.data import crops
 from contrastive_jax.methods import optim
-from contrastive_jax import models
 from contrastive_jax.models import heads
 from contrastive_jax.models import resnet
-from contrastive_jax import recipes
 
 # --- Crop samplers -------------------------------------------------------------------------
 
@@ -92,19 +94,24 @@ def byol_crop(h, w, area_min, rng):
   """BYOL's byol/utils/dataset.py _decode_and_random_crop: one draw, sides clamped."""
   target = rng.uniform(area_min, 1.0) * h * w
   ratio = math.exp(rng.uniform(math.log(3 / 4), math.log(4 / 3)))
-  return (min(int(round(math.sqrt(target / ratio))), h),
-          min(int(round(math.sqrt(target * ratio))), w))
+  return (
+    min(int(round(math.sqrt(target / ratio))), h),
+    min(int(round(math.sqrt(target * ratio))), w),
+  )
 
 
-REFERENCE_CROPS = {"tensorflow": tf_kernel_crop, "torchvision": torchvision_crop,
-                   "byol": byol_crop}
+REFERENCE_CROPS = {"tensorflow": tf_kernel_crop, "torchvision": torchvision_crop, "byol": byol_crop}
 
 
 def sampled_windows(sampler, h, w, n, area_min=0.08):
   """n windows (top, left, height, width) of crops.crop_window with seeds (0, i)."""
-  fn = tf.function(lambda seeds: tf.map_fn(
-      lambda s: tf.stack(crops.crop_window(h, w, s, sampler, area_min)), seeds,
-      fn_output_signature=tf.int32))
+  fn = tf.function(
+    lambda seeds: tf.map_fn(
+      lambda s: tf.stack(crops.crop_window(h, w, s, sampler, area_min)),
+      seeds,
+      fn_output_signature=tf.int32,
+    )
+  )
   return fn(tf.stack([tf.zeros([n], tf.int64), tf.range(n, dtype=tf.int64)], 1)).numpy()
 
 
@@ -116,8 +123,9 @@ def test_crop_area_and_aspect_distributions_match_the_reference_algorithms(h, w)
   # 0.08 on these shapes, so the test tells them apart.
   n, critical = 4000, 1.95 * math.sqrt(2 / 4000)
   rng = np.random.default_rng(0)
-  reference = {name: np.array([fn(h, w, 0.08, rng) for _ in range(n)])
-               for name, fn in REFERENCE_CROPS.items()}
+  reference = {
+    name: np.array([fn(h, w, 0.08, rng) for _ in range(n)]) for name, fn in REFERENCE_CROPS.items()
+  }
   for sampler in crops.SAMPLERS:
     windows = sampled_windows(sampler, h, w, n)
     top, left, ch, cw = windows.T
@@ -134,8 +142,10 @@ def test_crop_area_and_aspect_distributions_match_the_reference_algorithms(h, w)
 def test_crop_fallbacks_and_offsets():
   # A 10 x 1000 image: no crop of >= 8% of it has an aspect ratio in [3/4, 4/3].
   seeds = [tf.constant([0, i], tf.int64) for i in range(20)]
-  windows = {s: [np.array(crops.crop_window(10, 1000, seed, s, 0.08)) for seed in seeds]
-             for s in crops.SAMPLERS}
+  windows = {
+    s: [np.array(crops.crop_window(10, 1000, seed, s, 0.08)) for seed in seeds]
+    for s in crops.SAMPLERS
+  }
   for window in windows["tensorflow"]:  # TF's kernel: the whole image.
     np.testing.assert_array_equal(window, [0, 0, 10, 1000])
   for window in windows["torchvision"]:  # Centre crop at the widest allowed ratio.
@@ -148,8 +158,9 @@ def test_crop_fallbacks_and_offsets():
   assert np.any(top == slack) and np.any(top == 0)
   assert abs(np.mean(top / np.maximum(slack, 1)) - 0.5) < 0.05
   # A stateless function of the seed: the same seed, the same window.
-  np.testing.assert_array_equal(sampled_windows("byol", 32, 32, 5),
-                                sampled_windows("byol", 32, 32, 5))
+  np.testing.assert_array_equal(
+    sampled_windows("byol", 32, 32, 5), sampled_windows("byol", 32, 32, 5)
+  )
 
 
 # --- Colour operations ---------------------------------------------------------------------
@@ -167,16 +178,20 @@ def _gray(x):
 def test_tensorflow_style_ops_equal_tf_image(image):
   x = jnp.asarray(image)
   for f in (0.3, 1.7):
-    np.testing.assert_allclose(augment.adjust_contrast(x, f, "tensorflow"),
-                               tf.image.adjust_contrast(image, f), atol=1e-6)
-    np.testing.assert_allclose(augment.adjust_saturation(x, f, "tensorflow"),
-                               tf.image.adjust_saturation(image, f), atol=1e-5)
+    np.testing.assert_allclose(
+      augment.adjust_contrast(x, f, "tensorflow"), tf.image.adjust_contrast(image, f), atol=1e-6
+    )
+    np.testing.assert_allclose(
+      augment.adjust_saturation(x, f, "tensorflow"), tf.image.adjust_saturation(image, f), atol=1e-5
+    )
   for d in (-0.3, 0.1):
     np.testing.assert_allclose(augment.adjust_hue(x, d), tf.image.adjust_hue(image, d), atol=1e-5)
-    np.testing.assert_allclose(augment.adjust_brightness(x, d, "add"),
-                               tf.image.adjust_brightness(image, d), atol=1e-6)
-  np.testing.assert_allclose(augment.to_grayscale(x)[..., :1], tf.image.rgb_to_grayscale(image),
-                             atol=1e-6)
+    np.testing.assert_allclose(
+      augment.adjust_brightness(x, d, "add"), tf.image.adjust_brightness(image, d), atol=1e-6
+    )
+  np.testing.assert_allclose(
+    augment.to_grayscale(x)[..., :1], tf.image.rgb_to_grayscale(image), atol=1e-6
+  )
 
 
 def test_torchvision_style_ops_equal_its_blend_formulas(image):
@@ -186,10 +201,14 @@ def test_torchvision_style_ops_equal_its_blend_formulas(image):
   x = jnp.asarray(image)
   for f in (0.3, 1.7):
     np.testing.assert_allclose(augment.adjust_brightness(x, f, "multiply"), f * image, atol=1e-6)
-    np.testing.assert_allclose(augment.adjust_contrast(x, f, "torchvision"),
-                               f * image + (1 - f) * _gray(image).mean(), atol=1e-6)
-    np.testing.assert_allclose(augment.adjust_saturation(x, f, "torchvision"),
-                               f * image + (1 - f) * _gray(image), atol=1e-6)
+    np.testing.assert_allclose(
+      augment.adjust_contrast(x, f, "torchvision"),
+      f * image + (1 - f) * _gray(image).mean(),
+      atol=1e-6,
+    )
+    np.testing.assert_allclose(
+      augment.adjust_saturation(x, f, "torchvision"), f * image + (1 - f) * _gray(image), atol=1e-6
+    )
 
 
 def _jittered(view, value, n=2000):
@@ -213,18 +232,22 @@ def test_brightness_switch_draws_the_references_distributions():
 def test_jitter_clips_after_each_op_and_grayscale_order(image):
   # Brightness + 0.8 then contrast: without the clip in between, contrast
   # would spread values above 1 (SimCLR clips after every op).
-  view = augment.ViewAugment(brightness=0.8, contrast=0.8, color_jitter_prob=1.0,
-                             brightness_op="add", color_ops="tensorflow")
+  view = augment.ViewAugment(
+    brightness=0.8, contrast=0.8, color_jitter_prob=1.0, brightness_op="add", color_ops="tensorflow"
+  )
   keys = jax.random.split(jax.random.PRNGKey(1), 64)
-  augmented = jax.jit(jax.vmap(lambda k, view: augment.augment_image(jnp.asarray(image), k, view),
-                               in_axes=(0, None)), static_argnums=1)
+  augmented = jax.jit(
+    jax.vmap(lambda k, view: augment.augment_image(jnp.asarray(image), k, view), in_axes=(0, None)),
+    static_argnums=1,
+  )
   out = augmented(keys, view)
   assert float(out.min()) >= 0 and float(out.max()) <= 1
   # MoCo v1: grayscale first, then the jitter, whose hue and saturation leave
   # a gray image gray; after the jitter (MoCo v2, SimCLR, BYOL) the hue shift
   # changes the gray levels.
-  first = augment.ViewAugment(hue=0.5, color_jitter_prob=1.0, grayscale_prob=1.0,
-                              grayscale_first=True)
+  first = augment.ViewAugment(
+    hue=0.5, color_jitter_prob=1.0, grayscale_prob=1.0, grayscale_first=True
+  )
   after = augment.ViewAugment(hue=0.5, color_jitter_prob=1.0, grayscale_prob=1.0)
   gray = np.broadcast_to(_gray(image), image.shape)
   np.testing.assert_allclose(augmented(keys[:2], first), [gray, gray], atol=1e-5)
@@ -235,18 +258,20 @@ def test_blur_equals_simclrs_depthwise_convolution_and_pils_edge_padding():
   x = np.random.default_rng(2).uniform(size=(40, 40, 3)).astype(np.float32)
   sigma, radius = 1.3, 40 // 10 // 2  # SimCLR: kernel_size = height // 10, radius = size / 2.
   t = np.arange(-radius, radius + 1, dtype=np.float32)
-  k = np.exp(-t**2 / (2 * sigma**2))
+  k = np.exp(-(t**2) / (2 * sigma**2))
   k /= k.sum()
   horizontal = np.tile(k.reshape(1, -1, 1, 1), [1, 1, 3, 1])
   vertical = np.tile(k.reshape(-1, 1, 1, 1), [1, 1, 3, 1])
-  simclr = tf.nn.depthwise_conv2d(tf.nn.depthwise_conv2d(x[None], horizontal, [1] * 4, "SAME"),
-                                  vertical, [1] * 4, "SAME")[0]
-  np.testing.assert_allclose(augment.gaussian_blur(jnp.asarray(x), sigma, "zeros"), simclr,
-                             atol=1e-6)
-  edge = ndimage.correlate1d(ndimage.correlate1d(x, k, axis=0, mode="nearest"), k, axis=1,
-                             mode="nearest")
-  np.testing.assert_allclose(augment.gaussian_blur(jnp.asarray(x), sigma, "edge"), edge,
-                             atol=1e-6)
+  simclr = tf.nn.depthwise_conv2d(
+    tf.nn.depthwise_conv2d(x[None], horizontal, [1] * 4, "SAME"), vertical, [1] * 4, "SAME"
+  )[0]
+  np.testing.assert_allclose(
+    augment.gaussian_blur(jnp.asarray(x), sigma, "zeros"), simclr, atol=1e-6
+  )
+  edge = ndimage.correlate1d(
+    ndimage.correlate1d(x, k, axis=0, mode="nearest"), k, axis=1, mode="nearest"
+  )
+  np.testing.assert_allclose(augment.gaussian_blur(jnp.asarray(x), sigma, "edge"), edge, atol=1e-6)
 
 
 # --- Heads, initialisation and weight decay per method -------------------------------------
@@ -260,9 +285,12 @@ def test_simclr_head_ends_in_a_dense_without_bias_and_a_bn_without_offset():
   x = jax.random.normal(jax.random.PRNGKey(0), (64, 512))
   variables = head.init(jax.random.PRNGKey(1), x, train=False)
   shapes = jax.tree.map(np.shape, variables["params"])
-  assert shapes == {"Dense_0": {"kernel": (512, 512)},
-                    "BatchNorm_0": {"scale": (512,), "bias": (512,)},
-                    "Dense_1": {"kernel": (512, 128)}, "BatchNorm_1": {"scale": (128,)}}
+  assert shapes == {
+    "Dense_0": {"kernel": (512, 512)},
+    "BatchNorm_0": {"scale": (512,), "bias": (512,)},
+    "Dense_1": {"kernel": (512, 128)},
+    "BatchNorm_1": {"scale": (128,)},
+  }
   z, _ = head.apply(variables, x, train=True, mutable=["batch_stats"])
   # Train mode: each output dimension has batch mean 0 (no offset) and std scale = 1.
   np.testing.assert_allclose(z.mean(0), 0, atol=1e-5)
@@ -270,8 +298,10 @@ def test_simclr_head_ends_in_a_dense_without_bias_and_a_bn_without_offset():
   # MoCo v2's head: nn.Linear twice, with biases, no BN.
   moco = models.build_mlp(load_config("moco_v2_imagenet").projector, "float32")
   shapes = jax.tree.map(np.shape, moco.init(jax.random.PRNGKey(1), x, train=False)["params"])
-  assert shapes == {"Dense_0": {"kernel": (512, 2048), "bias": (2048,)},
-                    "Dense_1": {"kernel": (2048, 128), "bias": (128,)}}
+  assert shapes == {
+    "Dense_0": {"kernel": (512, 2048), "bias": (2048,)},
+    "Dense_1": {"kernel": (2048, 128), "bias": (128,)},
+  }
 
 
 # Per config: (conv init, last BN scale of each block zero, head init, every parameter
@@ -281,13 +311,13 @@ def test_simclr_head_ends_in_a_dense_without_bias_and_a_bn_without_offset():
 # BYOL (Haiku's defaults, BlockV1's zero scale_init, exclude_bias_and_norm) and
 # solo-learn's BYOL (torchvision's ResNet and nn.Linear, LARS excluding bias and norm).
 METHOD_INITS = {
-    "simclr_imagenet": ("variance_scaling", True, "normal_0.01", False),
-    "simclr_cifar10": ("variance_scaling", True, "normal_0.01", False),
-    "moco_v1_imagenet": ("he_normal", False, "torch", True),
-    "moco_v2_imagenet": ("he_normal", False, "torch", True),
-    "moco_v2_cifar10": ("he_normal", False, "torch", True),
-    "byol_imagenet": ("variance_scaling", True, "lecun_normal", False),
-    "byol_cifar10": ("he_normal", False, "torch", False),
+  "simclr_imagenet": ("variance_scaling", True, "normal_0.01", False),
+  "simclr_cifar10": ("variance_scaling", True, "normal_0.01", False),
+  "moco_v1_imagenet": ("he_normal", False, "torch", True),
+  "moco_v2_imagenet": ("he_normal", False, "torch", True),
+  "moco_v2_cifar10": ("he_normal", False, "torch", True),
+  "byol_imagenet": ("variance_scaling", True, "lecun_normal", False),
+  "byol_cifar10": ("he_normal", False, "torch", False),
 }
 
 
@@ -295,13 +325,20 @@ METHOD_INITS = {
 def test_each_config_initialises_and_decays_as_its_reference(name):
   config = load_config(name)
   conv_init, zero_init, head_init, decay_all = METHOD_INITS[name]
-  assert (config.model.conv_init, config.model.zero_init_residual, config.projector.init,
-          config.optimizer.weight_decay_mask) == (conv_init, zero_init, head_init,
-                                                  "all" if decay_all else "kernels")
+  assert (
+    config.model.conv_init,
+    config.model.zero_init_residual,
+    config.projector.init,
+    config.optimizer.weight_decay_mask,
+  ) == (conv_init, zero_init, head_init, "all" if decay_all else "kernels")
   if "predictor" in config:
     assert config.predictor.init == head_init
   # SimCLR feeds [0, 1] pixels; MoCo and BYOL standardise them.
-  identity = tuple(config.model.input_mean) == (0, 0, 0) and tuple(config.model.input_std) == (1, 1, 1)
+  identity = tuple(config.model.input_mean) == (0, 0, 0) and tuple(config.model.input_std) == (
+    1,
+    1,
+    1,
+  )
   assert identity == name.startswith("simclr")
 
 
@@ -318,7 +355,11 @@ def test_initialisations_and_weight_decay_masks_are_the_references():
   # Dense layers on 512 inputs: std 1/sqrt(512) (lecun_normal), 0.01, and PyTorch's
   # U(+-1/sqrt(512)) for kernel and bias (std bound / sqrt(3)).
   bound = 1 / math.sqrt(512)
-  for name, std in (("lecun_normal", bound), ("normal_0.01", 0.01), ("torch", bound / math.sqrt(3))):
+  for name, std in (
+    ("lecun_normal", bound),
+    ("normal_0.01", 0.01),
+    ("torch", bound / math.sqrt(3)),
+  ):
     kernel_init, bias_init = heads._dense_inits(name, 512)  # pylint: disable=protected-access
     assert np.std(kernel_init(key, (512, 256))) == pytest.approx(std, rel=0.02), name
   kernel_init, bias_init = heads._dense_inits("torch", 512)  # pylint: disable=protected-access
@@ -328,18 +369,23 @@ def test_initialisations_and_weight_decay_masks_are_the_references():
   # decay mask is every leaf ('all') or the kernels only ('kernels').
   for zero_init in (True, False):
     model = heads.ContrastiveModel(
-        encoder=resnet.ResNet(("basic", (1,)), width=0.0625, stem="cifar",
-                              zero_init_residual=zero_init),
-        projector=heads.MLP((8,), 4, final_bn=True))
+      encoder=resnet.ResNet(
+        ("basic", (1,)), width=0.0625, stem="cifar", zero_init_residual=zero_init
+      ),
+      projector=heads.MLP((8,), 4, final_bn=True),
+    )
     params = model.init(key, jnp.zeros((1, 8, 8, 3)), train=False)["params"]  # Eager: cheaper.
     block = params["encoder"]["BasicBlock_0"]
     np.testing.assert_array_equal(block["BatchNorm_1"]["scale"], 0.0 if zero_init else 1.0)
     np.testing.assert_array_equal(block["BatchNorm_0"]["scale"], 1.0)
   for which in ("all", "kernels"):
-    flat = {jax.tree_util.keystr(p): v for p, v in
-            jax.tree_util.tree_leaves_with_path(optim.decay_mask(params, which))}
-    assert all(decayed == (which == "all" or key.endswith("['kernel']"))
-               for key, decayed in flat.items())
+    flat = {
+      jax.tree_util.keystr(p): v
+      for p, v in jax.tree_util.tree_leaves_with_path(optim.decay_mask(params, which))
+    }
+    assert all(
+      decayed == (which == "all" or key.endswith("['kernel']")) for key, decayed in flat.items()
+    )
     assert any(key.endswith("['bias']") for key in flat)
 
 
@@ -375,11 +421,15 @@ def test_lars_variants_follow_their_references_update_rules():
   simclr = lambda w, g: eta * np.linalg.norm(w) / np.linalg.norm(g + wd * w)
   lars = recipes.optimizer("lars", 1.0, wd, trust_coefficient=eta)
   # SimCLR's LARSOptimizer: next_v = m v + lr * trust * (g + wd w); w -= next_v.
-  np.testing.assert_allclose(_two_steps(dict(lars, lr_before_momentum=True), w0, grads, lrs)[0],
-                             reference(w0, simclr, True), rtol=1e-5)
+  np.testing.assert_allclose(
+    _two_steps(dict(lars, lr_before_momentum=True), w0, grads, lrs)[0],
+    reference(w0, simclr, True),
+    rtol=1e-5,
+  )
   # BYOL's optimizers.lars: mu = m mu + trust * (g + wd w); w -= lr * mu.
-  np.testing.assert_allclose(_two_steps(lars, w0, grads, lrs)[0],
-                             reference(w0, simclr, False), rtol=1e-5)
+  np.testing.assert_allclose(
+    _two_steps(lars, w0, grads, lrs)[0], reference(w0, simclr, False), rtol=1e-5
+  )
   # solo-learn's LARS with clip_lars_lr: ratio eta |w| / (|g| + wd |w| + 1e-8), then
   # min(ratio / lr, 1); torch's momentum; biases excluded (plain SGD on them).
   larc = recipes.optimizer("larc", 1.0, wd, trust_coefficient=eta)
@@ -407,41 +457,79 @@ def test_lars_variants_follow_their_references_update_rules():
 # (config file, old variant name) -> fields that variant gives, from its docstring and the
 # reference it names: the old names keep computing what they did.
 OLD_VARIANTS = {
-    ("simclr_cifar10", "runlocal"): {
-        "batch_size": 256, "duration": "1500 steps", "model.width": 0.25,
-        "model.stem": "imagenet", "model.dtype": "float32", "projector.hidden_dims": (128,),
-        "crop": dict(sampler="tensorflow", area_min=0.08, resize="tf_bicubic"),
-        "evaluators.knn.every": "500 steps", "optimizer.warmup_epochs": 1.0},
-    ("moco_v2_cifar10", "runlocal"): {
-        "batch_size": 256, "duration": "1500 steps", "moco.bn_group_size": 32,
-        "crop": dict(sampler="torchvision", area_min=0.08, resize="pil_bilinear")},
-    ("byol_cifar10", "runlocal"): {
-        "duration": "1200 steps", "evaluators.knn.every": "400 steps",
-        "model.conv_init": "variance_scaling", "model.width": 0.25, "optimizer.name": "lars",
-        "optimizer.weight_decay": 1.5e-6, "projector.hidden_dims": (512,),
-        "crop": dict(sampler="byol", area_min=0.08, resize="tf_bicubic")},
-    ("mocov3_cifar10", "runlocal_vit"): {
-        "model.name": "vit_tiny", "model.width": 0.5, "model.depth": 4, "model.patch_size": 8,
-        "model.dtype": "float32", "optimizer.name": "adamw", "optimizer.base_lr": 1e-3,
-        "optimizer.warmup_epochs": 0.5, "duration": "800 steps",
-        "evaluators.online_probe.every": "400 steps", "predictor.final_bn": True,
-        "predictor.hidden_dims": (512,), "projector.out_dim": 128,
-        "crop": dict(sampler="torchvision", area_min=0.08, resize="pil_bicubic")},
-    ("mocov3_imagenet", "resnet50"): {
-        "model.name": "resnet50", "duration": "100 epochs", "optimizer.base_lr": 0.6,
-        "optimizer.weight_decay": 1e-6, "moco.momentum": 0.99, "temperature": 1.0,
-        "crop": dict(sampler="torchvision", area_min=0.2, resize="pil_bilinear")},
-    ("mocov3_imagenet", "resnet50_1000ep"): {
-        "duration": "1000 epochs", "optimizer.base_lr": 0.3, "optimizer.weight_decay": 1.5e-6,
-        "moco.momentum": 0.996},
-    ("mocov3_imagenet", "vit_small"): {
-        "model.name": "vit_small", "model.dtype": "bfloat16", "duration": "300 epochs",
-        "optimizer.base_lr": 1.5e-4, "optimizer.warmup_epochs": 40.0},
-    ("byol_imagenet", "300ep"): {
-        "duration": "300 epochs", "optimizer.base_lr": 0.3, "optimizer.weight_decay": 1e-6,
-        "byol.tau_base": 0.99},
-    ("simclr_imagenet", "1000ep"): {"duration": "1000 epochs", "optimizer.base_lr": 0.3},
-    ("moco_v2_imagenet", "800ep"): {"duration": "800 epochs"},
+  ("simclr_cifar10", "runlocal"): {
+    "batch_size": 256,
+    "duration": "1500 steps",
+    "model.width": 0.25,
+    "model.stem": "imagenet",
+    "model.dtype": "float32",
+    "projector.hidden_dims": (128,),
+    "crop": dict(sampler="tensorflow", area_min=0.08, resize="tf_bicubic"),
+    "evaluators.knn.every": "500 steps",
+    "optimizer.warmup_epochs": 1.0,
+  },
+  ("moco_v2_cifar10", "runlocal"): {
+    "batch_size": 256,
+    "duration": "1500 steps",
+    "moco.bn_group_size": 32,
+    "crop": dict(sampler="torchvision", area_min=0.08, resize="pil_bilinear"),
+  },
+  ("byol_cifar10", "runlocal"): {
+    "duration": "1200 steps",
+    "evaluators.knn.every": "400 steps",
+    "model.conv_init": "variance_scaling",
+    "model.width": 0.25,
+    "optimizer.name": "lars",
+    "optimizer.weight_decay": 1.5e-6,
+    "projector.hidden_dims": (512,),
+    "crop": dict(sampler="byol", area_min=0.08, resize="tf_bicubic"),
+  },
+  ("mocov3_cifar10", "runlocal_vit"): {
+    "model.name": "vit_tiny",
+    "model.width": 0.5,
+    "model.depth": 4,
+    "model.patch_size": 8,
+    "model.dtype": "float32",
+    "optimizer.name": "adamw",
+    "optimizer.base_lr": 1e-3,
+    "optimizer.warmup_epochs": 0.5,
+    "duration": "800 steps",
+    "evaluators.online_probe.every": "400 steps",
+    "predictor.final_bn": True,
+    "predictor.hidden_dims": (512,),
+    "projector.out_dim": 128,
+    "crop": dict(sampler="torchvision", area_min=0.08, resize="pil_bicubic"),
+  },
+  ("mocov3_imagenet", "resnet50"): {
+    "model.name": "resnet50",
+    "duration": "100 epochs",
+    "optimizer.base_lr": 0.6,
+    "optimizer.weight_decay": 1e-6,
+    "moco.momentum": 0.99,
+    "temperature": 1.0,
+    "crop": dict(sampler="torchvision", area_min=0.2, resize="pil_bilinear"),
+  },
+  ("mocov3_imagenet", "resnet50_1000ep"): {
+    "duration": "1000 epochs",
+    "optimizer.base_lr": 0.3,
+    "optimizer.weight_decay": 1.5e-6,
+    "moco.momentum": 0.996,
+  },
+  ("mocov3_imagenet", "vit_small"): {
+    "model.name": "vit_small",
+    "model.dtype": "bfloat16",
+    "duration": "300 epochs",
+    "optimizer.base_lr": 1.5e-4,
+    "optimizer.warmup_epochs": 40.0,
+  },
+  ("byol_imagenet", "300ep"): {
+    "duration": "300 epochs",
+    "optimizer.base_lr": 0.3,
+    "optimizer.weight_decay": 1e-6,
+    "byol.tau_base": 0.99,
+  },
+  ("simclr_imagenet", "1000ep"): {"duration": "1000 epochs", "optimizer.base_lr": 0.3},
+  ("moco_v2_imagenet", "800ep"): {"duration": "800 epochs"},
 }
 
 
@@ -455,7 +543,8 @@ def _field(config, dotted):
 def test_old_variant_names_keep_their_recipes(name, variant):
   config = load_config(name, variant)
   assert {k: _field(config, k) for k in OLD_VARIANTS[name, variant]} == (
-      OLD_VARIANTS[name, variant])
+    OLD_VARIANTS[name, variant]
+  )
 
 
 def _crops(tree, path=""):
@@ -469,8 +558,11 @@ def _crops(tree, path=""):
 
 def test_every_config_and_probe_preset_spells_the_crop_alike():
   names = [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))]
-  found = {f"preset {name}.{path}": crop for name, preset in recipes.LINEAR_PROBE_PRESETS.items()
-           for path, crop in _crops(preset)}
+  found = {
+    f"preset {name}.{path}": crop
+    for name, preset in recipes.LINEAR_PROBE_PRESETS.items()
+    for path, crop in _crops(preset)
+  }
   for name in names:
     for arg in ("", "runlocal"):
       try:
@@ -493,8 +585,9 @@ def test_upgrade_config_reads_the_flat_crop_fields_of_older_saved_configs():
   old = json.loads(json.dumps(current.to_dict()))
   del old["format_version"]
   crop = old.pop("crop")
-  old.update(crop_sampler=crop["sampler"], crop_area_min=crop["area_min"],
-             crop_resize=crop["resize"])
+  old.update(
+    crop_sampler=crop["sampler"], crop_area_min=crop["area_min"], crop_resize=crop["resize"]
+  )
   saved = ml_collections.ConfigDict(old)
   upgraded = recipes.upgrade_config(saved)
   assert upgraded.crop.to_dict() == dict(sampler="byol", area_min=0.08, resize="tf_bicubic")
@@ -504,8 +597,11 @@ def test_upgrade_config_reads_the_flat_crop_fields_of_older_saved_configs():
   again = recipes.upgrade_config(upgraded)
   assert again.to_dict() == upgraded.to_dict()
   newer = ml_collections.ConfigDict(dict(upgraded.to_dict(), format_version=2))
-  with pytest.raises(ConfigError, match=r"^config.format_version=2: must be at most 1: the "
-                                        r"config was written by a newer version"):
+  with pytest.raises(
+    ConfigError,
+    match=r"^config.format_version=2: must be at most 1: the "
+    r"config was written by a newer version",
+  ):
     recipes.upgrade_config(newer)
 
 

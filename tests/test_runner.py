@@ -1,36 +1,40 @@
 """The job runner end to end on the real CIFAR-10: resume bit for bit, intervals in
 epochs, the non-finite stop, bad configs and workdirs."""
+
 import json
 import os
 import shutil
 import subprocess
 import sys
 
+from helpers import CONFIG_DIR
+from helpers import TFDS_DIR
+from helpers import checkpoints_are_finite
+from helpers import sigterm_after_first_train_batch
+from helpers import tiny_config
 import jax
 import ml_collections
 import numpy as np
-import pytest
 from PIL import Image
-from helpers import CONFIG_DIR, TFDS_DIR, checkpoints_are_finite, tiny_config
-from helpers import sigterm_after_first_train_batch
+import pytest
 
+from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core import metrics as metrics_lib
+from contrastive_jax.core import pictures
 from contrastive_jax.core.errors import ABSENT
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import NonFiniteError
 from contrastive_jax.core.errors import ResumeError
-from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.core import metrics as metrics_lib
-from contrastive_jax.core import pictures
 from contrastive_jax.data import augment
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import pretrain
+from contrastive_jax.methods import common
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
-from contrastive_jax import recipes
-from contrastive_jax.methods import common
 
 
 def read_metrics(workdir):
@@ -57,8 +61,15 @@ def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, method):
 
   records = read_metrics(tmp_path / "resumed")
   assert [r["step"] for r in records] == [0, 1, 2, 3, 4]
-  for key in ("loss", "learning_rate", "grad_norm", "update_norm", "param_norm",
-              "projection_std", "online_probe_loss"):
+  for key in (
+    "loss",
+    "learning_rate",
+    "grad_norm",
+    "update_norm",
+    "param_norm",
+    "projection_std",
+    "online_probe_loss",
+  ):
     assert all(key in r for r in records[1:])
   # Rates are timed from the end of each run's first step (compilation excluded).
   assert "images_per_sec" not in records[1] and "images_per_sec" not in records[3]
@@ -67,8 +78,9 @@ def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, method):
   assert set(results) == {"knn_top1", "online_probe_top1", "online_probe_top5"}
   assert all(records[-1][k] == v for k, v in results.items())
   straight_records = read_metrics(tmp_path / "straight")
-  np.testing.assert_array_equal([r["loss"] for r in records[1:]],
-                                [r["loss"] for r in straight_records[1:]])
+  np.testing.assert_array_equal(
+    [r["loss"] for r in records[1:]], [r["loss"] for r in straight_records[1:]]
+  )
   if method == "simclr":
     check_views_picture(config, str(tmp_path / "straight" / "augmented_views.png"))
 
@@ -79,10 +91,15 @@ def check_views_picture(config, path):
   n = min(16, batch) rows of the batch, in 4 rows of n / 4 images."""
   picture = np.asarray(Image.open(path))
   mesh = mesh_lib.make_mesh()
-  batch = next(input_pipeline.train_batches(
-      sources.get_source(config, {}), config, mesh_lib.batch_sharded(mesh),
-      image_size=config.image_size)(0))
-  crops = np.asarray(batch["image"])                      # [B, 2, S, S, 3] uint8
+  batch = next(
+    input_pipeline.train_batches(
+      sources.get_source(config, {}),
+      config,
+      mesh_lib.batch_sharded(mesh),
+      image_size=config.image_size,
+    )(0)
+  )
+  crops = np.asarray(batch["image"])  # [B, 2, S, S, 3] uint8
   rng = jax.random.split(jax.random.PRNGKey(config.seed))[1]
   per_device = config.batch_size // jax.device_count()
   cell = max(64, config.image_size)
@@ -92,13 +109,15 @@ def check_views_picture(config, path):
   assert picture.shape == (4 * (cell + caption + pad) + pad, 2 * per_row * (cell + pad) + pad, 3)
   for i in (0, n // 3, n - 1):  # Batch 16: rows of devices 0, 2 and 7; batch 8: 0, 2 and 7.
     for v, view in enumerate(pretrain.views(config)):
-      key = jax.random.split(common.view_key(rng, 0, i // per_device, v), per_device)[i % per_device]
+      key = jax.random.split(common.view_key(rng, 0, i // per_device, v), per_device)[
+        i % per_device
+      ]
       x = np.asarray(augment.augment_image(crops[i, v], key, view))
       expected = Image.fromarray(np.round(np.clip(x, 0, 1) * 255).astype(np.uint8))
       expected = np.asarray(expected.resize((cell, cell), Image.BILINEAR))
       top = pad + (i // per_row) * (cell + caption + pad)
       left = pad + (2 * (i % per_row) + v) * (cell + pad)
-      np.testing.assert_array_equal(picture[top:top + cell, left:left + cell], expected)
+      np.testing.assert_array_equal(picture[top : top + cell, left : left + cell], expected)
 
 
 def test_batch_of_8_pictures_its_8_images_and_trains(tmp_path):
@@ -126,7 +145,9 @@ def test_batch_size_override_keeps_evaluation_intervals_in_epochs(tmp_path):
     runner.run(pretrain, config, str(workdir))
     steps_with_knn[batch_size] = [r["step"] for r in read_metrics(workdir) if "knn_top1" in r]
     assert checkpointing.Checkpointer(str(workdir / "checkpoints")).all_steps() == [
-        64 // batch_size, 128 // batch_size]
+      64 // batch_size,
+      128 // batch_size,
+    ]
   assert steps_with_knn == {16: [0, 4, 8], 32: [0, 2, 4]}
 
 
@@ -147,13 +168,20 @@ def test_diverging_run_stops_with_its_last_healthy_checkpoint_intact(tmp_path):
   assert f"step {latest} in {directory}, is intact" in str(error.value)
   assert latest is not None
   assert sorted(os.listdir(directory)) == sorted(
-      str(s) for s in checkpointing.Checkpointer(directory).all_steps())  # No half-written step.
+    str(s) for s in checkpointing.Checkpointer(directory).all_steps()
+  )  # No half-written step.
   checkpoints_are_finite(directory)
 
 
-@pytest.mark.parametrize("field,value,message", [
+@pytest.mark.parametrize(
+  "field,value,message",
+  [
     ("temperature", 0.0, "config.temperature=0.0: must be > 0"),
-    ("batch_size", 12, "config.batch_size=12: must be a positive multiple of the number of devices (8)"),
+    (
+      "batch_size",
+      12,
+      "config.batch_size=12: must be a positive multiple of the number of devices (8)",
+    ),
     ("model.name", "resnet7", "config.model.name='resnet7'"),
     ("method", "swav", "config.method='swav'"),
     ("data_source", "folder", "config.data_source='folder': must be one of ['tfds']"),
@@ -161,11 +189,20 @@ def test_diverging_run_stops_with_its_last_healthy_checkpoint_intact(tmp_path):
     ("train_split", "nope", "config.train_split='nope'"),
     ("duration", "10", "config.duration='10': must be a duration 'N steps' or 'N epochs'"),
     ("log_every", "0 steps", "config.log_every='0 steps'"),
-    ("evaluators.knn.kind", "svm", "config.evaluators.knn.kind='svm': must be one of ['classifier', 'knn']"),
+    (
+      "evaluators.knn.kind",
+      "svm",
+      "config.evaluators.knn.kind='svm': must be one of ['classifier', 'knn']",
+    ),
     ("evaluators.knn.every", "0 epochs", "config.evaluators.knn.every='0 epochs'"),
     ("evaluators.knn.split", "test[:0]", "config.evaluators.knn.split='test[:0]'"),
-    ("augment.view1.grayscale_prob", 1.5, "config.augment.view1.grayscale_prob=1.5: must be in [0, 1]"),
-])
+    (
+      "augment.view1.grayscale_prob",
+      1.5,
+      "config.augment.view1.grayscale_prob=1.5: must be in [0, 1]",
+    ),
+  ],
+)
 def test_bad_config_fails_before_compute_naming_the_field(tmp_path, field, value, message):
   config = tiny_config()
   *path, last = field.split(".")
@@ -192,11 +229,14 @@ def test_resume_refuses_every_changed_field_but_those_that_may_change(tmp_path, 
   changed.model.new_field = "x"
   with pytest.raises(ResumeError) as error:
     runner.run(pretrain, changed, str(tmp_path))
-  assert error.value.differences == [("model.new_field", ABSENT, "x"),
-                                     ("model.width", 0.0625, 0.125)]
+  assert error.value.differences == [
+    ("model.new_field", ABSENT, "x"),
+    ("model.width", 0.0625, 0.125),
+  ]
   assert str(error.value).startswith(
-      "config.model.new_field='x' (the checkpoint's: '<absent>'); config.model.width=0.125 "
-      "(the checkpoint's: 0.0625): a resumed run must keep its checkpoint's config")
+    "config.model.new_field='x' (the checkpoint's: '<absent>'); config.model.width=0.125 "
+    "(the checkpoint's: 0.0625): a resumed run must keep its checkpoint's config"
+  )
   # Fields that may change on resume: the run goes on from step 1 to the same state. Step 2
   # loses its state item (a checkpoint partly deleted), and metrics.jsonl ends in a record
   # cut short: the run falls back to step 1, deletes step 2 and saves it again, and drops
@@ -209,13 +249,15 @@ def test_resume_refuses_every_changed_field_but_those_that_may_change(tmp_path, 
   changed.keep_checkpoints = 1
   changed.data_threads = 1
   changed.evaluators.knn.k = 3
-  assert all(field in runner.MAY_CHANGE_ON_RESUME
-             for field in ("log_every", "keep_checkpoints", "data_threads", "evaluators"))
+  assert all(
+    field in runner.MAY_CHANGE_ON_RESUME
+    for field in ("log_every", "keep_checkpoints", "data_threads", "evaluators")
+  )
   resumed, results = runner.run(pretrain, changed, str(tmp_path))
   assert int(resumed.step) == 2 and "knn_top1" in results
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(straight))
   assert "Deleting checkpoint step 2 in" in caplog.text
-  assert "dropped line 4, '{\"step\": 3, \"lo'" in caplog.text
+  assert 'dropped line 4, \'{"step": 3, "lo\'' in caplog.text
   assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
   # Step 2 saved again; keep_checkpoints=1 removed step 1.
   assert checkpointing.Checkpointer(str(tmp_path / "checkpoints")).complete_steps() == [2]
@@ -228,12 +270,22 @@ def test_workdir_that_is_a_file_ends_in_one_line(tmp_path):
     runner.run(pretrain, tiny_config(), str(workdir))
   # The entry layer prints expected failures as one line and exits 1.
   out = subprocess.run(
-      [sys.executable, "-m", "contrastive_jax.main",
-       f"--config={CONFIG_DIR}/simclr_cifar10.py:runlocal", f"--workdir={workdir}",
-       f"--config.data_dir={TFDS_DIR}"], capture_output=True, text=True, timeout=300)
+    [
+      sys.executable,
+      "-m",
+      "contrastive_jax.main",
+      f"--config={CONFIG_DIR}/simclr_cifar10.py:runlocal",
+      f"--workdir={workdir}",
+      f"--config.data_dir={TFDS_DIR}",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert out.returncode == 1
   assert out.stderr.strip().splitlines()[-1] == (
-      f"error: --workdir={workdir}: must be a directory (or not exist yet); it is a file")
+    f"error: --workdir={workdir}: must be a directory (or not exist yet); it is a file"
+  )
   assert "Traceback" not in out.stderr
 
 
@@ -246,9 +298,15 @@ def test_resumed_run_drops_metrics_of_steps_it_will_redo(tmp_path, caplog):
   writer.write_scalars(4, {"loss": 2.0})
   writer.close()
   assert [(r["step"], r["loss"]) for r in read_metrics(tmp_path)] == [
-      (0, 1.0), (1, 1.0), (2, 1.0), (3, 1.0), (4, 2.0)]
-  assert "metrics.jsonl: dropped line 7, '{\"step\": 6, \"loss\": 1.': not a whole record" in (
-      caplog.text)
+    (0, 1.0),
+    (1, 1.0),
+    (2, 1.0),
+    (3, 1.0),
+    (4, 2.0),
+  ]
+  assert 'metrics.jsonl: dropped line 7, \'{"step": 6, "loss": 1.\': not a whole record' in (
+    caplog.text
+  )
   metrics_lib.create_writer(str(tmp_path), resumed_step=None).close()  # A fresh start.
   assert read_metrics(tmp_path) == []
 
@@ -267,11 +325,15 @@ def test_restore_falls_back_past_an_incomplete_checkpoint(tmp_path, caplog):
   assert caplog.text.count("Checkpoint step 3 in") == 1  # Once, however often asked.
   assert "is incomplete (its 'state' or 'config' item is missing" in caplog.text
   assert ckpt.saved_config().step == 2
-  abstract = checkpointing.abstract_like({"w": np.zeros(3, np.float32)},
-                                         mesh_lib.replicated(mesh_lib.make_mesh()))
+  abstract = checkpointing.abstract_like(
+    {"w": np.zeros(3, np.float32)}, mesh_lib.replicated(mesh_lib.make_mesh())
+  )
   np.testing.assert_array_equal(ckpt.restore(abstract)["w"], [2, 2, 2])
-  with pytest.raises(ConfigError, match=r"must be one of the saved steps \[1, 2\] \(incomplete, "
-                     r"so skipped: \[3\]\)"):
+  with pytest.raises(
+    ConfigError,
+    match=r"must be one of the saved steps \[1, 2\] \(incomplete, "
+    r"so skipped: \[3\]\)",
+  ):
     ckpt.restore(abstract, step=3)
 
   ckpt = checkpointing.Checkpointer(directory)  # A writer deletes it and may save it again.
@@ -288,24 +350,35 @@ def test_a_checkpoint_of_config_format_0_resumes_and_its_encoder_restores(tmp_pa
   config = tiny_config()
   workdir = str(tmp_path / "run")
   runner.run(pretrain, config, workdir)
-  paths = [os.path.join(d, f) for d, _, fs in os.walk(f"{workdir}/checkpoints") for f in fs
-           if f == "metadata" and os.sep + "config" in d]
+  paths = [
+    os.path.join(d, f)
+    for d, _, fs in os.walk(f"{workdir}/checkpoints")
+    for f in fs
+    if f == "metadata" and os.sep + "config" in d
+  ]
   assert paths
   for path in paths:
     with open(path) as f:
       saved = json.load(f)
     crop = saved.pop("crop")
     del saved["format_version"]
-    saved.update(crop_sampler=crop["sampler"], crop_area_min=crop["area_min"],
-                 crop_resize=crop["resize"])
+    saved.update(
+      crop_sampler=crop["sampler"], crop_area_min=crop["area_min"], crop_resize=crop["resize"]
+    )
     with open(path, "w") as f:
       json.dump(saved, f)
   old = checkpointing.Checkpointer(f"{workdir}/checkpoints", read_only=True).saved_config()
   assert "crop_sampler" in old and "format_version" not in old
   runner.run(pretrain, config, workdir)  # The comparison with the upgraded config passes.
-  probe = ml_collections.ConfigDict(dict(
-      pretrain_workdir=workdir, pretrain_step=-1, random_init=False, model_name=None,
-      pretrain_config=None))
+  probe = ml_collections.ConfigDict(
+    dict(
+      pretrain_workdir=workdir,
+      pretrain_step=-1,
+      random_init=False,
+      model_name=None,
+      pretrain_config=None,
+    )
+  )
   encoder = restore.restore_encoder(probe, mesh_lib.make_mesh())
   assert encoder.pretrained.crop.to_dict() == config.crop.to_dict()
   assert encoder.pretrained.format_version == recipes.FORMAT_VERSION

@@ -1,4 +1,5 @@
 """Embeddings and search by image: the embed and neighbours jobs, the chunked top-k."""
+
 import json
 import os
 import re
@@ -6,27 +7,29 @@ import socket
 import subprocess
 import sys
 
+from helpers import TFDS_DIR
+from helpers import load_config
+from helpers import tiny_config
 import jax
 import numpy as np
+from PIL import Image
 import pytest
 import tensorflow_datasets as tfds
-from helpers import TFDS_DIR, load_config, tiny_config
-from PIL import Image
 
-from contrastive_jax.search import exact
-from contrastive_jax.training import restore
+from contrastive_jax import main
+from contrastive_jax import models
 from contrastive_jax.core import checkpointing
-from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import pictures
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
 from contrastive_jax.jobs import embed
-from contrastive_jax.search import index as index_lib
 from contrastive_jax.jobs import neighbours
-from contrastive_jax import main
 from contrastive_jax.methods import common
-from contrastive_jax import models
+from contrastive_jax.search import exact
+from contrastive_jax.search import index as index_lib
+from contrastive_jax.training import restore
 
 NUM = 20  # test[:20]: two global batches of 16, the second padded.
 
@@ -73,11 +76,16 @@ def pretrained(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("pretrain"))
   config = tiny_config()
   encoder = models.build_encoder(config.model)
-  shapes = jax.eval_shape(lambda: encoder.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3)),
-                                               train=False))
+  shapes = jax.eval_shape(
+    lambda: encoder.init(jax.random.PRNGKey(0), np.zeros((1, 32, 32, 3)), train=False)
+  )
   rng = np.random.default_rng(0)
-  variables = jax.tree.map(lambda s: (0.5 + rng.random(s.shape) * 0.1 if len(s.shape) == 1 else
-                                      rng.normal(size=s.shape) * 0.2).astype(np.float32), shapes)
+  variables = jax.tree.map(
+    lambda s: (
+      0.5 + rng.random(s.shape) * 0.1 if len(s.shape) == 1 else rng.normal(size=s.shape) * 0.2
+    ).astype(np.float32),
+    shapes,
+  )
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"))
   ckpt.save(0, {name: {"encoder": variables[name]} for name in ("params", "batch_stats")}, config)
   ckpt.close()
@@ -112,8 +120,9 @@ def index(pretrained, tmp_path_factory):
 
 
 def _cifar_test():
-  ds = tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split=f"test[:{NUM}]",
-                                                              shuffle_files=False)
+  ds = tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(
+    split=f"test[:{NUM}]", shuffle_files=False
+  )
   examples = list(tfds.as_numpy(ds))
   return np.stack([e["image"] for e in examples]), [int(e["label"]) for e in examples]
 
@@ -123,8 +132,9 @@ def test_embeddings_are_unit_h_of_every_image_in_split_order(pretrained, index):
   assert saved.embeddings.dtype == np.float32 and saved.embeddings.shape[0] == NUM
   np.testing.assert_allclose(np.linalg.norm(saved.embeddings, axis=1), 1.0, atol=1e-6)
   images, labels = _cifar_test()
-  encoder, variables, _, step, _ = restore.restore_encoder(embed_config(pretrained),
-                                                              mesh_lib.make_mesh())
+  encoder, variables, _, step, _ = restore.restore_encoder(
+    embed_config(pretrained), mesh_lib.make_mesh()
+  )
   assert step == 0 and saved.config.pretrain_step == 0
   want = common.l2_normalize(models.encode(encoder, jax.device_get(variables), images))
   np.testing.assert_allclose(saved.embeddings, want, atol=1e-5)
@@ -140,8 +150,9 @@ def test_embeddings_are_unit_h_of_every_image_in_split_order(pretrained, index):
 def test_an_embed_cut_short_before_its_embed_json_is_done_again(pretrained, index, tmp_path):
   (tmp_path / "embeddings.npy").write_bytes(b"cut short")  # No embed.json: not an index.
   embed.run(embed_config(pretrained), str(tmp_path))
-  np.testing.assert_array_equal(index_lib.load_index(str(tmp_path)).embeddings,
-                                index_lib.load_index(index).embeddings)
+  np.testing.assert_array_equal(
+    index_lib.load_index(str(tmp_path)).embeddings, index_lib.load_index(index).embeddings
+  )
 
 
 def test_neighbours_of_rows_names_and_files_find_themselves(index, tmp_path):
@@ -150,8 +161,9 @@ def test_neighbours_of_rows_names_and_files_find_themselves(index, tmp_path):
   Image.fromarray(images[7]).save(query_file)
   name_5 = index_lib.load_index(index).rows[5]["name"]
   workdir = tmp_path / "out"
-  results = neighbours.run(neighbours_config(index, query_rows="3", queries=f"{query_file},{name_5}"),
-                           str(workdir))
+  results = neighbours.run(
+    neighbours_config(index, query_rows="3", queries=f"{query_file},{name_5}"), str(workdir)
+  )
   with open(workdir / neighbours.RESULTS) as f:
     assert json.load(f) == results
   assert [q["row"] for q in results["queries"]] == [3, None, 5]
@@ -167,7 +179,7 @@ def test_neighbours_of_rows_names_and_files_find_themselves(index, tmp_path):
   top = 2 * (32 + caption + pad) + pad
   for column in (0, 1):
     left = pad + column * (32 + pad)
-    np.testing.assert_array_equal(picture[top:top + 32, left:left + 32], images[5])
+    np.testing.assert_array_equal(picture[top : top + 32, left : left + 32], images[5])
   assert any(name.startswith("events.out.tfevents") for name in os.listdir(workdir))
 
 
@@ -179,33 +191,43 @@ def test_a_file_whose_name_has_a_comma_is_a_query_of_the_queries_file(index, tmp
   listed = tmp_path / "queries.txt"
   # Lines as they are (the comma and spaces kept), blank lines skipped, CRLF endings too.
   listed.write_text(f"{comma_file}\r\n\n{names[5]}\n", newline="")
-  results = neighbours.run(neighbours_config(index, queries=names[2], queries_file=str(listed)),
-                           str(tmp_path / "out"))
+  results = neighbours.run(
+    neighbours_config(index, queries=names[2], queries_file=str(listed)), str(tmp_path / "out")
+  )
   assert [q["query"] for q in results["queries"]] == [names[2], str(comma_file), names[5]]
   assert [q["neighbours"][0]["row"] for q in results["queries"]] == [2, 7, 5]
   assert results["queries"][1]["neighbours"][0]["score"] == pytest.approx(1.0, abs=1e-5)
   # The same name in config.queries is split at its comma: one line says where it goes.
-  with pytest.raises(ConfigError, match=(
+  with pytest.raises(
+    ConfigError,
+    match=(
       f"config.queries='{re.escape(str(tmp_path))}/photo 7': must be an image file or the name "
       "of a row .*"
-      r"\(a query whose name has a comma goes in config.queries_file, one per line\)$")):
+      r"\(a query whose name has a comma goes in config.queries_file, one per line\)$"
+    ),
+  ):
     neighbours.run(neighbours_config(index, queries=str(comma_file)), str(tmp_path / "out2"))
   listed.write_text(f"{names[5]}\nmissing.jpg\n")
   for config, match in [
-      (neighbours_config(index, queries_file=str(listed)),
-       f"config.queries_file='{re.escape(str(listed))}': must be a file of queries, one per "
-       "line; line 2 "
-       "\\('missing.jpg'\\) must be an image file or the name of a row"),
-      (neighbours_config(index, queries_file=str(tmp_path / "nowhere.txt")),
-       "config.queries_file=.*nowhere.txt': must be a UTF-8 text file of queries, one per line"),
+    (
+      neighbours_config(index, queries_file=str(listed)),
+      f"config.queries_file='{re.escape(str(listed))}': must be a file of queries, one per "
+      "line; line 2 "
+      "\\('missing.jpg'\\) must be an image file or the name of a row",
+    ),
+    (
+      neighbours_config(index, queries_file=str(tmp_path / "nowhere.txt")),
+      "config.queries_file=.*nowhere.txt': must be a UTF-8 text file of queries, one per line",
+    ),
   ]:
     with pytest.raises(ConfigError, match=match):
       neighbours.run(config, str(tmp_path / "out2"))
   assert not os.path.exists(tmp_path / "out2" / neighbours.RESULTS)
 
 
-def test_folder_of_files_embeds_like_the_dataset_and_lists_what_it_cannot_read(pretrained, index,
-                                                                              tmp_path):
+def test_folder_of_files_embeds_like_the_dataset_and_lists_what_it_cannot_read(
+  pretrained, index, tmp_path
+):
   images, _ = _cifar_test()
   folder = tmp_path / "photos"
   (folder / "sub").mkdir(parents=True)
@@ -219,12 +241,14 @@ def test_folder_of_files_embeds_like_the_dataset_and_lists_what_it_cannot_read(p
   names = [str(folder / rel) for rel in ("a.jpg.png", "b.png", "sub/a.png")]
   assert [r["name"] for r in saved.rows] == names and "label" not in saved.rows[0]
   # Lossless files of the same pixels: the same embeddings as the dataset's.
-  np.testing.assert_allclose(saved.embeddings, index_lib.load_index(index).embeddings[[2, 0, 1]],
-                             atol=1e-5)
+  np.testing.assert_allclose(
+    saved.embeddings, index_lib.load_index(index).embeddings[[2, 0, 1]], atol=1e-5
+  )
   unreadable = (workdir / index_lib.UNREADABLE).read_text().splitlines()
   assert len(unreadable) == 1 and unreadable[0].startswith(f"{folder / 'broken.jpg'}\t")
-  results = neighbours.run(neighbours_config(str(workdir), k=3, queries=names[2]),
-                           str(tmp_path / "out"))
+  results = neighbours.run(
+    neighbours_config(str(workdir), k=3, queries=names[2]), str(tmp_path / "out")
+  )
   assert [n["name"] for n in results["queries"][0]["neighbours"]][0] == names[2]
 
 
@@ -233,26 +257,34 @@ def test_bad_input_is_refused_before_any_compute(pretrained, index, tmp_path):
   broken.write_bytes(b"\xff\xd8\xff\xe0 not really a JPEG")
   out = str(tmp_path / "out")
   cases = [
-      (neighbours_config(index, queries=str(broken)),
-       rf"config.queries='{broken}': must be an image file that can be read: "),
-      (neighbours_config(index, queries="missing.jpg"),
-       "config.queries='missing.jpg': must be an image file or the name of a row"),
-      (neighbours_config(index), "config.queries='': must be at least one query"),
-      (neighbours_config(index, query_rows="3,20"), r"config.query_rows='3,20': must be .*\[0, 20\)"),
-      (neighbours_config(index, query_rows="1", k=21), "config.k=21: must be at most the size"),
-      (neighbours_config(str(tmp_path), query_rows="1"), "config.index_workdir=.*finished embed job"),
+    (
+      neighbours_config(index, queries=str(broken)),
+      rf"config.queries='{broken}': must be an image file that can be read: ",
+    ),
+    (
+      neighbours_config(index, queries="missing.jpg"),
+      "config.queries='missing.jpg': must be an image file or the name of a row",
+    ),
+    (neighbours_config(index), "config.queries='': must be at least one query"),
+    (neighbours_config(index, query_rows="3,20"), r"config.query_rows='3,20': must be .*\[0, 20\)"),
+    (neighbours_config(index, query_rows="1", k=21), "config.k=21: must be at most the size"),
+    (neighbours_config(str(tmp_path), query_rows="1"), "config.index_workdir=.*finished embed job"),
   ]
   for config, match in cases:
     with pytest.raises(ConfigError, match=match):
       neighbours.run(config, out)
   for config, match in [
-      (embed_config(pretrained, folder=str(tmp_path)), "config.folder=.*only when"),
-      (embed_config(pretrained, dataset=None, folder=str(tmp_path / "nowhere")),
-       "config.folder=.*an existing folder"),
-      (embed_config(pretrained, dataset=None, folder=str(tmp_path / "empty")),
-       "config.folder=.*holds no file"),
-      (embed_config(str(tmp_path / "nowhere")), "config.pretrain_workdir=.*checkpoints"),
-      (embed_config(pretrained, split="tset"), "config.split='tset': must be a non-empty split"),
+    (embed_config(pretrained, folder=str(tmp_path)), "config.folder=.*only when"),
+    (
+      embed_config(pretrained, dataset=None, folder=str(tmp_path / "nowhere")),
+      "config.folder=.*an existing folder",
+    ),
+    (
+      embed_config(pretrained, dataset=None, folder=str(tmp_path / "empty")),
+      "config.folder=.*holds no file",
+    ),
+    (embed_config(str(tmp_path / "nowhere")), "config.pretrain_workdir=.*checkpoints"),
+    (embed_config(pretrained, split="tset"), "config.split='tset': must be a non-empty split"),
   ]:
     (tmp_path / "empty").mkdir(exist_ok=True)
     with pytest.raises(ConfigError, match=match):
@@ -263,24 +295,36 @@ def test_bad_input_is_refused_before_any_compute(pretrained, index, tmp_path):
 def test_a_workdir_another_job_holds_is_refused(pretrained, index, tmp_path):
   workdir = str(tmp_path / "busy")
   with files.workdir_lock(workdir):
-    for job, config in [(embed, embed_config(pretrained)),
-                        (neighbours, neighbours_config(index, query_rows="1"))]:
+    for job, config in [
+      (embed, embed_config(pretrained)),
+      (neighbours, neighbours_config(index, query_rows="1")),
+    ]:
       with pytest.raises(JobError, match=f"--workdir={workdir}: another job is running in it"):
         job.run(config, workdir)
   assert os.listdir(workdir) == [files.LOCK]
 
 
-def test_two_hosts_embed_their_parts_and_process_zero_writes_the_whole_split(pretrained, index,
-                                                                             tmp_path):
+def test_two_hosts_embed_their_parts_and_process_zero_writes_the_whole_split(
+  pretrained, index, tmp_path
+):
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   worker = os.path.join(os.path.dirname(__file__), "multihost_worker.py")
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.path.dirname(__file__),
-                                                     os.environ.get("PYTHONPATH", "")]))
-  procs = [subprocess.Popen([sys.executable, worker, str(i), str(port), str(tmp_path), TFDS_DIR,
-                             "embed", pretrained], stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, env=env) for i in range(2)]
+  env = dict(
+    os.environ,
+    PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
+  )
+  procs = [
+    subprocess.Popen(
+      [sys.executable, worker, str(i), str(port), str(tmp_path), TFDS_DIR, "embed", pretrained],
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+      env=env,
+    )
+    for i in range(2)
+  ]
   for i, p in enumerate(procs):  # 10 images each: batches of 4, the last one half padding.
     out = p.communicate(timeout=300)[0]
     assert p.returncode == 0 and f"RESULT process={i} rows={NUM}" in out, out[-3000:]

@@ -1,5 +1,6 @@
 """NT-Xent against a numpy transcription of the reference's loss; sharded loss and
 gradients vs one device."""
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -44,7 +45,8 @@ def test_nt_xent_value_and_gradient_match_numpy(t):
   np.testing.assert_allclose(loss, ref_loss, rtol=1e-5)
   np.testing.assert_allclose(top1, ref_top1)
   g1, g2 = jax.grad(lambda a, b: simclr.nt_xent(a, b, t)[0], argnums=(0, 1))(
-      jnp.asarray(u1, jnp.float32), jnp.asarray(u2, jnp.float32))
+    jnp.asarray(u1, jnp.float32), jnp.asarray(u2, jnp.float32)
+  )
   np.testing.assert_allclose(g1, numeric_grad(lambda a: nt_xent_numpy(a, u2, t)[0], u1), atol=1e-5)
   np.testing.assert_allclose(g2, numeric_grad(lambda b: nt_xent_numpy(u1, b, t)[0], u2), atol=1e-5)
 
@@ -70,11 +72,19 @@ def test_sharded_nt_xent_and_gradients_equal_single_device():
     return simclr.nt_xent(jnp.tanh(x1 @ w), jnp.tanh(x2 @ w), 0.2, axis_name)[0]
 
   single, single_grad = jax.value_and_grad(loss_of)(w, x1, x2, None)
-  sharded_fn = jax.jit(jax.shard_map(
-      jax.value_and_grad(lambda w, a, b: loss_of(w, a, b, mesh_lib.DATA_AXIS)), mesh=mesh,
-      in_specs=(jax.P(), jax.P(mesh_lib.DATA_AXIS), jax.P(mesh_lib.DATA_AXIS)), out_specs=jax.P()))
+  sharded_fn = jax.jit(
+    jax.shard_map(
+      jax.value_and_grad(lambda w, a, b: loss_of(w, a, b, mesh_lib.DATA_AXIS)),
+      mesh=mesh,
+      in_specs=(jax.P(), jax.P(mesh_lib.DATA_AXIS), jax.P(mesh_lib.DATA_AXIS)),
+      out_specs=jax.P(),
+    )
+  )
   put = lambda a, s: jax.device_put(a, s)
-  sharded, sharded_grad = sharded_fn(put(w, mesh_lib.replicated(mesh)), put(x1, mesh_lib.batch_sharded(mesh)),
-                                     put(x2, mesh_lib.batch_sharded(mesh)))
+  sharded, sharded_grad = sharded_fn(
+    put(w, mesh_lib.replicated(mesh)),
+    put(x1, mesh_lib.batch_sharded(mesh)),
+    put(x2, mesh_lib.batch_sharded(mesh)),
+  )
   np.testing.assert_allclose(sharded, single, rtol=1e-6)
   np.testing.assert_allclose(sharded_grad, single_grad, rtol=1e-5, atol=1e-7)

@@ -9,15 +9,16 @@ while saving keeps its previous checkpoint; a step that lost an item later
 back to the newest complete one. Every process calls save and restore
 together (multi-host).
 """
+
 import json
 import signal
 from typing import Optional, Sequence
 
+from absl import logging
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
 import tensorflow as tf
-from absl import logging
 
 from contrastive_jax.core.errors import ABSENT
 from contrastive_jax.core.errors import ConfigError
@@ -38,8 +39,9 @@ def _leaves(tree: dict, prefix: str = "") -> dict:
   return out
 
 
-def config_differences(saved: dict, config: ml_collections.ConfigDict,
-                       may_change: Sequence[str]) -> list:
+def config_differences(
+  saved: dict, config: ml_collections.ConfigDict, may_change: Sequence[str]
+) -> list:
   """[(dotted field, saved value, config's value)] of every leaf where they differ, sorted.
 
   saved: a config as a checkpoint holds it (JSON: tuples read back as lists);
@@ -54,9 +56,11 @@ def config_differences(saved: dict, config: ml_collections.ConfigDict,
   current = {k: v for k, v in current.items() if v is not None or k in saved}
   saved = {k: v for k, v in saved.items() if v is not None or k in current}
   free = lambda field: any(field == p or field.startswith(p + ".") for p in may_change)
-  return [(field, saved.get(field, ABSENT), current.get(field, ABSENT))
-          for field in sorted(set(saved) | set(current))
-          if not free(field) and saved.get(field, ABSENT) != current.get(field, ABSENT)]
+  return [
+    (field, saved.get(field, ABSENT), current.get(field, ABSENT))
+    for field in sorted(set(saved) | set(current))
+    if not free(field) and saved.get(field, ABSENT) != current.get(field, ABSENT)
+  ]
 
 
 class Checkpointer:
@@ -76,11 +80,16 @@ class Checkpointer:
     # from being another running job's.
     # A reader's options are those Orbax would set for read_only itself (it warns otherwise).
     self._manager = ocp.CheckpointManager(
-        directory, item_names=("state", "config"),
-        options=ocp.CheckpointManagerOptions(max_to_keep=None if read_only else keep,
-                                             save_interval_steps=0 if read_only else 1,
-                                             create=not read_only, read_only=read_only,
-                                             cleanup_tmp_directories=not read_only))
+      directory,
+      item_names=("state", "config"),
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=None if read_only else keep,
+        save_interval_steps=0 if read_only else 1,
+        create=not read_only,
+        read_only=read_only,
+        cleanup_tmp_directories=not read_only,
+      ),
+    )
     # Orbax starts that removal in a background thread and waits for it only at the first
     # save, never at close: a job that fails before it saves would leave the thread running
     # into the interpreter's shutdown, where it prints an error line of its own after the
@@ -116,12 +125,15 @@ class Checkpointer:
     if items is None or not {"state", "config"} <= set(items):
       found = "no Orbax metadata" if items is None else f"the items {items}"
       raise ForeignCheckpointError(
-          f"{self.directory}/{step} is not a checkpoint of contrastive_jax (it has {found}, "
-          "not the items 'state' and 'config'); nothing in it was read or changed")
+        f"{self.directory}/{step} is not a checkpoint of contrastive_jax (it has {found}, "
+        "not the items 'state' and 'config'); nothing in it was read or changed"
+      )
 
   def _is_complete(self, step: int) -> bool:
-    return all(tf.io.gfile.exists(f"{self.directory}/{step}/{item}/{marker}")
-               for item, marker in _ITEM_MARKERS)
+    return all(
+      tf.io.gfile.exists(f"{self.directory}/{step}/{item}/{marker}")
+      for item, marker in _ITEM_MARKERS
+    )
 
   def complete_steps(self, steps: Optional[Sequence[int]] = None):
     """The saved steps (or those of `steps`) whose items are both whole, oldest first.
@@ -130,8 +142,9 @@ class Checkpointer:
     step can still lose an item afterwards (a partly deleted or corrupted
     folder); such a step is listed by all_steps and skipped here.
     """
-    return [step for step in (self.all_steps() if steps is None else steps)
-            if self._is_complete(step)]
+    return [
+      step for step in (self.all_steps() if steps is None else steps) if self._is_complete(step)
+    ]
 
   def latest_step(self) -> Optional[int]:
     """The newest complete step (None if there is none).
@@ -145,9 +158,13 @@ class Checkpointer:
     for step in steps:
       if step not in complete and (latest is None or step > latest) and step not in self._warned:
         self._warned.add(step)
-        logging.warning("Checkpoint step %d in %s is incomplete (its 'state' or 'config' item "
-                        "is missing or unfinished): skipped; the newest complete one is %s.",
-                        step, self.directory, latest)
+        logging.warning(
+          "Checkpoint step %d in %s is incomplete (its 'state' or 'config' item "
+          "is missing or unfinished): skipped; the newest complete one is %s.",
+          step,
+          self.directory,
+          latest,
+        )
     return latest
 
   def discard_incomplete(self):
@@ -159,9 +176,12 @@ class Checkpointer:
     complete = self.complete_steps(steps)
     for step in steps:
       if step not in complete:
-        logging.warning("Deleting checkpoint step %d in %s: it is incomplete (its 'state' or "
-                        "'config' item is missing or unfinished), so it cannot be restored.",
-                        step, self.directory)
+        logging.warning(
+          "Deleting checkpoint step %d in %s: it is incomplete (its 'state' or "
+          "'config' item is missing or unfinished), so it cannot be restored.",
+          step,
+          self.directory,
+        )
         self._warned.add(step)
         self._manager.delete(step)
 
@@ -185,7 +205,8 @@ class Checkpointer:
     """
     step = self.resolve_step(step)
     restored = self._manager.restore(
-        step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state)))
+      step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state))
+    )
     return restored.state
 
   def restore_partial(self, abstract_tree, step: Optional[int] = None):
@@ -199,16 +220,27 @@ class Checkpointer:
       ConfigError: no checkpoint, or none at `step`.
     """
     step = self.resolve_step(step)
-    restored = self._manager.restore(step, args=ocp.args.Composite(state=ocp.args.PyTreeRestore(
-        item=abstract_tree, restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_tree),
-        partial_restore=True)))
+    restored = self._manager.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.PyTreeRestore(
+          item=abstract_tree,
+          restore_args=ocp.checkpoint_utils.construct_restore_args(abstract_tree),
+          partial_restore=True,
+        )
+      ),
+    )
     return restored.state
 
   def save(self, step: int, state, config):
     """Starts an asynchronous save of `state` and `config` at `step`."""
-    self._manager.save(step, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict())),
-        force=True)
+    self._manager.save(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardSave(state), config=ocp.args.JsonSave(config.to_dict())
+      ),
+      force=True,
+    )
 
   def wait(self):
     """Blocks until pending saves are complete on disk."""
@@ -237,8 +269,9 @@ class Checkpointer:
     incomplete = [s for s in steps if s not in complete]
     skipped = f" (incomplete, so skipped: {incomplete})" if incomplete else ""
     if latest is None:
-      raise ConfigError(field, step, f"a saved step, but {self.directory} holds no complete "
-                        f"checkpoint{skipped}")
+      raise ConfigError(
+        field, step, f"a saved step, but {self.directory} holds no complete checkpoint{skipped}"
+      )
     if step is None:
       return latest
     if step not in complete:
@@ -288,8 +321,10 @@ class Preemption:
   def _handle(self, signum, frame):
     if signum == signal.SIGINT:
       signal.signal(signal.SIGINT, signal.default_int_handler)
-      logging.warning("Ctrl-C: saving a checkpoint after this step, then stopping. Ctrl-C "
-                      "again stops at once, keeping the newest complete checkpoint.")
+      logging.warning(
+        "Ctrl-C: saving a checkpoint after this step, then stopping. Ctrl-C "
+        "again stops at once, keeping the newest complete checkpoint."
+      )
       self.interrupted = True
     else:
       logging.warning("SIGTERM: saving a checkpoint after this step, then stopping.")

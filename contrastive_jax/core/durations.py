@@ -3,6 +3,7 @@
 A duration stays in the unit it was written in until the job knows its
 dataset size and global batch; to_steps resolves it then.
 """
+
 import re
 
 from contrastive_jax.core.errors import ConfigError
@@ -16,8 +17,9 @@ def _parse_duration(value, field: str):
   number = float(match.group(1)) if match else 0.0
   unit = "steps" if match and match.group(2).startswith("step") else "epochs"
   if not match or number <= 0 or (unit == "steps" and number != int(number)):
-    raise ConfigError(field, value,
-                      "a duration 'N steps' or 'N epochs' with N > 0 (steps a whole number)")
+    raise ConfigError(
+      field, value, "a duration 'N steps' or 'N epochs' with N > 0 (steps a whole number)"
+    )
   return number, unit
 
 
@@ -40,6 +42,9 @@ def to_steps(value, field: str, steps_per_epoch: int) -> int:
   number, unit = _parse_duration(value, field)
   steps = int(number) if unit == "steps" else int(round(number * steps_per_epoch))
   if steps <= 0:
-    raise ConfigError(field, value, f"a duration of at least one step; at {steps_per_epoch} "
-                      "steps per epoch it rounds to 0 steps")
+    raise ConfigError(
+      field,
+      value,
+      f"a duration of at least one step; at {steps_per_epoch} steps per epoch it rounds to 0 steps",
+    )
   return steps

@@ -1,7 +1,7 @@
 """Expected failures: each ends a job with one line and a non-zero exit (main.py)."""
+
 import difflib
 from typing import Iterable, Optional
-
 
 ABSENT = "<absent>"  # How ResumeError shows a field one config has and the other lacks.
 
@@ -34,12 +34,15 @@ class ResumeError(ConfigError):
   def __init__(self, directory: str, differences, may_change):
     self.differences = differences
     self.field, self.value, self.allowed = differences[0][0], differences[0][2], None
-    listed = "; ".join(f"config.{field}={now!r} (the checkpoint's: {saved!r})"
-                       for field, saved, now in differences)
+    listed = "; ".join(
+      f"config.{field}={now!r} (the checkpoint's: {saved!r})" for field, saved, now in differences
+    )
     JobError.__init__(
-        self, f"{listed}: a resumed run must keep its checkpoint's config (in {directory}) "
-        f"except {', '.join(may_change)}. Use a new workdir for a different run, or the "
-        "checkpoint's values to resume it")
+      self,
+      f"{listed}: a resumed run must keep its checkpoint's config (in {directory}) "
+      f"except {', '.join(may_change)}. Use a new workdir for a different run, or the "
+      "checkpoint's values to resume it",
+    )
 
 
 class ForeignCheckpointError(JobError):

@@ -3,6 +3,7 @@
 Every path goes through tf.io.gfile, so a workdir may be a local directory or
 a gs:// URL alike.
 """
+
 import contextlib
 import errno
 import fcntl
@@ -11,12 +12,12 @@ import socket
 from typing import Optional, Union
 
 import jax
+from jax.experimental import multihost_utils
 import numpy as np
 import tensorflow as tf
-from jax.experimental import multihost_utils
 
-from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import gcs
+from contrastive_jax.core.errors import JobError
 
 LOCK = ".lock"  # The file in a workdir that the job working in it holds locked.
 
@@ -95,9 +96,11 @@ def workdir_lock(workdir: str):
       holder = handle.read().strip() or "a process"
       handle.close()
       handle = None
-      refusal = (f"--workdir={workdir}: another job is running in it ({holder} holds "
-                 f"{workdir}/{LOCK}); nothing was changed. Wait for it to end, or use "
-                 "another workdir")
+      refusal = (
+        f"--workdir={workdir}: another job is running in it ({holder} holds "
+        f"{workdir}/{LOCK}); nothing was changed. Wait for it to end, or use "
+        "another workdir"
+      )
     else:
       handle.seek(0)
       handle.truncate()
@@ -106,8 +109,10 @@ def workdir_lock(workdir: str):
   if jax.process_count() > 1:
     refused = bool(multihost_utils.broadcast_one_to_all(np.int32(refusal is not None)))
     if refused and refusal is None:
-      refusal = (f"--workdir={workdir}: process 0 found another job running in it (see its "
-                 "log); nothing was changed")
+      refusal = (
+        f"--workdir={workdir}: process 0 found another job running in it (see its "
+        "log); nothing was changed"
+      )
   if refusal:
     raise JobError(refusal)
   try:
@@ -128,7 +133,8 @@ def is_disk_full(error: BaseException) -> bool:
   while error is not None and id(error) not in seen:
     seen.add(id(error))
     if (isinstance(error, OSError) and error.errno == errno.ENOSPC) or (
-        "No space left on device" in str(error)):
+      "No space left on device" in str(error)
+    ):
       return True
     error = error.__cause__ or error.__context__
   return False

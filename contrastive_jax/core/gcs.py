@@ -16,6 +16,7 @@ google-cloud-storage) and fails within seconds with what to do.
 STORAGE_EMULATOR_HOST (the emulator variable of Google's client libraries) skips
 the check; tests/gcs_emulator.py says how each client is pointed at an emulator.
 """
+
 import os
 
 import google.auth
@@ -41,7 +42,8 @@ def check_credentials(path: str, what: str):
     google.auth.default()
   except google.auth.exceptions.DefaultCredentialsError as e:
     raise JobError(
-        f"{what}={path}: no Google Cloud credentials to read or write gs:// with ({e}). "
-        "Authenticate with `gcloud auth application-default login`, or set "
-        "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file; on a Cloud TPU or GCE "
-        "VM, the VM's service account is used (give it access to the bucket)") from None
+      f"{what}={path}: no Google Cloud credentials to read or write gs:// with ({e}). "
+      "Authenticate with `gcloud auth application-default login`, or set "
+      "GOOGLE_APPLICATION_CREDENTIALS to a service-account key file; on a Cloud TPU or GCE "
+      "VM, the VM's service account is used (give it access to the bucket)"
+    ) from None

@@ -4,6 +4,7 @@ One 1-D mesh over every device of every process, axis DATA_AXIS: data
 parallelism, the batch split along axis 0 and the state held whole on every
 device. Nothing here touches a device until it is called.
 """
+
 import jax
 
 DATA_AXIS = "data"

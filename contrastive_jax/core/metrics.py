@@ -2,18 +2,19 @@
 
 Only process 0 writes files; other processes log to the console only.
 """
+
 import json
 import logging as std_logging
 import sys
 import time
 from typing import Optional
 
-import jax
-import numpy as np
-import tensorflow as tf
 from absl import logging
 from clu import metric_writers
 from clu.metric_writers import interface
+import jax
+import numpy as np
+import tensorflow as tf
 
 from contrastive_jax.core import files
 
@@ -99,12 +100,18 @@ def create_writer(workdir: str, resumed_step: Optional[int]) -> interface.Metric
     kept = []
     if resumed_step is not None:
       with tf.io.gfile.GFile(path) as f:
-        kept = [line for line in _whole_records(path, f.read())
-                if json.loads(line)["step"] <= resumed_step]
+        kept = [
+          line
+          for line in _whole_records(path, f.read())
+          if json.loads(line)["step"] <= resumed_step
+        ]
     files.write_atomic(path, "".join(kept))
-  return metric_writers.MultiWriter([
+  return metric_writers.MultiWriter(
+    [
       metric_writers.create_default_writer(workdir, asynchronous=False),
-      JsonlWriter(path, flush_every_secs=GCS_FLUSH_SECS if workdir.startswith("gs://") else 0.0)])
+      JsonlWriter(path, flush_every_secs=GCS_FLUSH_SECS if workdir.startswith("gs://") else 0.0),
+    ]
+  )
 
 
 def _whole_records(path: str, text: str) -> list:
@@ -119,17 +126,22 @@ def _whole_records(path: str, text: str) -> list:
       if line.endswith("\n"):
         whole.append(line)
         continue
-    logging.warning("%s: dropped line %d, %r: not a whole record (a write cut short when the "
-                    "job stopped).", path, number, line[:80])
+    logging.warning(
+      "%s: dropped line %d, %r: not a whole record (a write cut short when the job stopped).",
+      path,
+      number,
+      line[:80],
+    )
   return whole
 
 
 # Records that only restate a setting of this project's own, (library, message start):
 # JAX found no TPU library on a machine without TPUs (other backends' failures are kept);
 # Orbax warns that a checkpoint directory a downstream job only reads is opened read-only.
-_SETTINGS_RESTATED = (("jax", "Unable to initialize backend 'tpu': INTERNAL: Failed to open "
-                       "libtpu.so"),
-                      ("orbax", "Given directory is read only"))
+_SETTINGS_RESTATED = (
+  ("jax", "Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so"),
+  ("orbax", "Given directory is read only"),
+)
 
 
 class _QuietLibraries(std_logging.Filter):
@@ -148,13 +160,15 @@ class _QuietLibraries(std_logging.Filter):
     if record.name == "asyncio" and "orbax" in record.getMessage():
       return False
     if record.levelno < std_logging.ERROR and any(
-        f"/{lib}/" in record.pathname and record.getMessage().startswith(start)
-        for lib, start in _SETTINGS_RESTATED):
+      f"/{lib}/" in record.pathname and record.getMessage().startswith(start)
+      for lib, start in _SETTINGS_RESTATED
+    ):
       return False
     if record.exc_info and "orbax" in record.pathname:
       record.exc_info = record.exc_text = None
     return record.levelno >= std_logging.WARNING or not any(
-        lib in record.pathname for lib in ("orbax", "tensorflow_datasets"))
+      lib in record.pathname for lib in ("orbax", "tensorflow_datasets")
+    )
 
 
 def _drop_closed_loop_callbacks(unraisable, previous=sys.unraisablehook):
@@ -165,8 +179,10 @@ def _drop_closed_loop_callbacks(unraisable, previous=sys.unraisablehook):
   traceback each, printed from TensorStore's threads (the save's error itself
   is reported by the main thread). Everything else goes to `previous`.
   """
-  if not (isinstance(unraisable.exc_value, RuntimeError)
-          and str(unraisable.exc_value) == "Event loop is closed"):
+  if not (
+    isinstance(unraisable.exc_value, RuntimeError)
+    and str(unraisable.exc_value) == "Event loop is closed"
+  ):
     previous(unraisable)
 
 

@@ -4,6 +4,7 @@ One home for every picture a job writes (the augmented views at step 0, the
 neighbours of query images), as a PNG file in the workdir and as a
 TensorBoard image.
 """
+
 import io
 from typing import Optional, Sequence
 
@@ -17,12 +18,16 @@ from contrastive_jax.core import files
 # cell's width holds.
 CHARS_PER_PIXEL = 1 / 6
 
-_PAD = 2             # pixels between cells
+_PAD = 2  # pixels between cells
 _CAPTION_HEIGHT = 12  # pixels under a cell for one line of PIL's default font
 
 
-def grid(rows: Sequence[Sequence[np.ndarray]], captions: Optional[Sequence[Sequence[str]]] = None,
-         *, cell: int) -> np.ndarray:
+def grid(
+  rows: Sequence[Sequence[np.ndarray]],
+  captions: Optional[Sequence[Sequence[str]]] = None,
+  *,
+  cell: int,
+) -> np.ndarray:
   """Lays out rows of images as one picture, each image resized to a square cell.
 
   Args:
@@ -55,8 +60,10 @@ def grid(rows: Sequence[Sequence[np.ndarray]], captions: Optional[Sequence[Seque
     for j, image in enumerate(row):
       image = np.asarray(image)
       if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
-        raise ValueError(f"grid() images must be uint8 [H, W, 3], got {image.dtype} "
-                         f"{image.shape} at row {i}, column {j}")
+        raise ValueError(
+          f"grid() images must be uint8 [H, W, 3], got {image.dtype} "
+          f"{image.shape} at row {i}, column {j}"
+        )
       left = _PAD + j * (cell + _PAD)
       canvas.paste(Image.fromarray(image).resize((cell, cell), Image.BILINEAR), (left, top))
       if captions is not None and captions[i][j]:

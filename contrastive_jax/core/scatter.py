@@ -7,6 +7,7 @@ square plot of `size` pixels in which both axes have the same scale (so
 distances on the picture are comparable in every direction), and a legend
 column on the right.
 """
+
 import colorsys
 import math
 from typing import Sequence
@@ -15,12 +16,12 @@ import numpy as np
 from PIL import Image
 from PIL import ImageDraw
 
-TITLE_HEIGHT = 16    # pixels above the plot for one line of PIL's default font
-LEGEND_WIDTH = 176   # pixels right of the plot for the legend
-MARGIN = 8           # pixels between the plot's border and its outermost point
-_LINE = 12           # pixels per legend line (PIL's default font is about 11 high)
-_CHARS = 26          # characters of a class name that fit in the legend beside its swatch
-_DOT = 2             # radius in pixels of a point of the scatter
+TITLE_HEIGHT = 16  # pixels above the plot for one line of PIL's default font
+LEGEND_WIDTH = 176  # pixels right of the plot for the legend
+MARGIN = 8  # pixels between the plot's border and its outermost point
+_LINE = 12  # pixels per legend line (PIL's default font is about 11 high)
+_CHARS = 26  # characters of a class name that fit in the legend beside its swatch
+_DOT = 2  # radius in pixels of a point of the scatter
 _GOLDEN = (math.sqrt(5) - 1) / 2
 
 
@@ -36,8 +37,9 @@ def palette(n: int) -> np.ndarray:
   are far apart whatever n; brightness alternates to separate neighbours of
   hue among many groups.
   """
-  colours = [colorsys.hsv_to_rgb((i * _GOLDEN) % 1.0, 0.8, 0.9 if i % 2 == 0 else 0.6)
-             for i in range(n)]
+  colours = [
+    colorsys.hsv_to_rgb((i * _GOLDEN) % 1.0, 0.8, 0.9 if i % 2 == 0 else 0.6) for i in range(n)
+  ]
   return np.round(np.asarray(colours, np.float64).reshape(n, 3) * 255).astype(np.uint8)
 
 
@@ -76,13 +78,17 @@ def _canvas(size: int, title: str, names: Sequence[str], colours: np.ndarray):
     draw.rectangle([left, top + 2, left + 8, top + 10], fill=tuple(int(c) for c in colours[i]))
     draw.text((left + 14, top), str(names[i])[:_CHARS], fill="black")
   if shown < len(names):
-    draw.text((left, TITLE_HEIGHT + MARGIN + shown * _LINE), f"... and {len(names) - shown} more",
-              fill="black")
+    draw.text(
+      (left, TITLE_HEIGHT + MARGIN + shown * _LINE),
+      f"... and {len(names) - shown} more",
+      fill="black",
+    )
   return canvas, draw
 
 
-def scatter(xy: np.ndarray, groups: np.ndarray, names: Sequence[str], *, size: int, title: str,
-            seed: int = 0) -> np.ndarray:
+def scatter(
+  xy: np.ndarray, groups: np.ndarray, names: Sequence[str], *, size: int, title: str, seed: int = 0
+) -> np.ndarray:
   """The points as dots coloured by group, with a legend of the groups' names.
 
   Args:
@@ -102,8 +108,10 @@ def scatter(xy: np.ndarray, groups: np.ndarray, names: Sequence[str], *, size: i
   pixels = to_pixels(xy, size) + [0, TITLE_HEIGHT]
   for i in np.random.default_rng(seed).permutation(len(xy)):
     column, row = pixels[i]
-    draw.ellipse([column - _DOT, row - _DOT, column + _DOT, row + _DOT],
-                 fill=tuple(int(c) for c in colours[groups[i]]))
+    draw.ellipse(
+      [column - _DOT, row - _DOT, column + _DOT, row + _DOT],
+      fill=tuple(int(c) for c in colours[groups[i]]),
+    )
   return np.asarray(canvas)
 
 
@@ -128,8 +136,16 @@ def thumbnail_places(xy: np.ndarray, size: int, cell: int) -> dict:
   return {i: (int(key[0] * cell), int(key[1] * cell)) for key, i in places.items()}
 
 
-def thumbnails(xy: np.ndarray, images: dict, groups: np.ndarray, names: Sequence[str], *,
-               size: int, cell: int, title: str) -> np.ndarray:
+def thumbnails(
+  xy: np.ndarray,
+  images: dict,
+  groups: np.ndarray,
+  names: Sequence[str],
+  *,
+  size: int,
+  cell: int,
+  title: str,
+) -> np.ndarray:
   """The map as images: thumbnail_places' images, each framed in its group's colour.
 
   Args:
@@ -145,8 +161,10 @@ def thumbnails(xy: np.ndarray, images: dict, groups: np.ndarray, names: Sequence
   for i, (column, row) in thumbnail_places(xy, size, cell).items():
     top = row + TITLE_HEIGHT
     canvas.paste(Image.fromarray(images[i]), (column, top))
-    draw.rectangle([column, top, column + cell - 1, top + cell - 1],
-                   outline=tuple(int(c) for c in colours[groups[i]]))
+    draw.rectangle(
+      [column, top, column + cell - 1, top + cell - 1],
+      outline=tuple(int(c) for c in colours[groups[i]]),
+    )
   return np.asarray(canvas)
 
 
@@ -167,5 +185,5 @@ def sprite(images: Sequence[np.ndarray]) -> np.ndarray:
   out = np.full((rows * side, columns * side, 3), 255, np.uint8)
   for i, image in enumerate(images):
     row, column = divmod(i, columns)
-    out[row * side:(row + 1) * side, column * side:(column + 1) * side] = image
+    out[row * side : (row + 1) * side, column * side : (column + 1) * side] = image
   return out

@@ -8,6 +8,7 @@ buffer, each tensor C-ordered and little-endian. Parsing it here keeps the
 `safetensors` package (and torch) out of the base install; .pth files need
 torch (the `torch` extra), imported only when one is read or written.
 """
+
 import io
 import json
 import struct
@@ -17,14 +18,22 @@ import ml_dtypes
 import numpy as np
 import tensorflow as tf
 
-from contrastive_jax.core.errors import WeightsError
 from contrastive_jax.core import files
+from contrastive_jax.core.errors import WeightsError
 
 # safetensors dtype name -> numpy dtype (little-endian).
-_DTYPES = {"F64": np.dtype("<f8"), "F32": np.dtype("<f4"), "F16": np.dtype("<f2"),
-           "BF16": np.dtype(ml_dtypes.bfloat16), "I64": np.dtype("<i8"),
-           "I32": np.dtype("<i4"), "I16": np.dtype("<i2"), "I8": np.dtype("i1"),
-           "U8": np.dtype("u1"), "BOOL": np.dtype("?")}
+_DTYPES = {
+  "F64": np.dtype("<f8"),
+  "F32": np.dtype("<f4"),
+  "F16": np.dtype("<f2"),
+  "BF16": np.dtype(ml_dtypes.bfloat16),
+  "I64": np.dtype("<i8"),
+  "I32": np.dtype("<i4"),
+  "I16": np.dtype("<i2"),
+  "I8": np.dtype("i1"),
+  "U8": np.dtype("u1"),
+  "BOOL": np.dtype("?"),
+}
 _NAMES = {dtype: name for name, dtype in _DTYPES.items()}
 SAFETENSORS = ".safetensors"
 TORCH_SUFFIXES = (".pth", ".pth.tar", ".pt", ".bin")
@@ -46,8 +55,10 @@ def kind(path: str) -> str:
     return "safetensors"
   if path.endswith(TORCH_SUFFIXES):
     return "torch"
-  raise WeightsError(path, f"not a weights file: the name must end in {SAFETENSORS} or one of "
-                     f"{', '.join(TORCH_SUFFIXES)}")
+  raise WeightsError(
+    path,
+    f"not a weights file: the name must end in {SAFETENSORS} or one of {', '.join(TORCH_SUFFIXES)}",
+  )
 
 
 def read(path: str) -> Dict[str, np.ndarray]:
@@ -72,18 +83,19 @@ def read(path: str) -> Dict[str, np.ndarray]:
 def _parse_safetensors(path: str, content: bytes) -> Dict[str, np.ndarray]:
   def bad(why):
     return WeightsError(path, f"not a safetensors file ({why})")
+
   if len(content) < 8:
     raise bad("shorter than its 8-byte header length")
   (size,) = struct.unpack("<Q", content[:8])
   if size > min(_MAX_HEADER, len(content) - 8):
     raise bad(f"a header length of {size} bytes in a file of {len(content)}")
   try:
-    header = json.loads(content[8:8 + size])
+    header = json.loads(content[8 : 8 + size])
   except (UnicodeDecodeError, json.JSONDecodeError) as e:
     raise bad(f"its header is not JSON: {e}") from None
   if not isinstance(header, dict):
     raise bad("its header is not a JSON object")
-  buffer = memoryview(content)[8 + size:]
+  buffer = memoryview(content)[8 + size :]
   tensors = {}
   for name, entry in header.items():
     if name == "__metadata__":
@@ -95,9 +107,12 @@ def _parse_safetensors(path: str, content: bytes) -> Dict[str, np.ndarray]:
     except (KeyError, TypeError, ValueError):
       raise bad(f"entry {name!r} is not {{dtype, shape, data_offsets}} of a known dtype") from None
     if not 0 <= begin <= end <= len(buffer) or end - begin != dtype.itemsize * int(
-        np.prod(shape, dtype=np.int64)):
-      raise bad(f"tensor {name!r}: data_offsets {[begin, end]} do not hold shape {list(shape)} "
-                f"of {entry['dtype']} in a buffer of {len(buffer)} bytes")
+      np.prod(shape, dtype=np.int64)
+    ):
+      raise bad(
+        f"tensor {name!r}: data_offsets {[begin, end]} do not hold shape {list(shape)} "
+        f"of {entry['dtype']} in a buffer of {len(buffer)} bytes"
+      )
     tensors[name] = np.frombuffer(buffer[begin:end], dtype).reshape(shape).copy()
   return tensors
 
@@ -106,8 +121,11 @@ def _read_torch(path: str, content: bytes) -> Dict[str, np.ndarray]:
   try:
     import torch  # pylint: disable=import-outside-toplevel
   except ImportError:
-    raise WeightsError(path, "reading a PyTorch file needs torch: pip install "
-                       "'contrastive_jax[torch]', or convert it to .safetensors") from None
+    raise WeightsError(
+      path,
+      "reading a PyTorch file needs torch: pip install "
+      "'contrastive_jax[torch]', or convert it to .safetensors",
+    ) from None
   try:
     loaded = torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
   except Exception as e:  # pylint: disable=broad-except
@@ -119,11 +137,14 @@ def _read_torch(path: str, content: bytes) -> Dict[str, np.ndarray]:
         loaded = loaded[key]
         break
   if not isinstance(loaded, dict):
-    raise WeightsError(path, f"a PyTorch file holding a {type(loaded).__name__}, not a "
-                       "state dict")
-  tensors = {name: value.detach().cpu().float().numpy() if value.is_floating_point()
-             else value.detach().cpu().numpy()
-             for name, value in loaded.items() if isinstance(value, torch.Tensor)}
+    raise WeightsError(path, f"a PyTorch file holding a {type(loaded).__name__}, not a state dict")
+  tensors = {
+    name: value.detach().cpu().float().numpy()
+    if value.is_floating_point()
+    else value.detach().cpu().numpy()
+    for name, value in loaded.items()
+    if isinstance(value, torch.Tensor)
+  }
   if not tensors:
     raise WeightsError(path, "a PyTorch file with no tensors")
   return tensors
@@ -140,8 +161,11 @@ def safetensors_bytes(tensors: Dict[str, np.ndarray], metadata: Dict[str, str] =
     if dtype not in _NAMES:
       raise ValueError(f"tensor {name!r}: dtype {array.dtype} has no safetensors name")
     data = array.astype(dtype).tobytes(order="C")
-    header[name] = {"dtype": _NAMES[dtype], "shape": list(array.shape),
-                    "data_offsets": [offset, offset + len(data)]}
+    header[name] = {
+      "dtype": _NAMES[dtype],
+      "shape": list(array.shape),
+      "data_offsets": [offset, offset + len(data)],
+    }
     chunks.append(data)
     offset += len(data)
   encoded = json.dumps(header, separators=(",", ":")).encode()
@@ -162,9 +186,11 @@ def write(path: str, tensors: Dict[str, np.ndarray], metadata: Dict[str, str] = 
   try:
     import torch  # pylint: disable=import-outside-toplevel
   except ImportError:
-    raise WeightsError(path, "writing a PyTorch file needs torch: pip install "
-                       "'contrastive_jax[torch]', or write .safetensors") from None
+    raise WeightsError(
+      path,
+      "writing a PyTorch file needs torch: pip install "
+      "'contrastive_jax[torch]', or write .safetensors",
+    ) from None
   buffer = io.BytesIO()
-  torch.save({name: torch.from_numpy(np.array(value)) for name, value in tensors.items()},
-             buffer)
+  torch.save({name: torch.from_numpy(np.array(value)) for name, value in tensors.items()}, buffer)
   files.write_atomic(path, buffer.getvalue())

@@ -23,6 +23,7 @@ settings say whose ops to use:
 Images are float32 [H, W, 3] with values in [0, 1]; every op clips back to
 [0, 1].
 """
+
 import dataclasses
 
 import jax
@@ -51,6 +52,7 @@ class ViewAugment:
   [0, 1]. color_ops, brightness_op, grayscale_first and blur_padding choose the
   reference's version of the ops (module docstring).
   """
+
   brightness: float = 0.0
   contrast: float = 0.0
   saturation: float = 0.0
@@ -79,8 +81,11 @@ class ViewAugment:
     for key in cfg:
       if key not in types:
         raise ConfigError(f"{field}.{key}", cfg[key], f"one of the known keys {sorted(types)}")
-    choices = {"color_ops": COLOR_OPS, "brightness_op": BRIGHTNESS_OPS,
-               "blur_padding": BLUR_PADDINGS}
+    choices = {
+      "color_ops": COLOR_OPS,
+      "brightness_op": BRIGHTNESS_OPS,
+      "blur_padding": BLUR_PADDINGS,
+    }
     for name, allowed in choices.items():
       if name in cfg and cfg[name] not in allowed:
         raise ConfigError(f"{field}.{name}", cfg[name], f"one of {list(allowed)}")
@@ -96,8 +101,11 @@ class ViewAugment:
     if not 0.0 <= view.hue <= 0.5:
       raise ConfigError(f"{field}.hue", view.hue, "in [0, 0.5]")
     if not 0 < view.blur_sigma_min <= view.blur_sigma_max:
-      raise ConfigError(f"{field}.blur_sigma_min", view.blur_sigma_min,
-                        f"in (0, blur_sigma_max={view.blur_sigma_max}]")
+      raise ConfigError(
+        f"{field}.blur_sigma_min",
+        view.blur_sigma_min,
+        f"in (0, blur_sigma_max={view.blur_sigma_max}]",
+      )
     return view
 
 
@@ -112,8 +120,9 @@ def rgb_to_hsv(x):
   maxc, minc = jnp.max(x, -1), jnp.min(x, -1)
   delta = maxc - minc
   safe = jnp.where(delta > 0, delta, 1.0)
-  h = jnp.where(maxc == r, (g - b) / safe,
-                jnp.where(maxc == g, 2.0 + (b - r) / safe, 4.0 + (r - g) / safe))
+  h = jnp.where(
+    maxc == r, (g - b) / safe, jnp.where(maxc == g, 2.0 + (b - r) / safe, 4.0 + (r - g) / safe)
+  )
   h = jnp.where(delta > 0, (h / 6.0) % 1.0, 0.0)
   s = jnp.where(maxc > 0, delta / jnp.where(maxc > 0, maxc, 1.0), 0.0)
   return jnp.stack([h, s, maxc], -1)
@@ -122,10 +131,12 @@ def rgb_to_hsv(x):
 def hsv_to_rgb(x):
   """Inverse of rgb_to_hsv."""
   h, s, v = x[..., 0], x[..., 1], x[..., 2]
+
   # Standard piecewise-linear form: channel n uses k = (n + 6h) mod 6.
   def channel(n):
     k = (n + h * 6.0) % 6.0
     return v - v * s * jnp.clip(jnp.minimum(k, 4.0 - k), 0.0, 1.0)
+
   return jnp.stack([channel(5.0), channel(3.0), channel(1.0)], -1)
 
 
@@ -163,8 +174,7 @@ def adjust_saturation(x, factor, color_ops: str):
   if color_ops == "tensorflow":
     v, low = jnp.max(x, -1, keepdims=True), jnp.min(x, -1, keepdims=True)
     chroma = v - low
-    ratio = jnp.where(chroma > 0, jnp.minimum(factor, v / jnp.where(chroma > 0, chroma, 1.0)),
-                      0.0)
+    ratio = jnp.where(chroma > 0, jnp.minimum(factor, v / jnp.where(chroma > 0, chroma, 1.0)), 0.0)
     return v - ratio * (v - x)
   gray = to_grayscale(x)
   return gray + (x - gray) * factor
@@ -195,12 +205,16 @@ def color_jitter(x, key, view: ViewAugment):
   else:
     brightness = _factor(b_key, view.brightness)
   ops = [
-      (view.brightness, lambda y: adjust_brightness(y, brightness, view.brightness_op)),
-      (view.contrast, lambda y: adjust_contrast(y, _factor(c_key, view.contrast), view.color_ops)),
-      (view.saturation,
-       lambda y: adjust_saturation(y, _factor(s_key, view.saturation), view.color_ops)),
-      (view.hue, lambda y: adjust_hue(y, jax.random.uniform(h_key, (), minval=-view.hue,
-                                                            maxval=view.hue))),
+    (view.brightness, lambda y: adjust_brightness(y, brightness, view.brightness_op)),
+    (view.contrast, lambda y: adjust_contrast(y, _factor(c_key, view.contrast), view.color_ops)),
+    (
+      view.saturation,
+      lambda y: adjust_saturation(y, _factor(s_key, view.saturation), view.color_ops),
+    ),
+    (
+      view.hue,
+      lambda y: adjust_hue(y, jax.random.uniform(h_key, (), minval=-view.hue, maxval=view.hue)),
+    ),
   ]
   clipped = [lambda y, f=f: jnp.clip(f(y), 0.0, 1.0) for strength, f in ops if strength > 0]
   if not clipped:
@@ -222,13 +236,16 @@ def gaussian_blur(x, sigma, padding: str = "zeros"):
   if radius == 0:
     return x
   offsets = jnp.arange(-radius, radius + 1, dtype=jnp.float32)
-  weights = jnp.exp(-offsets**2 / (2.0 * sigma**2))
+  weights = jnp.exp(-(offsets**2) / (2.0 * sigma**2))
   weights = weights / jnp.sum(weights)
-  padded = jnp.pad(x, ((radius, radius), (radius, radius), (0, 0)),
-                   mode="constant" if padding == "zeros" else "edge")
+  padded = jnp.pad(
+    x,
+    ((radius, radius), (radius, radius), (0, 0)),
+    mode="constant" if padding == "zeros" else "edge",
+  )
   size = 2 * radius + 1
-  rows = sum(weights[i] * padded[i:i + x.shape[0], :, :] for i in range(size))
-  return sum(weights[i] * rows[:, i:i + x.shape[1], :] for i in range(size))
+  rows = sum(weights[i] * padded[i : i + x.shape[0], :, :] for i in range(size))
+  return sum(weights[i] * rows[:, i : i + x.shape[1], :] for i in range(size))
 
 
 def solarize(x, threshold=0.5):
@@ -261,8 +278,9 @@ def augment_image(image, key, view: ViewAugment):
   x = jitter(grayscale(x)) if view.grayscale_first else grayscale(jitter(x))
   if view.blur_prob > 0:
     sigma = jax.random.uniform(keys[3], (), minval=view.blur_sigma_min, maxval=view.blur_sigma_max)
-    x = jnp.where(jax.random.bernoulli(keys[4], view.blur_prob),
-                  gaussian_blur(x, sigma, view.blur_padding), x)
+    x = jnp.where(
+      jax.random.bernoulli(keys[4], view.blur_prob), gaussian_blur(x, sigma, view.blur_padding), x
+    )
   if view.solarize_prob > 0:
     x = jnp.where(jax.random.bernoulli(keys[5], view.solarize_prob), solarize(x), x)
   return x
@@ -272,4 +290,3 @@ def augment_batch(images, key, view: ViewAugment):
   """Augments [B, H, W, 3] images with one key per example -> float32 [B, H, W, 3]."""
   keys = jax.random.split(key, images.shape[0])
   return jax.vmap(lambda im, k: augment_image(im, k, view))(images, keys)
-

@@ -33,6 +33,7 @@ bilinear, solo-learn bicubic). Views stay uint8 (rounded and clipped), which
 keeps host-to-device transfers small; the references keep float32 here, a
 difference of at most half a grey level.
 """
+
 import math
 from typing import NamedTuple
 
@@ -42,8 +43,11 @@ from contrastive_jax.core.errors import ConfigError
 
 SAMPLERS = ("tensorflow", "torchvision", "byol")
 # name -> (tf.image.resize method, antialias).
-RESIZES = {"tf_bicubic": ("bicubic", False), "pil_bilinear": ("bilinear", True),
-           "pil_bicubic": ("bicubic", True)}
+RESIZES = {
+  "tf_bicubic": ("bicubic", False),
+  "pil_bilinear": ("bilinear", True),
+  "pil_bicubic": ("bicubic", True),
+}
 # SimCLR's constants for tf.image.sample_distorted_bounding_box.
 SIMCLR_MIN_OBJECT_COVERED = 0.1
 SIMCLR_MAX_ATTEMPTS = 100
@@ -58,6 +62,7 @@ class CropSpec(NamedTuple):
   area in (0, 1]; resize: one of RESIZES (the evaluation's centre crop uses it too).
   Built with CropSpec(**config.crop) after check_config.
   """
+
   sampler: str
   area_min: float
   resize: str
@@ -80,10 +85,15 @@ def _rounded(x):
 
 def _tensorflow_window(height, width, seed, area_min):
   begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
-      tf.stack([height, width, 3]), bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
-      seed=seed, min_object_covered=SIMCLR_MIN_OBJECT_COVERED, aspect_ratio_range=ASPECT_RANGE,
-      area_range=(area_min, 1.0), max_attempts=SIMCLR_MAX_ATTEMPTS,
-      use_image_if_no_bounding_boxes=True)
+    tf.stack([height, width, 3]),
+    bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
+    seed=seed,
+    min_object_covered=SIMCLR_MIN_OBJECT_COVERED,
+    aspect_ratio_range=ASPECT_RANGE,
+    area_range=(area_min, 1.0),
+    max_attempts=SIMCLR_MAX_ATTEMPTS,
+    use_image_if_no_bounding_boxes=True,
+  )
   return begin[0], begin[1], size[0], size[1]
 
 
@@ -113,10 +123,8 @@ def _torchvision_window(height, width, seed, area_min):
   first = tf.argmax(tf.cast(fits, tf.int32))
   # The fallback: a centre crop of the whole image, clamped to the aspect range.
   in_ratio = w_f / h_f
-  fallback_h = tf.where(in_ratio < ASPECT_RANGE[0], _rounded(w_f / ASPECT_RANGE[0]),
-                        height)
-  fallback_w = tf.where(in_ratio > ASPECT_RANGE[1], _rounded(h_f * ASPECT_RANGE[1]),
-                        width)
+  fallback_h = tf.where(in_ratio < ASPECT_RANGE[0], _rounded(w_f / ASPECT_RANGE[0]), height)
+  fallback_w = tf.where(in_ratio > ASPECT_RANGE[1], _rounded(h_f * ASPECT_RANGE[1]), width)
   found = tf.reduce_any(fits)
   h = tf.where(found, hs[first], fallback_h)
   w = tf.where(found, ws[first], fallback_w)
@@ -138,8 +146,11 @@ def _byol_window(height, width, seed, area_min):
   return top, left, h, w
 
 
-_WINDOWS = {"tensorflow": _tensorflow_window, "torchvision": _torchvision_window,
-            "byol": _byol_window}
+_WINDOWS = {
+  "tensorflow": _tensorflow_window,
+  "torchvision": _torchvision_window,
+  "byol": _byol_window,
+}
 
 
 def crop_window(height, width, seed, sampler: str, area_min: float):
@@ -168,8 +179,9 @@ def resize_and_flip(crop, flip_seed, size: int, resize: str):
   # A cond, not a tf.where over both images: the mirrored copy is made only
   # when it is kept, and of uint8 pixels (a where of float32 views cost a
   # quarter of the host pipeline's time).
-  return tf.cond(tf.random.stateless_uniform([], flip_seed) < 0.5,
-                 lambda: crop, lambda: tf.reverse(crop, [1]))
+  return tf.cond(
+    tf.random.stateless_uniform([], flip_seed) < 0.5, lambda: crop, lambda: tf.reverse(crop, [1])
+  )
 
 
 def random_resized_crop(image, seed, size: int, sampler: str, area_min: float, resize: str):
@@ -181,7 +193,7 @@ def random_resized_crop(image, seed, size: int, sampler: str, area_min: float, r
   crop_seed, flip_seed = _split(seed)
   shape = tf.shape(image)
   top, left, h, w = crop_window(shape[0], shape[1], crop_seed, sampler, area_min)
-  return resize_and_flip(image[top:top + h, left:left + w], flip_seed, size, resize)
+  return resize_and_flip(image[top : top + h, left : left + w], flip_seed, size, resize)
 
 
 # Pixels decoded around the crop windows of a JPEG: its decoder upsamples the
@@ -192,8 +204,9 @@ def random_resized_crop(image, seed, size: int, sampler: str, area_min: float, r
 JPEG_MARGIN = 8
 
 
-def decode_random_resized_crops(encoded, seeds, size: int, sampler: str, area_min: float,
-                                resize: str):
+def decode_random_resized_crops(
+  encoded, seeds, size: int, sampler: str, area_min: float, resize: str
+):
   """random_resized_crop of an encoded image with each of seeds [V, 2]: uint8 [V, size, size, 3].
 
   Exactly random_resized_crop of the decoded image (same windows, same
@@ -205,13 +218,22 @@ def decode_random_resized_crops(encoded, seeds, size: int, sampler: str, area_mi
   split = [_split(seeds[v]) for v in range(seeds.shape[0])]
 
   def windows(shape):  # [V, 4] int32: top, left, height, width.
-    return tf.stack([tf.stack(crop_window(shape[0], shape[1], crop_seed, sampler, area_min))
-                     for crop_seed, _ in split])
+    return tf.stack(
+      [
+        tf.stack(crop_window(shape[0], shape[1], crop_seed, sampler, area_min))
+        for crop_seed, _ in split
+      ]
+    )
 
   def views(image, boxes):
-    return tf.stack([resize_and_flip(image[t:t + h, l:l + w], flip_seed, size, resize)
-                     for (t, l, h, w), (_, flip_seed) in
-                     zip((tf.unstack(box) for box in tf.unstack(boxes)), split)])
+    return tf.stack(
+      [
+        resize_and_flip(image[t : t + h, l : l + w], flip_seed, size, resize)
+        for (t, l, h, w), (_, flip_seed) in zip(
+          (tf.unstack(box) for box in tf.unstack(boxes)), split
+        )
+      ]
+    )
 
   def jpeg():
     shape = tf.io.extract_jpeg_shape(encoded)
@@ -221,7 +243,8 @@ def decode_random_resized_crops(encoded, seeds, size: int, sampler: str, area_mi
     bottom = tf.minimum(tf.reduce_max(boxes[:, 0] + boxes[:, 2]) + JPEG_MARGIN, shape[0])
     right = tf.minimum(tf.reduce_max(boxes[:, 1] + boxes[:, 3]) + JPEG_MARGIN, shape[1])
     image = tf.image.decode_and_crop_jpeg(
-        encoded, tf.stack([top, left, bottom - top, right - left]), channels=3)
+      encoded, tf.stack([top, left, bottom - top, right - left]), channels=3
+    )
     return views(image, boxes - tf.stack([top, left, 0, 0]))
 
   def other():

@@ -5,6 +5,7 @@ folder (the prepare job) and reading query images both go through
 load_image. Formats are those Pillow decodes (JPEG, PNG, BMP, GIF, WebP and
 more); an animated GIF or WebP gives its first frame.
 """
+
 import errno
 import os
 import struct
@@ -19,8 +20,15 @@ from contrastive_jax.core.errors import JobError
 
 # What Pillow raises for a file it cannot identify (UnidentifiedImageError is an
 # OSError), cannot open, or finds malformed or cut short while decoding.
-_DECODE_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, struct.error,
-                  Image.DecompressionBombError)
+_DECODE_ERRORS = (
+  OSError,
+  SyntaxError,
+  ValueError,
+  EOFError,
+  IndexError,
+  struct.error,
+  Image.DecompressionBombError,
+)
 _BACKGROUND = (255, 255, 255)  # Transparent pixels become white, as on a web page.
 
 
@@ -47,8 +55,11 @@ def open_image(path: str, *, max_pixels: int) -> Image.Image:
   width, height = image.size
   if width * height > max_pixels:
     image.close()
-    raise ImageError(path, f"header claims {width} x {height} = {width * height:,} pixels, "
-                     f"more than max_pixels={max_pixels:,} (a decompression bomb?); not decoded")
+    raise ImageError(
+      path,
+      f"header claims {width} x {height} = {width * height:,} pixels, "
+      f"more than max_pixels={max_pixels:,} (a decompression bomb?); not decoded",
+    )
   return image
 
 
@@ -65,8 +76,12 @@ def to_rgb(image: Image.Image) -> Image.Image:
   if image.mode.startswith("I"):
     gray = np.clip(np.asarray(image, np.float64) / 257.0, 0, 255).round().astype(np.uint8)
     return Image.fromarray(gray, "L").convert("RGB")
-  if (image.mode == "P" and "transparency" in image.info) or image.mode in ("PA", "LA", "La",
-                                                                            "RGBa"):
+  if (image.mode == "P" and "transparency" in image.info) or image.mode in (
+    "PA",
+    "LA",
+    "La",
+    "RGBa",
+  ):
     image = image.convert("RGBA")
   if image.mode == "RGBA":
     background = Image.new("RGB", image.size, _BACKGROUND)
@@ -107,8 +122,10 @@ def load_image(path: str, *, max_pixels: int, shorter_side: Optional[int] = None
       image = to_rgb(ImageOps.exif_transpose(image))
       if shorter_side and min(image.size) > shorter_side:
         scale = shorter_side / min(image.size)
-        image = image.resize((max(1, round(image.width * scale)),
-                              max(1, round(image.height * scale))), Image.Resampling.BICUBIC)
+        image = image.resize(
+          (max(1, round(image.width * scale)), max(1, round(image.height * scale))),
+          Image.Resampling.BICUBIC,
+        )
       return np.asarray(image, np.uint8)
     except _DECODE_ERRORS as e:
       raise ImageError(path, f"cannot be decoded: truncated or corrupt ({e})") from None
@@ -149,14 +166,22 @@ def list_files(src: str, *, flag: str):
         is_dir = entry.is_dir()  # Follows links.
       except OSError as e:  # ELOOP: a link that leads back to itself, never to a file.
         loop = e.errno == errno.ELOOP
-        skipped.append((path, "symbolic link loop: it never leads to a file" if loop else
-                        f"cannot be read ({e.strerror})"))
+        skipped.append(
+          (
+            path,
+            "symbolic link loop: it never leads to a file"
+            if loop
+            else f"cannot be read ({e.strerror})",
+          )
+        )
         continue
       if is_dir:
         real = os.path.realpath(entry.path)
         if real in ancestors:
-          raise JobError(f"{flag}={src!r}: symbolic link loop: {entry.path} points to {real}, "
-                         "a folder that contains it; remove the link")
+          raise JobError(
+            f"{flag}={src!r}: symbolic link loop: {entry.path} points to {real}, "
+            "a folder that contains it; remove the link"
+          )
         visit(entry.path, path + "/", ancestors | {real})
       elif not os.path.exists(entry.path):
         skipped.append((path, "broken symbolic link"))

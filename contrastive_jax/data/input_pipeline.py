@@ -25,24 +25,26 @@ the example at stream position p is drawn with a stateless seed made from
 JPEG images are decoded only over their crop windows
 (crops.decode_random_resized_crops), with the same pixels as a whole decode.
 """
+
 import collections
 import functools
 import math
 from typing import Iterator, NamedTuple, Optional
 
+from absl import logging
 import jax
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
-from absl import logging
 
 from contrastive_jax.data import crops
 
 
 def _seed_pair(seed: int, a, b):
   """A stateless-op seed [2] int64 from (seed, a, b) (a, b scalar tensors)."""
-  return tf.stack([tf.cast(seed, tf.int64) * 1_000_003 + tf.cast(a, tf.int64),
-                   tf.cast(b, tf.int64)])
+  return tf.stack(
+    [tf.cast(seed, tf.int64) * 1_000_003 + tf.cast(a, tf.int64), tf.cast(b, tf.int64)]
+  )
 
 
 class EvalCrop(NamedTuple):
@@ -55,6 +57,7 @@ class EvalCrop(NamedTuple):
   {"size", "fraction", "resize"} under the name "eval_crop" (embed.json,
   export.json, the ONNX model's metadata).
   """
+
   size: int
   fraction: float
   resize: str
@@ -92,8 +95,12 @@ def center_crop(image, size: int, crop_fraction: float, resize: str):
   side = tf.cast(tf.cast(tf.minimum(shape[0], shape[1]), tf.float32) * crop_fraction, tf.int32)
   side = tf.maximum(side, 1)
   top, left = (shape[0] - side) // 2, (shape[1] - side) // 2
-  crop = tf.image.resize(image[top:top + side, left:left + side], [size, size],
-                         method=crops.RESIZES[resize][0], antialias=True)
+  crop = tf.image.resize(
+    image[top : top + side, left : left + side],
+    [size, size],
+    method=crops.RESIZES[resize][0],
+    antialias=True,
+  )
   return tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)
 
 
@@ -143,8 +150,9 @@ def epoch_permutation(index, num: int, seed: int, epoch):
   top = num if _drops_top(num - 1) else num - 1
 
   def shuffle(i):
-    return tf.raw_ops.RandomIndexShuffle(index=i, seed=key, max_index=tf.constant(top, tf.int64),
-                                         rounds=_ORDER_ROUNDS)
+    return tf.raw_ops.RandomIndexShuffle(
+      index=i, seed=key, max_index=tf.constant(top, tf.int64), rounds=_ORDER_ROUNDS
+    )
 
   shuffled = shuffle(index)
   if top == num - 1:
@@ -170,13 +178,16 @@ def _random_access_stream(records, seed: int, first: int, threads: int) -> tf.da
   """(encoded image, label) at stream positions first, first + 1, ... (epoch_order of records)."""
   num = len(records)
   indices = tf.data.Dataset.range(first, np.iinfo(np.int64).max).map(
-      lambda position: epoch_order(position, num, seed))
-  return (indices.batch(_FETCH).map(lambda i: records.read(i)[:2], num_parallel_calls=threads)
-          .unbatch())
+    lambda position: epoch_order(position, num, seed)
+  )
+  return (
+    indices.batch(_FETCH).map(lambda i: records.read(i)[:2], num_parallel_calls=threads).unbatch()
+  )
 
 
-def _stream(source, split: str, *, num: int, seed: int, first: int, cache: bool,
-            shuffle_buffer: int) -> tf.data.Dataset:
+def _stream(
+  source, split: str, *, num: int, seed: int, first: int, cache: bool, shuffle_buffer: int
+) -> tf.data.Dataset:
   """(image, label) at stream positions first, first + 1, ... of a source read in file order.
 
   Each epoch passes through a shuffle buffer seeded by (seed, epoch); images are
@@ -188,13 +199,25 @@ def _stream(source, split: str, *, num: int, seed: int, first: int, cache: bool,
     base = base.cache()
   start_epoch, offset = divmod(first, num)
   ds = tf.data.Dataset.range(start_epoch, np.iinfo(np.int64).max).flat_map(
-      lambda epoch: base.shuffle(shuffle_buffer, seed=seed * 10_007 + epoch))
+    lambda epoch: base.shuffle(shuffle_buffer, seed=seed * 10_007 + epoch)
+  )
   return ds.skip(offset)
 
 
-def train_dataset(source, split: str, *, local_batch: int, image_size: int,
-                  crop: crops.CropSpec, seed: int, start_step: int, cache: bool,
-                  shuffle_buffer: int, threads: int, num_views: int = 2) -> tf.data.Dataset:
+def train_dataset(
+  source,
+  split: str,
+  *,
+  local_batch: int,
+  image_size: int,
+  crop: crops.CropSpec,
+  seed: int,
+  start_step: int,
+  cache: bool,
+  shuffle_buffer: int,
+  threads: int,
+  num_views: int = 2,
+) -> tf.data.Dataset:
   """Infinite dataset of this process's batches from step `start_step` on.
 
   Each element is {'image': uint8 [local_batch, num_views, S, S, 3], 'label':
@@ -213,8 +236,15 @@ def train_dataset(source, split: str, *, local_batch: int, image_size: int,
   if source.random_access:
     ds = _random_access_stream(source.records(split), seed, first, threads)
   else:
-    ds = _stream(source, split, num=num_local, seed=seed, first=first, cache=cache,
-                 shuffle_buffer=shuffle_buffer)
+    ds = _stream(
+      source,
+      split,
+      num=num_local,
+      seed=seed,
+      first=first,
+      cache=cache,
+      shuffle_buffer=shuffle_buffer,
+    )
   positions = tf.data.Dataset.range(first, np.iinfo(np.int64).max)
   process = jax.process_index()
 
@@ -222,12 +252,18 @@ def train_dataset(source, split: str, *, local_batch: int, image_size: int,
     image, label = example
     seeds = tf.random.experimental.stateless_split(_seed_pair(seed, process, position), num_views)
     if decoded:
-      image = tf.stack([crops.random_resized_crop(image, seeds[v], image_size, crop.sampler,
-                                                  crop.area_min, crop.resize)
-                        for v in range(num_views)])
+      image = tf.stack(
+        [
+          crops.random_resized_crop(
+            image, seeds[v], image_size, crop.sampler, crop.area_min, crop.resize
+          )
+          for v in range(num_views)
+        ]
+      )
     else:
-      image = crops.decode_random_resized_crops(image, seeds, image_size, crop.sampler,
-                                                crop.area_min, crop.resize)
+      image = crops.decode_random_resized_crops(
+        image, seeds, image_size, crop.sampler, crop.area_min, crop.resize
+      )
     return {"image": image, "label": label}
 
   ds = tf.data.Dataset.zip(ds, positions).map(views, num_parallel_calls=threads)
@@ -245,23 +281,37 @@ def stream_cost_warning(source, split: str, *, cache: bool, shuffle_buffer: int)
   num = source.process_counts(split, drop_remainder=True)[jax.process_index()]
   costs = []
   if num > shuffle_buffer:
-    costs.append(f"each epoch is shuffled only within windows of shuffle_buffer={shuffle_buffer} "
-                 f"of this process's {num} records, in the same file order every epoch")
+    costs.append(
+      f"each epoch is shuffled only within windows of shuffle_buffer={shuffle_buffer} "
+      f"of this process's {num} records, in the same file order every epoch"
+    )
   if not cache:
-    costs.append(f"a resume at step s first reads and skips the (s x local batch) mod {num} "
-                 "records before its position in the epoch")
+    costs.append(
+      f"a resume at step s first reads and skips the (s x local batch) mod {num} "
+      "records before its position in the epoch"
+    )
   if source.random_access or not costs:
     return None
-  return (f"{source.name} {split} is stored as TFRecord and read as a stream: "
-          f"{'; '.join(costs)}. Prepare it once as ArrayRecord for a fresh full shuffle every "
-          "epoch and resumes at no cost: an image folder with the prepare job (it writes "
-          f"ArrayRecord), a TFDS dataset with tfds.builder('{source.name}', "
-          "data_dir=NEW_DATA_DIR, file_format='array_record').download_and_prepare(), then "
-          "set data_dir=NEW_DATA_DIR (docs/design.md, Data order).")
+  return (
+    f"{source.name} {split} is stored as TFRecord and read as a stream: "
+    f"{'; '.join(costs)}. Prepare it once as ArrayRecord for a fresh full shuffle every "
+    "epoch and resumes at no cost: an image folder with the prepare job (it writes "
+    f"ArrayRecord), a TFDS dataset with tfds.builder('{source.name}', "
+    "data_dir=NEW_DATA_DIR, file_format='array_record').download_and_prepare(), then "
+    "set data_dir=NEW_DATA_DIR (docs/design.md, Data order)."
+  )
 
 
-def eval_dataset(source, split: str, *, local_batch: int, eval_crop: EvalCrop, threads: int,
-                 cache: bool = False, names: bool = False) -> tf.data.Dataset:
+def eval_dataset(
+  source,
+  split: str,
+  *,
+  local_batch: int,
+  eval_crop: EvalCrop,
+  threads: int,
+  cache: bool = False,
+  names: bool = False,
+) -> tf.data.Dataset:
   """This process's part of `split`, every example once, in fixed order.
 
   Elements are {'image': uint8 [local_batch, S, S, 3] (eval_crop.apply), 'label': int32 [b],
@@ -277,13 +327,18 @@ def eval_dataset(source, split: str, *, local_batch: int, eval_crop: EvalCrop, t
     named = {} if name is None else {"name": name}
     return {"image": eval_crop.apply(image), "label": label, "mask": True, **named}
 
-  pad = tf.data.Dataset.from_tensors({
+  pad = tf.data.Dataset.from_tensors(
+    {
       "image": tf.zeros([eval_crop.size, eval_crop.size, 3], tf.uint8),
-      "label": tf.constant(0, tf.int32), "mask": False,
-      **({"name": tf.constant("")} if names else {})}).repeat()
+      "label": tf.constant(0, tf.int32),
+      "mask": False,
+      **({"name": tf.constant("")} if names else {}),
+    }
+  ).repeat()
   if counts[jax.process_index()]:
     ds = source.read(split, drop_remainder=False, names=names).map(
-        example, num_parallel_calls=threads)
+      example, num_parallel_calls=threads
+    )
     if cache:
       ds = ds.cache()
     ds = ds.concatenate(pad)
@@ -301,20 +356,30 @@ def train_batches(source, config, sharding, *, image_size: int, num_views: int =
   seed, cache, shuffle_buffer and data_threads; each process reads
   its own part. Logs stream_cost_warning's line, if any, now: before any compute.
   """
-  warning = stream_cost_warning(source, config.train_split, cache=config.cache,
-                                shuffle_buffer=config.shuffle_buffer)
+  warning = stream_cost_warning(
+    source, config.train_split, cache=config.cache, shuffle_buffer=config.shuffle_buffer
+  )
   if warning:
     logging.warning(warning)
 
   def batches(start_step: int) -> Iterator[dict]:
     return device_batches(
-        train_dataset(source, config.train_split,
-                      local_batch=config.batch_size // jax.process_count(),
-                      image_size=image_size, crop=crops.CropSpec(**config.crop),
-                      seed=config.seed, start_step=start_step, cache=config.cache,
-                      shuffle_buffer=config.shuffle_buffer, threads=config.data_threads,
-                      num_views=num_views),
-        sharding)
+      train_dataset(
+        source,
+        config.train_split,
+        local_batch=config.batch_size // jax.process_count(),
+        image_size=image_size,
+        crop=crops.CropSpec(**config.crop),
+        seed=config.seed,
+        start_step=start_step,
+        cache=config.cache,
+        shuffle_buffer=config.shuffle_buffer,
+        threads=config.data_threads,
+        num_views=num_views,
+      ),
+      sharding,
+    )
+
   return batches
 
 
@@ -326,8 +391,7 @@ def device_batches(ds: tf.data.Dataset, sharding, prefetch: int = 2) -> Iterator
   """
   queue = collections.deque()
   for local in tfds.as_numpy(ds):
-    queue.append(jax.tree.map(
-        lambda x: jax.make_array_from_process_local_data(sharding, x), local))
+    queue.append(jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local))
     if len(queue) > prefetch:
       yield queue.popleft()
   while queue:
@@ -337,8 +401,11 @@ def device_batches(ds: tf.data.Dataset, sharding, prefetch: int = 2) -> Iterator
 def eval_datasets(source, *, eval_crop: EvalCrop, threads: int, cache: bool):
   """(split, local_batch) -> eval tf.data (eval_dataset), built once per pair so that an
   in-memory cache persists across evaluations."""
+
   @functools.lru_cache(maxsize=None)
   def dataset(split, local_batch):
-    return eval_dataset(source, split, local_batch=local_batch, eval_crop=eval_crop,
-                        threads=threads, cache=cache)
+    return eval_dataset(
+      source, split, local_batch=local_batch, eval_crop=eval_crop, threads=threads, cache=cache
+    )
+
   return dataset

@@ -5,6 +5,7 @@ files first would be one process's work. A file that turns out not to be an
 image still counts for the layout (it can be held out, or make its folder a
 class); the Beam stage skips it where it decodes it.
 """
+
 import collections
 import hashlib
 import json
@@ -26,17 +27,18 @@ def _list_gcs(src: str, field: str):
   path, once. Raises JobError when nothing is under src.
   """
   from google.cloud import storage  # pylint: disable=g-import-not-at-top  (only for gs://)
-  bucket, _, prefix = src[len("gs://"):].partition("/")
+
+  bucket, _, prefix = src[len("gs://") :].partition("/")
   prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
   files, hidden, stamps = [], set(), {}
   for blob in storage.Client().list_blobs(bucket, prefix=prefix):
-    rel = blob.name[len(prefix):]
+    rel = blob.name[len(prefix) :]
     if not rel or rel.endswith("/"):  # A folder marker.
       continue
     parts = rel.split("/")
     first_hidden = next((i for i, part in enumerate(parts) if part.startswith(".")), None)
     if first_hidden is not None:
-      hidden.add("/".join(parts[:first_hidden + 1]))
+      hidden.add("/".join(parts[: first_hidden + 1]))
       continue
     files.append(rel)
     stamps[rel] = f"{blob.size} {blob.crc32c}"
@@ -140,11 +142,14 @@ def layout(files, *, holdout_fraction: float, seed: int):
       splits_of[name].append((f, split))
   for name in classes:
     if len(splits_of[name]) == 1:
-      warnings.append(f"class {name!r} has 1 image ({splits_of[name][0][0]}), in "
-                      f"{splits_of[name][0][1]} only")
+      warnings.append(
+        f"class {name!r} has 1 image ({splits_of[name][0][0]}), in {splits_of[name][0][1]} only"
+      )
     if "train" not in {split for _, split in splits_of[name]}:
-      warnings.append(f"class {name!r} has no image in train: a kNN or classifier fitted on "
-                      "train never predicts it")
+      warnings.append(
+        f"class {name!r} has no image in train: a kNN or classifier fitted on "
+        "train never predicts it"
+      )
   return dict(examples), classes, skipped, warnings
 
 

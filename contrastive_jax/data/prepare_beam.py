@@ -19,6 +19,7 @@ group, and a worker that dies (kill -9, the out-of-memory killer) ends the
 whole group at once, where Beam's runner would wait for it forever and leave
 the other workers running.
 """
+
 import collections
 import contextlib
 import dataclasses
@@ -41,9 +42,9 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from PIL import Image
 import tensorflow as tf
 
+from contrastive_jax.core import files
 from contrastive_jax.core.errors import ImageError
 from contrastive_jax.core.errors import JobError
-from contrastive_jax.core import files
 from contrastive_jax.data import images
 from contrastive_jax.data import tfds_folder
 
@@ -51,8 +52,12 @@ from contrastive_jax.data import tfds_folder
 MIN_SHARD, MAX_SHARD = 100, 1000
 # Runners that import more than Beam's base install when they start: (a module they
 # need, what installs it).
-_RUNNER_PACKAGES = {"DataflowRunner": ("apache_beam.runners.dataflow.internal.apiclient",
-                                       "pip install 'apache-beam[gcp]==2.77.0'")}
+_RUNNER_PACKAGES = {
+  "DataflowRunner": (
+    "apache_beam.runners.dataflow.internal.apiclient",
+    "pip install 'apache-beam[gcp]==2.77.0'",
+  )
+}
 _WORKER_EXIT = re.compile(r"Worker subprocess exited with return code (-?\d+)")
 
 
@@ -67,6 +72,7 @@ class Encoding:
     max_pixels: files whose header claims more pixels (width x height) are
       skipped before decoding.
   """
+
   image_size: int
   format: str
   max_pixels: int
@@ -82,6 +88,7 @@ class Runner:
     driver: whether the pipeline runs in a driver process of its own (Beam's
       local runner with several worker processes; module docstring).
   """
+
   name: str
   args: tuple
   driver: bool
@@ -104,8 +111,11 @@ def choose_runner(name: str, direct_num_workers: int, options: str, field: str) 
   if name == "DirectRunner":
     workers = direct_num_workers or os.cpu_count()
     mode = "multi_processing" if workers > 1 else "in_memory"
-    args = ["--runner=FnApiRunner", f"--direct_num_workers={workers}",
-            f"--direct_running_mode={mode}"]
+    args = [
+      "--runner=FnApiRunner",
+      f"--direct_num_workers={workers}",
+      f"--direct_running_mode={mode}",
+    ]
   else:
     args, workers = [f"--runner={name}"], 1
   args += shlex.split(options)
@@ -146,12 +156,14 @@ def shard_examples(examples: dict) -> dict:
   per_shard = min(max(-(-total // 64), MIN_SHARD), MAX_SHARD)
   sharded = {}
   for split, split_examples in sorted(examples.items()):
-    ordered = sorted(split_examples,
-                     key=lambda example: hashlib.blake2b(example[0].encode()).digest())
+    ordered = sorted(
+      split_examples, key=lambda example: hashlib.blake2b(example[0].encode()).digest()
+    )
     n = len(ordered)
     num_shards = -(-n // per_shard)
-    sharded[split] = [ordered[i * n // num_shards:(i + 1) * n // num_shards]
-                      for i in range(num_shards)]
+    sharded[split] = [
+      ordered[i * n // num_shards : (i + 1) * n // num_shards] for i in range(num_shards)
+    ]
   return sharded
 
 
@@ -172,10 +184,11 @@ def write_lists(staging: tfds_folder.Staging, shards: dict) -> dict:
     elements[split] = []
     for i, shard in enumerate(split_shards):
       stem = os.path.join(scratch, f"{split}-{i:05d}")
-      element = (f"{stem}.files.jsonl",
-                 os.path.join(version, tfds_folder.records_name(staging.name, split, i,
-                                                                len(split_shards))),
-                 f"{stem}.done.json")
+      element = (
+        f"{stem}.files.jsonl",
+        os.path.join(version, tfds_folder.records_name(staging.name, split, i, len(split_shards))),
+        f"{stem}.done.json",
+      )
       with tf.io.gfile.GFile(element[0], "w") as f:
         f.write("".join(json.dumps(example) + "\n" for example in shard))
       elements[split].append(element)
@@ -283,8 +296,9 @@ class WriteShard(beam.DoFn):
     size = self._encoding.image_size
     for rel, name in pairs:
       try:
-        image = read_image(f"{self._src}/{rel}", max_pixels=self._encoding.max_pixels,
-                           shorter_side=size or None)
+        image = read_image(
+          f"{self._src}/{rel}", max_pixels=self._encoding.max_pixels, shorter_side=size or None
+        )
       except ImageError as e:
         done["skipped"].append([rel, e.reason])
         continue
@@ -301,8 +315,9 @@ class WriteShard(beam.DoFn):
     list_path, records_path, done_path = element
     done = dict(examples=0, per_class=collections.Counter(), skipped=[], small=[])
     pairs = read_list(list_path)
-    write_atomically(records_path, self._scratch,
-                     lambda path: _write_records(path, self._records(pairs, done)))
+    write_atomically(
+      records_path, self._scratch, lambda path: _write_records(path, self._records(pairs, done))
+    )
     done["num_bytes"] = tf.io.gfile.stat(records_path).length
     files.write_atomic(done_path, json.dumps(done))
     yield done_path
@@ -315,9 +330,7 @@ def write_shards(elements, options, write_shard: WriteShard) -> None:
   one element); each is written by write_shard. Raises what the runner raises.
   """
   with beam.Pipeline(options=options) as pipeline:
-    _ = (pipeline
-         | "Shards" >> beam.Create(list(elements))
-         | "Write" >> beam.ParDo(write_shard))
+    _ = pipeline | "Shards" >> beam.Create(list(elements)) | "Write" >> beam.ParDo(write_shard)
 
 
 class PipelineError(JobError):
@@ -334,7 +347,8 @@ class PipelineError(JobError):
 
 def _lines(error: BaseException) -> list:
   return [line.strip() for line in str(error).splitlines() if line.strip()] or [
-      type(error).__name__]
+    type(error).__name__
+  ]
 
 
 def _failure(runner_name: str, error: BaseException) -> dict:
@@ -346,13 +360,19 @@ def _failure(runner_name: str, error: BaseException) -> dict:
   its first line.
   """
   if files.is_disk_full(error):
-    return dict(error=f"the Beam pipeline on {runner_name} found no space left on device",
-                disk_full=True, ctrl_c=False)
+    return dict(
+      error=f"the Beam pipeline on {runner_name} found no space left on device",
+      disk_full=True,
+      ctrl_c=False,
+    )
   lines = _lines(error)
   if lines[0].endswith(":"):  # A heading with its items below, e.g. Dataflow's missing options.
     lines = [" ".join(lines)[:1000]]
-  return dict(error=f"the Beam pipeline failed on {runner_name}: {type(error).__name__}: "
-                    f"{lines[0]}", disk_full=False, ctrl_c=_is_ctrl_c(error))
+  return dict(
+    error=f"the Beam pipeline failed on {runner_name}: {type(error).__name__}: {lines[0]}",
+    disk_full=False,
+    ctrl_c=_is_ctrl_c(error),
+  )
 
 
 def _is_ctrl_c(error: BaseException) -> bool:
@@ -391,8 +411,9 @@ def _quiet_beam_logs():
       handler.removeFilter(quiet)
 
 
-def run_pipeline(elements, runner_spec: Runner, staging: tfds_folder.Staging, src: str,
-                 encoding: Encoding, classes) -> None:
+def run_pipeline(
+  elements, runner_spec: Runner, staging: tfds_folder.Staging, src: str, encoding: Encoding, classes
+) -> None:
   """Writes the shards of elements [(list, records, done paths)] on runner_spec's runner.
 
   In this process, or in a driver process (runner_spec.driver; module
@@ -405,15 +426,26 @@ def run_pipeline(elements, runner_spec: Runner, staging: tfds_folder.Staging, sr
     KeyboardInterrupt: Ctrl-C.
   """
   if runner_spec.driver:
-    result = _run_driver(dict(elements=list(elements), args=list(runner_spec.args), src=src,
-                              scratch=_scratch(staging), encoding=dataclasses.asdict(encoding),
-                              classes=list(classes), runner=runner_spec.name,
-                              hold=None if staging.owner.startswith("gs://") else staging.owner))
+    result = _run_driver(
+      dict(
+        elements=list(elements),
+        args=list(runner_spec.args),
+        src=src,
+        scratch=_scratch(staging),
+        encoding=dataclasses.asdict(encoding),
+        classes=list(classes),
+        runner=runner_spec.name,
+        hold=None if staging.owner.startswith("gs://") else staging.owner,
+      )
+    )
   else:
     try:
       with _quiet_beam_logs():
-        write_shards(elements, pipeline_options(runner_spec.args),
-                     WriteShard(src, _scratch(staging), encoding, classes))
+        write_shards(
+          elements,
+          pipeline_options(runner_spec.args),
+          WriteShard(src, _scratch(staging), encoding, classes),
+        )
       return
     except Exception as e:  # pylint: disable=broad-except  (any runner's, any failure)
       result = _failure(runner_spec.name, e)
@@ -438,9 +470,14 @@ def _run_driver(spec: dict) -> dict:
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   path = os.pathsep.join([root] + [p for p in [os.environ.get("PYTHONPATH")] if p])
   proc = subprocess.Popen(  # pylint: disable=consider-using-with
-      [sys.executable, "-m", __name__, str(result_write)], stdin=subprocess.PIPE,
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, pass_fds=(result_write,),
-      start_new_session=True, env=dict(os.environ, PYTHONPATH=path))
+    [sys.executable, "-m", __name__, str(result_write)],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    pass_fds=(result_write,),
+    start_new_session=True,
+    env=dict(os.environ, PYTHONPATH=path),
+  )
   os.close(result_write)
   tail = collections.deque(maxlen=20)
   reader = threading.Thread(target=lambda: tail.extend(proc.stdout), daemon=True)
@@ -460,10 +497,13 @@ def _run_driver(spec: dict) -> dict:
       reported = f.read()
   if reported.strip():
     return json.loads(reported)
-  last = next((line.decode(errors="replace").strip() for line in reversed(tail)
-               if line.strip()), "no output")
-  return dict(error=f"the Beam pipeline's driver process exited with status {proc.returncode} "
-                    f"before reporting ({last})")
+  last = next(
+    (line.decode(errors="replace").strip() for line in reversed(tail) if line.strip()), "no output"
+  )
+  return dict(
+    error=f"the Beam pipeline's driver process exited with status {proc.returncode} "
+    f"before reporting ({last})"
+  )
 
 
 def _worker_exit(code: int) -> str:
@@ -506,16 +546,23 @@ def main(argv) -> None:
   def worker_failed(hook):
     exit_code = _WORKER_EXIT.search(str(hook.exc_value))
     if hook.thread is not None and hook.thread.name == "run_worker" and exit_code:
-      _end_group(report, dict(error=f"the Beam pipeline failed on {name}: a worker process "
-                                    f"{_worker_exit(int(exit_code[1]))}"))
+      _end_group(
+        report,
+        dict(
+          error=f"the Beam pipeline failed on {name}: a worker process "
+          f"{_worker_exit(int(exit_code[1]))}"
+        ),
+      )
     threading.__excepthook__(hook)
 
   threading.Thread(target=orphaned, daemon=True).start()
   threading.excepthook = worker_failed
   try:
-    write_shards([tuple(e) for e in spec["elements"]], pipeline_options(spec["args"]),
-                 WriteShard(spec["src"], spec["scratch"], Encoding(**spec["encoding"]),
-                            spec["classes"]))
+    write_shards(
+      [tuple(e) for e in spec["elements"]],
+      pipeline_options(spec["args"]),
+      WriteShard(spec["src"], spec["scratch"], Encoding(**spec["encoding"]), spec["classes"]),
+    )
   except BaseException as e:  # pylint: disable=broad-except
     _end_group(report, _failure(name, e))
   report({})

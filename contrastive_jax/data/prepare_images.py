@@ -8,14 +8,24 @@ ends with one line giving the same preparation as the prepare job's command
   python -m contrastive_jax.main --config=configs/prepare.py --workdir=DIR2 \
       --config.src=DIR --config.name=NAME
 """
+
 import shlex
 import sys
 
 # Each flag of this command line: its field of configs/prepare.py (--data_dir: --workdir).
-FIELDS = {"src": "src", "name": "name", "image_size": "image_size", "format": "format",
-          "max_pixels": "max_pixels", "holdout_fraction": "holdout_fraction", "seed": "seed",
-          "overwrite": "overwrite", "runner": "beam.runner",
-          "direct_num_workers": "beam.direct_num_workers", "beam_options": "beam.options"}
+FIELDS = {
+  "src": "src",
+  "name": "name",
+  "image_size": "image_size",
+  "format": "format",
+  "max_pixels": "max_pixels",
+  "holdout_fraction": "holdout_fraction",
+  "seed": "seed",
+  "overwrite": "overwrite",
+  "runner": "beam.runner",
+  "direct_num_workers": "beam.direct_num_workers",
+  "beam_options": "beam.options",
+}
 
 
 def new_command(argv) -> str:
@@ -44,8 +54,16 @@ def new_command(argv) -> str:
       workdir = value
     else:
       args.append(f"--config.{FIELDS[flag]}={value}")
-  return shlex.join(["python", "-m", "contrastive_jax.main", "--config=configs/prepare.py",
-                     f"--workdir={workdir}", *args])
+  return shlex.join(
+    [
+      "python",
+      "-m",
+      "contrastive_jax.main",
+      "--config=configs/prepare.py",
+      f"--workdir={workdir}",
+      *args,
+    ]
+  )
 
 
 def main(argv) -> str:
@@ -53,9 +71,11 @@ def main(argv) -> str:
   try:
     command = new_command(argv[1:])
   except ValueError as e:
-    return (f"error: {e}; image folders are prepared by the prepare job: python -m "
-            "contrastive_jax.main --config=configs/prepare.py --workdir=DATA_DIR "
-            "--config.src=DIR --config.name=NAME (docs/images.md)")
+    return (
+      f"error: {e}; image folders are prepared by the prepare job: python -m "
+      "contrastive_jax.main --config=configs/prepare.py --workdir=DATA_DIR "
+      "--config.src=DIR --config.name=NAME (docs/images.md)"
+    )
   return f"error: image folders are prepared by the prepare job now; run: {command}"
 
 

@@ -14,6 +14,7 @@ order every epoch and resumes anywhere at no cost (input_pipeline.py). TFDS
 reads such a dataset only through its data source (as_dataset refuses it), so
 every read of it goes through Records, sequentially for evaluation.
 """
+
 import atexit
 import functools
 import hashlib
@@ -24,16 +25,16 @@ import threading
 import time
 from typing import Optional, Protocol, runtime_checkable
 
+from absl import logging
 import jax
 import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
-from absl import logging
 
+from contrastive_jax.core import gcs
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import DataError
 from contrastive_jax.core.errors import ImageError
-from contrastive_jax.core import gcs
 from contrastive_jax.data import images as images_lib
 
 # Features that name an example, first found first: the source file of a prepared
@@ -56,6 +57,7 @@ class Source(Protocol):
     random_access: whether `records(split)` serves this process's training
       part by index (then the input pipeline reads it through that).
   """
+
   name: str
   num_classes: Optional[int]
   class_names: Optional[list]
@@ -67,8 +69,9 @@ class Source(Protocol):
   def process_counts(self, split: str, drop_remainder: bool = False) -> list:
     """Examples each process reads of `split` with read(drop_remainder=...), by process index."""
 
-  def read(self, split: str, *, drop_remainder: bool, decode: bool = True,
-           names: bool = False) -> tf.data.Dataset:
+  def read(
+    self, split: str, *, drop_remainder: bool, decode: bool = True, names: bool = False
+  ) -> tf.data.Dataset:
     """This process's part of `split` as (image, label[, name]), in a fixed order.
 
     image: uint8 [H, W, 3], or its encoded bytes with decode=False; label:
@@ -145,8 +148,11 @@ class _Unreadable:
 
   def behind(self, error: BaseException) -> Optional[DataError]:
     """The DataError whose line is in the message of `error`, a TF error, or None."""
-    found = (re.search(r"unreadable record (\d+): ", str(error))
-             if isinstance(error, tf.errors.OpError) else None)
+    found = (
+      re.search(r"unreadable record (\d+): ", str(error))
+      if isinstance(error, tf.errors.OpError)
+      else None
+    )
     with self._lock:
       return self._errors[int(found[1])] if found else None
 
@@ -184,14 +190,16 @@ class Records:
   the file and the record.
   """
 
-  def __init__(self, source, spec, indices: Optional[np.ndarray] = None, *,
-               names: Optional[tuple] = None):
+  def __init__(
+    self, source, spec, indices: Optional[np.ndarray] = None, *, names: Optional[tuple] = None
+  ):
     # Names of id-less records: (split, position of record 0 in it), so that a
     # process's part names its records as the whole split does (ids_and_labels).
     self._source, self._spec = source, spec
     self._names = names or (str(spec), 0)
     self._data = source._builder.as_data_source(  # pylint: disable=protected-access
-        spec, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES)
+      spec, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES
+    )
     self._indices = indices
 
   def __len__(self) -> int:
@@ -209,8 +217,10 @@ class Records:
         try:
           fetched.append(self._data[index])
         except RuntimeError as e:  # What ArrayRecord raises for a damaged file.
-          return (tf.constant("", shape=indices.shape),
-                  tf.constant(_UNREADABLE.add(self._unreadable(index, e))))
+          return (
+            tf.constant("", shape=indices.shape),
+            tf.constant(_UNREADABLE.add(self._unreadable(index, e))),
+          )
     finally:
       _FETCHES.end()
     self._source.count_read(len(fetched))
@@ -225,10 +235,15 @@ class Records:
     path = shards[shard].filename
     record = shards[shard].skip + index - (int(ends[shard - 1]) if shard else 0)
     reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return DataError(path, record, (
+    return DataError(
+      path,
+      record,
+      (
         f"{path}: record {record} of this file cannot be read ({reason}). Prepare the dataset "
         f"{self._source.name!r} again (an image folder: the prepare job with --config.overwrite=True) or "
-        "restore the file from a copy"))
+        "restore the file from a copy"
+      ),
+    )
 
   def read(self, indices):
     """(image string [k], label int32 [k], name string [k]) of the records at int64 indices [k].
@@ -289,25 +304,31 @@ class TfdsSource:
       # (read_only_builder): how folders prepared by the prepare job are found.
       self._builder = tfds.builder(name, data_dir=data_dir)
     except tfds.core.registered.DatasetNotFoundError:
-      raise ConfigError("dataset", name,
-                        "a TFDS dataset name such as 'cifar10' or 'imagenet2012', or a dataset "
-                        "prepared in data_dir by the prepare job (configs/prepare.py) "
-                        f"(none named {name!r} in data_dir={looked})") from None
+      raise ConfigError(
+        "dataset",
+        name,
+        "a TFDS dataset name such as 'cifar10' or 'imagenet2012', or a dataset "
+        "prepared in data_dir by the prepare job (configs/prepare.py) "
+        f"(none named {name!r} in data_dir={looked})",
+      ) from None
     if not self._builder.is_prepared():
       raise ConfigError(
-          "data_dir", data_dir,
-          f"a directory holding the prepared dataset '{name}'; looked in "
-          f"{self._builder.data_dir} (data_dir={looked}). Prepare it with "
-          f"tfds.builder('{name}').download_and_prepare() on a machine with internet, or "
-          "point data_dir / TFDS_DATA_DIR at a copy")
+        "data_dir",
+        data_dir,
+        f"a directory holding the prepared dataset '{name}'; looked in "
+        f"{self._builder.data_dir} (data_dir={looked}). Prepare it with "
+        f"tfds.builder('{name}').download_and_prepare() on a machine with internet, or "
+        "point data_dir / TFDS_DATA_DIR at a copy",
+      )
     self.features = features = self._builder.info.features
     self._num_classes = features["label"].num_classes if "label" in features else None
     self.class_names = features["label"].names if "label" in features else None
     self._id_feature = next((name for name in ID_FEATURES if name in features), None)
     # ArrayRecord only: TFDS's other random-access format, Parquet, hands its records
     # over as memoryviews, and its datasets are read as a stream (as_dataset), as TFRecord.
-    self.random_access = (self._builder.info.file_format
-                          == tfds.core.file_adapters.FileFormat.ARRAY_RECORD)
+    self.random_access = (
+      self._builder.info.file_format == tfds.core.file_adapters.FileFormat.ARRAY_RECORD
+    )
     # Records fetched by index (Records.read), counted for tests and benchmarks.
     self.records_read = 0
     self._lock = threading.Lock()
@@ -328,16 +349,21 @@ class TfdsSource:
     except (KeyError, ValueError, AssertionError):
       count = 0
     if count == 0:
-      raise ConfigError(field, split, f"a non-empty split of {self.name} (one of "
-                        f"{sorted(self._builder.info.splits)}, or a TFDS slice of one such as "
-                        "'train[:1000]')")
+      raise ConfigError(
+        field,
+        split,
+        f"a non-empty split of {self.name} (one of "
+        f"{sorted(self._builder.info.splits)}, or a TFDS slice of one such as "
+        "'train[:1000]')",
+      )
     return count
 
   def process_counts(self, split: str, drop_remainder: bool = False) -> list:
     """Source.process_counts."""
-    return [self._builder.info.splits[s].num_examples
-            for s in tfds.even_splits(split, n=jax.process_count(),
-                                      drop_remainder=drop_remainder)]
+    return [
+      self._builder.info.splits[s].num_examples
+      for s in tfds.even_splits(split, n=jax.process_count(), drop_remainder=drop_remainder)
+    ]
 
   def records(self, split: str) -> Records:
     """This process's part of `split` by index: the records read(drop_remainder=True) reads.
@@ -347,8 +373,11 @@ class TfdsSource:
     """
     self._check_random_access()
     counts = self.process_counts(split, drop_remainder=True)
-    return Records(self, tfds.split_for_jax_process(split, drop_remainder=True),
-                   names=(split, sum(counts[:jax.process_index()])))
+    return Records(
+      self,
+      tfds.split_for_jax_process(split, drop_remainder=True),
+      names=(split, sum(counts[: jax.process_index()])),
+    )
 
   def count_read(self, count: int):
     """Adds `count` records to records_read (Records' fetches; thread-safe)."""
@@ -361,27 +390,40 @@ class TfdsSource:
     wanted += [self._id_feature] if self._id_feature else []
     example_spec = self.features.tf_example_spec
     parsed = tf.io.parse_example(serialized, {k: example_spec[k] for k in wanted})
-    label = (tf.cast(parsed["label"], tf.int32) if self._num_classes is not None
-             else -tf.ones_like(indices, tf.int32))
-    name = (parsed[self._id_feature] if self._id_feature
-            else tf.strings.join([spec, tf.strings.as_string(indices)], separator="__"))
+    label = (
+      tf.cast(parsed["label"], tf.int32)
+      if self._num_classes is not None
+      else -tf.ones_like(indices, tf.int32)
+    )
+    name = (
+      parsed[self._id_feature]
+      if self._id_feature
+      else tf.strings.join([spec, tf.strings.as_string(indices)], separator="__")
+    )
     return parsed["image"], label, name
 
   def _check_random_access(self):
     if not self.random_access:
-      raise ValueError(f"{self.name} is stored as {self._builder.info.file_format.value}, "
-                       "not in a random-access format (ArrayRecord)")
+      raise ValueError(
+        f"{self.name} is stored as {self._builder.info.file_format.value}, "
+        "not in a random-access format (ArrayRecord)"
+      )
 
-  def read(self, split: str, *, drop_remainder: bool, decode: bool = True,
-           names: bool = False) -> tf.data.Dataset:
+  def read(
+    self, split: str, *, drop_remainder: bool, decode: bool = True, names: bool = False
+  ) -> tf.data.Dataset:
     """Source.read; encoded images (decode=False) are for tf.io.decode_image later.
 
     A name is the first of ID_FEATURES the dataset has ('file_name' for
     prepared image folders), else its TFDS record id.
     """
     counts = self.process_counts(split, drop_remainder=drop_remainder)
-    return self._read(tfds.split_for_jax_process(split, drop_remainder=drop_remainder),
-                      decode, names, (split, sum(counts[:jax.process_index()])))
+    return self._read(
+      tfds.split_for_jax_process(split, drop_remainder=drop_remainder),
+      decode,
+      names,
+      (split, sum(counts[: jax.process_index()])),
+    )
 
   def read_range(self, split: str, start: int, stop: int, *, decode: bool = True):
     """Examples start to stop - 1 of `split` in read order (that of ids_and_labels), as read().
@@ -395,11 +437,13 @@ class TfdsSource:
       last = self._builder.info.splits[part.splitname].num_examples if part.to is None else part.to
       lo, hi = max(start - offset, 0), min(stop - offset, last - first)
       if lo < hi:
-        parts.append(tfds.core.ReadInstruction(part.splitname, from_=first + lo, to=first + hi,
-                                               unit="abs"))
+        parts.append(
+          tfds.core.ReadInstruction(part.splitname, from_=first + lo, to=first + hi, unit="abs")
+        )
       offset += last - first
-    return self._read(functools.reduce(operator.add, parts), decode, names=False,
-                      record_names=(split, start))
+    return self._read(
+      functools.reduce(operator.add, parts), decode, names=False, record_names=(split, start)
+    )
 
   def ids_and_labels(self, split: str):
     """(ids, labels) of every example of `split` in read order; images are not decoded.
@@ -419,8 +463,11 @@ class TfdsSource:
     if self._id_feature:
       wanted[self._id_feature] = True
     ds = self._builder.as_dataset(
-        split=split, shuffle_files=False, decoders=tfds.decode.PartialDecoding(wanted),
-        read_config=tfds.ReadConfig(add_tfds_id=not self._id_feature))
+      split=split,
+      shuffle_files=False,
+      decoders=tfds.decode.PartialDecoding(wanted),
+      read_config=tfds.ReadConfig(add_tfds_id=not self._id_feature),
+    )
     ids, labels = [], []
     for batch in tfds.as_numpy(ds.batch(10_000)):
       names = batch[self._id_feature or "tfds_id"]
@@ -428,8 +475,9 @@ class TfdsSource:
       labels.append(batch.get("label", np.full(len(names), -1)))
     return np.array(ids, dtype=object), np.concatenate(labels).astype(np.int32)
 
-  def _read(self, split, decode: bool, names: bool = False,
-            record_names: Optional[tuple] = None) -> tf.data.Dataset:
+  def _read(
+    self, split, decode: bool, names: bool = False, record_names: Optional[tuple] = None
+  ) -> tf.data.Dataset:
     """(image, label[, name]) of a split spec or tfds.core.ReadInstruction, in read order.
 
     record_names: Records' names of id-less ArrayRecord records, (split, first position).
@@ -437,9 +485,11 @@ class TfdsSource:
     if self.random_access:
       return Records(self, split, names=record_names).in_order(decode=decode, names=names)
     ds = self._builder.as_dataset(
-        split=split, shuffle_files=False,
-        decoders=None if decode else {"image": tfds.decode.SkipDecoding()},
-        read_config=tfds.ReadConfig(add_tfds_id=names and not self._id_feature))
+      split=split,
+      shuffle_files=False,
+      decoders=None if decode else {"image": tfds.decode.SkipDecoding()},
+      read_config=tfds.ReadConfig(add_tfds_id=names and not self._id_feature),
+    )
     has_label = self._num_classes is not None
 
     def example(ex):
@@ -482,6 +532,7 @@ class FolderSource:
     ConfigError (field 'folder'): not an existing folder, or no file in it.
     JobError: a symbolic link loop in the folder.
   """
+
   SPLIT = "all"
   num_classes = None
   class_names = None
@@ -510,11 +561,11 @@ class FolderSource:
     return [len(part) for part in np.array_split(np.arange(len(self.files)), jax.process_count())]
 
   def _load(self, path: str) -> np.ndarray:
-    return images_lib.load_image(path, max_pixels=self._max_pixels,
-                                 shorter_side=self._shorter_side)
+    return images_lib.load_image(path, max_pixels=self._max_pixels, shorter_side=self._shorter_side)
 
-  def read(self, split: str, *, drop_remainder: bool, decode: bool = True,
-           names: bool = False) -> tf.data.Dataset:
+  def read(
+    self, split: str, *, drop_remainder: bool, decode: bool = True, names: bool = False
+  ) -> tf.data.Dataset:
     """Source.read: this process's contiguous part of the files (image, -1[, path]), in order.
 
     For evaluation only: decoded images, drop_remainder False (ValueError
@@ -522,11 +573,12 @@ class FolderSource:
     `unreadable`, which each pass over the dataset rebuilds.
     """
     if drop_remainder or not decode:
-      raise ValueError("a FolderSource is read for evaluation only: decode=True, "
-                       "drop_remainder=False")
+      raise ValueError(
+        "a FolderSource is read for evaluation only: decode=True, drop_remainder=False"
+      )
     counts = self.process_counts(split)
-    start = sum(counts[:jax.process_index()])
-    files = self.files[start:start + counts[jax.process_index()]]
+    start = sum(counts[: jax.process_index()])
+    files = self.files[start : start + counts[jax.process_index()]]
 
     def examples():
       # The listing's skips are the whole folder's: process 0 reports them.
@@ -568,9 +620,13 @@ def select_labelled(ids, labels, fraction: float, seed: int):
       (naming the smallest class and the fraction it needs).
   """
   key = seed.to_bytes(8, "little")
-  ranks = np.array([int.from_bytes(hashlib.blake2b(i.encode("utf-8"), digest_size=8,
-                                                   key=key).digest(), "little")
-                    for i in ids], dtype=np.uint64)
+  ranks = np.array(
+    [
+      int.from_bytes(hashlib.blake2b(i.encode("utf-8"), digest_size=8, key=key).digest(), "little")
+      for i in ids
+    ],
+    dtype=np.uint64,
+  )
   chosen = []
   for label in np.unique(labels):
     members = np.flatnonzero(labels == label)
@@ -579,9 +635,12 @@ def select_labelled(ids, labels, fraction: float, seed: int):
       smallest = np.bincount(labels).astype(float)
       smallest[smallest == 0] = np.inf
       least = int(np.argmin(smallest))
-      raise ConfigError("label_fraction", fraction,
-                        f"in [{0.5 / smallest[least]:.3g}, 1], so that every class keeps an "
-                        f"image (class {least} has {int(smallest[least])} images in the split)")
+      raise ConfigError(
+        "label_fraction",
+        fraction,
+        f"in [{0.5 / smallest[least]:.3g}, 1], so that every class keeps an "
+        f"image (class {least} has {int(smallest[least])} images in the split)",
+      )
     order = np.lexsort((ids[members].astype(str), ranks[members]))
     chosen.append(members[order[:keep]])
   return np.sort(np.concatenate(chosen))
@@ -626,8 +685,9 @@ class LabelledSubset:
 
   def _part(self):
     """Positions in the subset and indices in the split of this process's part of it."""
-    positions = np.array_split(np.arange(len(self._indices)),
-                               jax.process_count())[jax.process_index()]
+    positions = np.array_split(np.arange(len(self._indices)), jax.process_count())[
+      jax.process_index()
+    ]
     return positions, self._indices[positions]
 
   def records(self, split: str) -> Records:
@@ -640,8 +700,9 @@ class LabelledSubset:
     self._source._check_random_access()  # pylint: disable=protected-access
     return Records(self._source, split, indices=self._part()[1])
 
-  def read(self, split: str, *, drop_remainder: bool, decode: bool = True,
-           names: bool = False) -> tf.data.Dataset:
+  def read(
+    self, split: str, *, drop_remainder: bool, decode: bool = True, names: bool = False
+  ) -> tf.data.Dataset:
     """Source.read of this process's part of the subset, in read order; names are its ids."""
     del drop_remainder
     self._check(split)
@@ -649,12 +710,15 @@ class LabelledSubset:
     start, stop = int(part[0]), int(part[-1]) + 1
     keep = np.zeros(stop - start, bool)
     keep[part - start] = True
-    ds = tf.data.Dataset.zip(self._source.read_range(split, start, stop, decode=decode),
-                             tf.data.Dataset.from_tensor_slices(keep))
+    ds = tf.data.Dataset.zip(
+      self._source.read_range(split, start, stop, decode=decode),
+      tf.data.Dataset.from_tensor_slices(keep),
+    )
     ds = ds.filter(lambda _, kept: kept).map(lambda example, unused_kept: example)
     if names:
-      ds = tf.data.Dataset.zip(ds, tf.data.Dataset.from_tensor_slices(
-          self.ids[positions].astype(str))).map(lambda example, name: (*example, name))
+      ds = tf.data.Dataset.zip(
+        ds, tf.data.Dataset.from_tensor_slices(self.ids[positions].astype(str))
+      ).map(lambda example, name: (*example, name))
     return ds
 
   def _check(self, split):

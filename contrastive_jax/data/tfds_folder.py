@@ -11,6 +11,7 @@ OWNER file first ('pid P on host H'), which every process writing into the
 folder holds locked (hold); a staging folder left by a killed preparation is
 removed by the next one of that name (remove_stale).
 """
+
 import contextlib
 import fcntl
 import json
@@ -33,8 +34,10 @@ _STAGING = ".{name}.preparing."
 def features(encoding: str, classes) -> tfds.features.FeaturesDict:
   """The dataset's features: 'image' (uint8 [H, W, 3], stored as encoding, 'jpeg' or 'png'),
   'file_name' (Text) and, only when classes is not empty, 'label' (ClassLabel of classes)."""
-  found = {"image": tfds.features.Image(shape=(None, None, 3), encoding_format=encoding),
-           "file_name": tfds.features.Text()}
+  found = {
+    "image": tfds.features.Image(shape=(None, None, 3), encoding_format=encoding),
+    "file_name": tfds.features.Text(),
+  }
   if classes:
     found["label"] = tfds.features.ClassLabel(names=classes)
   return tfds.features.FeaturesDict(found)
@@ -45,8 +48,9 @@ def records_name(name: str, split: str, index: int, num_shards: int) -> str:
   return f"{name}-{split}.array_record-{index:05d}-of-{num_shards:05d}"
 
 
-def write_metadata(folder: str, feature_dict, shard_lengths: dict, num_bytes: dict,
-                   description: str) -> None:
+def write_metadata(
+  folder: str, feature_dict, shard_lengths: dict, num_bytes: dict, description: str
+) -> None:
   """TFDS's metadata (dataset_info.json, features.json, ...) of the shards in folder.
 
   With TFDS's tfds.folder_dataset.write_metadata (for datasets written
@@ -55,11 +59,16 @@ def write_metadata(folder: str, feature_dict, shard_lengths: dict, num_bytes: di
   ArrayRecord; tests read the result with as_data_source instead.
   """
   tfds.folder_dataset.write_metadata(
-      data_dir=folder, features=feature_dict, version=VERSION, check_data=False,
-      split_infos=[tfds.core.SplitInfo(name=split, shard_lengths=lengths,
-                                       num_bytes=num_bytes[split])
-                   for split, lengths in sorted(shard_lengths.items())],
-      description=description)
+    data_dir=folder,
+    features=feature_dict,
+    version=VERSION,
+    check_data=False,
+    split_infos=[
+      tfds.core.SplitInfo(name=split, shard_lengths=lengths, num_bytes=num_bytes[split])
+      for split, lengths in sorted(shard_lengths.items())
+    ],
+    description=description,
+  )
 
 
 def previous_report(final: str):
@@ -139,9 +148,12 @@ def remove_stale(data_dir: str, name: str) -> list:
       tf.io.gfile.rmtree(folder)
       removed.append(folder)
     else:
-      logging.warning("%s is the temporary folder of another preparation of %r (or of an "
-                      "earlier version): kept; remove it if no preparation is running.",
-                      folder, name)
+      logging.warning(
+        "%s is the temporary folder of another preparation of %r (or of an "
+        "earlier version): kept; remove it if no preparation is running.",
+        folder,
+        name,
+      )
   return removed
 
 
@@ -211,10 +223,11 @@ def _rename(src: str, dst: str) -> None:
     tf.io.gfile.rename(src, dst)
     return
   for folder, _, names in tf.io.gfile.walk(src):
-    rel = folder[len(src):].strip("/")
+    rel = folder[len(src) :].strip("/")
     for name in names:
-      tf.io.gfile.rename(f"{folder.rstrip('/')}/{name}",
-                         "/".join(part for part in (dst, rel, name) if part))
+      tf.io.gfile.rename(
+        f"{folder.rstrip('/')}/{name}", "/".join(part for part in (dst, rel, name) if part)
+      )
 
 
 @contextlib.contextmanager

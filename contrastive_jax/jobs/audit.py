@@ -36,6 +36,7 @@ k-th neighbour is still above the threshold). Writes to the workdir (process 0):
 
 Not a training loop, so not run by runner.run.
 """
+
 import collections
 import csv
 import io
@@ -43,22 +44,32 @@ import json
 import os
 import time
 
+from absl import logging
+from clu import metric_writers
 import jax
 import numpy as np
 import tensorflow as tf
-from absl import logging
-from clu import metric_writers
 
-from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core import files
 from contrastive_jax.core import pictures
+from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.search import index as index_lib
 from contrastive_jax.search import searcher as searcher_lib
 
 PAIRS, SUMMARY, PICTURE = "pairs.csv", "summary.json", "pairs.png"
 SEARCHES = ("auto", "exact")
-COLUMNS = ("kind", "score", "split_a", "row_a", "name_a", "class_a", "split_b", "row_b",
-           "name_b", "class_b")
+COLUMNS = (
+  "kind",
+  "score",
+  "split_a",
+  "row_a",
+  "name_a",
+  "class_a",
+  "split_b",
+  "row_b",
+  "name_b",
+  "class_b",
+)
 # The embed config's fields that name the encoder: two indexes agree on all of them
 # (and on the dimension) or their scores are not comparable.
 CHECKPOINT_FIELDS = ("pretrain_workdir", "pretrain_config", "pretrain_step", "random_init")
@@ -72,8 +83,11 @@ def _split(value: str) -> list:
 def check_config(config):
   """Raises ConfigError for fields that cannot run, before any index is read."""
   threshold = config.threshold
-  if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not (
-      -1.0 <= threshold <= 1.0):
+  if (
+    isinstance(threshold, bool)
+    or not isinstance(threshold, (int, float))
+    or not (-1.0 <= threshold <= 1.0)
+  ):
     raise ConfigError("threshold", threshold, "a cosine similarity in [-1, 1]")
   for field in ("k", "chunk_size", "cell"):
     if config[field] <= 0:
@@ -88,20 +102,26 @@ def check_config(config):
   seen = {files.resolve_dir(config.index_workdir)}
   for item in _split(config.against):
     if not index_lib.is_index(files.resolve_dir(item)):
-      raise ConfigError("against", config.against,
-                        f"comma-separated workdirs of finished embed jobs ({item!r} holds no "
-                        f"{index_lib.META})")
+      raise ConfigError(
+        "against",
+        config.against,
+        f"comma-separated workdirs of finished embed jobs ({item!r} holds no {index_lib.META})",
+      )
     if files.resolve_dir(item) in seen:
-      raise ConfigError("against", config.against,
-                        f"workdirs other than config.index_workdir's and each other's ({item!r} "
-                        "is named twice)")
+      raise ConfigError(
+        "against",
+        config.against,
+        f"workdirs other than config.index_workdir's and each other's ({item!r} is named twice)",
+      )
     seen.add(files.resolve_dir(item))
 
 
 def checkpoint_of(index: index_lib.Index) -> dict:
   """The encoder an index was embedded with: its embed config's CHECKPOINT_FIELDS and "dim"."""
-  return {**{field: index.config.get(field) for field in CHECKPOINT_FIELDS},
-          "dim": int(index.embeddings.shape[1])}
+  return {
+    **{field: index.config.get(field) for field in CHECKPOINT_FIELDS},
+    "dim": int(index.embeddings.shape[1]),
+  }
 
 
 def split_name(index: index_lib.Index) -> str:
@@ -116,24 +136,33 @@ def _check_comparable(config, reference: index_lib.Index, others: list):
   own neighbour) and two indexes of one split.
   """
   if config.k > len(reference.rows) - 1:
-    raise ConfigError("k", config.k, f"at most the reference's rows less one "
-                                     f"({len(reference.rows) - 1})")
+    raise ConfigError(
+      "k", config.k, f"at most the reference's rows less one ({len(reference.rows) - 1})"
+    )
   want = checkpoint_of(reference)
   names = {split_name(reference)}
   for item, other in others:
     got = checkpoint_of(other)
     differ = {field: (want[field], got[field]) for field in want if want[field] != got[field]}
     if differ:
-      listed = ", ".join(f"{field} {theirs!r} (the reference's: {ours!r})"
-                         for field, (ours, theirs) in differ.items())
-      raise ConfigError("against", config.against,
-                        f"embed outputs of config.index_workdir's encoder: {item!r} was "
-                        f"embedded with {listed}; embed it again with the reference's "
-                        "checkpoint, or the scores are not comparable")
+      listed = ", ".join(
+        f"{field} {theirs!r} (the reference's: {ours!r})"
+        for field, (ours, theirs) in differ.items()
+      )
+      raise ConfigError(
+        "against",
+        config.against,
+        f"embed outputs of config.index_workdir's encoder: {item!r} was "
+        f"embedded with {listed}; embed it again with the reference's "
+        "checkpoint, or the scores are not comparable",
+      )
     if split_name(other) in names:
-      raise ConfigError("against", config.against,
-                        f"indexes of other splits or folders than the reference's and each "
-                        f"other's ({item!r} holds {split_name(other)!r} again)")
+      raise ConfigError(
+        "against",
+        config.against,
+        f"indexes of other splits or folders than the reference's and each "
+        f"other's ({item!r} holds {split_name(other)!r} again)",
+      )
     names.add(split_name(other))
 
 
@@ -155,35 +184,56 @@ def run(config, workdir: str) -> dict:
   reference_dir = files.resolve_dir(config.index_workdir)
   where = f"config.index_workdir={config.index_workdir!r}"
   reference = index_lib.load_index(reference_dir, where=where)
-  others = [(item, index_lib.load_index(files.resolve_dir(item),
-                                        where=f"config.against={config.against!r}: {item!r}"))
-            for item in _split(config.against)]
+  others = [
+    (
+      item,
+      index_lib.load_index(
+        files.resolve_dir(item), where=f"config.against={config.against!r}: {item!r}"
+      ),
+    )
+    for item in _split(config.against)
+  ]
   _check_comparable(config, reference, others)
-  searcher = searcher_lib.Searcher(reference, reference_dir, mode=config.search,
-                                   chunk_size=config.chunk_size, where=where)
+  searcher = searcher_lib.Searcher(
+    reference, reference_dir, mode=config.search, chunk_size=config.chunk_size, where=where
+  )
   search, nearest = searcher.description, searcher.search
 
   start = time.perf_counter()
   # k + 1: a row finds itself too (first, unless rows of score 1 tie with it).
-  duplicates, dup_saturated = duplicate_pairs(*nearest(reference.embeddings, config.k + 1),
-                                              config.threshold, config.k)
+  duplicates, dup_saturated = duplicate_pairs(
+    *nearest(reference.embeddings, config.k + 1), config.threshold, config.k
+  )
   leaks = []
   for number, (_, other) in enumerate(others):
     pairs, saturated = leak_pairs(*nearest(other.embeddings, config.k), config.threshold)
     leaks.append((number, pairs, saturated))
   seconds = time.perf_counter() - start
-  logging.info("Searched %d reference rows (%s) with %d + %d queries in %.1f s.",
-               len(reference.rows), search, len(reference.rows),
-               sum(len(o.rows) for _, o in others), seconds)
+  logging.info(
+    "Searched %d reference rows (%s) with %d + %d queries in %.1f s.",
+    len(reference.rows),
+    search,
+    len(reference.rows),
+    sum(len(o.rows) for _, o in others),
+    seconds,
+  )
 
   indexes = [reference] + [other for _, other in others]
   table = [("duplicate", score, 0, a, 0, b) for a, b, score in duplicates]
-  table += [("leak", score, number + 1, a, 0, b)
-            for number, pairs, _ in leaks for a, b, score in pairs]
+  table += [
+    ("leak", score, number + 1, a, 0, b) for number, pairs, _ in leaks for a, b, score in pairs
+  ]
   table.sort(key=lambda p: (-p[1], p[0], p[2], p[3], p[5]))
-  summary = _summary(config, reference_dir, others, indexes, table, search, seconds,
-                     {"duplicate": int(dup_saturated.sum()),
-                      "leak": int(sum(s.sum() for _, _, s in leaks))})
+  summary = _summary(
+    config,
+    reference_dir,
+    others,
+    indexes,
+    table,
+    search,
+    seconds,
+    {"duplicate": int(dup_saturated.sum()), "leak": int(sum(s.sum() for _, _, s in leaks))},
+  )
   with files.workdir_lock(workdir):
     if jax.process_index() == 0:
       tf.io.gfile.makedirs(workdir)
@@ -197,9 +247,16 @@ def run(config, workdir: str) -> dict:
       elif tf.io.gfile.exists(f"{workdir}/{PICTURE}"):  # An earlier audit's, of other pairs.
         tf.io.gfile.remove(f"{workdir}/{PICTURE}")
       files.write_atomic(f"{workdir}/{SUMMARY}", json.dumps(summary, indent=1).encode())
-  logging.info("%d duplicate and %d leaked pairs at threshold %g: wrote %s, %s%s to %s.",
-               summary["pairs"]["duplicate"], summary["pairs"]["leak"], config.threshold, PAIRS,
-               SUMMARY, f" and {PICTURE}" if summary["picture"] else "", workdir)
+  logging.info(
+    "%d duplicate and %d leaked pairs at threshold %g: wrote %s, %s%s to %s.",
+    summary["pairs"]["duplicate"],
+    summary["pairs"]["leak"],
+    config.threshold,
+    PAIRS,
+    SUMMARY,
+    f" and {PICTURE}" if summary["picture"] else "",
+    workdir,
+  )
   return summary
 
 
@@ -243,8 +300,10 @@ def leak_pairs(scores: np.ndarray, rows: np.ndarray, threshold: float):
   """
   hit = (rows >= 0) & (scores >= threshold)
   i, col = np.nonzero(hit)
-  return ([(int(a), int(rows[a, c]), float(scores[a, c])) for a, c in zip(i, col)],
-          hit.sum(axis=1) >= rows.shape[1])
+  return (
+    [(int(a), int(rows[a, c]), float(scores[a, c])) for a, c in zip(i, col)],
+    hit.sum(axis=1) >= rows.shape[1],
+  )
 
 
 def _class(index: index_lib.Index, row: int) -> str:
@@ -265,15 +324,29 @@ def _csv(indexes: list, table: list) -> str:
   writer.writerow(COLUMNS)
   for kind, score, which, a, reference, b in table:
     ia, ib = indexes[which], indexes[reference]
-    writer.writerow([kind, f"{score:.6f}", split_name(ia), a, ia.rows[a]["name"], _class(ia, a),
-                     split_name(ib), b, ib.rows[b]["name"], _class(ib, b)])
+    writer.writerow(
+      [
+        kind,
+        f"{score:.6f}",
+        split_name(ia),
+        a,
+        ia.rows[a]["name"],
+        _class(ia, a),
+        split_name(ib),
+        b,
+        ib.rows[b]["name"],
+        _class(ib, b),
+      ]
+    )
   return out.getvalue()
 
 
 def _summary(config, reference_dir, others, indexes, table, search, seconds, saturated) -> dict:
   """summary.json's content (the module docstring)."""
-  splits = {split_name(index): {"rows": len(index.rows), "pairs": 0, "images_in_pairs": 0}
-            for index in indexes}
+  splits = {
+    split_name(index): {"rows": len(index.rows), "pairs": 0, "images_in_pairs": 0}
+    for index in indexes
+  }
   in_pairs = collections.defaultdict(set)
   classes = collections.defaultdict(lambda: {"duplicate": 0, "leak": 0})
   different = {"duplicate": 0, "leak": 0}
@@ -290,18 +363,22 @@ def _summary(config, reference_dir, others, indexes, table, search, seconds, sat
   for name, rows in in_pairs.items():
     splits[name]["images_in_pairs"] = len(rows)
   return {
-      "threshold": config.threshold, "k": config.k, "search": search,
-      "index_workdir": reference_dir,
-      "against": [files.resolve_dir(item) for item, _ in others],
-      "checkpoint": checkpoint_of(indexes[0]),
-      "pairs": {"duplicate": sum(p[0] == "duplicate" for p in table),
-                "leak": sum(p[0] == "leak" for p in table)},
-      "splits": splits,
-      "classes": dict(sorted(classes.items())),
-      "different_classes": different,
-      "rows_with_k_pairs": saturated,
-      "picture": PICTURE if table and config.picture_pairs else None,
-      "search_seconds": round(seconds, 3),
+    "threshold": config.threshold,
+    "k": config.k,
+    "search": search,
+    "index_workdir": reference_dir,
+    "against": [files.resolve_dir(item) for item, _ in others],
+    "checkpoint": checkpoint_of(indexes[0]),
+    "pairs": {
+      "duplicate": sum(p[0] == "duplicate" for p in table),
+      "leak": sum(p[0] == "leak" for p in table),
+    },
+    "splits": splits,
+    "classes": dict(sorted(classes.items())),
+    "different_classes": different,
+    "rows_with_k_pairs": saturated,
+    "picture": PICTURE if table and config.picture_pairs else None,
+    "search_seconds": round(seconds, 3),
   }
 
 
@@ -310,7 +387,7 @@ def _shown(table: list, count: int) -> list:
   have that many (a split's few leaks are not hidden by many duplicates), by score."""
   kinds = {kind: [i for i, p in enumerate(table) if p[0] == kind] for kind in ("leak", "duplicate")}
   leaks = min(len(kinds["leak"]), max(count // 2, count - len(kinds["duplicate"])))
-  return [table[i] for i in sorted(kinds["leak"][:leaks] + kinds["duplicate"][:count - leaks])]
+  return [table[i] for i in sorted(kinds["leak"][:leaks] + kinds["duplicate"][: count - leaks])]
 
 
 def _picture(config, indexes: list, table: list) -> np.ndarray:
@@ -335,11 +412,13 @@ def _picture(config, indexes: list, table: list) -> np.ndarray:
   lines, captions = [], []
   for start in range(0, len(table), _PAIRS_PER_LINE):
     line, caption = [], []
-    for kind, score, which, a, reference, b in table[start:start + _PAIRS_PER_LINE]:
+    for kind, score, which, a, reference, b in table[start : start + _PAIRS_PER_LINE]:
       line += [read[which, a], read[reference, b]]
       classes = [_class(indexes[which], a), _class(indexes[reference], b)]
-      caption += [f"{score:.4f} {kind}"[:chars],
-                  (classes[0] if classes[0] == classes[1] else "|".join(classes))[:chars]]
+      caption += [
+        f"{score:.4f} {kind}"[:chars],
+        (classes[0] if classes[0] == classes[1] else "|".join(classes))[:chars],
+      ]
     lines.append(line)
     captions.append(caption)
   return pictures.grid(lines, captions, cell=config.cell)

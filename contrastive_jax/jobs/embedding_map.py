@@ -35,6 +35,7 @@ UMAP and t-SNE come with the `map` extra (pip install 'contrastive_jax[map]');
 they are imported only when the job runs. Not a training loop, so not run by
 runner.run.
 """
+
 import contextlib
 import csv
 import importlib
@@ -44,21 +45,21 @@ import json
 import math
 import time
 
-import jax
-import numpy as np
-import tensorflow as tf
 from absl import logging
 from clu import metric_writers
 from google.protobuf import text_format
+import jax
+import numpy as np
 from PIL import Image
 from tensorboard.plugins import projector
 from tensorboard.plugins.projector import metadata as projector_metadata
+import tensorflow as tf
 
-from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import files
 from contrastive_jax.core import pictures
 from contrastive_jax.core import scatter
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
 from contrastive_jax.search import index as index_lib
 
 METHODS = ("umap", "tsne")
@@ -67,15 +68,19 @@ MAP, THUMBNAILS, TABLE, META = "map.png", "thumbnails.png", "map.csv", "map.json
 PROJECTOR_TENSORS = "projector_embeddings.tsv"
 PROJECTOR_METADATA = "projector_metadata.tsv"
 PROJECTOR_SPRITE = "projector_sprite.png"
-PROJECTOR_CONFIG = projector_metadata.PROJECTOR_FILENAME  # Where the projector looks for its config.
+PROJECTOR_CONFIG = (
+  projector_metadata.PROJECTOR_FILENAME
+)  # Where the projector looks for its config.
 MAX_POINTS = 100_000  # Beyond this a CPU projects for hours and the projector's browser tab stalls.
 MAX_SIZE = 8192  # The largest plot side: map.png is then 200 MB of pixels in memory.
 SPRITE_SIDE = 8192  # TensorBoard's projector reads sprites of at most 8192 x 8192 pixels.
 INSTALL = "pip install 'contrastive_jax[map]'"
 _READ_CHUNK = 1000  # Images read and cropped at a time: memory stays small for large photos.
 # The packages each method needs: (import name, PyPI name). PCA and k-means are scikit-learn's.
-_PACKAGES = {"umap": [("sklearn", "scikit-learn"), ("umap", "umap-learn")],
-             "tsne": [("sklearn", "scikit-learn")]}
+_PACKAGES = {
+  "umap": [("sklearn", "scikit-learn"), ("umap", "umap-learn")],
+  "tsne": [("sklearn", "scikit-learn")],
+}
 
 
 def check_config(config):
@@ -83,13 +88,19 @@ def check_config(config):
   if config.method not in METHODS:
     raise ConfigError("method", config.method, f"one of {list(METHODS)}")
   if not 2 <= config.max_points <= MAX_POINTS:
-    raise ConfigError("max_points", config.max_points,
-                      f"an integer in [2, {MAX_POINTS}] (beyond it a CPU projects for hours and "
-                      "the projector's browser tab stalls)")
-  for field, value, low in (("seed", config.seed, 0), ("pca_dims", config.pca_dims, 0),
-                           ("threads", config.threads, 0),
-                           ("clusters", config.clusters, 2),
-                           ("umap.n_neighbors", config.umap.n_neighbors, 2)):
+    raise ConfigError(
+      "max_points",
+      config.max_points,
+      f"an integer in [2, {MAX_POINTS}] (beyond it a CPU projects for hours and "
+      "the projector's browser tab stalls)",
+    )
+  for field, value, low in (
+    ("seed", config.seed, 0),
+    ("pca_dims", config.pca_dims, 0),
+    ("threads", config.threads, 0),
+    ("clusters", config.clusters, 2),
+    ("umap.n_neighbors", config.umap.n_neighbors, 2),
+  ):
     if value < low:
       raise ConfigError(field, value, f"an integer >= {low}")
   if config.umap.min_dist < 0:
@@ -99,17 +110,23 @@ def check_config(config):
   if not 128 <= config.size <= MAX_SIZE:
     raise ConfigError("size", config.size, f"a side in pixels in [128, {MAX_SIZE}]")
   if not 8 <= config.thumbnail <= config.size // 4:
-    raise ConfigError("thumbnail", config.thumbnail,
-                      f"a side in pixels in [8, size / 4 = {config.size // 4}]")
+    raise ConfigError(
+      "thumbnail", config.thumbnail, f"a side in pixels in [8, size / 4 = {config.size // 4}]"
+    )
   for module, package in _PACKAGES[config.method]:
     if importlib.util.find_spec(module) is None:
-      raise ConfigError("method", config.method,
-                        f"a method whose library is installed: {config.method!r} needs "
-                        f"{package} ({INSTALL})")
+      raise ConfigError(
+        "method",
+        config.method,
+        f"a method whose library is installed: {config.method!r} needs {package} ({INSTALL})",
+      )
   if not config.index_workdir or not index_lib.is_index(files.resolve_dir(config.index_workdir)):
-    raise ConfigError("index_workdir", config.index_workdir,
-                      f"the workdir of a finished embed job (holding {index_lib.META}, "
-                      f"{index_lib.INDEX} and {index_lib.EMBEDDINGS})")
+    raise ConfigError(
+      "index_workdir",
+      config.index_workdir,
+      f"the workdir of a finished embed job (holding {index_lib.META}, "
+      f"{index_lib.INDEX} and {index_lib.EMBEDDINGS})",
+    )
 
 
 def check_sample(config, size: int, labelled: bool):
@@ -120,16 +137,23 @@ def check_sample(config, size: int, labelled: bool):
   nearest; k-means needs a point per cluster.
   """
   if config.method == "tsne" and size <= 3 * config.tsne.perplexity:
-    raise ConfigError("tsne.perplexity", config.tsne.perplexity,
-                      f"less than a third of the points mapped ({size}: the index's rows, at "
-                      "most max_points)")
+    raise ConfigError(
+      "tsne.perplexity",
+      config.tsne.perplexity,
+      f"less than a third of the points mapped ({size}: the index's rows, at most max_points)",
+    )
   if config.method == "umap" and size <= config.umap.n_neighbors:
-    raise ConfigError("umap.n_neighbors", config.umap.n_neighbors,
-                      f"less than the number of points mapped ({size}: the index's rows, at "
-                      "most max_points)")
+    raise ConfigError(
+      "umap.n_neighbors",
+      config.umap.n_neighbors,
+      f"less than the number of points mapped ({size}: the index's rows, at most max_points)",
+    )
   if not labelled and config.clusters > size:
-    raise ConfigError("clusters", config.clusters,
-                      f"at most the number of points mapped ({size}), the index being unlabelled")
+    raise ConfigError(
+      "clusters",
+      config.clusters,
+      f"at most the number of points mapped ({size}), the index being unlabelled",
+    )
 
 
 def sample_rows(num_rows: int, max_points: int, seed: int) -> np.ndarray:
@@ -144,10 +168,18 @@ def parameters(config) -> dict:
   """The method's parameters as map.json records them (config.umap or config.tsne, plus what is
   fixed here)."""
   if config.method == "umap":
-    return {"n_neighbors": config.umap.n_neighbors, "min_dist": config.umap.min_dist,
-            "metric": "euclidean", "init": "spectral"}
-  return {"perplexity": config.tsne.perplexity, "metric": "euclidean", "init": "pca",
-          "learning_rate": "auto"}
+    return {
+      "n_neighbors": config.umap.n_neighbors,
+      "min_dist": config.umap.min_dist,
+      "metric": "euclidean",
+      "init": "spectral",
+    }
+  return {
+    "perplexity": config.tsne.perplexity,
+    "metric": "euclidean",
+    "init": "pca",
+    "learning_rate": "auto",
+  }
 
 
 def project(x: np.ndarray, config):
@@ -174,12 +206,22 @@ def project(x: np.ndarray, config):
   if config.method == "umap":
     # n_jobs=1: a seeded UMAP runs on one thread anyway, and says so in a warning otherwise.
     reducer = _import("umap", config).UMAP(
-        n_components=2, n_neighbors=config.umap.n_neighbors, min_dist=config.umap.min_dist,
-        metric="euclidean", init="spectral", random_state=config.seed, n_jobs=1)
+      n_components=2,
+      n_neighbors=config.umap.n_neighbors,
+      min_dist=config.umap.min_dist,
+      metric="euclidean",
+      init="spectral",
+      random_state=config.seed,
+      n_jobs=1,
+    )
   else:
     reducer = _import("sklearn.manifold", config).TSNE(
-        n_components=2, perplexity=config.tsne.perplexity, init="pca", learning_rate="auto",
-        random_state=config.seed)
+      n_components=2,
+      perplexity=config.tsne.perplexity,
+      init="pca",
+      learning_rate="auto",
+      random_state=config.seed,
+    )
   return np.asarray(reducer.fit_transform(x), np.float32), pca_dims
 
 
@@ -189,7 +231,8 @@ def clusters(x: np.ndarray, config) -> np.ndarray:
   cluster = _import("sklearn.cluster", config)
   # 4 seeded starts, the best kept: one start can merge two clusters and split another.
   return cluster.KMeans(config.clusters, n_init=4, random_state=config.seed).fit_predict(
-      np.asarray(x, np.float32))
+    np.asarray(x, np.float32)
+  )
 
 
 def thread_limit(config):
@@ -211,15 +254,17 @@ def _import(module: str, config):
   try:
     return importlib.import_module(module)
   except ImportError as e:
-    raise ConfigError("method", config.method, f"a method whose library is installed: {e} "
-                      f"({INSTALL})") from None
+    raise ConfigError(
+      "method", config.method, f"a method whose library is installed: {e} ({INSTALL})"
+    ) from None
 
 
 def _refuse_existing_map(workdir: str):
   """Raises JobError if workdir holds a complete map (one is never overwritten)."""
   if tf.io.gfile.exists(f"{workdir}/{META}"):
-    raise JobError(f"--workdir={workdir}: already holds a map ({META}, {MAP}); use a new "
-                   "workdir or delete them")
+    raise JobError(
+      f"--workdir={workdir}: already holds a map ({META}, {MAP}); use a new workdir or delete them"
+    )
 
 
 def run(config, workdir: str):
@@ -255,7 +300,7 @@ def _thumbnails(index: index_lib.Index, rows, cell: int) -> list:
   side = index.eval_crop.shorter_side(max(cell, index.eval_crop.size))
   out = []
   for start in range(0, len(rows), _READ_CHUNK):
-    part = [int(r) for r in rows[start:start + _READ_CHUNK]]
+    part = [int(r) for r in rows[start : start + _READ_CHUNK]]
     read = index_lib.read_images(index, part, side)
     out += [index_lib.center_crop(index, read[r], cell) for r in part]
   return out
@@ -268,8 +313,13 @@ def _map_and_write(config, workdir: str, index_workdir: str, index: index_lib.In
   logging.info("Reading %d images of %s.", len(rows), index_workdir)
   images = _thumbnails(index, rows, config.thumbnail)
   x = np.asarray(index.embeddings[rows], np.float32)
-  logging.info("Projecting %d of %d rows (D = %d) with %s.", len(rows), len(index.rows),
-               x.shape[1], config.method)
+  logging.info(
+    "Projecting %d of %d rows (D = %d) with %s.",
+    len(rows),
+    len(index.rows),
+    x.shape[1],
+    config.method,
+  )
   with thread_limit(config):
     start = time.perf_counter()
     xy, pca_dims = project(x, config)
@@ -283,26 +333,36 @@ def _map_and_write(config, workdir: str, index_workdir: str, index: index_lib.In
       coloured_by = "k-means cluster"
 
   tf.io.gfile.makedirs(workdir)
-  title = (f"{_NAMES[config.method]} of {len(rows)} of {len(index.rows)} rows, coloured by "
-           + ("class" if labelled else f"k-means cluster (k={config.clusters}; no labels)"))
+  title = f"{_NAMES[config.method]} of {len(rows)} of {len(index.rows)} rows, coloured by " + (
+    "class" if labelled else f"k-means cluster (k={config.clusters}; no labels)"
+  )
   picture = scatter.scatter(xy, groups, names, size=config.size, title=title, seed=config.seed)
   pictures.write_png(f"{workdir}/{MAP}", picture)
-  view = scatter.thumbnails(xy, dict(enumerate(images)), groups, names, size=config.size,
-                            cell=config.thumbnail, title=title)
+  view = scatter.thumbnails(
+    xy, dict(enumerate(images)), groups, names, size=config.size, cell=config.thumbnail, title=title
+  )
   pictures.write_png(f"{workdir}/{THUMBNAILS}", view)
   _write_table(f"{workdir}/{TABLE}", index, rows, groups, labelled, xy)
   _write_projector(workdir, index, rows, x, [names[g] for g in groups], images)
   writer = metric_writers.create_default_writer(workdir, asynchronous=False)
   writer.write_images(0, {"map": picture[None], "thumbnails": view[None]})
   writer.close()
-  meta = {"index_workdir": index_workdir, "method": config.method,
-          "parameters": parameters(config), "pca_dims": pca_dims, "seed": config.seed,
-          "sample_size": len(rows), "index_rows": len(index.rows), "coloured_by": coloured_by,
-          "clusters": None if labelled else config.clusters,
-          "projection_seconds": round(seconds, 3)}
+  meta = {
+    "index_workdir": index_workdir,
+    "method": config.method,
+    "parameters": parameters(config),
+    "pca_dims": pca_dims,
+    "seed": config.seed,
+    "sample_size": len(rows),
+    "index_rows": len(index.rows),
+    "coloured_by": coloured_by,
+    "clusters": None if labelled else config.clusters,
+    "projection_seconds": round(seconds, 3),
+  }
   files.write_atomic(f"{workdir}/{META}", json.dumps(meta, indent=1).encode())
-  logging.info("Wrote the map of %d points to %s (projection: %.1f s).", len(rows), workdir,
-               seconds)
+  logging.info(
+    "Wrote the map of %d points to %s (projection: %.1f s).", len(rows), workdir, seconds
+  )
   return meta
 
 
@@ -333,8 +393,9 @@ def _write_projector(workdir: str, index: index_lib.Index, rows, x, classes, ima
   buffer = io.BytesIO()
   np.savetxt(buffer, x, fmt="%.8g", delimiter="\t")
   files.write_atomic(f"{workdir}/{PROJECTOR_TENSORS}", buffer.getvalue())
-  lines = ["name\tclass"] + [f"{_tsv_field(index.rows[r]['name'])}\t{_tsv_field(c)}"
-                             for r, c in zip(rows, classes)]
+  lines = ["name\tclass"] + [
+    f"{_tsv_field(index.rows[r]['name'])}\t{_tsv_field(c)}" for r, c in zip(rows, classes)
+  ]
   files.write_atomic(f"{workdir}/{PROJECTOR_METADATA}", "\n".join(lines) + "\n")
   cell = min(images[0].shape[0], SPRITE_SIDE // math.ceil(math.sqrt(len(images))))
   if cell != images[0].shape[0]:

@@ -23,29 +23,34 @@ Beside it OUT/export.json records what was exported from where; it is written la
 so a workdir holding it holds a complete export and is refused. Not a training loop,
 so not run by runner.run.
 """
+
 import importlib.util
 import json
 
+from absl import logging
 import jax
+from jax.experimental import jax2tf
 import numpy as np
 import tensorflow as tf
-from absl import logging
-from jax.experimental import jax2tf
 
-from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.core.errors import JobError
+from contrastive_jax import models
 from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import tensor_files
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
 from contrastive_jax.data import input_pipeline
-from contrastive_jax.training import restore
-from contrastive_jax import models
 from contrastive_jax.models import onnx_graph
 from contrastive_jax.models import resnet
 from contrastive_jax.models import state_dicts
+from contrastive_jax.training import restore
 
-FORMATS = {"safetensors": "encoder.safetensors", "pth": "encoder.pth",
-           "saved_model": "saved_model", "onnx": "encoder.onnx"}
+FORMATS = {
+  "safetensors": "encoder.safetensors",
+  "pth": "encoder.pth",
+  "saved_model": "saved_model",
+  "onnx": "encoder.onnx",
+}
 SERVING = ("saved_model", "onnx")  # The formats that run the encoder, and can serve z too.
 META = restore.EXPORT_META
 SIGNATURE = "serving_default"
@@ -57,22 +62,37 @@ def check_config(config):
   if config.format not in FORMATS:
     raise ConfigError("format", config.format, f"one of {list(FORMATS)}")
   if config.projection and config.format not in SERVING:
-    raise ConfigError("projection", config.projection,
-                      "False for a state dict: torchvision's and timm's models have no "
-                      f"projection head (the formats {list(SERVING)} serve z too)")
-  if config.projection and (config.random_init or tensor_files.is_weights_file(
-      config.pretrain_workdir or "")):
-    raise ConfigError("projection", config.projection,
-                      "False without a pretraining checkpoint (random_init, or a weights "
-                      "file): only a checkpoint holds a trained projection head")
+    raise ConfigError(
+      "projection",
+      config.projection,
+      "False for a state dict: torchvision's and timm's models have no "
+      f"projection head (the formats {list(SERVING)} serve z too)",
+    )
+  if config.projection and (
+    config.random_init or tensor_files.is_weights_file(config.pretrain_workdir or "")
+  ):
+    raise ConfigError(
+      "projection",
+      config.projection,
+      "False without a pretraining checkpoint (random_init, or a weights "
+      "file): only a checkpoint holds a trained projection head",
+    )
   if config.format == "pth" and importlib.util.find_spec("torch") is None:
-    raise ConfigError("format", config.format, "a format whose writer is installed: 'pth' "
-                      "needs torch (pip install 'contrastive_jax[torch]'); 'safetensors' holds "
-                      "the same state dict without it")
+    raise ConfigError(
+      "format",
+      config.format,
+      "a format whose writer is installed: 'pth' "
+      "needs torch (pip install 'contrastive_jax[torch]'); 'safetensors' holds "
+      "the same state dict without it",
+    )
   if config.format == "onnx" and importlib.util.find_spec("onnx") is None:
-    raise ConfigError("format", config.format, "a format whose writer is installed: 'onnx' "
-                      "needs the onnx package (pip install 'contrastive_jax[onnx]', which "
-                      "adds ONNX Runtime to read it)")
+    raise ConfigError(
+      "format",
+      config.format,
+      "a format whose writer is installed: 'onnx' "
+      "needs the onnx package (pip install 'contrastive_jax[onnx]', which "
+      "adds ONNX Runtime to read it)",
+    )
 
 
 def run(config, workdir: str) -> str:
@@ -97,21 +117,32 @@ def run(config, workdir: str) -> str:
       if config.format == "saved_model":
         write_saved_model(path, encoder.module, variables, encoder.pretrained, projector)
       elif config.format == "onnx":
-        write_onnx(path, variables, encoder.pretrained, projector,
-                   {"pretrain_workdir": str(config.pretrain_workdir),
-                    "pretrain_step": str(encoder.step)})
+        write_onnx(
+          path,
+          variables,
+          encoder.pretrained,
+          projector,
+          {"pretrain_workdir": str(config.pretrain_workdir), "pretrain_step": str(encoder.step)},
+        )
       else:
         _warn_if_not_the_references_network(encoder.pretrained.model)
         size = encoder.pretrained.image_size
-        tensor_files.write(path, state_dicts.to_state_dict(encoder.pretrained.model, variables,
-                                                           size))
-      meta = {"format": config.format, "path": path,
-              "pretrain_workdir": config.pretrain_workdir, "pretrain_step": encoder.step,
-              "random_init": config.random_init, "projection": config.projection,
-              "eval_crop": input_pipeline.EvalCrop.of(encoder.pretrained)._asdict(),
-              "model": encoder.pretrained.model.to_dict(), "dim": encoder.dim,
-              # Read back when a downstream job takes the file (training/restore.py).
-              "pretrained_config": encoder.pretrained.to_dict()}
+        tensor_files.write(
+          path, state_dicts.to_state_dict(encoder.pretrained.model, variables, size)
+        )
+      meta = {
+        "format": config.format,
+        "path": path,
+        "pretrain_workdir": config.pretrain_workdir,
+        "pretrain_step": encoder.step,
+        "random_init": config.random_init,
+        "projection": config.projection,
+        "eval_crop": input_pipeline.EvalCrop.of(encoder.pretrained)._asdict(),
+        "model": encoder.pretrained.model.to_dict(),
+        "dim": encoder.dim,
+        # Read back when a downstream job takes the file (training/restore.py).
+        "pretrained_config": encoder.pretrained.to_dict(),
+      }
       files.write_atomic(f"{workdir}/{META}", json.dumps(meta, indent=1, default=str))
   return path
 
@@ -123,21 +154,27 @@ def _warn_if_not_the_references_network(model_config):
   (SimCLR's, BYOL's), whose extra layer1.0.downsample tensors a strict load refuses."""
   padding = resnet.padding_rule(model_config) if models.family(model_config) == "resnet" else None
   # A bottleneck stage's first block widens anyway: only ResNet-18/34 gain tensors.
-  extra = (padding is not None and model_config.get("stage_projection", False)
-           and resnet.SPECS[model_config.name][0] == "basic")
+  extra = (
+    padding is not None
+    and model_config.get("stage_projection", False)
+    and resnet.SPECS[model_config.name][0] == "basic"
+  )
   if padding not in (None, "torchvision") or extra:
     logging.warning(
-        "The checkpoint's ResNet is not torchvision's (padding %r, a projection shortcut in "
-        "every stage's first block: %s): the state dict holds its tensors in torchvision's "
-        "names, but torchvision's network computes another h from them or refuses them "
-        "(docs/weights.md). The SavedModel and ONNX exports compute this package's h.",
-        padding, extra)
+      "The checkpoint's ResNet is not torchvision's (padding %r, a projection shortcut in "
+      "every stage's first block: %s): the state dict holds its tensors in torchvision's "
+      "names, but torchvision's network computes another h from them or refuses them "
+      "(docs/weights.md). The SavedModel and ONNX exports compute this package's h.",
+      padding,
+      extra,
+    )
 
 
 def _refuse_existing_export(workdir: str):
   if tf.io.gfile.exists(f"{workdir}/{META}"):
-    raise JobError(f"--workdir={workdir}: already holds an export ({META}); use a new workdir "
-                   "or delete it")
+    raise JobError(
+      f"--workdir={workdir}: already holds an export ({META}); use a new workdir or delete it"
+    )
 
 
 def serving_function(module, variables, pretrained, projector=None):
@@ -161,14 +198,15 @@ def serving_function(module, variables, pretrained, projector=None):
 
   converted = jax2tf.convert(outputs, polymorphic_shapes=[None, f"(b, {size}, {size}, 3)"])
   host = {"encoder": variables, **({} if projector is None else {"projector": projector[1]})}
-  tf_variables = tf.nest.map_structure(lambda x: tf.Variable(np.asarray(x), trainable=False),
-                                       host)
+  tf_variables = tf.nest.map_structure(lambda x: tf.Variable(np.asarray(x), trainable=False), host)
 
-  @tf.function(input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="images")],
-               autograph=False)
+  @tf.function(
+    input_signature=[tf.TensorSpec([None, None, None, 3], tf.uint8, name="images")], autograph=False
+  )
   def serve(images):
-    crops = tf.map_fn(eval_crop.apply, images,
-                      fn_output_signature=tf.TensorSpec([size, size, 3], tf.uint8))
+    crops = tf.map_fn(
+      eval_crop.apply, images, fn_output_signature=tf.TensorSpec([size, size, 3], tf.uint8)
+    )
     return converted(tf_variables, crops)
 
   serve.tf_variables = tf_variables
@@ -196,10 +234,13 @@ def write_onnx(path: str, variables, pretrained, projector=None, source=None):
   strings: where the weights come from)."""
   model_config, size = pretrained.model, pretrained.image_size
   tensors = state_dicts.to_state_dict(model_config, variables, size)
-  metadata = {"input": f"uint8 [N, {size}, {size}, 3] RGB, centre-cropped as "
-                       "contrastive_jax.data.input_pipeline.center_crop does",
-              "eval_crop": json.dumps(input_pipeline.EvalCrop.of(pretrained)._asdict()),
-              # The checkpoint may compute in bfloat16 (model.dtype); the graph does not.
-              "compute_dtype": "float32", **(source or {})}
+  metadata = {
+    "input": f"uint8 [N, {size}, {size}, 3] RGB, centre-cropped as "
+    "contrastive_jax.data.input_pipeline.center_crop does",
+    "eval_crop": json.dumps(input_pipeline.EvalCrop.of(pretrained)._asdict()),
+    # The checkpoint may compute in bfloat16 (model.dtype); the graph does not.
+    "compute_dtype": "float32",
+    **(source or {}),
+  }
   model = onnx_graph.build(model_config, tensors, size, projector, metadata)
   files.write_atomic(path, model.SerializeToString())

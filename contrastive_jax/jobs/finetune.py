@@ -19,6 +19,7 @@ and follow the fine-tuned encoder (momentum 0.9), used at evaluation. Frozen
 statistics would describe the pretraining views' activations, which drift
 away as the weights change.
 """
+
 import csv
 import functools
 import io
@@ -28,22 +29,22 @@ import jax
 import jax.numpy as jnp
 import tensorflow as tf
 
+from contrastive_jax import models
 from contrastive_jax.core import checkpointing
+from contrastive_jax.core import files
+from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import ResumeError
-from contrastive_jax.core import files
-from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import sources
-from contrastive_jax.training import downstream
-from contrastive_jax.training import evaluators
-from contrastive_jax.training import restore
-from contrastive_jax.training import runner
 from contrastive_jax.methods import ENCODER
 from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import optim
-from contrastive_jax import models
+from contrastive_jax.training import downstream
+from contrastive_jax.training import evaluators
+from contrastive_jax.training import restore
+from contrastive_jax.training import runner
 
 SUBSET_FILE = "labelled_subset.csv"
 
@@ -52,9 +53,11 @@ def check_config(config, num_devices: int):
   """Raises ConfigError for fine-tuning fields that cannot run (before any compute)."""
   downstream.check_config(config, num_devices)
   if not 0 < config.label_fraction <= 1:
-    raise ConfigError("label_fraction", config.label_fraction,
-                      "in (0, 1]: the fraction of each class's train labels to fine-tune on "
-                      "(e.g. 0.01, 0.1 or 1)")
+    raise ConfigError(
+      "label_fraction",
+      config.label_fraction,
+      "in (0, 1]: the fraction of each class's train labels to fine-tune on (e.g. 0.01, 0.1 or 1)",
+    )
   if config.label_seed < 0:
     raise ConfigError("label_seed", config.label_seed, "an integer >= 0")
 
@@ -71,8 +74,12 @@ def make_train_step(encoder, head, tx):
     return images.astype(jnp.float32) / 255.0  # Scaled as models.encode does.
 
   def forward(params, batch_stats, images):
-    h, updates = encoder.apply({"params": params[ENCODER], "batch_stats": batch_stats[ENCODER]},
-                               images, train=True, mutable=["batch_stats"])
+    h, updates = encoder.apply(
+      {"params": params[ENCODER], "batch_stats": batch_stats[ENCODER]},
+      images,
+      train=True,
+      mutable=["batch_stats"],
+    )
     logits = head.apply({"params": params["head"]}, h)
     return logits, {ENCODER: updates.get("batch_stats", {})}  # {}: a ViT has no BN.
 
@@ -103,9 +110,11 @@ def record_subset(subset: sources.LabelledSubset, workdir: str, resumed: bool):
   if resumed and tf.io.gfile.exists(path):
     with tf.io.gfile.GFile(path) as f:
       if f.read() != text:
-        raise JobError(f"{path} lists another labelled subset than label_fraction and "
-                       f"label_seed select from dataset {subset.name!r} now: the dataset "
-                       "changed since this run started. Use a new workdir")
+        raise JobError(
+          f"{path} lists another labelled subset than label_fraction and "
+          f"label_seed select from dataset {subset.name!r} now: the dataset "
+          "changed since this run started. Use a new workdir"
+        )
     return
   if jax.process_index() == 0:
     files.write_atomic(path, text)
@@ -122,17 +131,24 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
   """
   config = config.copy_and_resolve_references()
   source = downstream.labelled_source(config, "fine-tuning")
-  subset = sources.LabelledSubset(source, config.train_split, config.label_fraction,
-                                  config.label_seed)
+  subset = sources.LabelledSubset(
+    source, config.train_split, config.label_fraction, config.label_seed
+  )
   size = subset.num_examples(config.train_split, "train_split")
   if size < config.batch_size:
-    raise ConfigError("batch_size", config.batch_size,
-                      f"at most the labelled subset's size ({size} images: label_fraction "
-                      f"{config.label_fraction} of split {config.train_split!r})")
+    raise ConfigError(
+      "batch_size",
+      config.batch_size,
+      f"at most the labelled subset's size ({size} images: label_fraction "
+      f"{config.label_fraction} of split {config.train_split!r})",
+    )
   encoder = restore.restore_encoder(config, mesh, saved_config)
   if saved_config is not None:  # Named as changed fields, before the subset file is compared.
-    differences = [d for d in checkpointing.config_differences(saved_config.to_dict(), config, ())
-                   if d[0] in ("label_fraction", "label_seed")]
+    differences = [
+      d
+      for d in checkpointing.config_differences(saved_config.to_dict(), config, ())
+      if d[0] in ("label_fraction", "label_seed")
+    ]
     if differences:
       raise ResumeError(f"{workdir}/checkpoints", differences, runner.MAY_CHANGE_ON_RESUME)
   record_subset(subset, workdir, resumed=saved_config is not None)
@@ -141,16 +157,23 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
   def make_trainer(schedule):
     # A random patch projection stays frozen, as the encoder was pretrained.
     tx = optim.build_optimizer(
-        config.optimizer, schedule,
-        freeze=encoder.pretrained.model.get("random_patch_projection", False))
+      config.optimizer,
+      schedule,
+      freeze=encoder.pretrained.model.get("random_patch_projection", False),
+    )
 
     def init_state(enc_vars):
-      params = {ENCODER: enc_vars["params"],
-                "head": head.init(jax.random.PRNGKey(config.seed),
-                                  jnp.zeros((1, encoder.dim)))["params"]}
-      return common.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                               batch_stats={ENCODER: enc_vars["batch_stats"]},
-                               opt_state=tx.init(params), rng=jax.random.PRNGKey(config.seed))
+      params = {
+        ENCODER: enc_vars["params"],
+        "head": head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, encoder.dim)))["params"],
+      }
+      return common.TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        batch_stats={ENCODER: enc_vars["batch_stats"]},
+        opt_state=tx.init(params),
+        rng=jax.random.PRNGKey(config.seed),
+      )
 
     def features(variables, images):
       return models.encode(encoder.module, encoder_variables(variables), images)
@@ -159,16 +182,27 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
       return head.apply({"params": variables["params"]["head"]}, features(variables, images))
 
     eval_model = evaluators.EvalModel(
-        variables=lambda state: {"params": state.params, "batch_stats": state.batch_stats},
-        features=features, logits=logits, dataset=None)
+      variables=lambda state: {"params": state.params, "batch_stats": state.batch_stats},
+      features=features,
+      logits=logits,
+      dataset=None,
+    )
     # The encoder's variables are an argument, not constants baked into the program.
-    init = functools.partial(jax.jit(init_state, out_shardings=mesh_lib.replicated(mesh)),
-                             encoder.variables)
-    return downstream.Trainer(init=init, train_step=make_train_step(encoder.module, head, tx),
-                              eval_model=eval_model)
+    init = functools.partial(
+      jax.jit(init_state, out_shardings=mesh_lib.replicated(mesh)), encoder.variables
+    )
+    return downstream.Trainer(
+      init=init, train_step=make_train_step(encoder.module, head, tx), eval_model=eval_model
+    )
 
   return downstream.build_task(
-      config, mesh, source=source, train_data=subset, encoder=encoder,
-      make_trainer=make_trainer, verb="Fine-tuning",
-      detail=f" on {size} labelled images (label_fraction {config.label_fraction:g} of "
-             f"{config.train_split!r})")
+    config,
+    mesh,
+    source=source,
+    train_data=subset,
+    encoder=encoder,
+    make_trainer=make_trainer,
+    verb="Fine-tuning",
+    detail=f" on {size} labelled images (label_fraction {config.label_fraction:g} of "
+    f"{config.train_split!r})",
+  )

@@ -14,34 +14,38 @@ standardises h with an affine-free BN so that one learning rate fits every
 encoder, the random baseline included); accuracy on every test image once
 (the config's 'classifier' evaluator).
 """
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from contrastive_jax.core.errors import ConfigError
+from contrastive_jax import methods
+from contrastive_jax import models
+from contrastive_jax import recipes
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.methods import common
+from contrastive_jax.methods import optim
 from contrastive_jax.training import downstream
 from contrastive_jax.training import evaluators
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
-from contrastive_jax import methods
-from contrastive_jax.methods import common
-from contrastive_jax.methods import optim
-from contrastive_jax import models
-from contrastive_jax import recipes
 
 # 'auto' runs the preset named as the checkpoint's method: every key of methods.METHODS
 # has one (tests/test_linear_probe.py).
 PRESETS = ("auto",) + tuple(recipes.LINEAR_PROBE_PRESETS)
 # name -> (kernel init, bias init) of the linear layer.
-HEAD_INITS = {"zeros": (nn.initializers.zeros, nn.initializers.zeros),
-              "normal_0.01": (nn.initializers.normal(0.01), nn.initializers.zeros),
-              "lecun_normal": (nn.initializers.lecun_normal(), nn.initializers.zeros)}
+HEAD_INITS = {
+  "zeros": (nn.initializers.zeros, nn.initializers.zeros),
+  "normal_0.01": (nn.initializers.normal(0.01), nn.initializers.zeros),
+  "lecun_normal": (nn.initializers.lecun_normal(), nn.initializers.zeros),
+}
 
 
 class LinearHead(nn.Module):
   """[N, D] float32 features -> [N, num_classes] logits: a Dense, after an affine-free BN
   with standardize (the 'standardised' preset); dense_init a HEAD_INITS name."""
+
   num_classes: int
   standardize: bool = True
   dense_init: str = "zeros"
@@ -49,8 +53,9 @@ class LinearHead(nn.Module):
   @nn.compact
   def __call__(self, h, train: bool):
     if self.standardize:
-      h = nn.BatchNorm(use_running_average=not train, use_scale=False, use_bias=False,
-                       momentum=0.9, epsilon=1e-6)(h)
+      h = nn.BatchNorm(
+        use_running_average=not train, use_scale=False, use_bias=False, momentum=0.9, epsilon=1e-6
+      )(h)
     kernel_init, bias_init = HEAD_INITS[self.dense_init]
     return nn.Dense(self.num_classes, kernel_init=kernel_init, bias_init=bias_init)(h)
 
@@ -81,8 +86,9 @@ def make_train_step(encoder, head, tx):
     return jax.lax.stop_gradient(models.encode(encoder, enc_vars, images))
 
   def forward(params, batch_stats, h):
-    logits, updates = head.apply({"params": params, "batch_stats": batch_stats}, h,
-                                 train=True, mutable=["batch_stats"])
+    logits, updates = head.apply(
+      {"params": params, "batch_stats": batch_stats}, h, train=True, mutable=["batch_stats"]
+    )
     return logits, updates.get("batch_stats", {})
 
   return downstream.make_classifier_step(inputs, forward, tx)
@@ -114,12 +120,16 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
     tx = optim.build_optimizer(config.optimizer, schedule)
 
     def init():
-      variables = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, encoder.dim)),
-                            train=False)
-      return common.TrainState(step=jnp.zeros((), jnp.int32), params=variables["params"],
-                               batch_stats=variables.get("batch_stats", {}),
-                               opt_state=tx.init(variables["params"]),
-                               rng=jax.random.PRNGKey(config.seed))
+      variables = head.init(
+        jax.random.PRNGKey(config.seed), jnp.zeros((1, encoder.dim)), train=False
+      )
+      return common.TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=variables["params"],
+        batch_stats=variables.get("batch_stats", {}),
+        opt_state=tx.init(variables["params"]),
+        rng=jax.random.PRNGKey(config.seed),
+      )
 
     step_fn = make_train_step(encoder.module, head, tx)
 
@@ -128,15 +138,28 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
       return head.apply(head_vars, models.encode(encoder.module, enc, images), train=False)
 
     eval_model = evaluators.EvalModel(
-        variables=lambda state: (enc_vars, {"params": state.params,
-                                            "batch_stats": state.batch_stats}),
-        features=lambda variables, images: models.encode(encoder.module, variables[0], images),
-        logits=logits, dataset=None)
-    return downstream.Trainer(init=jax.jit(init, out_shardings=mesh_lib.replicated(mesh)),
-                              train_step=lambda state, batch: step_fn(state, batch, enc_vars),
-                              eval_model=eval_model)
+      variables=lambda state: (
+        enc_vars,
+        {"params": state.params, "batch_stats": state.batch_stats},
+      ),
+      features=lambda variables, images: models.encode(encoder.module, variables[0], images),
+      logits=logits,
+      dataset=None,
+    )
+    return downstream.Trainer(
+      init=jax.jit(init, out_shardings=mesh_lib.replicated(mesh)),
+      train_step=lambda state, batch: step_fn(state, batch, enc_vars),
+      eval_model=eval_model,
+    )
 
   method = " (the method's)" if preset == encoder.pretrained.method else ""
-  return downstream.build_task(config, mesh, source=source, train_data=source, encoder=encoder,
-                               make_trainer=make_trainer, verb="Probing",
-                               detail=f" with the linear-probe preset {preset!r}{method}")
+  return downstream.build_task(
+    config,
+    mesh,
+    source=source,
+    train_data=source,
+    encoder=encoder,
+    make_trainer=make_trainer,
+    verb="Probing",
+    detail=f" with the linear-probe preset {preset!r}{method}",
+  )

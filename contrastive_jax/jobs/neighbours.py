@@ -35,20 +35,21 @@ device in chunks (search/exact.py), so an index of millions of rows never needs
 more than a chunk of scores per query batch. Not a training loop, so not run
 by runner.run.
 """
+
 import json
 import os
 
+from absl import logging
+from clu import metric_writers
 import jax
 import numpy as np
 import tensorflow as tf
-from absl import logging
-from clu import metric_writers
 
-from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.core.errors import ImageError
 from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import pictures
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import ImageError
 from contrastive_jax.data import images
 from contrastive_jax.search import index as index_lib
 from contrastive_jax.search import searcher as searcher_lib
@@ -74,8 +75,9 @@ def _named_queries(config) -> list:
       with open(config.queries_file, encoding="utf-8", newline="") as f:
         text = f.read()
     except (OSError, UnicodeDecodeError) as e:
-      raise ConfigError("queries_file", config.queries_file,
-                        f"a UTF-8 text file of queries, one per line ({e})") from None
+      raise ConfigError(
+        "queries_file", config.queries_file, f"a UTF-8 text file of queries, one per line ({e})"
+      ) from None
     lines = [line.removesuffix("\r") for line in text.split("\n")]
     found += [(line, number) for number, line in enumerate(lines, 1) if line]
   return found
@@ -85,9 +87,11 @@ def _query_error(config, query: str, line, allowed: str) -> ConfigError:
   """The ConfigError for one query: naming config.queries and it, or config.queries_file
   and its line."""
   if line is not None:
-    return ConfigError("queries_file", config.queries_file,
-                       f"a file of queries, one per line; line {line} ({query!r}) must be "
-                       f"{allowed}")
+    return ConfigError(
+      "queries_file",
+      config.queries_file,
+      f"a file of queries, one per line; line {line} ({query!r}) must be {allowed}",
+    )
   return ConfigError("queries", query, allowed)
 
 
@@ -99,15 +103,20 @@ def check_config(config):
   if config.search not in searcher_lib.MODES:
     raise ConfigError("search", config.search, f"one of {searcher_lib.MODES}")
   if not _named_queries(config) and not _split(config.query_rows):
-    raise ConfigError("queries", config.queries,
-                      "at least one query: image files or names of index rows, "
-                      "comma-separated (or config.queries_file: one per line; "
-                      "config.query_rows: row numbers)")
-  if not config.index_workdir or not index_lib.is_index(
-      files.resolve_dir(config.index_workdir)):
-    raise ConfigError("index_workdir", config.index_workdir,
-                      f"the workdir of a finished embed job (holding {index_lib.META}, "
-                      f"{index_lib.INDEX} and {index_lib.EMBEDDINGS})")
+    raise ConfigError(
+      "queries",
+      config.queries,
+      "at least one query: image files or names of index rows, "
+      "comma-separated (or config.queries_file: one per line; "
+      "config.query_rows: row numbers)",
+    )
+  if not config.index_workdir or not index_lib.is_index(files.resolve_dir(config.index_workdir)):
+    raise ConfigError(
+      "index_workdir",
+      config.index_workdir,
+      f"the workdir of a finished embed job (holding {index_lib.META}, "
+      f"{index_lib.INDEX} and {index_lib.EMBEDDINGS})",
+    )
 
 
 def _queries(config, index: index_lib.Index):
@@ -125,26 +134,38 @@ def _queries(config, index: index_lib.Index):
   found = []
   for item in _split(config.query_rows):
     if not item.isdigit() or int(item) >= num_rows:
-      raise ConfigError("query_rows", config.query_rows,
-                        f"comma-separated rows of the index, each in [0, {num_rows}) ({item!r} "
-                        "is not)")
+      raise ConfigError(
+        "query_rows",
+        config.query_rows,
+        f"comma-separated rows of the index, each in [0, {num_rows}) ({item!r} is not)",
+      )
     found.append((item, int(item), None))
   by_name = {row["name"]: i for i, row in enumerate(index.rows)}
   for item, line in _named_queries(config):
     if item in by_name:
       found.append((item, by_name[item], None))
     elif not os.path.isfile(item):
-      hint = (" (a query whose name has a comma goes in config.queries_file, one per line)"
-              if line is None and "," in config.queries else "")
-      raise _query_error(config, item, line, "an image file or the name of a row of the index "
-                         f"(see {index_lib.INDEX}); there is no such file or name{hint}")
+      hint = (
+        " (a query whose name has a comma goes in config.queries_file, one per line)"
+        if line is None and "," in config.queries
+        else ""
+      )
+      raise _query_error(
+        config,
+        item,
+        line,
+        "an image file or the name of a row of the index "
+        f"(see {index_lib.INDEX}); there is no such file or name{hint}",
+      )
     else:
       try:
-        image = images.load_image(item, max_pixels=config.max_pixels,
-                                  shorter_side=index.eval_crop.shorter_side())
+        image = images.load_image(
+          item, max_pixels=config.max_pixels, shorter_side=index.eval_crop.shorter_side()
+        )
       except ImageError as e:
-        raise _query_error(config, item, line,
-                           f"an image file that can be read: {e.reason}") from None
+        raise _query_error(
+          config, item, line, f"an image file that can be read: {e.reason}"
+        ) from None
       found.append((item, None, index_lib.center_crop(index, image, index.eval_crop.size)))
   return found
 
@@ -169,37 +190,61 @@ def run(config, workdir: str) -> dict:
   index = index_lib.load_index(index_workdir, where=where)
   if config.k > len(index.rows):
     raise ConfigError("k", config.k, f"at most the size of the index ({len(index.rows)})")
-  searcher = searcher_lib.Searcher(index, index_workdir, mode=config.search,
-                                   chunk_size=config.chunk_size, where=where)
+  searcher = searcher_lib.Searcher(
+    index, index_workdir, mode=config.search, chunk_size=config.chunk_size, where=where
+  )
   queries = _queries(config, index)
   with files.workdir_lock(workdir):
     return _search_and_write(config, workdir, index_workdir, index, queries, searcher)
 
 
-def _search_and_write(config, workdir: str, index_workdir: str, index: index_lib.Index,
-                      queries, searcher: searcher_lib.Searcher) -> dict:
-  """run's work once the queries are read and the workdir locked; returns the results.
-
-  """
+def _search_and_write(
+  config,
+  workdir: str,
+  index_workdir: str,
+  index: index_lib.Index,
+  queries,
+  searcher: searcher_lib.Searcher,
+) -> dict:
+  """run's work once the queries are read and the workdir locked; returns the results."""
   new_images = [image for _, row, image in queries if row is None]
   embedded = iter([])
   if new_images:  # Embedded whole on every device: a few images.
     mesh = mesh_lib.make_mesh()
     model = restore.embed_model(index.config, mesh)
-    embedded = iter(np.asarray(model.embed(jax.device_put(np.stack(new_images),
-                                                          mesh_lib.replicated(mesh)))))
-  vectors = np.stack([index.embeddings[row] if row is not None else next(embedded)
-                      for _, row, _ in queries])
+    embedded = iter(
+      np.asarray(model.embed(jax.device_put(np.stack(new_images), mesh_lib.replicated(mesh))))
+    )
+  vectors = np.stack(
+    [index.embeddings[row] if row is not None else next(embedded) for _, row, _ in queries]
+  )
   search = searcher.description
   scores, rows = searcher.search(vectors, config.k)
-  logging.info("Searched %d rows (%s) for the %d nearest of %d queries.", len(index.rows),
-               search, config.k, len(queries))
+  logging.info(
+    "Searched %d rows (%s) for the %d nearest of %d queries.",
+    len(index.rows),
+    search,
+    config.k,
+    len(queries),
+  )
 
-  results = {"index_workdir": index_workdir, "k": config.k, "search": search, "queries": [
-      {"query": item, "row": row,
-       "neighbours": [dict(index.rows[r], row=int(r), score=float(s))
-                      for r, s in zip(rows[i], scores[i]) if r >= 0]}
-      for i, (item, row, _) in enumerate(queries)]}
+  results = {
+    "index_workdir": index_workdir,
+    "k": config.k,
+    "search": search,
+    "queries": [
+      {
+        "query": item,
+        "row": row,
+        "neighbours": [
+          dict(index.rows[r], row=int(r), score=float(s))
+          for r, s in zip(rows[i], scores[i])
+          if r >= 0
+        ],
+      }
+      for i, (item, row, _) in enumerate(queries)
+    ],
+  }
   if jax.process_index() == 0:
     tf.io.gfile.makedirs(workdir)
     files.write_atomic(f"{workdir}/{RESULTS}", json.dumps(results, indent=1).encode())
@@ -220,8 +265,9 @@ def _picture(config, index: index_lib.Index, queries, scores, rows) -> np.ndarra
   have seen them smaller).
   """
   side = index.eval_crop.shorter_side(max(config.cell, index.eval_crop.size))
-  wanted = sorted({int(r) for r in rows.ravel() if r >= 0} |
-                  {r for _, r, _ in queries if r is not None})
+  wanted = sorted(
+    {int(r) for r in rows.ravel() if r >= 0} | {r for _, r, _ in queries if r is not None}
+  )
   read = index_lib.read_images(index, wanted, side)
   chars = int(config.cell * pictures.CHARS_PER_PIXEL)
 
@@ -232,8 +278,11 @@ def _picture(config, index: index_lib.Index, queries, scores, rows) -> np.ndarra
 
   lines, captions = [], []
   for (item, row, _), line_scores, line_rows in zip(queries, scores, rows):
-    query = read[row] if row is not None else images.load_image(
-        item, max_pixels=config.max_pixels, shorter_side=side)
+    query = (
+      read[row]
+      if row is not None
+      else images.load_image(item, max_pixels=config.max_pixels, shorter_side=side)
+    )
     found = [(s, int(r)) for s, r in zip(line_scores, line_rows) if r >= 0]
     shown = [query] + [read[r] for _, r in found]
     lines.append([index_lib.center_crop(index, x, config.cell) for x in shown])

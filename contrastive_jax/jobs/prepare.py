@@ -38,6 +38,7 @@ and the temporary folder removed, and the temporary folder of a preparation
 that was killed is removed by the next one of the same name. Not a training
 loop, so not run by runner.run.
 """
+
 import collections
 import json
 import logging as std_logging
@@ -48,12 +49,12 @@ from absl import logging
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from contrastive_jax.core import files
+from contrastive_jax.core import gcs
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import Interrupted
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import NoSpaceError
-from contrastive_jax.core import files
-from contrastive_jax.core import gcs
 from contrastive_jax.data import layout
 from contrastive_jax.data import tfds_folder
 
@@ -65,18 +66,27 @@ def check_config(config):
   if not config.src:
     raise ConfigError("src", config.src, "a folder of image files, local or gs://")
   if not re.fullmatch(r"[a-z][a-z0-9_]*", config.name or ""):
-    raise ConfigError("name", config.name, "lowercase letters, digits and '_', starting with "
-                      "a letter (a TFDS dataset name)")
+    raise ConfigError(
+      "name",
+      config.name,
+      "lowercase letters, digits and '_', starting with a letter (a TFDS dataset name)",
+    )
   try:
     tfds.builder_cls(config.name)
   except tfds.core.registered.DatasetNotFoundError:
     pass
   else:
-    raise ConfigError("name", config.name, "a name TFDS does not know: it is a registered "
-                      "TFDS dataset, which jobs would read instead")
-  for field, value, low in (("image_size", config.image_size, 0),
-                            ("max_pixels", config.max_pixels, 1), ("seed", config.seed, 0),
-                            ("beam.direct_num_workers", config.beam.direct_num_workers, 0)):
+    raise ConfigError(
+      "name",
+      config.name,
+      "a name TFDS does not know: it is a registered TFDS dataset, which jobs would read instead",
+    )
+  for field, value, low in (
+    ("image_size", config.image_size, 0),
+    ("max_pixels", config.max_pixels, 1),
+    ("seed", config.seed, 0),
+    ("beam.direct_num_workers", config.beam.direct_num_workers, 0),
+  ):
     if value < low:
       raise ConfigError(field, value, f"an integer >= {low}")
   if config.format not in FORMATS:
@@ -100,8 +110,10 @@ def _import_beam():
   except ImportError as e:
     if e.name is None or not e.name.startswith("apache_beam"):
       raise
-    raise JobError("the prepare job runs on Apache Beam, which is not installed: pip install "
-                   "-e '.[beam]' (or pip install apache-beam==2.77.0)") from None
+    raise JobError(
+      "the prepare job runs on Apache Beam, which is not installed: pip install "
+      "-e '.[beam]' (or pip install apache-beam==2.77.0)"
+    ) from None
   finally:
     for where in filtered:
       where.removeFilter(quiet)
@@ -142,21 +154,31 @@ def run(config, workdir: str) -> dict:
   src = files.resolve_dir(config.src)
   gcs.check_credentials(src, "config.src")
   prepare_beam = _import_beam()
-  runner = prepare_beam.choose_runner(config.beam.runner, config.beam.direct_num_workers,
-                                      config.beam.options, "config.beam.runner")
-  if runner.name == "DataflowRunner" and not (src.startswith("gs://")
-                                              and data_dir.startswith("gs://")):
-    raise ConfigError("beam.runner", config.beam.runner,
-                      f"a local runner when config.src={src!r} or --workdir={data_dir!r} is "
-                      "not on gs://: its workers read and write both")
+  runner = prepare_beam.choose_runner(
+    config.beam.runner, config.beam.direct_num_workers, config.beam.options, "config.beam.runner"
+  )
+  if runner.name == "DataflowRunner" and not (
+    src.startswith("gs://") and data_dir.startswith("gs://")
+  ):
+    raise ConfigError(
+      "beam.runner",
+      config.beam.runner,
+      f"a local runner when config.src={src!r} or --workdir={data_dir!r} is "
+      "not on gs://: its workers read and write both",
+    )
   listed, skipped, stamps = layout.list_source(src, "config.src")
   num_entries = len(listed) + len(skipped)
   if (os.path.realpath(data_dir) + os.sep).startswith(os.path.realpath(src) + os.sep):
-    raise JobError(f"--workdir={data_dir!r}: is inside config.src={src!r}; choose a folder "
-                   "outside it")
-  options = dict(image_size=config.image_size, format=config.format,
-                 max_pixels=config.max_pixels, holdout_fraction=config.holdout_fraction,
-                 seed=config.seed)
+    raise JobError(
+      f"--workdir={data_dir!r}: is inside config.src={src!r}; choose a folder outside it"
+    )
+  options = dict(
+    image_size=config.image_size,
+    format=config.format,
+    max_pixels=config.max_pixels,
+    holdout_fraction=config.holdout_fraction,
+    seed=config.seed,
+  )
   digest = layout.fingerprint(listed, stamps, options)
   final = os.path.join(data_dir, config.name)
   previous = _unchanged(final, digest, config)
@@ -164,11 +186,14 @@ def run(config, workdir: str) -> dict:
     return previous
 
   examples, classes, layout_skipped, warnings = layout.layout(
-      listed, holdout_fraction=config.holdout_fraction, seed=config.seed)
+    listed, holdout_fraction=config.holdout_fraction, seed=config.seed
+  )
   skipped += layout_skipped
   if not examples.get("train"):
-    raise JobError(f"config.src={src!r}: no image to prepare for the train split "
-                   f"({num_entries} files" + (f"; skipped: {_first(skipped)})" if skipped else ")"))
+    raise JobError(
+      f"config.src={src!r}: no image to prepare for the train split "
+      f"({num_entries} files" + (f"; skipped: {_first(skipped)})" if skipped else ")")
+    )
   encoding = prepare_beam.Encoding(config.image_size, config.format, config.max_pixels)
 
   tf.io.gfile.makedirs(data_dir)
@@ -177,30 +202,44 @@ def run(config, workdir: str) -> dict:
     if previous:
       return previous
     for folder in tfds_folder.remove_stale(data_dir, config.name):
-      logging.info("Removed %s, the temporary folder of a preparation that did not finish.",
-                   folder)
-    kept = (f"the previous {final} is kept as it was" if tf.io.gfile.exists(final)
-            else f"no {final} was written")
+      logging.info("Removed %s, the temporary folder of a preparation that did not finish.", folder)
+    kept = (
+      f"the previous {final} is kept as it was"
+      if tf.io.gfile.exists(final)
+      else f"no {final} was written"
+    )
     kept += ", and no partly written copy is left"
     staging = None
     try:
       staging = tfds_folder.Staging(data_dir, config.name)
-      counts, failed, small = _write(prepare_beam, staging, src, runner, examples, classes,
-                                     encoding)
+      counts, failed, small = _write(
+        prepare_beam, staging, src, runner, examples, classes, encoding
+      )
       skipped += failed
-      warnings += [f"class {c!r}: no image of it could be decoded (its label is kept)"
-                   for c in classes if not any(counts[split][c] for split in counts)]
+      warnings += [
+        f"class {c!r}: no image of it could be decoded (its label is kept)"
+        for c in classes
+        if not any(counts[split][c] for split in counts)
+      ]
       report = dict(
-          src=src, name=config.name, fingerprint=digest, options=options, classes=classes,
-          splits={split: dict(images=sum(c.values()),
-                              per_class=dict(sorted(c.items())) if classes else {})
-                  for split, c in counts.items()},
-          files=num_entries, skipped=[dict(file=f, reason=r) for f, r in sorted(skipped)],
-          smaller_than_image_size=[dict(file=f, width=w, height=h)
-                                   for f, w, h in sorted(small)],
-          warnings=warnings)
-      files.write_atomic(os.path.join(staging.dataset, tfds_folder.VERSION, tfds_folder.REPORT),
-                         json.dumps(report, indent=1))
+        src=src,
+        name=config.name,
+        fingerprint=digest,
+        options=options,
+        classes=classes,
+        splits={
+          split: dict(images=sum(c.values()), per_class=dict(sorted(c.items())) if classes else {})
+          for split, c in counts.items()
+        },
+        files=num_entries,
+        skipped=[dict(file=f, reason=r) for f, r in sorted(skipped)],
+        smaller_than_image_size=[dict(file=f, width=w, height=h) for f, w, h in sorted(small)],
+        warnings=warnings,
+      )
+      files.write_atomic(
+        os.path.join(staging.dataset, tfds_folder.VERSION, tfds_folder.REPORT),
+        json.dumps(report, indent=1),
+      )
       staging.replace()
     except prepare_beam.PipelineError as e:
       if e.disk_full:
@@ -220,8 +259,10 @@ def run(config, workdir: str) -> dict:
 
 
 def _no_space(name: str, data_dir: str, kept: str) -> str:
-  return (f"no space left on device while preparing {name} in {data_dir}: {kept}; free space "
-          "and start the same command again")
+  return (
+    f"no space left on device while preparing {name} in {data_dir}: {kept}; free space "
+    "and start the same command again"
+  )
 
 
 def _unchanged(final: str, digest: str, config):
@@ -234,22 +275,34 @@ def _unchanged(final: str, digest: str, config):
   """
   previous = tfds_folder.previous_report(final)
   if previous and previous.get("fingerprint") == digest:
-    logging.info("%s already holds %s prepared from %s with the same files and options: %s; "
-                 "nothing written.", final, config.name, previous.get("src"),
-                 _contents(previous))
+    logging.info(
+      "%s already holds %s prepared from %s with the same files and options: %s; nothing written.",
+      final,
+      config.name,
+      previous.get("src"),
+      _contents(previous),
+    )
     return previous
   if not tf.io.gfile.exists(final) or config.overwrite:
     return None
   if previous and tf.io.gfile.glob(os.path.join(final, tfds_folder.VERSION, "*.tfrecord-*")):
     # TFRecord datasets (fingerprinted by file contents, not stamps) are streamed in training.
-    raise JobError(f"config.name={config.name!r}: {final} already holds a TFRecord dataset "
-                   f"(from {previous.get('src')}), which training reads as a stream; pass "
-                   "--config.overwrite=True to prepare it again as ArrayRecord, read in a fresh "
-                   "order every epoch")
-  what = (f"a dataset prepared from other files or options (from {previous.get('src')}, see "
-          "its prepare_report.json)" if previous else "something the prepare job did not write")
-  raise JobError(f"config.name={config.name!r}: {final} already holds {what}; pass "
-                 "--config.overwrite=True to replace it")
+    raise JobError(
+      f"config.name={config.name!r}: {final} already holds a TFRecord dataset "
+      f"(from {previous.get('src')}), which training reads as a stream; pass "
+      "--config.overwrite=True to prepare it again as ArrayRecord, read in a fresh "
+      "order every epoch"
+    )
+  what = (
+    f"a dataset prepared from other files or options (from {previous.get('src')}, see "
+    "its prepare_report.json)"
+    if previous
+    else "something the prepare job did not write"
+  )
+  raise JobError(
+    f"config.name={config.name!r}: {final} already holds {what}; pass "
+    "--config.overwrite=True to replace it"
+  )
 
 
 def _write(prepare_beam, staging, src: str, runner, examples: dict, classes, encoding):
@@ -269,25 +322,38 @@ def _write(prepare_beam, staging, src: str, runner, examples: dict, classes, enc
   """
   shards = prepare_beam.shard_examples(examples)
   elements = prepare_beam.write_lists(staging, shards)
-  prepare_beam.run_pipeline([e for split in sorted(elements) for e in elements[split]],
-                            runner, staging, src, encoding, classes)
-  done = {split: [prepare_beam.read_done(done_path) for _, _, done_path in elements[split]]
-          for split in elements}
+  prepare_beam.run_pipeline(
+    [e for split in sorted(elements) for e in elements[split]],
+    runner,
+    staging,
+    src,
+    encoding,
+    classes,
+  )
+  done = {
+    split: [prepare_beam.read_done(done_path) for _, _, done_path in elements[split]]
+    for split in elements
+  }
   _check_written(runner.name, shards, done)
-  failed = {split: sorted(tuple(s) for d in done[split] for s in d["skipped"])
-            for split in done}
+  failed = {split: sorted(tuple(s) for d in done[split] for s in d["skipped"]) for split in done}
   for split in done:
     if not any(d["examples"] for d in done[split]):
-      raise JobError(f"config.src={src!r}: no image of split {split!r} could be decoded; "
-                     f"skipped: {_first(failed[split])}")
+      raise JobError(
+        f"config.src={src!r}: no image of split {split!r} could be decoded; "
+        f"skipped: {_first(failed[split])}"
+      )
   feature_dict = tfds_folder.features(encoding.format, classes)
   tfds_folder.write_metadata(
-      os.path.join(staging.dataset, tfds_folder.VERSION), feature_dict,
-      {split: [d["examples"] for d in done[split]] for split in done},
-      {split: sum(d["num_bytes"] for d in done[split]) for split in done},
-      description=f"Images of {src}, prepared by contrastive_jax's prepare job.")
-  counts = {split: sum((collections.Counter(d["per_class"]) for d in done[split]),
-                       collections.Counter()) for split in sorted(done)}
+    os.path.join(staging.dataset, tfds_folder.VERSION),
+    feature_dict,
+    {split: [d["examples"] for d in done[split]] for split in done},
+    {split: sum(d["num_bytes"] for d in done[split]) for split in done},
+    description=f"Images of {src}, prepared by contrastive_jax's prepare job.",
+  )
+  counts = {
+    split: sum((collections.Counter(d["per_class"]) for d in done[split]), collections.Counter())
+    for split in sorted(done)
+  }
   small = [tuple(s) for split in done for d in done[split] for s in d["small"]]
   return counts, [s for split in failed for s in failed[split]], small
 
@@ -304,21 +370,29 @@ def _check_written(runner_name: str, shards: dict, done: dict) -> None:
     written = sum(d["examples"] for d in done[split] if d)
     reported = sum(len(d["skipped"]) for d in done[split] if d)
     if written + reported != listed:
-      raise JobError(f"the Beam pipeline on {runner_name} lost files: split {split!r} has "
-                     f"{written} examples, but {listed - reported} of its {listed} files "
-                     "were not reported as skipped; nothing was replaced")
+      raise JobError(
+        f"the Beam pipeline on {runner_name} lost files: split {split!r} has "
+        f"{written} examples, but {listed - reported} of its {listed} files "
+        "were not reported as skipped; nothing was replaced"
+      )
 
 
 def _first(skipped, n=3) -> str:
   return "; ".join(f"{f}: {reason}" for f, reason in skipped[:n]) + (
-      f"; ... ({len(skipped) - n} more)" if len(skipped) > n else "")
+    f"; ... ({len(skipped) - n} more)" if len(skipped) > n else ""
+  )
 
 
 def _contents(report: dict) -> str:
   """'train 236, test 60 records, 60 classes' (or 'unlabeled') of a report."""
-  order = sorted(report["splits"], key=lambda s: (s not in layout.SPLIT_FOLDERS,
-                                                  layout.SPLIT_FOLDERS.index(s)
-                                                  if s in layout.SPLIT_FOLDERS else 0, s))
+  order = sorted(
+    report["splits"],
+    key=lambda s: (
+      s not in layout.SPLIT_FOLDERS,
+      layout.SPLIT_FOLDERS.index(s) if s in layout.SPLIT_FOLDERS else 0,
+      s,
+    ),
+  )
   splits = ", ".join(f"{s} {report['splits'][s]['images']}" for s in order)
   kind = f"{len(report['classes'])} classes" if report["classes"] else "unlabeled"
   return f"{splits} records, {kind}"
@@ -329,14 +403,27 @@ def _log_summary(report: dict, data_dir: str) -> None:
   path = os.path.join(data_dir, report["name"], tfds_folder.VERSION)
   skipped = [(s["file"], s["reason"]) for s in report["skipped"]]
   if skipped:
-    logging.warning("Skipped %d of %d files (all listed in %s): %s", len(skipped),
-                    report["files"], os.path.join(path, tfds_folder.REPORT), _first(skipped))
+    logging.warning(
+      "Skipped %d of %d files (all listed in %s): %s",
+      len(skipped),
+      report["files"],
+      os.path.join(path, tfds_folder.REPORT),
+      _first(skipped),
+    )
   if report["smaller_than_image_size"]:
-    logging.info("%d images have a shorter side below config.image_size=%d (listed in the "
-                 "report): stored as they are; training crops upscale them.",
-                 len(report["smaller_than_image_size"]), report["options"]["image_size"])
+    logging.info(
+      "%d images have a shorter side below config.image_size=%d (listed in the "
+      "report): stored as they are; training crops upscale them.",
+      len(report["smaller_than_image_size"]),
+      report["options"]["image_size"],
+    )
   for warning in report["warnings"]:
     logging.warning("%s", warning)
-  logging.info("Wrote %s to %s: %s; train on it with --config.dataset=%s "
-               "--config.data_dir=%s", report["name"], path, _contents(report), report["name"],
-               data_dir)
+  logging.info(
+    "Wrote %s to %s: %s; train on it with --config.dataset=%s --config.data_dir=%s",
+    report["name"],
+    path,
+    _contents(report),
+    report["name"],
+    data_dir,
+  )

@@ -7,6 +7,7 @@ function of (seed, step), so a resumed run continues bit for bit. With
 config.init_from=FILE (a torchvision / timm / MoCo weights file) every network
 starts from that file's encoder; the heads start from the method's initialisation.
 """
+
 from typing import Any, Callable, NamedTuple
 
 import flax.linen as nn
@@ -16,25 +17,26 @@ import ml_collections
 import numpy as np
 import optax
 
+from contrastive_jax import models
 from contrastive_jax.core import durations
-from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import pictures
 from contrastive_jax.core import tensor_files
+from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.data import augment
 from contrastive_jax.data import crops
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
-from contrastive_jax.training import evaluators
-from contrastive_jax.training import runner
 from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import get_method
 from contrastive_jax.methods import optim
 from contrastive_jax.methods import run_keys
 from contrastive_jax.methods import with_encoder
-from contrastive_jax import models
 from contrastive_jax.models import state_dicts
+from contrastive_jax.training import evaluators
+from contrastive_jax.training import runner
+
 
 def check_config(config: ml_collections.ConfigDict, num_devices: int):
   """Raises ConfigError, naming the field, for a config that cannot run.
@@ -58,8 +60,10 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int):
 
 def views(config):
   """The (view 1, view 2) on-device augmentation settings of the config."""
-  return (augment.ViewAugment.from_config(config.augment.view1, "augment.view1"),
-          augment.ViewAugment.from_config(config.augment.view2, "augment.view2"))
+  return (
+    augment.ViewAugment.from_config(config.augment.view1, "augment.view1"),
+    augment.ViewAugment.from_config(config.augment.view2, "augment.view2"),
+  )
 
 
 def online_probe(config, num_classes: int) -> common.OnlineProbe:
@@ -79,15 +83,22 @@ def online_probe(config, num_classes: int) -> common.OnlineProbe:
 
 class Run(NamedTuple):
   """What a config builds: the model, its lr schedule, init and train step."""
+
   model: Any
   schedule: Callable
-  init: Callable          # () -> TrainState at step 0, replicated on the mesh.
-  train_step: Callable    # (state, batch) -> (state, metrics), jitted, state donated.
-  probe: Any              # common.OnlineProbe or None.
+  init: Callable  # () -> TrainState at step 0, replicated on the mesh.
+  train_step: Callable  # (state, batch) -> (state, metrics), jitted, state donated.
+  probe: Any  # common.OnlineProbe or None.
 
 
-def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int = 0,
-          encoder_variables_at_start=None) -> Run:
+def setup(
+  config,
+  mesh,
+  steps_per_epoch: int,
+  num_steps: int,
+  num_classes: int = 0,
+  encoder_variables_at_start=None,
+) -> Run:
   """Builds the method's model, optimizer, state initialiser and train step.
 
   num_classes > 0 (a labelled dataset) adds the online probe; 0, none.
@@ -95,10 +106,12 @@ def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int =
   (numpy) that every network of the state starts from (methods.with_encoder).
   """
   method = get_method(config.method)
-  schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size,
-                                          steps_per_epoch, num_steps)
-  tx = optim.build_optimizer(config.optimizer, schedule,
-                             freeze=config.model.get("random_patch_projection", False))
+  schedule = optim.learning_rate_schedule(
+    config.optimizer, config.batch_size, steps_per_epoch, num_steps
+  )
+  tx = optim.build_optimizer(
+    config.optimizer, schedule, freeze=config.model.get("random_patch_projection", False)
+  )
   model = method.build_model(config)
   probe = online_probe(config, num_classes) if num_classes > 0 else None
   init_rng, rng = run_keys(config.seed)
@@ -115,9 +128,10 @@ def setup(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int =
     drawn = init_state
     replace = jax.jit(with_encoder, out_shardings=replicated, donate_argnums=0)
     init_state = lambda: replace(drawn(), encoder_variables_at_start)
-  train_step = jax.jit(method.make_train_step(config, model, tx, views(config), mesh, num_steps,
-                                              probe),
-                       donate_argnums=0)
+  train_step = jax.jit(
+    method.make_train_step(config, model, tx, views(config), mesh, num_steps, probe),
+    donate_argnums=0,
+  )
   return Run(model, schedule, init_state, train_step, probe)
 
 
@@ -132,8 +146,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   del workdir
   method = get_method(config.method)
   # Read before any compute, and only when starting: a resumed run restores its state.
-  imported = (imported_encoder(config) if config.get("init_from") and saved_config is None
-              else None)
+  imported = imported_encoder(config) if config.get("init_from") and saved_config is None else None
   source = sources.get_source(config, {"train_split": config.train_split})
   evaluators.check_config(config.evaluators, source, jax.device_count())
   steps_per_epoch = runner.steps_per_epoch(source, config)
@@ -148,21 +161,34 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
     return run.probe.head.apply({"params": variables["probe"]}, h)
 
   eval_model = evaluators.EvalModel(
-      variables=lambda state: {"encoder": encoder_variables(state),
-                               "probe": state.probe.get("params")},
-      features=lambda variables, images: models.encode(encoder, variables["encoder"], images),
-      logits=logits if run.probe else None,
-      dataset=input_pipeline.eval_datasets(source,
-                                           eval_crop=input_pipeline.EvalCrop.of(config),
-                                           threads=config.data_threads, cache=config.cache))
-  return runner.Task(config=config, init=run.init, train_step=run.train_step,
-                     train_batches=input_pipeline.train_batches(
-                         source, config, mesh_lib.batch_sharded(mesh), image_size=config.image_size),
-                     num_steps=num_steps,
-                     steps_per_epoch=steps_per_epoch, global_batch=config.batch_size,
-                     schedule=run.schedule, eval_model=eval_model,
-                     num_classes=source.num_classes,
-                     views_picture=views_picture(views(config), mesh))
+    variables=lambda state: {
+      "encoder": encoder_variables(state),
+      "probe": state.probe.get("params"),
+    },
+    features=lambda variables, images: models.encode(encoder, variables["encoder"], images),
+    logits=logits if run.probe else None,
+    dataset=input_pipeline.eval_datasets(
+      source,
+      eval_crop=input_pipeline.EvalCrop.of(config),
+      threads=config.data_threads,
+      cache=config.cache,
+    ),
+  )
+  return runner.Task(
+    config=config,
+    init=run.init,
+    train_step=run.train_step,
+    train_batches=input_pipeline.train_batches(
+      source, config, mesh_lib.batch_sharded(mesh), image_size=config.image_size
+    ),
+    num_steps=num_steps,
+    steps_per_epoch=steps_per_epoch,
+    global_batch=config.batch_size,
+    schedule=run.schedule,
+    eval_model=eval_model,
+    num_classes=source.num_classes,
+    views_picture=views_picture(views(config), mesh),
+  )
 
 
 def imported_encoder(config) -> dict:
@@ -172,8 +198,9 @@ def imported_encoder(config) -> dict:
   Raises:
     WeightsError: a file that cannot be read or does not fit config.model (one line).
   """
-  return state_dicts.from_state_dict(tensor_files.read(config.init_from), config.init_from,
-                                     config.model, config.image_size)
+  return state_dicts.from_state_dict(
+    tensor_files.read(config.init_from), config.init_from, config.model, config.image_size
+  )
 
 
 def views_picture(view_settings, mesh, count: int = 16):
@@ -186,13 +213,19 @@ def views_picture(view_settings, mesh, count: int = 16):
   rows (a batch of 8: 4 rows of 2), each image as its view 1 then view 2,
   captioned '<row in batch>: 1' and '<row in batch>: 2'; cells are at least 64 px.
   """
+
   def per_device(state, images):
     return jnp.stack(common.augmented_views(images, state.rng, state.step, view_settings), axis=1)
 
-  sharded = jax.shard_map(per_device, mesh=mesh, in_specs=(jax.P(), jax.P(mesh_lib.DATA_AXIS)),
-                          out_specs=jax.P(mesh_lib.DATA_AXIS))
-  first = jax.jit(lambda state, images: sharded(state, images)[:count],
-                  out_shardings=mesh_lib.replicated(mesh))
+  sharded = jax.shard_map(
+    per_device,
+    mesh=mesh,
+    in_specs=(jax.P(), jax.P(mesh_lib.DATA_AXIS)),
+    out_specs=jax.P(mesh_lib.DATA_AXIS),
+  )
+  first = jax.jit(
+    lambda state, images: sharded(state, images)[:count], out_shardings=mesh_lib.replicated(mesh)
+  )
 
   def picture(state, batch):
     x = np.asarray(jax.device_get(first(state, batch["image"])))  # [n, 2, S, S, 3]
@@ -200,8 +233,10 @@ def views_picture(view_settings, mesh, count: int = 16):
     n = len(x)
     per_row = -(-n // 4)
     rows = [range(start, min(start + per_row, n)) for start in range(0, n, per_row)]
-    return pictures.grid([[x[i, v] for i in row for v in range(2)] for row in rows],
-                         [[f"{i}: {v + 1}" for i in row for v in range(2)] for row in rows],
-                         cell=max(64, x.shape[2]))
+    return pictures.grid(
+      [[x[i, v] for i in row for v in range(2)] for row in rows],
+      [[f"{i}: {v + 1}" for i in row for v in range(2)] for row in rows],
+      cell=max(64, x.shape[2]),
+    )
 
   return picture

@@ -25,6 +25,7 @@ state.batch_stats['encoder'] (encoder_variables; absent for an encoder without
 BN, a ViT), which is what their partial checkpoint restore reads. tests/test_methods.py checks every registered method
 against this contract.
 """
+
 import jax
 import optax
 
@@ -56,8 +57,10 @@ def encoder_variables(tree):
   batch_stats['encoder'] (a dict may then lack 'batch_stats' altogether).
   """
   get = tree.get if isinstance(tree, dict) else lambda k: getattr(tree, k)
-  return {"params": get("params")[ENCODER],
-          "batch_stats": (get("batch_stats") or {}).get(ENCODER, {})}
+  return {
+    "params": get("params")[ENCODER],
+    "batch_stats": (get("batch_stats") or {}).get(ENCODER, {}),
+  }
 
 
 def with_encoder(state, variables):
@@ -73,8 +76,9 @@ def with_encoder(state, variables):
     ValueError: variables not shaped like the state's encoder.
   """
   params, stats = variables["params"], variables.get("batch_stats") or {}
-  shapes = {name: jax.tree.structure(tree) for name, tree in (("params", params),
-                                                             ("batch_stats", stats))}
+  shapes = {
+    name: jax.tree.structure(tree) for name, tree in (("params", params), ("batch_stats", stats))
+  }
   if jax.tree.structure(state.params[ENCODER]) != shapes["params"]:
     raise ValueError("the variables are not shaped like the state's encoder")
 
@@ -84,15 +88,21 @@ def with_encoder(state, variables):
     out = {k: replace(v) for k, v in tree.items()}
     if ENCODER in tree:
       structure = jax.tree.structure(tree[ENCODER])
-      out[ENCODER] = params if structure == shapes["params"] else (
-          stats if structure == shapes["batch_stats"] else out[ENCODER])
+      out[ENCODER] = (
+        params
+        if structure == shapes["params"]
+        else (stats if structure == shapes["batch_stats"] else out[ENCODER])
+      )
     return out
 
   batch_stats = dict(state.batch_stats)
   if ENCODER in batch_stats:
     batch_stats[ENCODER] = stats
-  return state.replace(params=dict(state.params, **{ENCODER: params}), batch_stats=batch_stats,
-                       extra=replace(state.extra))
+  return state.replace(
+    params=dict(state.params, **{ENCODER: params}),
+    batch_stats=batch_stats,
+    extra=replace(state.extra),
+  )
 
 
 def run_keys(seed: int):
@@ -113,6 +123,6 @@ def initial_encoder_variables(config):
   method = get_method(config.method)
   init_rng, rng = run_keys(config.seed)
   # The optimizer state is dropped: any optimizer gives the same parameters.
-  return encoder_variables(method.init_state(config, method.build_model(config),
-                                             optax.identity(), init_rng, rng))
-
+  return encoder_variables(
+    method.init_state(config, method.build_model(config), optax.identity(), init_rng, rng)
+  )

@@ -10,11 +10,12 @@ over that view's batch, and the running statistics are updated twice per
 step, view 1 first (common.apply_per_view); the target network is initialised with its own key, not
 as a copy of the online one.
 """
+
 import jax
 import jax.numpy as jnp
 
-from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.methods import common
 
 _TARGET_PARTS = ("encoder", "projector")
@@ -76,11 +77,21 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   _make_initial_state), noting that a copy made no difference it could see.
   """
   params, batch_stats = common.init_variables(model, init_rng, config.image_size)
-  target_params, target_stats = common.init_variables(model, target_key(init_rng), config.image_size)
-  extra = {"target_params": _target_part(target_params),
-           "target_batch_stats": _target_part(target_stats)}
-  return common.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
-                           opt_state=tx.init(params), rng=rng, extra=extra)
+  target_params, target_stats = common.init_variables(
+    model, target_key(init_rng), config.image_size
+  )
+  extra = {
+    "target_params": _target_part(target_params),
+    "target_batch_stats": _target_part(target_stats),
+  }
+  return common.TrainState(
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    batch_stats=batch_stats,
+    opt_state=tx.init(params),
+    rng=rng,
+    extra=extra,
+  )
 
 
 def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
@@ -95,11 +106,13 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
     x1, x2 = common.augmented_views(images, state.rng, state.step, views)
     extra = state.extra
     (_, z1), (_, z2), target_stats = common.apply_per_view(
-        target_model, extra["target_params"], extra["target_batch_stats"], x1, x2)
+      target_model, extra["target_params"], extra["target_batch_stats"], x1, x2
+    )
 
     def loss_fn(params):
-      (h1, online_z1, p1), (_, _, p2), stats = common.apply_per_view(model, params,
-                                                                     state.batch_stats, x1, x2)
+      (h1, online_z1, p1), (_, _, p2), stats = common.apply_per_view(
+        model, params, state.batch_stats, x1, x2
+      )
       return byol_loss(p1, p2, z1, z2, mesh_lib.DATA_AXIS), (stats, {"h": h1, "z": online_z1})
 
     (loss, (stats, outputs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)

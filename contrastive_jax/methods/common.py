@@ -6,6 +6,7 @@ the PRNG streams, the two augmented views, the optimizer update, the health
 scalars, the online probe, the train step builder, the EMA, L2 normalisation
 and the gather over the global batch.
 """
+
 from typing import Any, NamedTuple
 
 import flax
@@ -13,11 +14,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from contrastive_jax import models
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.mesh import DATA_AXIS
 from contrastive_jax.data import augment
-from contrastive_jax import models
 from contrastive_jax.models import heads
+
 
 @flax.struct.dataclass
 class TrainState:
@@ -34,6 +36,7 @@ class TrainState:
       network), a dict; empty for SimCLR.
     probe: the online probe's {'params', 'opt_state'}, or {} without one.
   """
+
   step: jax.Array
   params: Any
   batch_stats: Any
@@ -59,10 +62,15 @@ def apply_per_view(network, params, batch_stats, x1, x2):
   the views separately); the running statistics are updated twice, view 1's
   first. Returns (outputs of x1, outputs of x2, the new batch_stats).
   """
-  out1, updates = network.apply({"params": params, "batch_stats": batch_stats}, x1,
-                                train=True, mutable=["batch_stats"])
-  out2, updates = network.apply({"params": params, "batch_stats": updates["batch_stats"]}, x2,
-                                train=True, mutable=["batch_stats"])
+  out1, updates = network.apply(
+    {"params": params, "batch_stats": batch_stats}, x1, train=True, mutable=["batch_stats"]
+  )
+  out2, updates = network.apply(
+    {"params": params, "batch_stats": updates["batch_stats"]},
+    x2,
+    train=True,
+    mutable=["batch_stats"],
+  )
   return out1, out2, updates["batch_stats"]
 
 
@@ -77,8 +85,9 @@ def augmented_views(images, rng, step, views):
     (x1, x2), float32 [b, H, W, 3] each; keys differ per device, view, example.
   """
   device = jax.lax.axis_index(DATA_AXIS)
-  return tuple(augment.augment_batch(images[:, v], view_key(rng, step, device, v), views[v])
-               for v in range(2))
+  return tuple(
+    augment.augment_batch(images[:, v], view_key(rng, step, device, v), views[v]) for v in range(2)
+  )
 
 
 # Independent random streams of a step: fold_in(fold_in(rng, step), stream).
@@ -110,10 +119,12 @@ def apply_gradients(state: TrainState, grads, tx: optax.GradientTransformation, 
   """
   updates, opt_state = tx.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
-  health = {"grad_norm": optax.tree.norm(grads), "update_norm": optax.tree.norm(updates),
-            "param_norm": optax.tree.norm(params)}
-  return state.replace(step=state.step + 1, params=params, opt_state=opt_state,
-                       **changes), health
+  health = {
+    "grad_norm": optax.tree.norm(grads),
+    "update_norm": optax.tree.norm(updates),
+    "param_norm": optax.tree.norm(params),
+  }
+  return state.replace(step=state.step + 1, params=params, opt_state=opt_state, **changes), health
 
 
 def projection_std(z, axis_name):
@@ -140,6 +151,7 @@ class OnlineProbe(NamedTuple):
   training is the same with and without it. head: a Flax module mapping
   float32 [b, D] to [b, num_classes] logits.
   """
+
   head: Any
   tx: optax.GradientTransformation
 
@@ -169,8 +181,7 @@ class OnlineProbe(NamedTuple):
   def update(self, probe_state, grads) -> dict:
     """One step of tx on {'params', 'opt_state'}; returns the new pair."""
     updates, opt_state = self.tx.update(grads, probe_state["opt_state"], probe_state["params"])
-    return {"params": optax.apply_updates(probe_state["params"], updates),
-            "opt_state": opt_state}
+    return {"params": optax.apply_updates(probe_state["params"], updates), "opt_state": opt_state}
 
 
 def build_train_step(per_device, tx, mesh, after_update=None, probe: OnlineProbe = None):
@@ -192,25 +203,31 @@ def build_train_step(per_device, tx, mesh, after_update=None, probe: OnlineProbe
     norms of apply_gradients and, with a probe, 'online_probe_loss' and
     'online_probe_train_top1' to the method's.
   """
+
   def sharded_part(state, images, labels=None):
     grads, batch_stats, extra, metrics, outputs = per_device(state, images)
     metrics = dict(metrics, projection_std=projection_std(outputs["z"], DATA_AXIS))
     probe_grads = None
     if probe is not None:
-      probe_grads, probe_metrics = probe.grads(state.probe["params"], outputs["h"], labels,
-                                               DATA_AXIS)
+      probe_grads, probe_metrics = probe.grads(
+        state.probe["params"], outputs["h"], labels, DATA_AXIS
+      )
       metrics.update(probe_metrics)
     return grads, batch_stats, extra, metrics, probe_grads
 
   # Labels are an input only with a probe: the methods themselves never see them.
   inputs = ("image",) if probe is None else ("image", "label")
-  sharded = jax.shard_map(sharded_part, mesh=mesh,
-                          in_specs=(jax.P(),) + (jax.P(DATA_AXIS),) * len(inputs),
-                          out_specs=jax.P())
+  sharded = jax.shard_map(
+    sharded_part,
+    mesh=mesh,
+    in_specs=(jax.P(),) + (jax.P(DATA_AXIS),) * len(inputs),
+    out_specs=jax.P(),
+  )
 
   def train_step(state, batch):
     grads, batch_stats, extra, metrics, probe_grads = sharded(
-        state, *(batch[name] for name in inputs))
+      state, *(batch[name] for name in inputs)
+    )
     state, health = apply_gradients(state, grads, tx, batch_stats=batch_stats, extra=extra)
     if after_update is not None:
       state = after_update(state)
@@ -244,8 +261,9 @@ def ema_update(target, online, momentum):
   MoCo's key encoder (He et al. 2019, Eq. 2) and BYOL's target network
   (Grill et al. 2020, Eq. 1). No gradient flows through it.
   """
-  return jax.tree.map(lambda t, o: momentum * t + (1.0 - momentum) * jax.lax.stop_gradient(o),
-                      target, online)
+  return jax.tree.map(
+    lambda t, o: momentum * t + (1.0 - momentum) * jax.lax.stop_gradient(o), target, online
+  )
 
 
 def l2_normalize(x):
@@ -258,8 +276,7 @@ def gather_global(x, axis_name):
   the index of this device's first row in them). With axis_name None: (x, 0)."""
   if axis_name is None:
     return x, 0
-  return (jax.lax.all_gather(x, axis_name, tiled=True),
-          jax.lax.axis_index(axis_name) * x.shape[0])
+  return (jax.lax.all_gather(x, axis_name, tiled=True), jax.lax.axis_index(axis_name) * x.shape[0])
 
 
 def build_model_with_predictor(config) -> heads.ContrastiveModel:
@@ -269,9 +286,10 @@ def build_model_with_predictor(config) -> heads.ContrastiveModel:
   network (Chen et al. 2021, Algorithm 1) have this shape.
   """
   return heads.ContrastiveModel(
-      encoder=models.build_encoder(config.model, bn_axis_name=DATA_AXIS),
-      projector=models.build_mlp(config.projector, config.model.dtype, DATA_AXIS),
-      predictor=models.build_mlp(config.predictor, config.model.dtype, DATA_AXIS))
+    encoder=models.build_encoder(config.model, bn_axis_name=DATA_AXIS),
+    projector=models.build_mlp(config.projector, config.model.dtype, DATA_AXIS),
+    predictor=models.build_mlp(config.predictor, config.model.dtype, DATA_AXIS),
+  )
 
 
 def check_heads_with_predictor(config, why: str):
@@ -280,5 +298,8 @@ def check_heads_with_predictor(config, why: str):
   models.check_mlp_config(config.projector, "projector")
   models.check_mlp_config(config.predictor, "predictor")
   if config.predictor.out_dim != config.projector.out_dim:
-    raise ConfigError("predictor.out_dim", config.predictor.out_dim,
-                      f"projector.out_dim ({config.projector.out_dim}): {why}")
+    raise ConfigError(
+      "predictor.out_dim",
+      config.predictor.out_dim,
+      f"projector.out_dim ({config.projector.out_dim}): {why}",
+    )

@@ -22,15 +22,15 @@ per-GPU batches), keys in shuffled order (a random one). The running
 statistics are the mean over groups (the reference keeps GPU 0's, copied to
 the others by DistributedDataParallel).
 """
+
 import jax
 import jax.numpy as jnp
 
-from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.methods import common
 from contrastive_jax import models
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.methods import common
 from contrastive_jax.models import heads
-
 
 
 def info_nce(q, k, queue, temperature: float, axis_name=None):
@@ -79,23 +79,32 @@ def check_config(config, num_train_examples: int):
   if not 0.0 <= moco.momentum <= 1.0:
     raise ConfigError("moco.momentum", moco.momentum, "in [0, 1]")
   if moco.momentum_schedule not in common.MOMENTUM_SCHEDULES:
-    raise ConfigError("moco.momentum_schedule", moco.momentum_schedule,
-                      f"one of {list(common.MOMENTUM_SCHEDULES)}")
+    raise ConfigError(
+      "moco.momentum_schedule", moco.momentum_schedule, f"one of {list(common.MOMENTUM_SCHEDULES)}"
+    )
   if moco.queue_size <= 0 or moco.queue_size % config.batch_size:
-    raise ConfigError("moco.queue_size", moco.queue_size,
-                      f"a positive multiple of batch_size ({config.batch_size}): each step "
-                      "writes one global batch of keys into the ring buffer")
+    raise ConfigError(
+      "moco.queue_size",
+      moco.queue_size,
+      f"a positive multiple of batch_size ({config.batch_size}): each step "
+      "writes one global batch of keys into the ring buffer",
+    )
   if moco.queue_size > num_train_examples:
-    raise ConfigError("moco.queue_size", moco.queue_size,
-                      f"at most the train split's size ({num_train_examples}), or images "
-                      "meet their own keys as negatives")
+    raise ConfigError(
+      "moco.queue_size",
+      moco.queue_size,
+      f"at most the train split's size ({num_train_examples}), or images "
+      "meet their own keys as negatives",
+    )
   size, devices = moco.bn_group_size, jax.device_count()
-  if (size < 2 or size % devices or config.batch_size % size
-      or config.batch_size // size < 2):
-    raise ConfigError("moco.bn_group_size", size,
-                      f">= 2 images, a multiple of the device count ({devices}) that divides "
-                      f"batch_size ({config.batch_size}) into >= 2 groups (with one group "
-                      "shuffle BN does nothing)")
+  if size < 2 or size % devices or config.batch_size % size or config.batch_size // size < 2:
+    raise ConfigError(
+      "moco.bn_group_size",
+      size,
+      f">= 2 images, a multiple of the device count ({devices}) that divides "
+      f"batch_size ({config.batch_size}) into >= 2 groups (with one group "
+      "shuffle BN does nothing)",
+    )
   models.check_mlp_config(config.projector, "projector")
 
 
@@ -103,19 +112,31 @@ def build_model(config) -> heads.ContrastiveModel:
   """Encoder + head (v1: projector.hidden_dims = (); v2: MLP); BN statistics are averaged
   over the data axis, within each BN group of grouped_apply's vmap."""
   return heads.ContrastiveModel(
-      encoder=models.build_encoder(config.model, bn_axis_name=mesh_lib.DATA_AXIS),
-      projector=models.build_mlp(config.projector, config.model.dtype, mesh_lib.DATA_AXIS))
+    encoder=models.build_encoder(config.model, bn_axis_name=mesh_lib.DATA_AXIS),
+    projector=models.build_mlp(config.projector, config.model.dtype, mesh_lib.DATA_AXIS),
+  )
 
 
 def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   """Step 0: key encoder = query encoder; queue of random unit vectors; pointer 0."""
   params, batch_stats = common.init_variables(model, init_rng, config.image_size)
-  queue = jax.random.normal(jax.random.fold_in(init_rng, 1),
-                            (config.moco.queue_size, config.projector.out_dim), jnp.float32)
-  extra = {"key_params": params, "key_batch_stats": batch_stats, "queue": common.l2_normalize(queue),
-           "queue_ptr": jnp.zeros((), jnp.int32)}
-  return common.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
-                           opt_state=tx.init(params), rng=rng, extra=extra)
+  queue = jax.random.normal(
+    jax.random.fold_in(init_rng, 1), (config.moco.queue_size, config.projector.out_dim), jnp.float32
+  )
+  extra = {
+    "key_params": params,
+    "key_batch_stats": batch_stats,
+    "queue": common.l2_normalize(queue),
+    "queue_ptr": jnp.zeros((), jnp.int32),
+  }
+  return common.TrainState(
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    batch_stats=batch_stats,
+    opt_state=tx.init(params),
+    rng=rng,
+    extra=extra,
+  )
 
 
 def grouped_apply(model, params, batch_stats, x, groups: int):
@@ -127,13 +148,16 @@ def grouped_apply(model, params, batch_stats, x, groups: int):
   its rows on every device. Returns (h [b, C], z [b, D], new batch_stats, the
   mean over groups, the same on every device); h and z float32.
   """
+
   def one_group(xg):
-    (h, z), updates = model.apply({"params": params, "batch_stats": batch_stats}, xg,
-                                  train=True, mutable=["batch_stats"])
+    (h, z), updates = model.apply(
+      {"params": params, "batch_stats": batch_stats}, xg, train=True, mutable=["batch_stats"]
+    )
     return h, z, updates["batch_stats"]
 
   h, z, stats = jax.vmap(one_group, in_axes=1, out_axes=(1, 1, 0))(
-      x.reshape(-1, groups, *x.shape[1:]))
+    x.reshape(-1, groups, *x.shape[1:])
+  )
   stats = jax.tree.map(lambda s: jnp.mean(s, axis=0), stats)
   return h.reshape(-1, h.shape[-1]), z.reshape(-1, z.shape[-1]), stats
 
@@ -175,11 +199,13 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
     momentum = common.ema_momentum(moco.momentum, state.step, num_steps, moco.momentum_schedule)
     key_params = common.ema_update(extra["key_params"], state.params, momentum)
     b = x_k.shape[0]
-    perm = jax.random.permutation(common.shuffle_key(state.rng, state.step),
-                                  b * jax.lax.axis_size(mesh_lib.DATA_AXIS))
+    perm = jax.random.permutation(
+      common.shuffle_key(state.rng, state.step), b * jax.lax.axis_size(mesh_lib.DATA_AXIS)
+    )
     # Shuffle BN: encode the keys in BN groups of other samples than their queries'.
-    _, k_shuffled, key_stats = grouped_apply(model, key_params, extra["key_batch_stats"],
-                                          shuffle_rows(x_k, perm), groups)
+    _, k_shuffled, key_stats = grouped_apply(
+      model, key_params, extra["key_batch_stats"], shuffle_rows(x_k, perm), groups
+    )
     k_all = jax.lax.stop_gradient(unshuffle_rows(common.l2_normalize(k_shuffled), perm))
     k = jax.lax.dynamic_slice_in_dim(k_all, jax.lax.axis_index(mesh_lib.DATA_AXIS) * b, b)
 
@@ -188,12 +214,20 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
       loss, top1 = info_nce(q, k, extra["queue"], config.temperature, mesh_lib.DATA_AXIS)
       return loss, (stats, top1, {"h": h, "z": q})
 
-    (loss, (stats, top1, outputs)), grads = jax.value_and_grad(
-        loss_fn, has_aux=True)(state.params)
+    (loss, (stats, top1, outputs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     queue, ptr = enqueue(extra["queue"], extra["queue_ptr"], k_all)
-    new_extra = {"key_params": key_params, "key_batch_stats": key_stats, "queue": queue,
-                 "queue_ptr": ptr}
-    return grads, stats, new_extra, {"loss": loss, "contrastive_top1": top1,
-                                     "key_momentum": momentum}, outputs
+    new_extra = {
+      "key_params": key_params,
+      "key_batch_stats": key_stats,
+      "queue": queue,
+      "queue_ptr": ptr,
+    }
+    return (
+      grads,
+      stats,
+      new_extra,
+      {"loss": loss, "contrastive_top1": top1, "key_momentum": momentum},
+      outputs,
+    )
 
   return common.build_train_step(per_device, tx, mesh, probe=probe)

@@ -21,11 +21,12 @@ a ResNet; the predictor has 2 layers and ends with the bare Linear
 parameters for a ViT (builder.py: MoCo_ViT keeps _build_mlp's last_bn=True,
 MoCo_ResNet passes False).
 """
+
 import jax
 import jax.numpy as jnp
 
-from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.methods import common
 
 _MOMENTUM_PARTS = ("encoder", "projector")
@@ -73,15 +74,21 @@ def check_config(config, num_train_examples: int):
     raise ConfigError("temperature", config.temperature, "> 0")
   for field in config.moco:
     if field not in _MOCO_FIELDS:
-      raise ConfigError(f"moco.{field}", config.moco[field],
-                        "absent for MoCo v3, which has no queue (the negatives are the other "
-                        "keys of the global batch) and global BN; its moco fields are "
-                        f"{list(_MOCO_FIELDS)}")
+      raise ConfigError(
+        f"moco.{field}",
+        config.moco[field],
+        "absent for MoCo v3, which has no queue (the negatives are the other "
+        "keys of the global batch) and global BN; its moco fields are "
+        f"{list(_MOCO_FIELDS)}",
+      )
   if not 0.0 <= config.moco.momentum <= 1.0:
     raise ConfigError("moco.momentum", config.moco.momentum, "in [0, 1]")
   if config.moco.momentum_schedule not in common.MOMENTUM_SCHEDULES:
-    raise ConfigError("moco.momentum_schedule", config.moco.momentum_schedule,
-                      f"one of {list(common.MOMENTUM_SCHEDULES)}")
+    raise ConfigError(
+      "moco.momentum_schedule",
+      config.moco.momentum_schedule,
+      f"one of {list(common.MOMENTUM_SCHEDULES)}",
+    )
   common.check_heads_with_predictor(config, "queries and keys are compared")
 
 
@@ -100,8 +107,14 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   (builder.py copies the parameters)."""
   params, batch_stats = common.init_variables(model, init_rng, config.image_size)
   extra = {"key_params": _momentum_part(params), "key_batch_stats": _momentum_part(batch_stats)}
-  return common.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
-                           opt_state=tx.init(params), rng=rng, extra=extra)
+  return common.TrainState(
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    batch_stats=batch_stats,
+    opt_state=tx.init(params),
+    rng=rng,
+    extra=extra,
+  )
 
 
 def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
@@ -117,24 +130,31 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
   def per_device(state, images):
     x1, x2 = common.augmented_views(images, state.rng, state.step, views)
     extra = state.extra
-    momentum = common.ema_momentum(config.moco.momentum, state.step, num_steps,
-                                   config.moco.momentum_schedule)
+    momentum = common.ema_momentum(
+      config.moco.momentum, state.step, num_steps, config.moco.momentum_schedule
+    )
     key_params = common.ema_update(extra["key_params"], _momentum_part(state.params), momentum)
-    (_, k1), (_, k2), key_stats = common.apply_per_view(key_model, key_params,
-                                                        extra["key_batch_stats"], x1, x2)
+    (_, k1), (_, k2), key_stats = common.apply_per_view(
+      key_model, key_params, extra["key_batch_stats"], x1, x2
+    )
     k1, k2 = jax.lax.stop_gradient((k1, k2))
 
     def loss_fn(params):
-      (h1, z1, q1), (_, _, q2), stats = common.apply_per_view(model, params, state.batch_stats,
-                                                              x1, x2)
+      (h1, z1, q1), (_, _, q2), stats = common.apply_per_view(
+        model, params, state.batch_stats, x1, x2
+      )
       loss12, top1_12 = contrastive_loss(q1, k2, config.temperature, mesh_lib.DATA_AXIS)
       loss21, top1_21 = contrastive_loss(q2, k1, config.temperature, mesh_lib.DATA_AXIS)
       return loss12 + loss21, (stats, (top1_12 + top1_21) / 2, {"h": h1, "z": z1})
 
-    (loss, (stats, top1, outputs)), grads = jax.value_and_grad(
-        loss_fn, has_aux=True)(state.params)
+    (loss, (stats, top1, outputs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
     new_extra = {"key_params": key_params, "key_batch_stats": key_stats}
-    return grads, stats, new_extra, {"loss": loss, "contrastive_top1": top1,
-                                     "key_momentum": momentum}, outputs
+    return (
+      grads,
+      stats,
+      new_extra,
+      {"loss": loss, "contrastive_top1": top1, "key_momentum": momentum},
+      outputs,
+    )
 
   return common.build_train_step(per_device, tx, mesh, probe=probe)

@@ -9,6 +9,7 @@ lr_before_momentum scales each step by the learning rate before it enters the mo
 and optax.lars) instead of scaling the momentum (BYOL's LARS, PyTorch's and
 TensorFlow's momentum SGD); nesterov as in those optimizers.
 """
+
 import math
 
 import jax
@@ -29,8 +30,9 @@ def check_optimizer_config(cfg):
   if cfg.name not in OPTIMIZERS:
     raise ConfigError("optimizer.name", cfg.name, f"one of {list(OPTIMIZERS)}")
   if cfg.weight_decay_mask not in DECAY_MASKS:
-    raise ConfigError("optimizer.weight_decay_mask", cfg.weight_decay_mask,
-                      f"one of {list(DECAY_MASKS)}")
+    raise ConfigError(
+      "optimizer.weight_decay_mask", cfg.weight_decay_mask, f"one of {list(DECAY_MASKS)}"
+    )
   if cfg.lr_scaling not in LR_SCALINGS:
     raise ConfigError("optimizer.lr_scaling", cfg.lr_scaling, f"one of {list(LR_SCALINGS)}")
   if not cfg.base_lr > 0:
@@ -47,8 +49,11 @@ def check_optimizer_config(cfg):
     raise ConfigError("optimizer.warmup_epochs", cfg.warmup_epochs, ">= 0")
   epochs = list(cfg.decay_epochs)
   if epochs != sorted(set(epochs)) or (epochs and epochs[0] <= cfg.warmup_epochs):
-    raise ConfigError("optimizer.decay_epochs", tuple(epochs),
-                      f"strictly increasing epochs after warmup_epochs ({cfg.warmup_epochs})")
+    raise ConfigError(
+      "optimizer.decay_epochs",
+      tuple(epochs),
+      f"strictly increasing epochs after warmup_epochs ({cfg.warmup_epochs})",
+    )
 
 
 def peak_learning_rate(cfg, global_batch: int) -> float:
@@ -70,7 +75,8 @@ def learning_rate_schedule(cfg, global_batch: int, steps_per_epoch: int, total_s
   if cfg.schedule == "step":
     # join_schedules counts the second schedule's steps from the boundary.
     decay = optax.piecewise_constant_schedule(
-        peak, {int(e * steps_per_epoch) - warmup: cfg.decay_factor for e in cfg.decay_epochs})
+      peak, {int(e * steps_per_epoch) - warmup: cfg.decay_factor for e in cfg.decay_epochs}
+    )
   else:
     decay = optax.cosine_decay_schedule(peak, max(total_steps - warmup, 1), alpha=0.0)
   if not warmup:  # No warm-up: the decay from step 0 (optax logs a line for a 0-step ramp).
@@ -89,13 +95,16 @@ def decay_mask(params, which: str):
   position embedding is a constant, not a parameter.) 'all': every leaf, as
   torch.optim.SGD's weight_decay in MoCo's main_moco.py.
   """
+
   def keep(path, _):
     return which == "all" or path[-1].key not in ("bias", "scale", "cls_token")
+
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
-def scale_by_clipped_trust_ratio(schedule, trust_coefficient: float, weight_decay: float,
-                                 mask, eps: float = 1e-8) -> optax.GradientTransformation:
+def scale_by_clipped_trust_ratio(
+  schedule, trust_coefficient: float, weight_decay: float, mask, eps: float = 1e-8
+) -> optax.GradientTransformation:
   """LARC's clipped trust ratio with weight decay, as solo-learn's LARS (clip_lars_lr=True).
 
   For a leaf w with gradient g where mask is True and both norms are > 0:
@@ -103,6 +112,7 @@ def scale_by_clipped_trust_ratio(schedule, trust_coefficient: float, weight_deca
   lr_k = schedule(k) the step's learning rate; other leaves pass g unchanged
   (no decay, no ratio). Momentum and the learning rate follow (build_optimizer).
   """
+
   def init(params):
     del params
     return optax.ScaleByScheduleState(count=jnp.zeros((), jnp.int32))
@@ -128,9 +138,11 @@ def scale_by_clipped_trust_ratio(schedule, trust_coefficient: float, weight_deca
 def frozen_labels(params):
   """'frozen' for the leaves under a module whose name starts with vit.FROZEN_PREFIX
   (a ViT's random patch projection), 'train' for the others."""
+
   def label(path, _):
     frozen = any(str(getattr(k, "key", "")).startswith(vit.FROZEN_PREFIX) for k in path)
     return "frozen" if frozen else "train"
+
   return jax.tree_util.tree_map_with_path(label, params)
 
 
@@ -161,16 +173,17 @@ def build_optimizer(cfg, schedule, freeze: bool = False) -> optax.GradientTransf
 def _optimizer(cfg, schedule):
   mask = lambda params: decay_mask(params, cfg.weight_decay_mask)
   if cfg.name == "adamw":
-    return optax.adamw(schedule, b1=cfg.momentum, b2=0.999, eps=1e-8,
-                       weight_decay=cfg.weight_decay, mask=mask)
+    return optax.adamw(
+      schedule, b1=cfg.momentum, b2=0.999, eps=1e-8, weight_decay=cfg.weight_decay, mask=mask
+    )
   if cfg.name == "larc":
-    steps = [scale_by_clipped_trust_ratio(schedule, cfg.trust_coefficient, cfg.weight_decay,
-                                          mask)]
+    steps = [scale_by_clipped_trust_ratio(schedule, cfg.trust_coefficient, cfg.weight_decay, mask)]
   else:
     steps = [optax.add_decayed_weights(cfg.weight_decay, mask=mask)]
     if cfg.name == "lars":
-      steps.append(optax.masked(optax.scale_by_trust_ratio(
-          trust_coefficient=cfg.trust_coefficient), mask))
+      steps.append(
+        optax.masked(optax.scale_by_trust_ratio(trust_coefficient=cfg.trust_coefficient), mask)
+      )
   momentum = optax.trace(decay=cfg.momentum, nesterov=cfg.nesterov)
   lr = optax.scale_by_learning_rate(schedule)
   steps += [lr, momentum] if cfg.lr_before_momentum else [momentum, lr]

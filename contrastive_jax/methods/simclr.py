@@ -7,13 +7,14 @@ so the negatives are the whole global batch. The projection head's last layer
 is a Dense without bias followed by a BN without offset (projector.final_bn,
 the reference's model_util.projection_head).
 """
+
 import jax
 import jax.numpy as jnp
 
-from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.methods import common
 from contrastive_jax import models
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.methods import common
 from contrastive_jax.models import heads
 
 
@@ -50,8 +51,8 @@ def nt_xent(z1, z2, temperature: float, axis_name=None):
   all1, offset = common.gather_global(z1, axis_name)
   all2, _ = common.gather_global(z2, axis_name)
   global_b = all1.shape[0]
-  anchors = jnp.concatenate([z1, z2])                    # [2b, d]
-  candidates = jnp.concatenate([all1, all2])             # [2B, d]
+  anchors = jnp.concatenate([z1, z2])  # [2b, d]
+  candidates = jnp.concatenate([all1, all2])  # [2B, d]
   # HIGHEST keeps the similarities in true float32 on TPU/GPU (their default
   # float32 matmul rounds inputs to bfloat16).
   logits = jnp.matmul(anchors, candidates.T, precision=jax.lax.Precision.HIGHEST) / temperature
@@ -79,15 +80,21 @@ def check_config(config, num_train_examples: int):
 def build_model(config) -> heads.ContrastiveModel:
   """Encoder + projection head, both with global BN over the data axis."""
   return heads.ContrastiveModel(
-      encoder=models.build_encoder(config.model, bn_axis_name=mesh_lib.DATA_AXIS),
-      projector=models.build_mlp(config.projector, config.model.dtype, mesh_lib.DATA_AXIS))
+    encoder=models.build_encoder(config.model, bn_axis_name=mesh_lib.DATA_AXIS),
+    projector=models.build_mlp(config.projector, config.model.dtype, mesh_lib.DATA_AXIS),
+  )
 
 
 def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   """The state at step 0: parameters drawn with init_rng; rng is the base key."""
   params, batch_stats = common.init_variables(model, init_rng, config.image_size)
-  return common.TrainState(step=jnp.zeros((), jnp.int32), params=params, batch_stats=batch_stats,
-                           opt_state=tx.init(params), rng=rng)
+  return common.TrainState(
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    batch_stats=batch_stats,
+    opt_state=tx.init(params),
+    rng=rng,
+  )
 
 
 def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
@@ -103,15 +110,19 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
     x1, x2 = common.augmented_views(images, state.rng, state.step, views)
 
     def loss_fn(params):
-      (h, z), updates = model.apply({"params": params, "batch_stats": state.batch_stats},
-                                    jnp.concatenate([x1, x2]), train=True,
-                                    mutable=["batch_stats"])
+      (h, z), updates = model.apply(
+        {"params": params, "batch_stats": state.batch_stats},
+        jnp.concatenate([x1, x2]),
+        train=True,
+        mutable=["batch_stats"],
+      )
       z1, z2 = jnp.split(z, 2)
       loss, top1 = nt_xent(z1, z2, config.temperature, mesh_lib.DATA_AXIS)
-      return loss, (updates["batch_stats"], top1, {"h": h[:len(x1)], "z": z1})
+      return loss, (updates["batch_stats"], top1, {"h": h[: len(x1)], "z": z1})
 
-    (loss, (new_stats, top1, outputs)), grads = jax.value_and_grad(
-        loss_fn, has_aux=True)(state.params)
+    (loss, (new_stats, top1, outputs)), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+      state.params
+    )
     return grads, new_stats, state.extra, {"loss": loss, "contrastive_top1": top1}, outputs
 
   return common.build_train_step(per_device, tx, mesh, probe=probe)

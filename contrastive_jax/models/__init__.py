@@ -21,6 +21,7 @@ kNN monitor); the projection head maps it to z for the loss. Parameters are
 always float32; a model config's `dtype` sets the compute dtype (bfloat16 on
 accelerators); h and z are float32.
 """
+
 from flax import linen as nn
 import jax.numpy as jnp
 
@@ -76,11 +77,17 @@ def build_mlp(mlp_config, dtype_name, bn_axis_name=None) -> MLP:
   """Builds an MLP head from a config with hidden_dims, out_dim, use_bn, final_bn, init
   and optionally final_bn_scale, final_bias (MLP's attributes)."""
   get = lambda field: mlp_config.get(field, _MLP_DEFAULTS[field])
-  return MLP(tuple(mlp_config.hidden_dims), mlp_config.out_dim,
-             use_bn=mlp_config.use_bn, final_bn=get("final_bn"),
-             final_bn_scale=get("final_bn_scale"), final_bias=get("final_bias"),
-             dense_init=get("init"),
-             dtype=common.DTYPES[dtype_name], bn_axis_name=bn_axis_name)
+  return MLP(
+    tuple(mlp_config.hidden_dims),
+    mlp_config.out_dim,
+    use_bn=mlp_config.use_bn,
+    final_bn=get("final_bn"),
+    final_bn_scale=get("final_bn_scale"),
+    final_bias=get("final_bias"),
+    dense_init=get("init"),
+    dtype=common.DTYPES[dtype_name],
+    bn_axis_name=bn_axis_name,
+  )
 
 
 def encoder_width(model_config) -> int:

@@ -1,4 +1,5 @@
 """What every encoder family shares: compute dtypes and the input standardisation fields."""
+
 import jax.numpy as jnp
 
 from contrastive_jax.core.errors import ConfigError
@@ -12,8 +13,9 @@ INPUT_DEFAULTS = dict(input_mean=(0.0, 0.0, 0.0), input_std=(1.0, 1.0, 1.0))
 def input_statistics(model_config):
   """(input_mean, input_std) of a model config: per-channel (R, G, B) tuples of floats
   subtracted from and divided into the [0, 1] input."""
-  return tuple(tuple(model_config.get(field, INPUT_DEFAULTS[field]))
-               for field in ("input_mean", "input_std"))
+  return tuple(
+    tuple(model_config.get(field, INPUT_DEFAULTS[field])) for field in ("input_mean", "input_std")
+  )
 
 
 def check_input_statistics(model_config):
@@ -21,5 +23,8 @@ def check_input_statistics(model_config):
   for field in ("input_mean", "input_std"):
     value = model_config.get(field, INPUT_DEFAULTS[field])
     if len(value) != 3 or (field == "input_std" and min(value) <= 0):
-      raise ConfigError(f"model.{field}", tuple(value),
-                        "3 numbers (R, G, B)" + (", each > 0" if field == "input_std" else ""))
+      raise ConfigError(
+        f"model.{field}",
+        tuple(value),
+        "3 numbers (R, G, B)" + (", each > 0" if field == "input_std" else ""),
+      )

@@ -6,6 +6,7 @@ default (BYOL), normal(0, 0.01) (SimCLR's linear_layer) or PyTorch's
 nn.Linear default (MoCo). Outputs are float32, so that similarity logits and
 losses are computed in float32.
 """
+
 import functools
 from typing import Any, Optional, Sequence
 
@@ -14,7 +15,6 @@ import jax
 import jax.numpy as jnp
 
 DENSE_INITS = ("lecun_normal", "normal_0.01", "torch")
-
 
 
 def _dense_inits(name: str, fan_in: int):
@@ -31,7 +31,8 @@ def _dense_inits(name: str, fan_in: int):
     return nn.initializers.normal(0.01), nn.initializers.zeros
   bound = 1.0 / fan_in**0.5
   uniform = lambda key, shape, dtype=jnp.float32: jax.random.uniform(
-      key, shape, dtype, -bound, bound)
+    key, shape, dtype, -bound, bound
+  )
   return uniform, uniform
 
 
@@ -48,6 +49,7 @@ class MLP(nn.Module):
   no bias (the BN's mean subtraction cancels it). dense_init: a DENSE_INITS
   name. Maps [N, D_in] to [N, out_dim] float32.
   """
+
   hidden_dims: Sequence[int]
   out_dim: int
   use_bn: bool = True
@@ -60,19 +62,34 @@ class MLP(nn.Module):
 
   @nn.compact
   def __call__(self, x, train: bool):
-    norm = functools.partial(nn.BatchNorm, use_running_average=not train, momentum=0.9,
-                             epsilon=1e-5, dtype=self.dtype,
-                             axis_name=self.bn_axis_name if train else None)
+    norm = functools.partial(
+      nn.BatchNorm,
+      use_running_average=not train,
+      momentum=0.9,
+      epsilon=1e-5,
+      dtype=self.dtype,
+      axis_name=self.bn_axis_name if train else None,
+    )
     for width in self.hidden_dims:
       kernel_init, bias_init = _dense_inits(self.dense_init, x.shape[-1])
-      x = nn.Dense(width, use_bias=not self.use_bn, dtype=self.dtype, kernel_init=kernel_init,
-                   bias_init=bias_init)(x)
+      x = nn.Dense(
+        width,
+        use_bias=not self.use_bn,
+        dtype=self.dtype,
+        kernel_init=kernel_init,
+        bias_init=bias_init,
+      )(x)
       if self.use_bn:
         x = norm()(x)
       x = nn.relu(x)
     kernel_init, bias_init = _dense_inits(self.dense_init, x.shape[-1])
-    x = nn.Dense(self.out_dim, use_bias=self.final_bias and not self.final_bn,
-                 dtype=self.dtype, kernel_init=kernel_init, bias_init=bias_init)(x)
+    x = nn.Dense(
+      self.out_dim,
+      use_bias=self.final_bias and not self.final_bn,
+      dtype=self.dtype,
+      kernel_init=kernel_init,
+      bias_init=bias_init,
+    )(x)
     if self.final_bn:
       x = norm(use_bias=False, use_scale=self.final_bn_scale)(x)
     return x.astype(jnp.float32)
@@ -86,6 +103,7 @@ class ContrastiveModel(nn.Module):
   all float32. Submodules are named 'encoder', 'projector', 'predictor' so that
   downstream jobs can pick out `params['encoder']`.
   """
+
   encoder: nn.Module
   projector: nn.Module
   predictor: Optional[nn.Module] = None

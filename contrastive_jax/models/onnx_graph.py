@@ -16,6 +16,7 @@ models.encode and the model do. Outputs: 'h' float32 [N, D] and, with a projecti
 'z' float32 [N, d] (its eval-mode output). Everything computes in float32, whatever the
 config's compute dtype. Opset 17 (LayerNormalization; GELU as its erf formula).
 """
+
 from typing import Dict, Optional
 
 import flax
@@ -36,7 +37,9 @@ class _Graph:
   """Nodes and initialisers of one graph; each op's single output gets a fresh name."""
 
   def __init__(self):
-    from onnx import helper, numpy_helper  # The 'onnx' extra: imported only to export.
+    from onnx import helper  # The 'onnx' extra: imported only to export.
+    from onnx import numpy_helper  # The 'onnx' extra: imported only to export.
+
     self._helper, self._numpy_helper = helper, numpy_helper
     self.nodes, self.initializers, self._count = [], [], 0
 
@@ -62,26 +65,40 @@ def _explicit(padding, size: int, kernel: int, stride: int):
   return total // 2, total - total // 2
 
 
-def _conv(g: _Graph, x: str, size: int, weight: np.ndarray, stride: int, padding,
-          bias: Optional[np.ndarray] = None):
+def _conv(
+  g: _Graph,
+  x: str,
+  size: int,
+  weight: np.ndarray,
+  stride: int,
+  padding,
+  bias: Optional[np.ndarray] = None,
+):
   """A [O, I, k, k] convolution of NCHW x on size x size pixels; returns (y, its size)."""
   kernel = weight.shape[-1]
   before, after = _explicit(padding, size, kernel, stride)
   inputs = [x, g.const(weight)] + ([] if bias is None else [g.const(bias)])
-  y = g.op("Conv", *inputs, kernel_shape=[kernel, kernel], strides=[stride, stride],
-           pads=[before, before, after, after])
+  y = g.op(
+    "Conv",
+    *inputs,
+    kernel_shape=[kernel, kernel],
+    strides=[stride, stride],
+    pads=[before, before, after, after],
+  )
   return y, (size + before + after - kernel) // stride + 1
 
 
 def _bn(g: _Graph, x: str, scale, bias, mean, var) -> str:
   """Eval-mode BN of [N, C, ...] x: (x - mean) / sqrt(var + eps) * scale + bias."""
-  return g.op("BatchNormalization", x, *(g.const(v) for v in (scale, bias, mean, var)),
-              epsilon=BN_EPSILON)
+  return g.op(
+    "BatchNormalization", x, *(g.const(v) for v in (scale, bias, mean, var)), epsilon=BN_EPSILON
+  )
 
 
 def _torch_bn(g: _Graph, x: str, tensors, name: str) -> str:
-  return _bn(g, x, *(tensors[f"{name}.{k}"] for k in ("weight", "bias", "running_mean",
-                                                       "running_var")))
+  return _bn(
+    g, x, *(tensors[f"{name}.{k}"] for k in ("weight", "bias", "running_mean", "running_var"))
+  )
 
 
 def _pixels(g: _Graph, model_config) -> str:
@@ -97,8 +114,13 @@ def _resnet(g: _Graph, x: str, size: int, model_config, tensors) -> str:
   block_type, stage_sizes = resnet.SPECS[model_config.name]
   rule = resnet.padding_rule(model_config)
   conv = lambda x, size, name, stride=1, stem=False: _conv(
-      g, x, size, tensors[name], stride,
-      resnet.conv_padding(tensors[name].shape[-1], stride, rule, stem))
+    g,
+    x,
+    size,
+    tensors[name],
+    stride,
+    resnet.conv_padding(tensors[name].shape[-1], stride, rule, stem),
+  )
   if model_config.stem == "cifar":
     x, size = conv(x, size, "conv1.weight")
     x = g.op("Relu", _torch_bn(g, x, tensors, "bn1"))
@@ -106,8 +128,9 @@ def _resnet(g: _Graph, x: str, size: int, model_config, tensors) -> str:
     x, size = conv(x, size, "conv1.weight", 2, stem=True)
     x = g.op("Relu", _torch_bn(g, x, tensors, "bn1"))
     before, after = _explicit(resnet.max_pool_padding(rule), size, 3, 2)
-    x = g.op("MaxPool", x, kernel_shape=[3, 3], strides=[2, 2],
-             pads=[before, before, after, after])  # ONNX pads never win the max (-inf).
+    x = g.op(
+      "MaxPool", x, kernel_shape=[3, 3], strides=[2, 2], pads=[before, before, after, after]
+    )  # ONNX pads never win the max (-inf).
     size = (size + before + after - 3) // 2 + 1
   convs = 2 if block_type == "basic" else 3
   strided = 1 if block_type == "basic" else 2  # The conv that strides (torchvision v1.5).
@@ -128,8 +151,14 @@ def _resnet(g: _Graph, x: str, size: int, model_config, tensors) -> str:
 
 
 def _layer_norm(g: _Graph, x: str, tensors, name: str) -> str:
-  return g.op("LayerNormalization", x, g.const(tensors[f"{name}.weight"]),
-              g.const(tensors[f"{name}.bias"]), axis=-1, epsilon=vit.LN_EPSILON)
+  return g.op(
+    "LayerNormalization",
+    x,
+    g.const(tensors[f"{name}.weight"]),
+    g.const(tensors[f"{name}.bias"]),
+    axis=-1,
+    epsilon=vit.LN_EPSILON,
+  )
 
 
 def _linear(g: _Graph, x: str, tensors, name: str) -> str:
@@ -142,21 +171,35 @@ def _vit(g: _Graph, x: str, size: int, model_config, tensors) -> str:
   """vit.ViT's forward pass on NCHW x; returns h [N, D] (the class token after the last LN)."""
   d, heads = models.encoder_width(model_config), vit.num_heads(model_config)
   p = model_config.patch_size
-  x, grid = _conv(g, x, size, tensors["patch_embed.proj.weight"], p, [(0, 0), (0, 0)],
-                  tensors["patch_embed.proj.bias"])
-  x = g.op("Transpose", g.op("Reshape", x, g.const([0, d, grid * grid], np.int64)),
-           perm=[0, 2, 1])  # [N, T - 1, D], patches row-major as vit.py's reshape.
+  x, grid = _conv(
+    g,
+    x,
+    size,
+    tensors["patch_embed.proj.weight"],
+    p,
+    [(0, 0), (0, 0)],
+    tensors["patch_embed.proj.bias"],
+  )
+  x = g.op(
+    "Transpose", g.op("Reshape", x, g.const([0, d, grid * grid], np.int64)), perm=[0, 2, 1]
+  )  # [N, T - 1, D], patches row-major as vit.py's reshape.
   batch = g.op("Slice", g.op("Shape", x), g.const([0], np.int64), g.const([1], np.int64))
-  cls = g.op("Expand", g.const(tensors["cls_token"]),
-             g.op("Concat", batch, g.const([1, d], np.int64), axis=0))
+  cls = g.op(
+    "Expand",
+    g.const(tensors["cls_token"]),
+    g.op("Concat", batch, g.const([1, d], np.int64), axis=0),
+  )
   # pos_embed: learned, or the sin-cos table with the class token's row zero (state_dicts).
   x = g.op("Add", g.op("Concat", cls, x, axis=1), g.const(tensors["pos_embed"]))
   head_dim = d // heads
   for i in range(model_config.depth):
     name = f"blocks.{i}"
     qkv = _linear(g, _layer_norm(g, x, tensors, f"{name}.norm1"), tensors, f"{name}.attn.qkv")
-    qkv = g.op("Transpose", g.op("Reshape", qkv, g.const([0, 0, 3, heads, head_dim], np.int64)),
-               perm=[2, 0, 3, 1, 4])  # [3, N, heads, T, head_dim]
+    qkv = g.op(
+      "Transpose",
+      g.op("Reshape", qkv, g.const([0, 0, 3, heads, head_dim], np.int64)),
+      perm=[2, 0, 3, 1, 4],
+    )  # [3, N, heads, T, head_dim]
     q, k, v = (g.op("Gather", qkv, g.const(j, np.int64), axis=0) for j in range(3))
     logits = g.op("MatMul", q, g.op("Transpose", k, perm=[0, 1, 3, 2]))
     weights = g.op("Softmax", g.op("Div", logits, g.const(head_dim**0.5)), axis=-1)
@@ -165,8 +208,11 @@ def _vit(g: _Graph, x: str, size: int, model_config, tensors) -> str:
     x = g.op("Add", x, _linear(g, out, tensors, f"{name}.attn.proj"))
     y = _linear(g, _layer_norm(g, x, tensors, f"{name}.norm2"), tensors, f"{name}.mlp.fc1")
     # Exact GELU, y * (1 + erf(y / sqrt(2))) / 2 (vit.py: approximate=False).
-    y = g.op("Mul", g.op("Mul", y, g.const(0.5)),
-             g.op("Add", g.const(1.0), g.op("Erf", g.op("Div", y, g.const(2.0**0.5)))))
+    y = g.op(
+      "Mul",
+      g.op("Mul", y, g.const(0.5)),
+      g.op("Add", g.const(1.0), g.op("Erf", g.op("Div", y, g.const(2.0**0.5)))),
+    )
     x = g.op("Add", x, _linear(g, y, tensors, f"{name}.mlp.fc2"))
   x = _layer_norm(g, x, tensors, "norm")
   return g.op("Gather", x, g.const(0, np.int64), axis=1)
@@ -193,8 +239,14 @@ def _projection(g: _Graph, h: str, module, variables) -> str:
     name = f"BatchNorm_{next(norm)}"
     width = stats[name]["mean"].shape[0]
     affine = params.get(name, {})  # MoCo v3's last BN has neither scale nor bias: no params.
-    return _bn(g, x, affine.get("scale", np.ones(width)), affine.get("bias", np.zeros(width)),
-               stats[name]["mean"], stats[name]["var"])
+    return _bn(
+      g,
+      x,
+      affine.get("scale", np.ones(width)),
+      affine.get("bias", np.zeros(width)),
+      stats[name]["mean"],
+      stats[name]["var"],
+    )
 
   x = h
   for _ in module.hidden_dims:
@@ -204,8 +256,13 @@ def _projection(g: _Graph, h: str, module, variables) -> str:
   return bn(x) if module.final_bn else x
 
 
-def build(model_config, tensors: Dict[str, np.ndarray], image_size: int, projector=None,
-          metadata: Optional[Dict[str, str]] = None):
+def build(
+  model_config,
+  tensors: Dict[str, np.ndarray],
+  image_size: int,
+  projector=None,
+  metadata: Optional[Dict[str, str]] = None,
+):
   """The onnx.ModelProto of the encoder (see the module docstring), checked by onnx.checker.
 
   Args:
@@ -217,26 +274,34 @@ def build(model_config, tensors: Dict[str, np.ndarray], image_size: int, project
   Raises:
     ImportError: the onnx package is not installed (the 'onnx' extra).
   """
-  from onnx import TensorProto, checker, helper
+  from onnx import TensorProto
+  from onnx import checker
+  from onnx import helper
+
   g = _Graph()
   x = _pixels(g, model_config)
   forward = _FORWARD[models.family(model_config)]
   h = g.op("Identity", forward(g, x, image_size, model_config, tensors), output=H)
-  outputs = [helper.make_tensor_value_info(H, TensorProto.FLOAT,
-                                           ["batch", models.encoder_width(model_config)])]
+  outputs = [
+    helper.make_tensor_value_info(
+      H, TensorProto.FLOAT, ["batch", models.encoder_width(model_config)]
+    )
+  ]
   if projector is not None:
     module, variables = projector
     variables = jax.tree.map(np.asarray, flax.core.unfreeze(variables))
     g.op("Identity", _projection(g, h, module, variables), output=Z)
-    outputs.append(helper.make_tensor_value_info(Z, TensorProto.FLOAT,
-                                                 ["batch", module.out_dim]))
+    outputs.append(helper.make_tensor_value_info(Z, TensorProto.FLOAT, ["batch", module.out_dim]))
   graph = helper.make_graph(
-      g.nodes, "contrastive_jax_encoder",
-      [helper.make_tensor_value_info(INPUT, TensorProto.UINT8,
-                                     ["batch", image_size, image_size, 3])],
-      outputs, g.initializers)
-  model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", OPSET)],
-                            producer_name="contrastive_jax")
+    g.nodes,
+    "contrastive_jax_encoder",
+    [helper.make_tensor_value_info(INPUT, TensorProto.UINT8, ["batch", image_size, image_size, 3])],
+    outputs,
+    g.initializers,
+  )
+  model = helper.make_model(
+    graph, opset_imports=[helper.make_opsetid("", OPSET)], producer_name="contrastive_jax"
+  )
   model.ir_version = 8  # The IR of opset 17 (ONNX 1.12): older runtimes read it too.
   helper.set_model_props(model, metadata or {})
   checker.check_model(model)

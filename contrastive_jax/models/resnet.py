@@ -15,6 +15,7 @@ strided, as 'SAME' pads an even input after it only.
 The family API of the model registry (models/__init__.py): SPECS, check_config,
 build_encoder and encoder_width.
 """
+
 import functools
 from typing import Any, Callable, Optional, Sequence
 
@@ -26,14 +27,14 @@ from contrastive_jax.models import common
 
 # name -> (block type, blocks per stage); He et al. 2016, Table 1.
 SPECS = {
-    "resnet18": ("basic", (2, 2, 2, 2)),
-    "resnet34": ("basic", (3, 4, 6, 3)),
-    "resnet50": ("bottleneck", (3, 4, 6, 3)),
+  "resnet18": ("basic", (2, 2, 2, 2)),
+  "resnet34": ("basic", (3, 4, 6, 3)),
+  "resnet50": ("bottleneck", (3, 4, 6, 3)),
 }
 STEMS = ("cifar", "imagenet")
 CONV_INITS = {
-    "he_normal": nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
-    "variance_scaling": nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
+  "he_normal": nn.initializers.variance_scaling(2.0, "fan_out", "normal"),
+  "variance_scaling": nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal"),
 }
 # Where strided layers pad (a stride-1 k x k convolution pads (k-1)/2 on each side in all):
 #   'torchvision': every convolution and the stem's 3x3 max-pool pad (k-1)//2 on each side
@@ -47,8 +48,13 @@ CONV_INITS = {
 #       without model.padding, so that its checkpoint restores to the network it trained.
 PADDINGS = ("torchvision", "tensorflow", "same", "legacy")
 # The value of each field a saved model config may lack: the network its checkpoint trained.
-_DEFAULTS = dict(common.INPUT_DEFAULTS, zero_init_residual=True, conv_init="he_normal",
-                 padding="legacy", stage_projection=False)
+_DEFAULTS = dict(
+  common.INPUT_DEFAULTS,
+  zero_init_residual=True,
+  conv_init="he_normal",
+  padding="legacy",
+  stage_projection=False,
+)
 
 
 def conv_padding(kernel: int, strides: int, padding: str, stem: bool = False):
@@ -84,6 +90,7 @@ class BasicBlock(nn.Module):
   padding rule says; last_norm builds the block's last BN (zero-initialised
   scale or not); project: a projection shortcut even where the shapes agree.
   """
+
   features: int
   strides: int
   conv: Callable
@@ -102,6 +109,7 @@ class BasicBlock(nn.Module):
 
 class BottleneckBlock(nn.Module):
   """1x1 -> 3x3 -> 1x1 convolutions with 4x expansion (ResNet-50)."""
+
   features: int
   strides: int
   conv: Callable
@@ -146,6 +154,7 @@ class ResNet(nn.Module):
       and divided into the [0, 1] input (MoCo and BYOL standardise with the
       ImageNet statistics; (0, 0, 0) and (1, 1, 1) leave it as SimCLR does).
   """
+
   depth_spec: tuple
   width: float = 1.0
   stem: str = "imagenet"
@@ -163,16 +172,30 @@ class ResNet(nn.Module):
     """Maps images [N, H, W, 3] (float, values in [0, 1]) to h [N, C] float32."""
     block_type, stage_sizes = self.depth_spec
     block_cls = BasicBlock if block_type == "basic" else BottleneckBlock
-    def conv(features, kernel, strides=1, stem=False, **kwargs):
-      return nn.Conv(features, (kernel, kernel), (strides, strides),
-                     padding=conv_padding(kernel, strides, self.padding, stem), use_bias=False,
-                     dtype=self.dtype, kernel_init=CONV_INITS[self.conv_init], **kwargs)
 
-    norm = functools.partial(nn.BatchNorm, use_running_average=not train,
-                             momentum=0.9, epsilon=1e-5, dtype=self.dtype,
-                             axis_name=self.bn_axis_name if train else None)
-    last_norm = functools.partial(norm, scale_init=nn.initializers.zeros
-                                  if self.zero_init_residual else nn.initializers.ones)
+    def conv(features, kernel, strides=1, stem=False, **kwargs):
+      return nn.Conv(
+        features,
+        (kernel, kernel),
+        (strides, strides),
+        padding=conv_padding(kernel, strides, self.padding, stem),
+        use_bias=False,
+        dtype=self.dtype,
+        kernel_init=CONV_INITS[self.conv_init],
+        **kwargs,
+      )
+
+    norm = functools.partial(
+      nn.BatchNorm,
+      use_running_average=not train,
+      momentum=0.9,
+      epsilon=1e-5,
+      dtype=self.dtype,
+      axis_name=self.bn_axis_name if train else None,
+    )
+    last_norm = functools.partial(
+      norm, scale_init=nn.initializers.zeros if self.zero_init_residual else nn.initializers.ones
+    )
     base = max(1, round(64 * self.width))
     x = (x - jnp.asarray(self.input_mean, jnp.float32)) / jnp.asarray(self.input_std, jnp.float32)
     x = x.astype(self.dtype)
@@ -186,8 +209,9 @@ class ResNet(nn.Module):
     for i, num_blocks in enumerate(stage_sizes):
       for j in range(num_blocks):
         strides = 2 if i > 0 and j == 0 else 1
-        x = block_cls(base * 2**i, strides, conv, norm, last_norm,
-                      project=self.stage_projection and j == 0)(x)
+        x = block_cls(
+          base * 2**i, strides, conv, norm, last_norm, project=self.stage_projection and j == 0
+        )(x)
     return jnp.mean(x, axis=(1, 2)).astype(jnp.float32)
 
 
@@ -222,12 +246,19 @@ def build_encoder(model_config, bn_axis_name=None) -> ResNet:
   BN statistics averaged over the mesh axis bn_axis_name (None: per device)."""
   get = lambda field: model_config.get(field, _DEFAULTS[field])
   input_mean, input_std = common.input_statistics(model_config)
-  return ResNet(SPECS[model_config.name], width=model_config.width,
-                stem=model_config.stem, dtype=common.DTYPES[model_config.dtype],
-                bn_axis_name=bn_axis_name, zero_init_residual=get("zero_init_residual"),
-                conv_init=get("conv_init"), padding=get("padding"),
-                stage_projection=get("stage_projection"),
-                input_mean=input_mean, input_std=input_std)
+  return ResNet(
+    SPECS[model_config.name],
+    width=model_config.width,
+    stem=model_config.stem,
+    dtype=common.DTYPES[model_config.dtype],
+    bn_axis_name=bn_axis_name,
+    zero_init_residual=get("zero_init_residual"),
+    conv_init=get("conv_init"),
+    padding=get("padding"),
+    stage_projection=get("stage_projection"),
+    input_mean=input_mean,
+    input_std=input_std,
+  )
 
 
 def encoder_width(model_config) -> int:

@@ -16,6 +16,7 @@ out on import. A MoCo v3 ViT's fixed position embedding is a tensor of its
 state dict (pos_embed, the class token's row zero); it is written so and must
 equal this package's on import.
 """
+
 from typing import Callable, Dict, List, NamedTuple
 
 import flax
@@ -23,16 +24,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from contrastive_jax.core.errors import WeightsError
 from contrastive_jax import models
+from contrastive_jax.core.errors import WeightsError
 from contrastive_jax.models import resnet
 from contrastive_jax.models import vit
 
 # Prefixes under which checkpoints keep their encoder, tried in this order: MoCo v3
 # (builder.py: base_encoder, momentum_encoder), MoCo v1/v2 (encoder_q, encoder_k), both
 # saved from DistributedDataParallel ('module.'), then any DataParallel or bare one.
-ENCODER_PREFIXES = ("module.base_encoder.", "module.encoder_q.", "base_encoder.", "encoder_q.",
-                    "module.", "")
+ENCODER_PREFIXES = (
+  "module.base_encoder.",
+  "module.encoder_q.",
+  "base_encoder.",
+  "encoder_q.",
+  "module.",
+  "",
+)
 
 
 class Entry(NamedTuple):
@@ -43,6 +50,7 @@ class Entry(NamedTuple):
   'fixed' for a ViT's sin-cos pos_embed (not a variable); 'counter' for a BN's
   num_batches_tracked (written as 0, ignored on import).
   """
+
   name: str
   collection: str
   path: tuple
@@ -58,30 +66,36 @@ def variable_shapes(model_config, image_size: int):
 
 
 def _bn(name: str, module: tuple) -> List[Entry]:
-  return [Entry(f"{name}.weight", "params", module + ("scale",), "same"),
-          Entry(f"{name}.bias", "params", module + ("bias",), "same"),
-          Entry(f"{name}.running_mean", "batch_stats", module + ("mean",), "same"),
-          Entry(f"{name}.running_var", "batch_stats", module + ("var",), "same"),
-          Entry(f"{name}.num_batches_tracked", "", (), "counter")]
+  return [
+    Entry(f"{name}.weight", "params", module + ("scale",), "same"),
+    Entry(f"{name}.bias", "params", module + ("bias",), "same"),
+    Entry(f"{name}.running_mean", "batch_stats", module + ("mean",), "same"),
+    Entry(f"{name}.running_var", "batch_stats", module + ("var",), "same"),
+    Entry(f"{name}.num_batches_tracked", "", (), "counter"),
+  ]
 
 
 def _resnet_entries(model_config, params) -> List[Entry]:
   block_type, stage_sizes = resnet.SPECS[model_config.name]
   prefix = "BasicBlock_" if block_type == "basic" else "BottleneckBlock_"
   convs = 2 if block_type == "basic" else 3
-  entries = [Entry("conv1.weight", "params", ("stem_conv", "kernel"), "conv"),
-             *_bn("bn1", ("stem_bn",))]
+  entries = [
+    Entry("conv1.weight", "params", ("stem_conv", "kernel"), "conv"),
+    *_bn("bn1", ("stem_bn",)),
+  ]
   k = 0
   for stage, blocks in enumerate(stage_sizes):
     for j in range(blocks):
       block, name = f"{prefix}{k}", f"layer{stage + 1}.{j}"
       for c in range(convs):
-        entries.append(Entry(f"{name}.conv{c + 1}.weight", "params", (block, f"Conv_{c}", "kernel"),
-                             "conv"))
+        entries.append(
+          Entry(f"{name}.conv{c + 1}.weight", "params", (block, f"Conv_{c}", "kernel"), "conv")
+        )
         entries += _bn(f"{name}.bn{c + 1}", (block, f"BatchNorm_{c}"))
       if f"Conv_{convs}" in params[block]:  # The projection shortcut.
-        entries.append(Entry(f"{name}.downsample.0.weight", "params",
-                             (block, f"Conv_{convs}", "kernel"), "conv"))
+        entries.append(
+          Entry(f"{name}.downsample.0.weight", "params", (block, f"Conv_{convs}", "kernel"), "conv")
+        )
         entries += _bn(f"{name}.downsample.1", (block, f"BatchNorm_{convs}"))
       k += 1
   return entries
@@ -90,22 +104,38 @@ def _resnet_entries(model_config, params) -> List[Entry]:
 def _vit_entries(model_config, params) -> List[Entry]:
   patch = [name for name in params if name.endswith("patch_embed")][0]
   learned = "pos_embed" in params
-  entries = [Entry("cls_token", "params", ("cls_token",), "same"),
-             Entry("pos_embed", "params" if learned else "", ("pos_embed",) if learned else (),
-                   "same" if learned else "fixed"),
-             Entry("patch_embed.proj.weight", "params", (patch, "kernel"), "conv"),
-             Entry("patch_embed.proj.bias", "params", (patch, "bias"), "same")]
+  entries = [
+    Entry("cls_token", "params", ("cls_token",), "same"),
+    Entry(
+      "pos_embed",
+      "params" if learned else "",
+      ("pos_embed",) if learned else (),
+      "same" if learned else "fixed",
+    ),
+    Entry("patch_embed.proj.weight", "params", (patch, "kernel"), "conv"),
+    Entry("patch_embed.proj.bias", "params", (patch, "bias"), "same"),
+  ]
   for i in range(model_config.depth):
     block, name = f"block{i}", f"blocks.{i}"
     for ours, theirs in (("norm1", "norm1"), ("norm2", "norm2")):
-      entries += [Entry(f"{name}.{theirs}.weight", "params", (block, ours, "scale"), "same"),
-                  Entry(f"{name}.{theirs}.bias", "params", (block, ours, "bias"), "same")]
-    for ours, theirs in ((("attn", "qkv"), "attn.qkv"), (("attn", "proj"), "attn.proj"),
-                         (("fc1",), "mlp.fc1"), (("fc2",), "mlp.fc2")):
-      entries += [Entry(f"{name}.{theirs}.weight", "params", (block, *ours, "kernel"), "dense"),
-                  Entry(f"{name}.{theirs}.bias", "params", (block, *ours, "bias"), "same")]
-  entries += [Entry("norm.weight", "params", ("norm", "scale"), "same"),
-              Entry("norm.bias", "params", ("norm", "bias"), "same")]
+      entries += [
+        Entry(f"{name}.{theirs}.weight", "params", (block, ours, "scale"), "same"),
+        Entry(f"{name}.{theirs}.bias", "params", (block, ours, "bias"), "same"),
+      ]
+    for ours, theirs in (
+      (("attn", "qkv"), "attn.qkv"),
+      (("attn", "proj"), "attn.proj"),
+      (("fc1",), "mlp.fc1"),
+      (("fc2",), "mlp.fc2"),
+    ):
+      entries += [
+        Entry(f"{name}.{theirs}.weight", "params", (block, *ours, "kernel"), "dense"),
+        Entry(f"{name}.{theirs}.bias", "params", (block, *ours, "bias"), "same"),
+      ]
+  entries += [
+    Entry("norm.weight", "params", ("norm", "scale"), "same"),
+    Entry("norm.bias", "params", ("norm", "bias"), "same"),
+  ]
   return entries
 
 
@@ -114,14 +144,17 @@ def _describe_resnet(model_config) -> str:
 
 
 def _describe_vit(model_config) -> str:
-  return (f"{model_config.name} (D {models.encoder_width(model_config)}, depth "
-          f"{model_config.depth}, patch {model_config.patch_size})")
+  return (
+    f"{model_config.name} (D {models.encoder_width(model_config)}, depth "
+    f"{model_config.depth}, patch {model_config.patch_size})"
+  )
 
 
 class _Layout(NamedTuple):
   """A model family's state dict: its name in messages, its first tensor, the prefixes of a
   stock model's classifier and a self-supervised checkpoint's projection head (not
   encoder), its entries (model_config, params) -> [Entry] and a config's description."""
+
   label: str
   first_tensor: str
   head_prefixes: tuple
@@ -130,10 +163,12 @@ class _Layout(NamedTuple):
 
 
 # models.FAMILIES key -> its layout.
-_LAYOUTS = {"resnet": _Layout("ResNet", "conv1.weight", ("fc.",), _resnet_entries,
-                              _describe_resnet),
-            "vit": _Layout("ViT", "patch_embed.proj.weight", ("head.", "fc_norm."),
-                           _vit_entries, _describe_vit)}
+_LAYOUTS = {
+  "resnet": _Layout("ResNet", "conv1.weight", ("fc.",), _resnet_entries, _describe_resnet),
+  "vit": _Layout(
+    "ViT", "patch_embed.proj.weight", ("head.", "fc_norm."), _vit_entries, _describe_vit
+  ),
+}
 
 
 def entries(model_config, image_size: int) -> List[Entry]:
@@ -172,8 +207,10 @@ def to_state_dict(model_config, variables, image_size: int) -> Dict[str, np.ndar
 
   variables: {'params', 'batch_stats'} of models.build_encoder(model_config).
   """
-  flat = {collection: flax.traverse_util.flatten_dict(jax.device_get(variables.get(collection, {})))
-          for collection in ("params", "batch_stats")}
+  flat = {
+    collection: flax.traverse_util.flatten_dict(jax.device_get(variables.get(collection, {})))
+    for collection in ("params", "batch_stats")
+  }
   out = {}
   for entry in entries(model_config, image_size):
     if entry.layout == "counter":
@@ -182,12 +219,14 @@ def to_state_dict(model_config, variables, image_size: int) -> Dict[str, np.ndar
       out[entry.name] = fixed_position_embedding(model_config, image_size)
     else:
       out[entry.name] = np.ascontiguousarray(
-          _to_torch(np.asarray(flat[entry.collection][entry.path], np.float32), entry.layout))
+        _to_torch(np.asarray(flat[entry.collection][entry.path], np.float32), entry.layout)
+      )
   return out
 
 
-def encoder_tensors(tensors: Dict[str, np.ndarray], path: str,
-                    model_config) -> Dict[str, np.ndarray]:
+def encoder_tensors(
+  tensors: Dict[str, np.ndarray], path: str, model_config
+) -> Dict[str, np.ndarray]:
   """The encoder's tensors of a file: under the first of ENCODER_PREFIXES that holds the
   model family's first tensor, that prefix removed, classifier and projection heads and BN
   counters left out.
@@ -200,32 +239,49 @@ def encoder_tensors(tensors: Dict[str, np.ndarray], path: str,
   first = layout.first_tensor
   prefix = next((p for p in ENCODER_PREFIXES if p + first in tensors), None)
   if prefix is None:
-    found = next((f"it holds a {other.label} ({p + other.first_tensor})"
-                  for other in _LAYOUTS.values() if other is not layout
-                  for p in ENCODER_PREFIXES if p + other.first_tensor in tensors), None)
+    found = next(
+      (
+        f"it holds a {other.label} ({p + other.first_tensor})"
+        for other in _LAYOUTS.values()
+        if other is not layout
+        for p in ENCODER_PREFIXES
+        if p + other.first_tensor in tensors
+      ),
+      None,
+    )
     what = found or f"its first tensor is {next(iter(sorted(tensors)), '(none)')!r}"
-    raise WeightsError(path, f"not the weights of a {layout.describe(model_config)}: no {first!r} "
-                       f"under any of the prefixes {[p for p in ENCODER_PREFIXES if p]} or "
-                       f"none; {what}")
+    raise WeightsError(
+      path,
+      f"not the weights of a {layout.describe(model_config)}: no {first!r} "
+      f"under any of the prefixes {[p for p in ENCODER_PREFIXES if p]} or "
+      f"none; {what}",
+    )
   heads = layout.head_prefixes
-  return {name[len(prefix):]: value for name, value in tensors.items()
-          if name.startswith(prefix) and not name[len(prefix):].startswith(heads)
-          and not name.endswith("num_batches_tracked")}
+  return {
+    name[len(prefix) :]: value
+    for name, value in tensors.items()
+    if name.startswith(prefix)
+    and not name[len(prefix) :].startswith(heads)
+    and not name.endswith("num_batches_tracked")
+  }
 
 
 def _mismatch(names: List[str], stage_projection: str) -> str:
   """Why tensors named so do not fit: only layer1.0's projection shortcut (a ResNet-18/34 with
   or without model.stage_projection, resnet.py) or another architecture."""
   if all(name.startswith("layer1.0.downsample.") for name in names):
-    return ("the file's ResNet has the same depth but "
-            + ("no" if stage_projection == "False" else "a")
-            + " projection shortcut in its first block (torchvision's has none, SimCLR's and "
-            f"BYOL's have one): --config.model.stage_projection={stage_projection}")
+    return (
+      "the file's ResNet has the same depth but "
+      + ("no" if stage_projection == "False" else "a")
+      + " projection shortcut in its first block (torchvision's has none, SimCLR's and "
+      f"BYOL's have one): --config.model.stage_projection={stage_projection}"
+    )
   return "another architecture or depth"
 
 
-def from_state_dict(tensors: Dict[str, np.ndarray], path: str, model_config,
-                    image_size: int) -> dict:
+def from_state_dict(
+  tensors: Dict[str, np.ndarray], path: str, model_config, image_size: int
+) -> dict:
   """The encoder's {'params', 'batch_stats'} (float32 numpy) from a file's named tensors.
 
   tensors: as tensor_files.read gives them, in torch names, with any of
@@ -245,28 +301,42 @@ def from_state_dict(tensors: Dict[str, np.ndarray], path: str, model_config,
   describe = _LAYOUTS[models.family(model_config)].describe(model_config)
   missing = [e.name for e in expected if e.name not in found]
   if missing:
-    raise WeightsError(path, f"has no tensor {missing[0]!r} ({len(missing)} of the "
-                       f"{len(expected)} tensors of a {describe} are missing): "
-                       + _mismatch(missing, "False"))
+    raise WeightsError(
+      path,
+      f"has no tensor {missing[0]!r} ({len(missing)} of the "
+      f"{len(expected)} tensors of a {describe} are missing): " + _mismatch(missing, "False"),
+    )
   unexpected = sorted(name for name in found if name not in names)
   if unexpected:
-    raise WeightsError(path, f"has a tensor {unexpected[0]!r} that a {describe} does not have "
-                       f"({len(unexpected)} such): " + _mismatch(unexpected, "True"))
+    raise WeightsError(
+      path,
+      f"has a tensor {unexpected[0]!r} that a {describe} does not have "
+      f"({len(unexpected)} such): " + _mismatch(unexpected, "True"),
+    )
   flat = {"params": {}, "batch_stats": {}}
   for entry in expected:
     value = np.asarray(found[entry.name], np.float32)
     if entry.layout == "fixed":
       want = fixed_position_embedding(model_config, image_size)
       if value.shape != want.shape or not np.allclose(value, want, atol=1e-5):
-        diff = (f"max difference {np.max(np.abs(value - want)):.3g}"
-                if value.shape == want.shape else f"shape {list(value.shape)}")
-        raise WeightsError(path, f"pos_embed is not the fixed 2-D sin-cos embedding of a "
-                           f"{describe} on {image_size} px images ({diff}): a learned one "
-                           "needs --config.model.position_embedding=learned")
+        diff = (
+          f"max difference {np.max(np.abs(value - want)):.3g}"
+          if value.shape == want.shape
+          else f"shape {list(value.shape)}"
+        )
+        raise WeightsError(
+          path,
+          f"pos_embed is not the fixed 2-D sin-cos embedding of a "
+          f"{describe} on {image_size} px images ({diff}): a learned one "
+          "needs --config.model.position_embedding=learned",
+        )
       continue
     want = _torch_shape(shapes[entry.collection][entry.path].shape, entry.layout)
     if value.shape != want:
-      raise WeightsError(path, f"tensor {entry.name!r} has shape {list(value.shape)} where a "
-                         f"{describe} on {image_size} px images needs {list(want)}")
+      raise WeightsError(
+        path,
+        f"tensor {entry.name!r} has shape {list(value.shape)} where a "
+        f"{describe} on {image_size} px images needs {list(want)}",
+      )
     flat[entry.collection][entry.path] = _from_torch(value, entry.layout)
   return {c: flax.traverse_util.unflatten_dict(flat[c]) for c in flat}

@@ -32,6 +32,7 @@ to depend on).
 The family API of the model registry (models/__init__.py): SPECS, check_config,
 build_encoder and encoder_width.
 """
+
 from typing import Any, Sequence
 
 import flax.linen as nn
@@ -46,9 +47,9 @@ from contrastive_jax.models import common
 # and Base are MoCo v3's (vits.py): its ViT-S has 12 heads where DeiT-S has 6 (the
 # parameters are the same, the attention finer).
 SPECS = {
-    "vit_tiny": (192, 12, 3),
-    "vit_small": (384, 12, 12),
-    "vit_base": (768, 12, 12),
+  "vit_tiny": (192, 12, 3),
+  "vit_small": (384, 12, 12),
+  "vit_base": (768, 12, 12),
 }
 # 'sincos': MoCo v3's fixed 2-D sine-cosine embedding, none on the class token (vits.py);
 # 'learned': a learned [1 + grid^2, D] embedding added to the class token and the patches
@@ -81,13 +82,15 @@ def sincos_position_embedding(grid: int, dim: int, temperature: float = 10000.0)
   rows, cols = np.meshgrid(np.arange(grid), np.arange(grid), indexing="ij")
   out_r = rows.reshape(-1)[:, None] * omega[None, :]
   out_c = cols.reshape(-1)[:, None] * omega[None, :]
-  return np.concatenate([np.sin(out_r), np.cos(out_r), np.sin(out_c), np.cos(out_c)],
-                        axis=1).astype(np.float32)
+  return np.concatenate(
+    [np.sin(out_r), np.cos(out_r), np.sin(out_c), np.cos(out_c)], axis=1
+  ).astype(np.float32)
 
 
 def _uniform(bound: float):
   def init(key, shape, dtype=jnp.float32):
     return jax.random.uniform(key, shape, dtype, -bound, bound)
+
   return init
 
 
@@ -99,6 +102,7 @@ def _qkv_init(key, shape, dtype=jnp.float32):
 
 class SelfAttention(nn.Module):
   """Multi-head self-attention, [N, T, D] -> [N, T, D]; logits and softmax in float32."""
+
   num_heads: int
   dtype: Any = jnp.float32
 
@@ -111,12 +115,14 @@ class SelfAttention(nn.Module):
     logits = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32)
     weights = jax.nn.softmax(logits / head_dim**0.5, axis=-1).astype(self.dtype)
     out = jnp.einsum("nhqk,nkhd->nqhd", weights, v).reshape(n, t, d)
-    return nn.Dense(d, dtype=self.dtype, kernel_init=nn.initializers.xavier_uniform(),
-                    name="proj")(out)
+    return nn.Dense(d, dtype=self.dtype, kernel_init=nn.initializers.xavier_uniform(), name="proj")(
+      out
+    )
 
 
 class Block(nn.Module):
   """Pre-norm Transformer block: x + MHSA(LN(x)), then x + MLP(LN(x))."""
+
   num_heads: int
   mlp_ratio: int = 4
   dtype: Any = jnp.float32
@@ -125,8 +131,9 @@ class Block(nn.Module):
   def __call__(self, x):
     d = x.shape[-1]
     norm = lambda name: nn.LayerNorm(epsilon=LN_EPSILON, dtype=self.dtype, name=name)
-    dense = lambda width, name: nn.Dense(width, dtype=self.dtype, name=name,
-                                         kernel_init=nn.initializers.xavier_uniform())
+    dense = lambda width, name: nn.Dense(
+      width, dtype=self.dtype, name=name, kernel_init=nn.initializers.xavier_uniform()
+    )
     x = x + SelfAttention(self.num_heads, self.dtype, name="attn")(norm("norm1")(x))
     y = dense(self.mlp_ratio * d, "fc1")(norm("norm2")(x))
     return x + dense(d, "fc2")(nn.gelu(y, approximate=False))
@@ -146,6 +153,7 @@ class ViT(nn.Module):
       the parameters are for.
     input_mean, input_std: per-channel (R, G, B) standardisation of the [0, 1] input.
   """
+
   width: int
   depth: int
   num_heads: int
@@ -166,8 +174,15 @@ class ViT(nn.Module):
     p, d = self.patch_size, self.width
     x = (x - jnp.asarray(self.input_mean, jnp.float32)) / jnp.asarray(self.input_std, jnp.float32)
     name = (FROZEN_PREFIX if self.random_patch_projection else "") + "patch_embed"
-    x = nn.Conv(d, (p, p), strides=(p, p), padding="VALID", dtype=self.dtype, name=name,
-                kernel_init=_uniform((6.0 / (3 * p * p + d)) ** 0.5))(x.astype(self.dtype))
+    x = nn.Conv(
+      d,
+      (p, p),
+      strides=(p, p),
+      padding="VALID",
+      dtype=self.dtype,
+      name=name,
+      kernel_init=_uniform((6.0 / (3 * p * p + d)) ** 0.5),
+    )(x.astype(self.dtype))
     if self.random_patch_projection:
       x = jax.lax.stop_gradient(x)
     n, grid = x.shape[0], x.shape[1]  # [N, S/p, S/p, D]
@@ -179,8 +194,9 @@ class ViT(nn.Module):
     # a batch-sharded x under explicit sharding).
     x = jnp.concatenate([jnp.zeros_like(x[:, :1]) + cls.astype(self.dtype), x], axis=1)
     if self.position_embedding == "learned":
-      x = x + self.param("pos_embed", nn.initializers.normal(0.02), (1, 1 + grid * grid, d),
-                         jnp.float32).astype(self.dtype)
+      x = x + self.param(
+        "pos_embed", nn.initializers.normal(0.02), (1, 1 + grid * grid, d), jnp.float32
+      ).astype(self.dtype)
     for i in range(self.depth):
       x = Block(self.num_heads, dtype=self.dtype, name=f"block{i}")(x)
     x = nn.LayerNorm(epsilon=LN_EPSILON, dtype=self.dtype, name="norm")(x)
@@ -210,23 +226,28 @@ def check_config(model_config, image_size: int = None):
     raise ConfigError("model.num_heads", heads, "an integer > 0, or None (the spec's)")
   heads = num_heads(model_config)
   if not model_config.width > 0 or encoder_width(model_config) % (4 * heads):
-    raise ConfigError("model.width", model_config.width,
-                      f"> 0, making D = {SPECS[model_config.name][0]} x width a multiple "
-                      f"of 4 x {heads} heads (the 2-D sin-cos embedding splits D in 4)")
+    raise ConfigError(
+      "model.width",
+      model_config.width,
+      f"> 0, making D = {SPECS[model_config.name][0]} x width a multiple "
+      f"of 4 x {heads} heads (the 2-D sin-cos embedding splits D in 4)",
+    )
   if not isinstance(model_config.get("depth"), int) or model_config.depth <= 0:
     raise ConfigError("model.depth", model_config.get("depth"), "an integer > 0 (blocks)")
   patch = model_config.get("patch_size")
   if not isinstance(patch, int) or patch <= 0 or (image_size and image_size % patch):
-    raise ConfigError("model.patch_size", patch,
-                      "an integer > 0" + (f" that divides image_size ({image_size})"
-                                          if image_size else ""))
+    raise ConfigError(
+      "model.patch_size",
+      patch,
+      "an integer > 0" + (f" that divides image_size ({image_size})" if image_size else ""),
+    )
   position = model_config.get("position_embedding", _DEFAULTS["position_embedding"])
   if position not in POSITION_EMBEDDINGS:
-    raise ConfigError("model.position_embedding", position,
-                      f"one of {list(POSITION_EMBEDDINGS)}")
+    raise ConfigError("model.position_embedding", position, f"one of {list(POSITION_EMBEDDINGS)}")
   if not isinstance(model_config.get("random_patch_projection"), bool):
-    raise ConfigError("model.random_patch_projection",
-                      model_config.get("random_patch_projection"), "True or False")
+    raise ConfigError(
+      "model.random_patch_projection", model_config.get("random_patch_projection"), "True or False"
+    )
   common.check_input_statistics(model_config)
 
 
@@ -237,9 +258,14 @@ def build_encoder(model_config, bn_axis_name=None) -> ViT:
   accepted for the family API; a ViT has no BN."""
   del bn_axis_name
   input_mean, input_std = common.input_statistics(model_config)
-  return ViT(encoder_width(model_config), model_config.depth, num_heads(model_config),
-             model_config.patch_size, dtype=common.DTYPES[model_config.dtype],
-             random_patch_projection=model_config.random_patch_projection,
-             position_embedding=model_config.get("position_embedding",
-                                                 _DEFAULTS["position_embedding"]),
-             input_mean=input_mean, input_std=input_std)
+  return ViT(
+    encoder_width(model_config),
+    model_config.depth,
+    num_heads(model_config),
+    model_config.patch_size,
+    dtype=common.DTYPES[model_config.dtype],
+    random_patch_projection=model_config.random_patch_projection,
+    position_embedding=model_config.get("position_embedding", _DEFAULTS["position_embedding"]),
+    input_mean=input_mean,
+    input_std=input_std,
+  )

@@ -52,6 +52,7 @@ quantization" (ScaNN, 2 dimensions per 4-bit code); the FAISS documentation
 (github.com/facebookresearch/faiss/wiki: index_factory strings, HNSW and IVF
 parameters, fast-scan PQ).
 """
+
 import json
 import logging
 import zlib
@@ -59,9 +60,9 @@ import zlib
 import numpy as np
 import tensorflow as tf
 
+from contrastive_jax.core import files
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
-from contrastive_jax.core import files
 
 FORMAT_VERSION = 1
 META = "ann.json"
@@ -109,8 +110,11 @@ def faiss_module(field: str, value, instead: str):
   try:
     import faiss  # pylint: disable=g-import-not-at-top
   except ImportError as e:
-    raise ConfigError(field, value, f"{instead} unless FAISS is installed: pip install "
-                      f"'contrastive_jax[search]' ({e})") from None
+    raise ConfigError(
+      field,
+      value,
+      f"{instead} unless FAISS is installed: pip install 'contrastive_jax[search]' ({e})",
+    ) from None
   return faiss
 
 
@@ -130,8 +134,9 @@ def check_config(ann, *, adding: bool = False):
   if ann.threads < 0:
     raise ConfigError("ann.threads", ann.threads, "an integer >= 0 (0: every core)")
   if not 0 < ann.recall <= 1:
-    raise ConfigError("ann.recall", ann.recall, "a recall@10 in (0, 1] that nprobe left at 0 "
-                      "is calibrated to")
+    raise ConfigError(
+      "ann.recall", ann.recall, "a recall@10 in (0, 1] that nprobe left at 0 is calibrated to"
+    )
 
 
 def has_faiss() -> bool:
@@ -156,8 +161,9 @@ def check_add(ann, description):
   if has_faiss():
     return
   if description:
-    faiss_module("add", True, f"False (the index's ANN index {description['file']} grows with "
-                 "its rows)")
+    faiss_module(
+      "add", True, f"False (the index's ANN index {description['file']} grows with its rows)"
+    )
   if ann.type not in ("none", "auto"):
     faiss_module("ann.type", ann.type, "'auto' or 'none'")
 
@@ -182,21 +188,33 @@ def choose(num_rows: int, dim: int, ann) -> dict:
     return {"type": "flat", "factory": "Flat", "params": {}, "calibration": None}
   if kind == "hnsw":
     m = ann.hnsw_m or HNSW_M
-    params = {"M": m, "efConstruction": ann.ef_construction or HNSW_EF_CONSTRUCTION,
-              "efSearch": ann.ef_search or HNSW_EF_SEARCH}
+    params = {
+      "M": m,
+      "efConstruction": ann.ef_construction or HNSW_EF_CONSTRUCTION,
+      "efSearch": ann.ef_search or HNSW_EF_SEARCH,
+    }
     return {"type": "hnsw", "factory": f"HNSW{m},Flat", "params": params, "calibration": None}
-  nlist = ann.nlist or min(int(2 ** round(np.log2(4 * np.sqrt(max(num_rows, 1))))),
-                           int(2 ** np.floor(np.log2(max(num_rows / MIN_ROWS_PER_LIST, 1)))))
+  nlist = ann.nlist or min(
+    int(2 ** round(np.log2(4 * np.sqrt(max(num_rows, 1))))),
+    int(2 ** np.floor(np.log2(max(num_rows / MIN_ROWS_PER_LIST, 1)))),
+  )
   nlist = min(nlist, max(num_rows, 1))  # k-means needs at least one row per list.
   calibration = None if ann.nprobe else {"param": "nprobe", "target": ann.recall}
   params = {"nlist": nlist, "nprobe": min(ann.nprobe, nlist) or None}
   if kind == "ivf":
-    return {"type": "ivf", "factory": f"IVF{nlist},Flat", "params": params,
-            "calibration": calibration}
+    return {
+      "type": "ivf",
+      "factory": f"IVF{nlist},Flat",
+      "params": params,
+      "calibration": calibration,
+    }
   codes = dim // 2 if dim % 2 == 0 else dim  # 2 dimensions per 4-bit code (1 if dim is odd).
-  return {"type": "ivfpq", "factory": f"IVF{nlist},PQ{codes}x4fs,RFlat",
-          "params": dict(params, k_factor=ann.k_factor or IVFPQ_K_FACTOR),
-          "calibration": calibration}
+  return {
+    "type": "ivfpq",
+    "factory": f"IVF{nlist},PQ{codes}x4fs,RFlat",
+    "params": dict(params, k_factor=ann.k_factor or IVFPQ_K_FACTOR),
+    "calibration": calibration,
+  }
 
 
 def set_search_params(faiss, index, spec: dict):
@@ -252,7 +270,7 @@ def exact_neighbours(embeddings, rows: np.ndarray, k: int):
   queries = np.ascontiguousarray(embeddings[rows], np.float32)
   scores, ids = [], []
   for begin in range(0, len(embeddings), _EXACT_BLOCK):
-    block = queries @ np.asarray(embeddings[begin:begin + _EXACT_BLOCK], np.float32).T
+    block = queries @ np.asarray(embeddings[begin : begin + _EXACT_BLOCK], np.float32).T
     own = (rows >= begin) & (rows < begin + block.shape[1])
     block[np.flatnonzero(own), rows[own] - begin] = -np.inf
     kept = min(k, block.shape[1])
@@ -302,8 +320,11 @@ def calibrate(index, embeddings, spec: dict) -> dict:
     if value not in measured:
       set_search_params(faiss, index, dict(spec, params=dict(spec["params"], **{param: value})))
       scores, found = index.search(queries, k + 1)
-      hits = [np.sum(s[(f != r) & (f >= 0)][:k] >= t) for s, f, r, t in
-              zip(scores, found, rows, kth)] if k else [0]
+      hits = (
+        [np.sum(s[(f != r) & (f >= 0)][:k] >= t) for s, f, r, t in zip(scores, found, rows, kth)]
+        if k
+        else [0]
+      )
       measured[value] = float(np.mean(hits) / k) if k else 1.0
     return measured[value]
 
@@ -320,20 +341,45 @@ def calibrate(index, embeddings, spec: dict) -> dict:
   value = smallest(1, most, target)
   if recall_at(value) < target:
     value = smallest(1, most, recall_at(most) - SHORTFALL_TOLERANCE)
-    logging.warning("The %s index finds %.3f of the %d nearest at most (%s=%d), less than "
-                    "ann.recall=%s: searched with %s=%d, within %s of that.", spec["factory"],
-                    measured[most], k, param, most, target, param, value, SHORTFALL_TOLERANCE)
-  logging.info("Calibrated %s=%d: recall@%d %.3f on %d of the index's rows (target %s).", param,
-               value, k, measured[value], len(rows), target)
-  return dict(spec, params=dict(spec["params"], **{param: value}),
-              calibration={"param": param, "target": target, "recall": measured[value], "k": k,
-                           "queries": len(rows)})
+    logging.warning(
+      "The %s index finds %.3f of the %d nearest at most (%s=%d), less than "
+      "ann.recall=%s: searched with %s=%d, within %s of that.",
+      spec["factory"],
+      measured[most],
+      k,
+      param,
+      most,
+      target,
+      param,
+      value,
+      SHORTFALL_TOLERANCE,
+    )
+  logging.info(
+    "Calibrated %s=%d: recall@%d %.3f on %d of the index's rows (target %s).",
+    param,
+    value,
+    k,
+    measured[value],
+    len(rows),
+    target,
+  )
+  return dict(
+    spec,
+    params=dict(spec["params"], **{param: value}),
+    calibration={
+      "param": param,
+      "target": target,
+      "recall": measured[value],
+      "k": k,
+      "queries": len(rows),
+    },
+  )
 
 
 def add(index, embeddings, start: int):
   """Adds rows start.. of embeddings (float32 [N, D]) to a FAISS index, in chunks."""
   for begin in range(start, len(embeddings), _ADD_CHUNK):
-    index.add(np.ascontiguousarray(embeddings[begin:begin + _ADD_CHUNK], np.float32))
+    index.add(np.ascontiguousarray(embeddings[begin : begin + _ADD_CHUNK], np.float32))
 
 
 def write(workdir: str, index, spec: dict, *, generation: int, embed_run: str) -> dict:
@@ -347,12 +393,22 @@ def write(workdir: str, index, spec: dict, *, generation: int, embed_run: str) -
   name = f"ann.{generation}.faiss"
   content = faiss.serialize_index(index).tobytes()
   files.write_atomic(f"{workdir}/{name}", content)
-  return {"format_version": FORMAT_VERSION, "library": "faiss",
-          "library_version": faiss.__version__, "file": name, "bytes": len(content),
-          "crc32": zlib.crc32(content), "type": spec["type"], "factory": spec["factory"], "params": spec["params"],
-          "calibration": spec.get("calibration"), "metric": "inner_product",
-          "rows": int(index.ntotal), "dim": int(index.d),
-          "embed_run": embed_run}
+  return {
+    "format_version": FORMAT_VERSION,
+    "library": "faiss",
+    "library_version": faiss.__version__,
+    "file": name,
+    "bytes": len(content),
+    "crc32": zlib.crc32(content),
+    "type": spec["type"],
+    "factory": spec["factory"],
+    "params": spec["params"],
+    "calibration": spec.get("calibration"),
+    "metric": "inner_product",
+    "rows": int(index.ntotal),
+    "dim": int(index.d),
+    "embed_run": embed_run,
+  }
 
 
 def write_meta(workdir: str, description: dict):
@@ -370,14 +426,18 @@ def check(description: dict, *, rows: int, dim: int, embed_run: str, where: str)
   """
   version = description.get("format_version")
   if version != FORMAT_VERSION:
-    raise JobError(f"{where}: the ANN index's format_version={version!r}: must be "
-                   f"{FORMAT_VERSION} (written by another version of contrastive_jax; embed "
-                   "again, or build it with --config.ann.type)")
+    raise JobError(
+      f"{where}: the ANN index's format_version={version!r}: must be "
+      f"{FORMAT_VERSION} (written by another version of contrastive_jax; embed "
+      "again, or build it with --config.ann.type)"
+    )
   for key, want in (("embed_run", embed_run), ("dim", dim), ("rows", rows)):
     if description.get(key) != want:
-      raise JobError(f"{where}: the ANN index {description.get('file')} has {key}="
-                     f"{description.get(key)!r}: must be the embeddings' ({want!r}); it was "
-                     "built from another embed run or dimension")
+      raise JobError(
+        f"{where}: the ANN index {description.get('file')} has {key}="
+        f"{description.get(key)!r}: must be the embeddings' ({want!r}); it was "
+        "built from another embed run or dimension"
+      )
 
 
 def check_meta_file(workdir: str, description: dict, *, where: str):
@@ -397,8 +457,10 @@ def check_meta_file(workdir: str, description: dict, *, where: str):
   """
   path = f"{workdir}/{META}"
   if not tf.io.gfile.exists(path):
-    raise JobError(f"{where}: {META} is missing: embed.json lists the ANN index "
-                   f"{description.get('file')}, which {META} must describe; embed again")
+    raise JobError(
+      f"{where}: {META} is missing: embed.json lists the ANN index "
+      f"{description.get('file')}, which {META} must describe; embed again"
+    )
   try:
     with tf.io.gfile.GFile(path) as f:
       found = json.load(f)
@@ -406,16 +468,21 @@ def check_meta_file(workdir: str, description: dict, *, where: str):
     raise JobError(f"{where}: {META} must be the JSON an embed job writes ({e})") from None
   version = found.get("format_version") if isinstance(found, dict) else None
   if version != FORMAT_VERSION:
-    raise JobError(f"{where}: {META} has format_version={version!r}: must be "
-                   f"{FORMAT_VERSION} (written by another version of contrastive_jax; embed "
-                   "again, or build it with --config.ann.type)")
-  differing = sorted(key for key in set(found) | set(description)
-                     if found.get(key) != description.get(key))
+    raise JobError(
+      f"{where}: {META} has format_version={version!r}: must be "
+      f"{FORMAT_VERSION} (written by another version of contrastive_jax; embed "
+      "again, or build it with --config.ann.type)"
+    )
+  differing = sorted(
+    key for key in set(found) | set(description) if found.get(key) != description.get(key)
+  )
   if differing:
     key = differing[0]
-    raise JobError(f"{where}: {META} has {key}={found.get(key)!r} where embed.json's copy of "
-                   f"it has {description.get(key)!r}: they must be the same (one of them was "
-                   "edited or replaced); embed again")
+    raise JobError(
+      f"{where}: {META} has {key}={found.get(key)!r} where embed.json's copy of "
+      f"it has {description.get(key)!r}: they must be the same (one of them was "
+      "edited or replaced); embed again"
+    )
 
 
 def _read(workdir: str, description: dict, *, where: str, keep: bool):
@@ -427,12 +494,15 @@ def _read(workdir: str, description: dict, *, where: str, keep: bool):
   name = description["file"]
   path = f"{workdir}/{name}"
   if not tf.io.gfile.exists(path):
-    raise JobError(f"{where}: the ANN index {name} is missing; it must be the file {META} "
-                   "describes")
+    raise JobError(
+      f"{where}: the ANN index {name} is missing; it must be the file {META} describes"
+    )
   size = tf.io.gfile.stat(path).length
   if size != description["bytes"]:
-    raise JobError(f"{where}: the ANN index {name} has {size} bytes: must have "
-                   f"{description['bytes']} ({META}); it is truncated or was replaced")
+    raise JobError(
+      f"{where}: the ANN index {name} has {size} bytes: must have "
+      f"{description['bytes']} ({META}); it is truncated or was replaced"
+    )
   if "crc32" not in description and not keep:
     return None
   checksum, chunks = 0, []
@@ -442,8 +512,10 @@ def _read(workdir: str, description: dict, *, where: str, keep: bool):
       if keep:
         chunks.append(chunk)
   if "crc32" in description and checksum != description["crc32"]:
-    raise JobError(f"{where}: the ANN index {name} has CRC-32 {checksum}: must have "
-                   f"{description['crc32']} ({META}); its bytes are damaged or were replaced")
+    raise JobError(
+      f"{where}: the ANN index {name} has CRC-32 {checksum}: must have "
+      f"{description['crc32']} ({META}); its bytes are damaged or were replaced"
+    )
   return b"".join(chunks) if keep else None
 
 
@@ -480,8 +552,10 @@ def load(workdir: str, description: dict, *, where: str):
   try:
     index = faiss.deserialize_index(np.frombuffer(content, np.uint8))
   except RuntimeError as e:
-    raise JobError(f"{where}: the ANN index {description['file']} must be a FAISS index "
-                   f"({str(e).splitlines()[-1]})") from None
+    raise JobError(
+      f"{where}: the ANN index {description['file']} must be a FAISS index "
+      f"({str(e).splitlines()[-1]})"
+    ) from None
   set_search_params(faiss, index, description)
   return index
 

@@ -3,6 +3,7 @@
 The baseline of every approximate search (ann.py) and what an index below
 ann.EXACT_BELOW rows is searched with.
 """
+
 import functools
 
 import jax
@@ -49,12 +50,12 @@ def top_k_cosine(queries, bank, k: int, *, chunk_size: int, query_batch: int = 2
   scores, rows = [], []
   for q0 in range(0, len(queries), block):
     q = np.zeros((block, queries.shape[1]), np.float32)
-    q[:len(queries[q0:q0 + block])] = queries[q0:q0 + block]
+    q[: len(queries[q0 : q0 + block])] = queries[q0 : q0 + block]
     best = (jnp.full((block, k), -jnp.inf), jnp.full((block, k), -1, jnp.int32))
     for start in range(0, num_rows, chunk):
       part = np.zeros((chunk, bank.shape[1]), np.float32)
-      valid = len(bank[start:start + chunk])
-      part[:valid] = bank[start:start + chunk]
+      valid = len(bank[start : start + chunk])
+      part[:valid] = bank[start : start + chunk]
       best = _merge_chunk(*best, q, part, np.int32(start), np.int32(valid), k=k)
     scores.append(np.asarray(best[0]))
     rows.append(np.asarray(best[1]))

@@ -31,24 +31,30 @@ interrupted embed or add leaves the previous embed.json, whose files are
 untouched. ann.json follows embed.json; the ANN file it replaces is deleted
 after it.
 """
+
 import io
 import json
-import uuid
 from typing import NamedTuple, Optional
+import uuid
 
+from absl import logging
 import ml_collections
 import numpy as np
 import tensorflow as tf
-from absl import logging
 
-from contrastive_jax.core.errors import JobError
 from contrastive_jax.core import files
+from contrastive_jax.core.errors import JobError
 from contrastive_jax.data import images
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.search import ann as ann_lib
 
-EMBEDDINGS, INDEX, META, UNREADABLE = "embeddings.npy", "index.jsonl", "embed.json", "unreadable.txt"
+EMBEDDINGS, INDEX, META, UNREADABLE = (
+  "embeddings.npy",
+  "index.jsonl",
+  "embed.json",
+  "unreadable.txt",
+)
 # embed.json's format: 1 (no format_version field: one part, no ANN index), 2 (parts, run_id,
 # ann; the eval crop in image_size, crop_fraction and, where present, crop_resize), 3 (the
 # eval crop as "eval_crop"). load_index reads each through _upgrade_meta.
@@ -59,8 +65,11 @@ def part_names(part: int) -> dict:
   """{"embeddings", "rows", "unreadable"}: the file names of part `part` (0: the first embed)."""
   if not part:
     return {"embeddings": EMBEDDINGS, "rows": INDEX, "unreadable": UNREADABLE}
-  return {"embeddings": f"embeddings.{part}.npy", "rows": f"index.{part}.jsonl",
-          "unreadable": f"unreadable.{part}.txt"}
+  return {
+    "embeddings": f"embeddings.{part}.npy",
+    "rows": f"index.{part}.jsonl",
+    "unreadable": f"unreadable.{part}.txt",
+  }
 
 
 def _write_part(workdir: str, part: int, h, rows: list, folder: Optional[str]) -> dict:
@@ -69,10 +78,15 @@ def _write_part(workdir: str, part: int, h, rows: list, folder: Optional[str]) -
   buffer = io.BytesIO()
   np.save(buffer, h.astype(np.float32))
   files.write_atomic(f"{workdir}/{names['embeddings']}", buffer.getvalue())
-  files.write_atomic(f"{workdir}/{names['rows']}",
-                     "".join(json.dumps(r) + "\n" for r in rows).encode())
-  return {"embeddings": names["embeddings"], "rows": names["rows"], "num_images": len(h),
-          "folder": folder}
+  files.write_atomic(
+    f"{workdir}/{names['rows']}", "".join(json.dumps(r) + "\n" for r in rows).encode()
+  )
+  return {
+    "embeddings": names["embeddings"],
+    "rows": names["rows"],
+    "num_images": len(h),
+    "folder": folder,
+  }
 
 
 def _write_ann(workdir: str, config, h, *, generation: int, run_id: str):
@@ -83,9 +97,12 @@ def _write_ann(workdir: str, config, h, *, generation: int, run_id: str):
   if config.ann.type == "auto" and not ann_lib.has_faiss():
     # The base install: the index is searched exactly (as a 'flat' index would be below
     # EXACT_BELOW rows), and said so, rather than refused.
-    logging.warning("FAISS is not installed: no ANN index for these %d rows; neighbours "
-                    "searches them exactly (pip install 'contrastive_jax[search]' for one, "
-                    "or --config.ann.type=none to say so).", len(h))
+    logging.warning(
+      "FAISS is not installed: no ANN index for these %d rows; neighbours "
+      "searches them exactly (pip install 'contrastive_jax[search]' for one, "
+      "or --config.ann.type=none to say so).",
+      len(h),
+    )
     return None
   logging.info("Building a FAISS %s index (%s) of %d rows.", spec["type"], spec["params"], len(h))
   built, spec = ann_lib.build(h, spec, threads=config.ann.threads)
@@ -111,14 +128,24 @@ def write(workdir, config, model, source, h, labels, names, num_unreadable: int)
   which ANN index (ann.choose).
   """
   labelled = source.num_classes is not None
-  rows = [{"name": name, **({"label": int(label)} if labelled else {})}
-          for name, label in zip(names, labels)]
+  rows = [
+    {"name": name, **({"label": int(label)} if labelled else {})}
+    for name, label in zip(names, labels)
+  ]
   part = _write_part(workdir, 0, h, rows, config.folder)
   run_id = uuid.uuid4().hex
-  meta = {"format_version": FORMAT_VERSION, "run_id": run_id, "config": config.to_dict(),
-          "eval_crop": model.eval_crop._asdict(), "num_images": len(h), "dim": int(h.shape[1]),
-          "class_names": source.class_names, "unreadable": num_unreadable, "parts": [part],
-          "ann": _write_ann(workdir, config, h, generation=0, run_id=run_id)}
+  meta = {
+    "format_version": FORMAT_VERSION,
+    "run_id": run_id,
+    "config": config.to_dict(),
+    "eval_crop": model.eval_crop._asdict(),
+    "num_images": len(h),
+    "dim": int(h.shape[1]),
+    "class_names": source.class_names,
+    "unreadable": num_unreadable,
+    "parts": [part],
+    "ann": _write_ann(workdir, config, h, generation=0, run_id=run_id),
+  }
   _commit(workdir, meta, None)
 
 
@@ -143,14 +170,17 @@ def append(workdir, index: "Index", ann, h, names, folder: str, num_unreadable: 
     JobError: h's dimension is not the index's.
   """
   if h.shape[1] != index.embeddings.shape[1]:
-    raise JobError(f"--workdir={workdir}: holds embeddings of dimension "
-                   f"{index.embeddings.shape[1]}; the new images' are {h.shape[1]}: it must be "
-                   "the same encoder's")
+    raise JobError(
+      f"--workdir={workdir}: holds embeddings of dimension "
+      f"{index.embeddings.shape[1]}; the new images' are {h.shape[1]}: it must be "
+      "the same encoder's"
+    )
   meta = dict(index.meta)
   number = len(meta["parts"])
   part = _write_part(workdir, number, h, [{"name": name} for name in names], folder)
-  parts = Parts([*(index.embeddings.parts if isinstance(index.embeddings, Parts) else
-                   [index.embeddings]), h])
+  parts = Parts(
+    [*(index.embeddings.parts if isinstance(index.embeddings, Parts) else [index.embeddings]), h]
+  )
   old_ann = meta.get("ann")
   follow = ann.type == "auto" or not old_ann
   wanted = ann_lib.choose(len(parts), parts.shape[1], ann) if follow else old_ann
@@ -161,15 +191,20 @@ def append(workdir, index: "Index", ann, h, names, folder: str, num_unreadable: 
     spec = {key: old_ann.get(key) for key in ("type", "factory", "params", "calibration")}
     if spec["calibration"]:  # The grown index may need another nprobe for its target.
       spec = ann_lib.calibrate(faiss_index, parts, spec)
-    new_ann = ann_lib.write(workdir, faiss_index, spec, generation=generation,
-                            embed_run=meta["run_id"])
+    new_ann = ann_lib.write(
+      workdir, faiss_index, spec, generation=generation, embed_run=meta["run_id"]
+    )
   elif wanted:  # 'auto' crossed into another type (a flat index grown past EXACT_BELOW).
     config = ml_collections.ConfigDict({"ann": ann.to_dict()})
     new_ann = _write_ann(workdir, config, parts, generation=generation, run_id=meta["run_id"])
   else:
     new_ann = None
-  meta.update(num_images=len(parts), parts=[*meta["parts"], part], ann=new_ann,
-              unreadable=meta["unreadable"] + num_unreadable)
+  meta.update(
+    num_images=len(parts),
+    parts=[*meta["parts"], part],
+    ann=new_ann,
+    unreadable=meta["unreadable"] + num_unreadable,
+  )
   _commit(workdir, meta, old_ann)
 
 
@@ -194,9 +229,10 @@ class Parts:
       begin, stop, step = key.indices(len(self))
       if step != 1:
         raise ValueError("Parts: slices of step 1 only")
-      pieces = [p[max(begin - s, 0):max(stop - s, 0)] for p, s in zip(self.parts, self.starts)]
-      return np.concatenate([np.asarray(x) for x in pieces if len(x)] or
-                            [np.zeros((0, self.shape[1]), np.float32)])
+      pieces = [p[max(begin - s, 0) : max(stop - s, 0)] for p, s in zip(self.parts, self.starts)]
+      return np.concatenate(
+        [np.asarray(x) for x in pieces if len(x)] or [np.zeros((0, self.shape[1]), np.float32)]
+      )
     rows = np.asarray(key)
     if rows.ndim == 0:
       row = int(rows) + len(self) if rows < 0 else int(rows)
@@ -221,6 +257,7 @@ class Index(NamedTuple):
   (input_pipeline.EvalCrop); class_names: list or None.
   meta: embed.json as read (its "ann": the ANN index's description, or None).
   """
+
   embeddings: np.ndarray
   rows: list
   config: ml_collections.ConfigDict
@@ -255,9 +292,13 @@ def read_images(index: Index, rows, shorter_side: int) -> dict:
     ImageError: a file of the index's folders cannot be decoded any more.
   """
   # A folder's row names its file (files that could not be read have no row).
-  read = {r: images.load_image(index.rows[r]["name"], max_pixels=index.config.max_pixels,
-                               shorter_side=shorter_side)
-          for r in rows if r >= index.dataset_rows}
+  read = {
+    r: images.load_image(
+      index.rows[r]["name"], max_pixels=index.config.max_pixels, shorter_side=shorter_side
+    )
+    for r in rows
+    if r >= index.dataset_rows
+  }
   from_dataset = [r for r in rows if r < index.dataset_rows]
   if from_dataset:
     source = sources.get_source(index.config, {"split": index.config.split})
@@ -305,22 +346,32 @@ def load_index(workdir: str, *, where: Optional[str] = None) -> Index:
         part_rows = [json.loads(line) for line in f]
       array = _read_embeddings(f"{workdir}/{part['embeddings']}")
     except (ValueError, OSError, tf.errors.OpError) as e:
-      raise JobError(f"{where}: {part['embeddings']} and {part['rows']} must be the files of "
-                     f"{part['num_images']} rows {META} lists; they are missing, truncated or "
-                     f"damaged ({str(e).splitlines()[0]})") from None
+      raise JobError(
+        f"{where}: {part['embeddings']} and {part['rows']} must be the files of "
+        f"{part['num_images']} rows {META} lists; they are missing, truncated or "
+        f"damaged ({str(e).splitlines()[0]})"
+      ) from None
     if not len(part_rows) == len(array) == part["num_images"] or array.shape[1] != meta["dim"]:
-      raise JobError(f"{where}: {part['embeddings']} holds {array.shape} and {part['rows']} "
-                     f"{len(part_rows)} rows: must be {part['num_images']} rows of dimension "
-                     f"{meta['dim']} ({META})")
+      raise JobError(
+        f"{where}: {part['embeddings']} holds {array.shape} and {part['rows']} "
+        f"{len(part_rows)} rows: must be {part['num_images']} rows of dimension "
+        f"{meta['dim']} ({META})"
+      )
     rows += part_rows
     arrays.append(array)
   if meta.get("ann"):
     ann_lib.check_meta_file(workdir, meta["ann"], where=where)
-    ann_lib.check(meta["ann"], rows=len(rows), dim=meta["dim"], embed_run=meta["run_id"],
-                  where=where)
-  return Index(arrays[0] if len(arrays) == 1 else Parts(arrays), rows,
-               ml_collections.ConfigDict(meta["config"]),
-               input_pipeline.EvalCrop(**meta["eval_crop"]), meta["class_names"], meta)
+    ann_lib.check(
+      meta["ann"], rows=len(rows), dim=meta["dim"], embed_run=meta["run_id"], where=where
+    )
+  return Index(
+    arrays[0] if len(arrays) == 1 else Parts(arrays),
+    rows,
+    ml_collections.ConfigDict(meta["config"]),
+    input_pipeline.EvalCrop(**meta["eval_crop"]),
+    meta["class_names"],
+    meta,
+  )
 
 
 def _upgrade_meta(meta: dict, where: str) -> dict:
@@ -331,14 +382,23 @@ def _upgrade_meta(meta: dict, where: str) -> dict:
   """
   version = meta.get("format_version", 1)
   if version not in range(1, FORMAT_VERSION + 1):
-    raise JobError(f"{where}: {META} has format_version={version!r}: must be 1 to "
-                   f"{FORMAT_VERSION} (written by a newer contrastive_jax?)")
+    raise JobError(
+      f"{where}: {META} has format_version={version!r}: must be 1 to "
+      f"{FORMAT_VERSION} (written by a newer contrastive_jax?)"
+    )
   if version == 1:  # One part, no ANN index, no run id: given one if an add rewrites it.
-    part = {"embeddings": EMBEDDINGS, "rows": INDEX, "num_images": meta["num_images"],
-            "folder": meta["config"].get("folder")}
+    part = {
+      "embeddings": EMBEDDINGS,
+      "rows": INDEX,
+      "num_images": meta["num_images"],
+      "folder": meta["config"].get("folder"),
+    }
     meta = dict(meta, run_id=uuid.uuid4().hex, parts=[part], ann=None)
   if version <= 2:  # An index without crop_resize was cropped bilinear.
     meta = dict(meta)
-    meta["eval_crop"] = {"size": meta.pop("image_size"), "fraction": meta.pop("crop_fraction"),
-                         "resize": meta.pop("crop_resize", "pil_bilinear")}
+    meta["eval_crop"] = {
+      "size": meta.pop("image_size"),
+      "fraction": meta.pop("crop_fraction"),
+      "resize": meta.pop("crop_resize", "pil_bilinear"),
+    }
   return dict(meta, format_version=FORMAT_VERSION)

@@ -3,8 +3,9 @@
 The neighbours and audit jobs search through it, so both choose alike and
 describe the search alike (neighbours.json's and summary.json's "search").
 """
-import numpy as np
+
 from absl import logging
+import numpy as np
 
 from contrastive_jax.search import ann as ann_lib
 from contrastive_jax.search import exact
@@ -36,28 +37,43 @@ class Searcher:
       FAISS index (ann.load, ann.verify).
   """
 
-  def __init__(self, index: index_lib.Index, index_workdir: str, *, mode: str, chunk_size: int,
-               where: str):
+  def __init__(
+    self, index: index_lib.Index, index_workdir: str, *, mode: str, chunk_size: int, where: str
+  ):
     self._embeddings, self._chunk_size = index.embeddings, chunk_size
     described = index.ann
     self._ann = None
     if mode == "auto" and described and described["type"] != "flat":
       self._ann = ann_lib.load(index_workdir, described, where=where)
-      self.description = {"method": "ann",
-                          **{key: described[key] for key in ("type", "params", "file")}}
-      logging.info("Searching the %d rows through the %s ANN index %s (%s).", len(index.rows),
-                   described["type"], described["file"], ann_lib.checked_by(described))
+      self.description = {
+        "method": "ann",
+        **{key: described[key] for key in ("type", "params", "file")},
+      }
+      logging.info(
+        "Searching the %d rows through the %s ANN index %s (%s).",
+        len(index.rows),
+        described["type"],
+        described["file"],
+        ann_lib.checked_by(described),
+      )
       return
     self.description = {"method": "exact"}
     if described:
       ann_lib.verify(index_workdir, described, where=where)
-      why = ("config.search='exact'" if mode == "exact" else
-             f"its ANN index {described['file']} is 'flat', itself exact")
-      logging.info("Searching the %d rows exactly (%s); %s: %s.", len(index.rows), why,
-                   described["file"], ann_lib.checked_by(described))
+      why = (
+        "config.search='exact'"
+        if mode == "exact"
+        else f"its ANN index {described['file']} is 'flat', itself exact"
+      )
+      logging.info(
+        "Searching the %d rows exactly (%s); %s: %s.",
+        len(index.rows),
+        why,
+        described["file"],
+        ann_lib.checked_by(described),
+      )
     else:
-      logging.info("Searching the %d rows exactly (the index has no ANN index).",
-                   len(index.rows))
+      logging.info("Searching the %d rows exactly (the index has no ANN index).", len(index.rows))
 
   def search(self, queries, k: int):
     """(scores float32 [Q, k], rows int [Q, k]) of each query's k best rows, best first.
@@ -68,7 +84,8 @@ class Searcher:
     """
     if self._ann is None:
       return exact.top_k_cosine(queries, self._embeddings, k, chunk_size=self._chunk_size)
-    found = [ann_lib.search(self._ann, np.asarray(queries[start:start + _QUERY_BLOCK]), k)
-             for start in range(0, len(queries), _QUERY_BLOCK)]
+    found = [
+      ann_lib.search(self._ann, np.asarray(queries[start : start + _QUERY_BLOCK]), k)
+      for start in range(0, len(queries), _QUERY_BLOCK)
+    ]
     return np.concatenate([s for s, _ in found]), np.concatenate([r for _, r in found])
-

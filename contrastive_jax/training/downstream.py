@@ -7,17 +7,18 @@ pretraining run's image size and eval crop. They differ only in what trains
 (the probe: a head on frozen h; fine-tuning: encoder and head) and in their
 presets: build_task is the rest.
 """
+
 from typing import Callable, NamedTuple
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import optax
-from absl import logging
 
 from contrastive_jax.core import durations
-from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.data import crops
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
@@ -52,8 +53,11 @@ def labelled_source(config, job: str):
 def eval_datasets(source, config, encoder: restore.Encoder):
   """The evaluators' datasets (input_pipeline.eval_datasets) with the encoder's eval crop."""
   return input_pipeline.eval_datasets(
-      source, eval_crop=input_pipeline.EvalCrop.of(encoder.pretrained),
-      threads=config.data_threads, cache=config.cache)
+    source,
+    eval_crop=input_pipeline.EvalCrop.of(encoder.pretrained),
+    threads=config.data_threads,
+    cache=config.cache,
+  )
 
 
 def make_classifier_step(inputs: Callable, forward: Callable, tx):
@@ -91,13 +95,23 @@ class Trainer(NamedTuple):
   eval_model: the evaluators' view of it (evaluators.EvalModel; dataset None: build_task
     gives the evaluation datasets).
   """
+
   init: Callable
   train_step: Callable
   eval_model: evaluators.EvalModel
 
 
-def build_task(config, mesh, *, source, train_data, encoder: restore.Encoder,
-               make_trainer: Callable, verb: str, detail: str = "") -> runner.Task:
+def build_task(
+  config,
+  mesh,
+  *,
+  source,
+  train_data,
+  encoder: restore.Encoder,
+  make_trainer: Callable,
+  verb: str,
+  detail: str = "",
+) -> runner.Task:
   """The runner.Task of a downstream job; resolves config's pretraining checkpoint in place.
 
   Args:
@@ -116,18 +130,34 @@ def build_task(config, mesh, *, source, train_data, encoder: restore.Encoder,
   config.pretrain_workdir = files.resolve_dir(config.pretrain_workdir)
   steps_per_epoch = runner.steps_per_epoch(train_data, config)
   num_steps = durations.to_steps(config.duration, "duration", steps_per_epoch)
-  schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, steps_per_epoch,
-                                          num_steps)
+  schedule = optim.learning_rate_schedule(
+    config.optimizer, config.batch_size, steps_per_epoch, num_steps
+  )
   trainer = make_trainer(schedule)
-  logging.info("%s %s encoder (%s, step %d of %s)%s.", verb,
-               "a randomly initialised" if config.random_init else "the pretrained",
-               encoder.pretrained.method, config.pretrain_step, config.pretrain_workdir, detail)
-  return runner.Task(config=config, init=trainer.init, train_step=trainer.train_step,
-                     train_batches=input_pipeline.train_batches(
-                         train_data, config, mesh_lib.batch_sharded(mesh),
-                         image_size=encoder.pretrained.image_size, num_views=1),
-                     num_steps=num_steps, steps_per_epoch=steps_per_epoch,
-                     global_batch=config.batch_size, schedule=schedule,
-                     eval_model=trainer.eval_model._replace(
-                         dataset=eval_datasets(source, config, encoder)),
-                     num_classes=source.num_classes)
+  logging.info(
+    "%s %s encoder (%s, step %d of %s)%s.",
+    verb,
+    "a randomly initialised" if config.random_init else "the pretrained",
+    encoder.pretrained.method,
+    config.pretrain_step,
+    config.pretrain_workdir,
+    detail,
+  )
+  return runner.Task(
+    config=config,
+    init=trainer.init,
+    train_step=trainer.train_step,
+    train_batches=input_pipeline.train_batches(
+      train_data,
+      config,
+      mesh_lib.batch_sharded(mesh),
+      image_size=encoder.pretrained.image_size,
+      num_views=1,
+    ),
+    num_steps=num_steps,
+    steps_per_epoch=steps_per_epoch,
+    global_batch=config.batch_size,
+    schedule=schedule,
+    eval_model=trainer.eval_model._replace(dataset=eval_datasets(source, config, encoder)),
+    num_classes=source.num_classes,
+  )

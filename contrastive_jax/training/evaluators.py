@@ -11,16 +11,17 @@ Evaluation is sharded over the mesh: batches are split over the devices, and
 the kNN bank stays sharded where it was computed (each device scores the
 queries against its own part of the bank and the devices merge their top-k).
 """
+
 from typing import Callable, NamedTuple, Optional
 
+from absl import logging
 import jax
 import jax.numpy as jnp
 import numpy as np
-from absl import logging
 
 from contrastive_jax.core import durations
-from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.methods import common
 
@@ -34,6 +35,7 @@ class EvalModel(NamedTuple):
   dataset: (split, local_batch) -> this process's eval tf.data of
     {'image', 'label', 'mask'} (input_pipeline.eval_dataset).
   """
+
   variables: Callable
   features: Callable
   logits: Optional[Callable]
@@ -69,6 +71,7 @@ class Knn:
   The bank is the whole bank_split, every query image counts once; encoder
   in eval mode.
   """
+
   at_start = True  # The initial encoder is the baseline the run improves on.
 
   def __init__(self, name, cfg, model: EvalModel, mesh, num_classes: int):
@@ -76,10 +79,13 @@ class Knn:
     self._split, self._bank_split = cfg.split, cfg.bank_split
     self._local_batch = cfg.batch_size // jax.process_count()
     batch = mesh_lib.batch_sharded(mesh)
-    self._embed = jax.jit(lambda v, x: common.l2_normalize(model.features(v, x)),
-                          out_shardings=batch)
-    self._stack = jax.jit(lambda *xs: jnp.stack(xs),
-                          out_shardings=jax.sharding.NamedSharding(mesh, jax.P(None, mesh_lib.DATA_AXIS)))
+    self._embed = jax.jit(
+      lambda v, x: common.l2_normalize(model.features(v, x)), out_shardings=batch
+    )
+    self._stack = jax.jit(
+      lambda *xs: jnp.stack(xs),
+      out_shardings=jax.sharding.NamedSharding(mesh, jax.P(None, mesh_lib.DATA_AXIS)),
+    )
     axis = mesh_lib.DATA_AXIS
 
     def score(q, q_labels, q_mask, bank, bank_labels, bank_mask):
@@ -94,15 +100,24 @@ class Knn:
       merged_sims = jax.lax.all_gather(local_sims, axis, axis=1, tiled=True)
       merged_labels = jax.lax.all_gather(local_labels, axis, axis=1, tiled=True)
       top_sims, idx = jax.lax.top_k(merged_sims, min(cfg.k, merged_sims.shape[1]))
-      pred = knn_vote(top_sims, jnp.take_along_axis(merged_labels, idx, axis=1),
-                      num_classes=num_classes, temperature=cfg.temperature)
+      pred = knn_vote(
+        top_sims,
+        jnp.take_along_axis(merged_labels, idx, axis=1),
+        num_classes=num_classes,
+        temperature=cfg.temperature,
+      )
       mine = jax.lax.dynamic_slice_in_dim(pred, jax.lax.axis_index(axis) * b, b)
       return jax.lax.psum((jnp.sum((mine == q_labels) & q_mask), jnp.sum(q_mask)), axis)
 
     data, bank_spec = jax.P(axis), jax.P(None, axis)
-    self._score = jax.jit(jax.shard_map(
-        score, mesh=mesh, in_specs=(data, data, data, bank_spec, bank_spec, bank_spec),
-        out_specs=jax.P()))
+    self._score = jax.jit(
+      jax.shard_map(
+        score,
+        mesh=mesh,
+        in_specs=(data, data, data, bank_spec, bank_spec, bank_spec),
+        out_specs=jax.P(),
+      )
+    )
 
   def _features(self, variables, split):
     """Yields (h sharded [B, D], labels, mask) for every batch of `split`."""
@@ -126,6 +141,7 @@ class Classifier:
   The pretraining job's classifier is its online probe; the linear-probe
   job's is its linear head. Config fields: split, batch_size.
   """
+
   at_start = False  # An untrained head says nothing.
 
   def __init__(self, name, cfg, model: EvalModel, mesh, num_classes: int):
@@ -135,8 +151,9 @@ class Classifier:
 
     def counts(variables, batch):
       top = jax.lax.top_k(model.logits(variables, batch["image"]), max(self._ks))[1]
-      hits = [jnp.any(top[:, :k] == batch["label"][:, None], axis=1) & batch["mask"]
-              for k in self._ks]
+      hits = [
+        jnp.any(top[:, :k] == batch["label"][:, None], axis=1) & batch["mask"] for k in self._ks
+      ]
       return jnp.stack([jnp.sum(h) for h in hits] + [jnp.sum(batch["mask"])])
 
     self._counts = jax.jit(counts)
@@ -172,12 +189,18 @@ def check_config(evaluators, source, num_devices: int):
     if cfg.get("kind") not in KINDS:
       raise ConfigError(f"{field}.kind", cfg.get("kind"), f"one of {sorted(KINDS)}")
     if source.num_classes is None:
-      raise ConfigError(f"{field}.kind", cfg.kind,
-                        f"an evaluator that needs no labels: dataset {source.name!r} has none "
-                        "(remove this evaluator, or all of them with --config.evaluators='{}')")
+      raise ConfigError(
+        f"{field}.kind",
+        cfg.kind,
+        f"an evaluator that needs no labels: dataset {source.name!r} has none "
+        "(remove this evaluator, or all of them with --config.evaluators='{}')",
+      )
     if cfg.batch_size <= 0 or cfg.batch_size % num_devices:
-      raise ConfigError(f"{field}.batch_size", cfg.batch_size,
-                        f"a positive multiple of the number of devices ({num_devices})")
+      raise ConfigError(
+        f"{field}.batch_size",
+        cfg.batch_size,
+        f"a positive multiple of the number of devices ({num_devices})",
+      )
     source.num_examples(cfg.split, f"{field}.split")
     if cfg.kind == "knn":
       source.num_examples(cfg.bank_split, f"{field}.bank_split")
@@ -193,9 +216,13 @@ def build(evaluators, model: EvalModel, mesh, num_classes: int, steps_per_epoch:
   Raises:
     ConfigError: an `every` that is not a duration or is 0 steps.
   """
-  return [(durations.to_steps(cfg.every, f"evaluators.{name}.every", steps_per_epoch),
-           KINDS[cfg.kind](name, cfg, model, mesh, num_classes))
-          for name, cfg in evaluators.items()]
+  return [
+    (
+      durations.to_steps(cfg.every, f"evaluators.{name}.every", steps_per_epoch),
+      KINDS[cfg.kind](name, cfg, model, mesh, num_classes),
+    )
+    for name, cfg in evaluators.items()
+  ]
 
 
 def log(step: int, results: dict):

@@ -8,6 +8,7 @@ baseline); or a weights file (docs/weights.md) is read as the model of
 config.pretrain_config. The export job also restores the projection head the
 same way.
 """
+
 import functools
 import json
 import os
@@ -18,21 +19,21 @@ import jax.numpy as jnp
 import ml_collections
 import tensorflow as tf
 
+from contrastive_jax import models
+from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
-from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.core.errors import ForeignCheckpointError
 from contrastive_jax.core import files
 from contrastive_jax.core import gcs
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import tensor_files
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import ForeignCheckpointError
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.methods import ENCODER
 from contrastive_jax.methods import common
 from contrastive_jax.methods import get_method
 from contrastive_jax.methods import initial_encoder_variables
-from contrastive_jax import models
 from contrastive_jax.models import state_dicts
-from contrastive_jax import recipes
 
 PROJECTOR = "projector"  # The projection head's name in a method's model (heads.ContrastiveModel).
 
@@ -49,6 +50,7 @@ class Encoder(NamedTuple):
   step: the checkpoint step it comes from.
   dim: the size D of its representation h.
   """
+
   module: Any
   variables: Any
   pretrained: ml_collections.ConfigDict
@@ -75,9 +77,12 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
     return _imported_encoder(config, mesh)
   directory = f"{files.resolve_dir(config.pretrain_workdir or '')}/checkpoints"
   if not config.pretrain_workdir or not tf.io.gfile.isdir(directory):
-    raise ConfigError("pretrain_workdir", config.pretrain_workdir,
-                      f"a pretraining workdir with Orbax checkpoints in WORKDIR/checkpoints "
-                      f"(looked in {directory})")
+    raise ConfigError(
+      "pretrain_workdir",
+      config.pretrain_workdir,
+      f"a pretraining workdir with Orbax checkpoints in WORKDIR/checkpoints "
+      f"(looked in {directory})",
+    )
   pretrain_step = config.pretrain_step
   if saved_config is not None and pretrain_step < 0:
     pretrain_step = saved_config.pretrain_step
@@ -87,27 +92,37 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
       step = ckpt.resolve_step(None if pretrain_step < 0 else pretrain_step, "pretrain_step")
       saved = recipes.upgrade_config(ckpt.saved_config(step))
     except ForeignCheckpointError as e:
-      raise ConfigError("pretrain_workdir", config.pretrain_workdir,
-                        f"a pretraining workdir of contrastive_jax; {e}") from None
+      raise ConfigError(
+        "pretrain_workdir",
+        config.pretrain_workdir,
+        f"a pretraining workdir of contrastive_jax; {e}",
+      ) from None
     if "method" not in saved:
-      raise ConfigError("pretrain_workdir", config.pretrain_workdir,
-                        "a pretraining workdir; its checkpoints were written by another kind "
-                        "of job")
+      raise ConfigError(
+        "pretrain_workdir",
+        config.pretrain_workdir,
+        "a pretraining workdir; its checkpoints were written by another kind of job",
+      )
     if config.model_name and config.model_name != saved.model.name:
-      raise ConfigError("model_name", config.model_name,
-                        f"{saved.model.name!r}, the model of the checkpoint in {directory}")
+      raise ConfigError(
+        "model_name",
+        config.model_name,
+        f"{saved.model.name!r}, the model of the checkpoint in {directory}",
+      )
     encoder = models.build_encoder(saved.model)
     if config.random_init:  # The pretraining run's own initialisation, as it drew it.
-      variables = jax.jit(lambda: initial_encoder_variables(saved),
-                          out_shardings=mesh_lib.replicated(mesh))()
+      variables = jax.jit(
+        lambda: initial_encoder_variables(saved), out_shardings=mesh_lib.replicated(mesh)
+      )()
     else:
       x = jnp.zeros((1, saved.image_size, saved.image_size, 3), jnp.float32)
       variables = _restore_submodule(ckpt, step, encoder, x, ENCODER, mesh)
   finally:
     ckpt.close()
-  dim = jax.eval_shape(functools.partial(models.encode, encoder, variables),
-                       jax.ShapeDtypeStruct((1, saved.image_size, saved.image_size, 3),
-                                            jnp.uint8)).shape[-1]
+  dim = jax.eval_shape(
+    functools.partial(models.encode, encoder, variables),
+    jax.ShapeDtypeStruct((1, saved.image_size, saved.image_size, 3), jnp.uint8),
+  ).shape[-1]
   return Encoder(encoder, variables, saved, step, dim)
 
 
@@ -124,11 +139,14 @@ def _restore_submodule(ckpt, step: int, module, example, name: str, mesh) -> dic
   """
   shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), example, train=False))
   abstract = checkpointing.abstract_like(
-      {kind: {name: shapes[kind]} for kind in ("params", "batch_stats") if kind in shapes},
-      mesh_lib.replicated(mesh))
+    {kind: {name: shapes[kind]} for kind in ("params", "batch_stats") if kind in shapes},
+    mesh_lib.replicated(mesh),
+  )
   restored = ckpt.restore_partial(abstract, step)
-  return {"params": restored["params"][name],
-          "batch_stats": restored.get("batch_stats", {}).get(name, {})}
+  return {
+    "params": restored["params"][name],
+    "batch_stats": restored.get("batch_stats", {}).get(name, {}),
+  }
 
 
 def restore_projector(config, encoder: Encoder, mesh):
@@ -136,10 +154,12 @@ def restore_projector(config, encoder: Encoder, mesh):
   checkpoint of config.pretrain_workdir that `encoder` comes from."""
   module = get_method(encoder.pretrained.method).build_model(encoder.pretrained).projector
   ckpt = checkpointing.Checkpointer(
-      f"{files.resolve_dir(config.pretrain_workdir)}/checkpoints", read_only=True)
+    f"{files.resolve_dir(config.pretrain_workdir)}/checkpoints", read_only=True
+  )
   try:
-    variables = _restore_submodule(ckpt, encoder.step, module,
-                                   jnp.zeros((1, encoder.dim), jnp.float32), PROJECTOR, mesh)
+    variables = _restore_submodule(
+      ckpt, encoder.step, module, jnp.zeros((1, encoder.dim), jnp.float32), PROJECTOR, mesh
+    )
   finally:
     ckpt.close()
   return module, jax.device_get(variables)
@@ -156,23 +176,35 @@ def _imported_encoder(config, mesh) -> Encoder:
   """
   path = config.pretrain_workdir
   if config.random_init:
-    raise ConfigError("random_init", config.random_init,
-                      "False with a weights file: its run's initialisation is not in it")
+    raise ConfigError(
+      "random_init",
+      config.random_init,
+      "False with a weights file: its run's initialisation is not in it",
+    )
   if config.get("pretrain_config"):
     pretrained = recipes.load_config_file(config.pretrain_config, "config.pretrain_config")
   else:
     pretrained = _exported_config(path)
     if pretrained is None:
-      raise ConfigError("pretrain_config", config.get("pretrain_config"),
-                        "the pretraining config (configs/X.py[:VARIANT]) whose model the "
-                        f"weights file {path} holds, e.g. configs/moco_v2_imagenet.py (a file "
-                        f"the export job wrote has it in its {EXPORT_META})")
+      raise ConfigError(
+        "pretrain_config",
+        config.get("pretrain_config"),
+        "the pretraining config (configs/X.py[:VARIANT]) whose model the "
+        f"weights file {path} holds, e.g. configs/moco_v2_imagenet.py (a file "
+        f"the export job wrote has it in its {EXPORT_META})",
+      )
   if config.model_name and config.model_name != pretrained.model.name:
-    raise ConfigError("model_name", config.model_name,
-                      f"{pretrained.model.name!r}, the model of {config.pretrain_config}")
-  variables = jax.device_put(state_dicts.from_state_dict(
-      tensor_files.read(path), path, pretrained.model, pretrained.image_size),
-      mesh_lib.replicated(mesh))
+    raise ConfigError(
+      "model_name",
+      config.model_name,
+      f"{pretrained.model.name!r}, the model of {config.pretrain_config}",
+    )
+  variables = jax.device_put(
+    state_dicts.from_state_dict(
+      tensor_files.read(path), path, pretrained.model, pretrained.image_size
+    ),
+    mesh_lib.replicated(mesh),
+  )
   encoder = models.build_encoder(pretrained.model)
   return Encoder(encoder, variables, pretrained, 0, models.encoder_width(pretrained.model))
 
@@ -189,8 +221,6 @@ def _exported_config(path: str):
   return recipes.upgrade_config(ml_collections.ConfigDict(meta["pretrained_config"]))
 
 
-
-
 class EmbedModel(NamedTuple):
   """A restored encoder as the embed and neighbours jobs use it.
 
@@ -198,6 +228,7 @@ class EmbedModel(NamedTuple):
     [B, D] L2-normalised h, sharded like the images.
   eval_crop: the pretraining run's (input_pipeline.EvalCrop). step: the checkpoint's step.
   """
+
   embed: Callable
   eval_crop: input_pipeline.EvalCrop
   step: int
@@ -211,5 +242,6 @@ def embed_model(config, mesh) -> EmbedModel:
   """
   encoder, variables, pretrained, step, _ = restore_encoder(config, mesh)
   features = jax.jit(lambda v, x: common.l2_normalize(models.encode(encoder, v, x)))
-  return EmbedModel(lambda images: features(variables, images),
-                    input_pipeline.EvalCrop.of(pretrained), step)
+  return EmbedModel(
+    lambda images: features(variables, images), input_pipeline.EvalCrop.of(pretrained), step
+  )

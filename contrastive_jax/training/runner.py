@@ -12,42 +12,50 @@ preemption sync, so every host stops at the same step). Every exit path,
 errors included, waits for pending checkpoint writes; nothing non-finite is
 ever saved.
 """
+
 import contextlib
 import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
+from absl import logging
+from clu import periodic_actions
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-from absl import logging
-from clu import periodic_actions
 
+from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import durations
-from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.core.errors import DataError
-from contrastive_jax.core.errors import Interrupted
-from contrastive_jax.core.errors import JobError
-from contrastive_jax.core.errors import NoSpaceError
-from contrastive_jax.core.errors import NonFiniteError
-from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import metrics as metrics_lib
 from contrastive_jax.core import pictures
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import DataError
+from contrastive_jax.core.errors import Interrupted
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.core.errors import NonFiniteError
+from contrastive_jax.core.errors import NoSpaceError
+from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.data import sources
 from contrastive_jax.training import evaluators
-from contrastive_jax import recipes
-
 
 # Config fields (dotted prefixes) a resumed run may change: they decide when and
 # how it logs, evaluates and checkpoints, and how fast it reads its data, never
 # what it computes (init_from only decides step 0, which a resumed run restores).
 # Every other field must equal the checkpoint's, so that the resumed run
 # continues bit for bit.
-MAY_CHANGE_ON_RESUME = ("log_every", "checkpoint_every", "keep_checkpoints", "evaluators",
-                        "data_threads", "data_dir", "cache", "init_from")
+MAY_CHANGE_ON_RESUME = (
+  "log_every",
+  "checkpoint_every",
+  "keep_checkpoints",
+  "evaluators",
+  "data_threads",
+  "data_dir",
+  "cache",
+  "init_from",
+)
 
 
 class Task(NamedTuple):
@@ -67,6 +75,7 @@ class Task(NamedTuple):
     augmented views the train step makes of the batch; a fresh run writes the
     first batch's to WORKDIR/augmented_views.png and TensorBoard.
   """
+
   config: ml_collections.ConfigDict
   init: Callable[[], Any]
   train_step: Callable
@@ -87,8 +96,11 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int):
   and each evaluator's interval form, before any compute.
   """
   if config.batch_size <= 0 or config.batch_size % num_devices:
-    raise ConfigError("batch_size", config.batch_size,
-                      f"a positive multiple of the number of devices ({num_devices})")
+    raise ConfigError(
+      "batch_size",
+      config.batch_size,
+      f"a positive multiple of the number of devices ({num_devices})",
+    )
   for field in ("keep_checkpoints", "data_threads", "shuffle_buffer"):
     if config[field] <= 0:
       raise ConfigError(field, config[field], "an integer > 0")
@@ -106,8 +118,11 @@ def steps_per_epoch(source, config) -> int:
   """
   num_train = source.num_examples(config.train_split, "train_split")
   if num_train < config.batch_size:
-    raise ConfigError("batch_size", config.batch_size,
-                      f"at most the size of split {config.train_split!r} ({num_train})")
+    raise ConfigError(
+      "batch_size",
+      config.batch_size,
+      f"at most the size of split {config.train_split!r} ({num_train})",
+    )
   return num_train // config.batch_size
 
 
@@ -137,14 +152,18 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
       if ckpt.latest_step() is not None:
         saved = recipes.upgrade_config(ckpt.saved_config())
         if saved.get("job") != config.job:
-          raise ConfigError("job", config.job,
-                            f"{saved.get('job')!r}: another kind of job wrote the "
-                            f"checkpoints in {ckpt.directory}; use a new workdir")
+          raise ConfigError(
+            "job",
+            config.job,
+            f"{saved.get('job')!r}: another kind of job wrote the "
+            f"checkpoints in {ckpt.directory}; use a new workdir",
+          )
       mesh = mesh_lib.make_mesh()
       task = job.build(config, mesh, saved, workdir)
       if saved is not None:  # Compared with what build() resolved (e.g. the probe's preset).
-        differences = checkpointing.config_differences(saved.to_dict(), task.config,
-                                                       MAY_CHANGE_ON_RESUME)
+        differences = checkpointing.config_differences(
+          saved.to_dict(), task.config, MAY_CHANGE_ON_RESUME
+        )
         if differences:
           raise ResumeError(ckpt.directory, differences, MAY_CHANGE_ON_RESUME)
       return _loop(task, workdir, ckpt, mesh)
@@ -181,13 +200,16 @@ def _closing(ckpt, workdir: str):
     raise Interrupted(f"interrupted: {_newest(ckpt)}") from None
   unreadable = sources.read_failure(error)
   if unreadable is not None:
-    raise DataError(unreadable.path, unreadable.record,
-                    f"{unreadable}; {_newest(ckpt, 'then start the same command again')}"
-                    ) from None
+    raise DataError(
+      unreadable.path,
+      unreadable.record,
+      f"{unreadable}; {_newest(ckpt, 'then start the same command again')}",
+    ) from None
   if not isinstance(error, JobError) and files.is_disk_full(error):
-    raise NoSpaceError(f"no space left on device while writing to {workdir}: "
-                       f"{_newest(ckpt, 'free space and start the same command again')}"
-                       ) from error
+    raise NoSpaceError(
+      f"no space left on device while writing to {workdir}: "
+      f"{_newest(ckpt, 'free space and start the same command again')}"
+    ) from error
   raise error
 
 
@@ -216,8 +238,9 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
   if resumed_step is None:
     state = task.init()
   else:
-    state = ckpt.restore(checkpointing.abstract_like(jax.eval_shape(task.init),
-                                                     mesh_lib.replicated(mesh)))
+    state = ckpt.restore(
+      checkpointing.abstract_like(jax.eval_shape(task.init), mesh_lib.replicated(mesh))
+    )
     logging.info("Resumed from %s at step %d.", ckpt.directory, resumed_step)
   start_step = int(state.step)
 
@@ -242,11 +265,15 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
         results = evaluate(state, 0, [e for _, e in evals if e.at_start])
         if results:
           writer.write_scalars(0, results)
-      progress = periodic_actions.ReportProgress(num_train_steps=task.num_steps,
-                                                 every_secs=30)
-      logging.info("Training from step %d to %d (%d steps per epoch, global batch %d, "
-                   "%d devices).", start_step, task.num_steps, spe, task.global_batch,
-                   jax.device_count())
+      progress = periodic_actions.ReportProgress(num_train_steps=task.num_steps, every_secs=30)
+      logging.info(
+        "Training from step %d to %d (%d steps per epoch, global batch %d, %d devices).",
+        start_step,
+        task.num_steps,
+        spe,
+        task.global_batch,
+        jax.device_count(),
+      )
       window = _Window()
       for step in range(start_step + 1, task.num_steps + 1):
         batch = next(batches)
@@ -265,11 +292,13 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
         scalars = {}
         if log or save or due:
           host = jax.device_get(step_metrics)
-          _check_finite(step, ckpt, loss=host["loss"],
-                        state_finite=not save or bool(_all_finite(state)))
+          _check_finite(
+            step, ckpt, loss=host["loss"], state_finite=not save or bool(_all_finite(state))
+          )
           if log:
-            scalars = dict(host, learning_rate=task.schedule(step - 1),
-                           **window.rates(step, task.global_batch))
+            scalars = dict(
+              host, learning_rate=task.schedule(step - 1), **window.rates(step, task.global_batch)
+            )
         if save:
           ckpt.save(step, state, config)  # Asynchronous: evaluation overlaps the write.
         if due:
@@ -324,8 +353,15 @@ class _Window:
 @jax.jit
 def _all_finite(state):
   """Whether every float leaf of the state (params, statistics, optimizer, extra, probe) is finite."""
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(state)
-                            if jnp.issubdtype(x.dtype, jnp.inexact)]))
+  return jnp.all(
+    jnp.stack(
+      [
+        jnp.all(jnp.isfinite(x))
+        for x in jax.tree.leaves(state)
+        if jnp.issubdtype(x.dtype, jnp.inexact)
+      ]
+    )
+  )
 
 
 def _check_finite(step: int, ckpt, *, loss, state_finite: bool = True):
@@ -338,10 +374,14 @@ def _check_finite(step: int, ckpt, *, loss, state_finite: bool = True):
     return
   ckpt.wait()
   latest = ckpt.latest_step()
-  where = ("no checkpoint was saved before it" if latest is None else
-           f"the newest checkpoint, step {latest} in {ckpt.directory}, is intact")
+  where = (
+    "no checkpoint was saved before it"
+    if latest is None
+    else f"the newest checkpoint, step {latest} in {ckpt.directory}, is intact"
+  )
   raise NonFiniteError(
-      f"non-finite training at step {step} (loss {loss}"
-      f"{'' if state_finite else ', and the state holds NaN or inf'}); nothing of that step "
-      f"was saved and {where}. Rerunning the same config resumes from there and will diverge "
-      "again; a changed recipe (e.g. a lower optimizer.base_lr) needs a new workdir")
+    f"non-finite training at step {step} (loss {loss}"
+    f"{'' if state_finite else ', and the state holds NaN or inf'}); nothing of that step "
+    f"was saved and {where}. Rerunning the same config resumes from there and will diverge "
+    "again; a changed recipe (e.g. a lower optimizer.base_lr) needs a new workdir"
+  )

@@ -14,6 +14,7 @@ vit.py), and run in eval mode on the case's images (images()); h goes to
 CASE.npz, a few KB. Committing the outputs rather than the weights (ResNet-50's
 are 100 MB) keeps the repository small and the test free of torch.
 """
+
 import importlib
 import os
 import sys
@@ -27,16 +28,59 @@ from contrastive_jax.models import state_dicts
 # name -> (model config fields, image size, seed). ImageNet standardisation as MoCo's.
 _IMAGENET = dict(input_mean=(0.485, 0.456, 0.406), input_std=(0.229, 0.224, 0.225))
 CASES = {
-    "torchvision_resnet18": (dict(name="resnet18", width=1.0, stem="imagenet", dtype="float32",
-                                  padding="torchvision", **_IMAGENET), 64, 18),
-    "torchvision_resnet50": (dict(name="resnet50", width=1.0, stem="imagenet", dtype="float32",
-                                  padding="torchvision", **_IMAGENET), 64, 50),
-    "timm_vit_small": (dict(name="vit_small", width=1.0, depth=12, patch_size=16,
-                            num_heads=6, dtype="float32", random_patch_projection=False,
-                            position_embedding="learned", **_IMAGENET), 32, 6),
-    "mocov3_vit_small": (dict(name="vit_small", width=1.0, depth=12, patch_size=16,
-                              dtype="float32", random_patch_projection=True,
-                              position_embedding="sincos", **_IMAGENET), 32, 3),
+  "torchvision_resnet18": (
+    dict(
+      name="resnet18",
+      width=1.0,
+      stem="imagenet",
+      dtype="float32",
+      padding="torchvision",
+      **_IMAGENET,
+    ),
+    64,
+    18,
+  ),
+  "torchvision_resnet50": (
+    dict(
+      name="resnet50",
+      width=1.0,
+      stem="imagenet",
+      dtype="float32",
+      padding="torchvision",
+      **_IMAGENET,
+    ),
+    64,
+    50,
+  ),
+  "timm_vit_small": (
+    dict(
+      name="vit_small",
+      width=1.0,
+      depth=12,
+      patch_size=16,
+      num_heads=6,
+      dtype="float32",
+      random_patch_projection=False,
+      position_embedding="learned",
+      **_IMAGENET,
+    ),
+    32,
+    6,
+  ),
+  "mocov3_vit_small": (
+    dict(
+      name="vit_small",
+      width=1.0,
+      depth=12,
+      patch_size=16,
+      dtype="float32",
+      random_patch_projection=True,
+      position_embedding="sincos",
+      **_IMAGENET,
+    ),
+    32,
+    3,
+  ),
 }
 
 
@@ -62,8 +106,10 @@ def random_state_dict(case: str) -> dict:
   config, size, seed = CASES[case]
   config = ml_collections.ConfigDict(config)
   rng = np.random.default_rng(seed)
-  shapes = {c: flax.traverse_util.flatten_dict(s)
-            for c, s in state_dicts.variable_shapes(config, size).items()}
+  shapes = {
+    c: flax.traverse_util.flatten_dict(s)
+    for c, s in state_dicts.variable_shapes(config, size).items()
+  }
   out = {}
   for entry in state_dicts.entries(config, size):
     if entry.layout == "counter":
@@ -97,8 +143,9 @@ def _standardised(case: str) -> np.ndarray:
 
 def _mocov3_pos_embed(torch, grid: int, dim: int):
   """vits.py's build_2d_sincos_position_embedding (temperature 1e4), class token row 0."""
-  grid_w, grid_h = torch.meshgrid(torch.arange(grid, dtype=torch.float32),
-                                  torch.arange(grid, dtype=torch.float32), indexing="ij")
+  grid_w, grid_h = torch.meshgrid(
+    torch.arange(grid, dtype=torch.float32), torch.arange(grid, dtype=torch.float32), indexing="ij"
+  )
   quarter = dim // 4
   omega = 1.0 / 10000.0 ** (torch.arange(quarter, dtype=torch.float32) / quarter)
   out_w = grid_w.flatten()[:, None] * omega[None]
@@ -111,6 +158,7 @@ def reference_model(case: str, torch):
   """The stock reference network of a case, classifier removed, in eval mode."""
   import timm  # pylint: disable=import-outside-toplevel
   import torchvision  # pylint: disable=import-outside-toplevel
+
   config, size, _ = CASES[case]
   if case.startswith("torchvision_"):
     model = getattr(torchvision.models, config["name"])()
@@ -119,7 +167,8 @@ def reference_model(case: str, torch):
     model = timm.create_model("vit_small_patch16_224", img_size=size, num_classes=0)
   else:
     model = timm.models.vision_transformer.VisionTransformer(
-        img_size=size, patch_size=16, embed_dim=384, depth=12, num_heads=12, num_classes=0)
+      img_size=size, patch_size=16, embed_dim=384, depth=12, num_heads=12, num_classes=0
+    )
     model.pos_embed.requires_grad = False
     model.pos_embed.data = _mocov3_pos_embed(torch, size // 16, 384)
   return model.eval()
@@ -141,10 +190,12 @@ def main(argv):
   this folder); with --own-init also each stock model's own random initialisation,
   CASE.own.safetensors, and its h, CASE.own.npz (what the test runs live)."""
   import torch  # pylint: disable=import-outside-toplevel
+
   # torch's libraries before TensorFlow's: triton (imported through timm) crashes after it.
   for module in ("timm", "torchvision"):
     importlib.import_module(module)
   from contrastive_jax.core import tensor_files  # pylint: disable=import-outside-toplevel
+
   torch.set_num_threads(2)
   folder = argv[1] if len(argv) > 1 else os.path.dirname(os.path.abspath(__file__))
   for case in CASES:
@@ -154,8 +205,10 @@ def main(argv):
     if "--own-init" in argv:
       torch.manual_seed(CASES[case][2])
       model = reference_model(case, torch)
-      tensor_files.write(os.path.join(folder, f"{case}.own.safetensors"),
-                         {k: v.detach().numpy() for k, v in model.state_dict().items()})
+      tensor_files.write(
+        os.path.join(folder, f"{case}.own.safetensors"),
+        {k: v.detach().numpy() for k, v in model.state_dict().items()},
+      )
       with torch.no_grad():
         h = model(torch.from_numpy(_standardised(case))).numpy()
       np.savez(os.path.join(folder, f"{case}.own.npz"), h=h.astype(np.float32))
