@@ -18,7 +18,14 @@ import os
 import re
 import sys
 
-from absl import app
+# Read by TensorFlow (the host data pipelines) when it loads, so set before anything imports
+# it; a value set in the environment wins. Its C++ INFO lines off (warnings and errors stay),
+# and its oneDNN kernels, announced by a line at each of its two loads: the pipelines
+# (decoding, crops, resizes, flips) run none of them and read the same pixels either way.
+os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
+os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+
+from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
 from absl import logging
 import jax

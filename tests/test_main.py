@@ -3,9 +3,11 @@ config arguments (recipes.parse_args) combine."""
 
 import glob
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
+import threading
 
 from helpers import CONFIG_DIR
 from helpers import subprocess_env
@@ -13,6 +15,8 @@ import ml_collections
 import pytest
 
 from contrastive_jax import main
+from contrastive_jax.core import checkpointing
+from contrastive_jax.core import metrics
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import VariantError
 
@@ -285,3 +289,63 @@ def test_a_file_that_is_not_a_config_is_named(tmp_path):
     r"\(invalid syntax, line 2\)",
   ):
     main.check_config_flags(["main", f"--config={tmp_path}/notes.md"])
+
+
+def test_a_checkpointer_leaves_no_orbax_thread_running_once_created(tmp_path):
+  # Orbax removes a writer's stale temporary folders in a thread; one still running when a
+  # job fails at once (before its first save) printed an error line after the job's own.
+  (tmp_path / "checkpoints" / "3.orbax-checkpoint-tmp-1").mkdir(parents=True)
+  ckpt = checkpointing.Checkpointer(str(tmp_path / "checkpoints"))
+  assert not [t for t in threading.enumerate() if "orbax" in type(t).__module__]
+  assert os.listdir(tmp_path / "checkpoints") == []
+  ckpt.close()
+
+
+def test_a_text_file_as_init_from_ends_in_its_one_line_every_time(tmp_path):
+  weights = tmp_path / "x.safetensors"
+  weights.write_text("hello, not weights\n")
+  for attempt in range(3):
+    out = subprocess.run(
+      [
+        sys.executable,
+        "-m",
+        "contrastive_jax.main",
+        f"--config={SIMCLR}:runlocal",
+        f"--workdir={tmp_path / str(attempt)}",
+        f"--config.init_from={weights}",
+      ],
+      capture_output=True,
+      text=True,
+      timeout=300,
+      env=subprocess_env(),
+    )
+    assert out.returncode == 1, out.stderr
+    lines = out.stderr.strip().splitlines()
+    assert lines[-1] == (
+      f"error: {weights}: not a safetensors file (a header length of "
+      "7935391400498849128 bytes in a file of 19)"
+    ), out.stderr
+    assert not [line for line in lines if line.startswith(("E", "W", "Traceback"))], out.stderr
+
+
+def test_the_log_filter_drops_restated_settings_and_keeps_real_warnings():
+  keep = metrics._QuietLibraries().filter  # pylint: disable=protected-access
+
+  def record(path, level, message):
+    return logging.LogRecord("absl", level, path, 1, message, None, None)
+
+  jax_path, orbax_path = "/site/jax/_src/xla_bridge.py", "/site/orbax/checkpoint/manager.py"
+  assert not keep(
+    record(
+      jax_path,
+      logging.INFO,
+      "Unable to initialize backend 'tpu': INTERNAL: "
+      "Failed to open libtpu.so: libtpu.so: cannot open shared object file",
+    )
+  )
+  assert keep(record(jax_path, logging.INFO, "Unable to initialize backend 'cuda': no GPU"))
+  assert keep(record(jax_path, logging.WARNING, "An NVIDIA GPU may be present"))
+  assert not keep(record(orbax_path, logging.WARNING, "Given directory is read only=/x"))
+  assert keep(record(orbax_path, logging.WARNING, "Checkpoint step 3 could not be read"))
+  assert keep(record(orbax_path, logging.ERROR, "Given directory is read only: failed"))
+  assert not keep(record(orbax_path, logging.INFO, "Saving item state"))

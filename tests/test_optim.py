@@ -93,6 +93,19 @@ def test_step_schedule_decays_at_the_given_epochs():
   )
 
 
+def test_schedules_without_warmup_start_at_their_peak_and_log_nothing(caplog):
+  # Cosine from step 0 over 100 steps: lr(t) = 0.5 (1 + cos(pi t / 100)) x peak (1.0).
+  for schedule, points, want in [
+    ("cosine", [0, 25, 50, 100], [1.0, 0.5 * (1 + np.cos(np.pi / 4)), 0.5, 0.0]),
+    ("step", [0, 29, 30, 40], [1.0, 1.0, 0.1, 0.01]),
+  ]:
+    cfg = _opt_config(schedule=schedule, decay_epochs=(3, 4), warmup_epochs=0)
+    with caplog.at_level("INFO"):
+      sched = optim.learning_rate_schedule(cfg, 256, steps_per_epoch=10, total_steps=100)
+    np.testing.assert_allclose([sched(t) for t in points], want, rtol=1e-6, atol=1e-7)
+  assert "transition_steps" not in caplog.text  # optax's line for a ramp of 0 steps.
+
+
 def test_nesterov_sgd_steps():
   # Constant gradient 1, lr 1, momentum 0.9: v_t = 0.9 v_{t-1} + g; the Nesterov
   # step is -(g + 0.9 v_t): -1.9, then -2.71 (plain momentum: -1, then -1.9).

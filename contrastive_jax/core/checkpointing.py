@@ -78,16 +78,23 @@ class Checkpointer:
     # A writer also removes the temporary folders of saves that never completed (a
     # killed job, a full disk); the workdir lock (files.workdir_lock) keeps them
     # from being another running job's.
+    # A reader's options are those Orbax would set for read_only itself (it warns otherwise).
     self._manager = ocp.CheckpointManager(
       directory,
       item_names=("state", "config"),
       options=ocp.CheckpointManagerOptions(
-        max_to_keep=keep,
+        max_to_keep=None if read_only else keep,
+        save_interval_steps=0 if read_only else 1,
         create=not read_only,
         read_only=read_only,
         cleanup_tmp_directories=not read_only,
       ),
     )
+    # Orbax starts that removal in a background thread and waits for it only at the first
+    # save, never at close: a job that fails before it saves would leave the thread running
+    # into the interpreter's shutdown, where it prints an error line of its own after the
+    # job's ('cannot schedule new futures after interpreter shutdown'). Waited for here.
+    self._manager._maybe_await_cleanup_tmp_directory()  # pylint: disable=protected-access
     self._warned = set()
 
   @property

@@ -135,19 +135,34 @@ def _whole_records(path: str, text: str) -> list:
   return whole
 
 
-class _QuietLibraries(std_logging.Filter):
-  """Drops INFO records of Orbax and TFDS, and the duplicate reports of a failed save.
+# Records that only restate a setting of this project's own, (library, message start):
+# JAX found no TPU library on a machine without TPUs (other backends' failures are kept);
+# Orbax warns that a checkpoint directory a downstream job only reads is opened read-only.
+_SETTINGS_RESTATED = (
+  ("jax", "Unable to initialize backend 'tpu': INTERNAL: Failed to open libtpu.so"),
+  ("orbax", "Given directory is read only"),
+)
 
-  Orbax and TFDS log every checkpoint file they touch. When a save fails (a
-  full disk, say), each of Orbax's background threads logs the error with a
-  traceback, and asyncio logs its tasks' again, some at exit; the main thread
-  raises the same error and reports it once (main.py: one line for an
+
+class _QuietLibraries(std_logging.Filter):
+  """Drops INFO records of Orbax and TFDS, restated settings, and a failed save's duplicates.
+
+  Orbax and TFDS log every checkpoint file they touch; _SETTINGS_RESTATED
+  lists the records that restate what this project chose. When a save fails
+  (a full disk, say), each of Orbax's background threads logs the error with
+  a traceback, and asyncio logs its tasks' again, some at exit; the main
+  thread raises the same error and reports it once (main.py: one line for an
   expected failure, a traceback otherwise). Of Orbax's records only the
   message is kept; asyncio's about Orbax's tasks are dropped.
   """
 
   def filter(self, record):
     if record.name == "asyncio" and "orbax" in record.getMessage():
+      return False
+    if record.levelno < std_logging.ERROR and any(
+      f"/{lib}/" in record.pathname and record.getMessage().startswith(start)
+      for lib, start in _SETTINGS_RESTATED
+    ):
       return False
     if record.exc_info and "orbax" in record.pathname:
       record.exc_info = record.exc_text = None

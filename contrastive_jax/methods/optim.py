@@ -78,14 +78,11 @@ def learning_rate_schedule(cfg, global_batch: int, steps_per_epoch: int, total_s
     decay = optax.piecewise_constant_schedule(
       peak, {int(e * steps_per_epoch) - warmup: cfg.decay_factor for e in cfg.decay_epochs}
     )
-    return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
-  return optax.warmup_cosine_decay_schedule(
-    init_value=0.0,
-    peak_value=peak,
-    warmup_steps=warmup,
-    decay_steps=max(total_steps, warmup + 1),
-    end_value=0.0,
-  )
+  else:
+    decay = optax.cosine_decay_schedule(peak, max(total_steps - warmup, 1), alpha=0.0)
+  if not warmup:  # No warm-up: the decay from step 0 (optax logs a line for a 0-step ramp).
+    return decay
+  return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
 
 
 def decay_mask(params, which: str):
