@@ -50,19 +50,20 @@ import numpy as np  # pylint: disable=g-import-not-at-top
 from contrastive_jax.jobs import audit
 from contrastive_jax.search import index as index_lib
 
-_MANIFEST = flags.DEFINE_string("manifest", None, "The corpus's manifest.csv.", required=True)
-_TRAIN = flags.DEFINE_string(
-  "train_index", None, "The embed output of the train split.", required=True
-)
-_TEST = flags.DEFINE_string(
-  "test_index", None, "The embed output of the test split.", required=True
-)
-_AUDIT = flags.DEFINE_string("audit", None, "The audit job's workdir for the two.", required=True)
-_THRESHOLDS = flags.DEFINE_string(
-  "thresholds",
-  "0.85,0.9,0.92,0.94,0.95,0.96,0.97,0.98",
-  "Thresholds to measure recall and precision at.",
-)
+
+def define_flags():
+  """Registers the command-line flags (not at import, so that tests can import this file)."""
+  flags.DEFINE_string("manifest", None, "The corpus's manifest.csv.", required=True)
+  flags.DEFINE_string("train_index", None, "The embed output of the train split.", required=True)
+  flags.DEFINE_string("test_index", None, "The embed output of the test split.", required=True)
+  flags.DEFINE_string("audit", None, "The audit job's workdir for the two.", required=True)
+  flags.DEFINE_string(
+    "thresholds",
+    "0.85,0.9,0.92,0.94,0.95,0.96,0.97,0.98",
+    "Thresholds to measure recall and precision at.",
+  )
+
+
 _BLOCK = 2048  # Rows scored against all rows at a time (the distributions).
 _BINS = np.linspace(-1.0, 1.0, 20_001)  # Histogram of the many negative pairs' scores.
 
@@ -140,13 +141,13 @@ def distributions(truth, ids: list, embeddings: np.ndarray) -> dict:
 
 def main(argv):
   del argv
-  truth = ground_truth(_MANIFEST.value)
-  train, test = (index_lib.load_index(d) for d in (_TRAIN.value, _TEST.value))
+  truth = ground_truth(flags.FLAGS.manifest)
+  train, test = (index_lib.load_index(d) for d in (flags.FLAGS.train_index, flags.FLAGS.test_index))
   ids = [_image_id(r["name"]) for r in train.rows + test.rows]
   embeddings = np.concatenate([np.asarray(train.embeddings), np.asarray(test.embeddings)])
-  with open(os.path.join(_AUDIT.value, audit.SUMMARY)) as f:
+  with open(os.path.join(flags.FLAGS.audit, audit.SUMMARY)) as f:
     summary = json.load(f)
-  with open(os.path.join(_AUDIT.value, audit.PAIRS)) as f:
+  with open(os.path.join(flags.FLAGS.audit, audit.PAIRS)) as f:
     pairs = [
       (r["kind"], float(r["score"]), _image_id(r["name_a"]), _image_id(r["name_b"]))
       for r in csv.DictReader(f)
@@ -194,7 +195,7 @@ def main(argv):
   print(
     "threshold  dup pairs  recall   leak pairs  leaked found  recall   views  false pos  precision"
   )
-  for threshold in sorted(float(t) for t in _THRESHOLDS.value.split(",")):
+  for threshold in sorted(float(t) for t in flags.FLAGS.thresholds.split(",")):
     if threshold < summary["threshold"]:
       raise app.UsageError(
         f"--thresholds: {threshold} is below the audit's "
@@ -218,4 +219,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  define_flags()
   app.run(main)

@@ -8,6 +8,7 @@ import logging as std_logging
 import sys
 import time
 from typing import Optional
+import warnings
 
 from absl import logging
 from clu import metric_writers
@@ -189,7 +190,11 @@ def _drop_closed_loop_callbacks(unraisable, previous=sys.unraisablehook):
 def quiet_library_logs():
   """Keeps the console to this project's progress lines and the libraries' warnings.
 
-  See _QuietLibraries and _drop_closed_loop_callbacks for what is left out.
+  See _QuietLibraries and _drop_closed_loop_callbacks for what is left out. Also
+  dropped: Python's 'coroutine ... was never awaited' warning, printed at exit
+  (after the job's last line) for each of Orbax's writes a failed save abandoned;
+  this project runs no coroutines of its own.
   """
   logging.get_absl_handler().addFilter(_QuietLibraries())
   sys.unraisablehook = _drop_closed_loop_callbacks
+  warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
