@@ -4,6 +4,7 @@ import json
 import os
 import shutil
 import sys
+import types
 import zlib
 
 from helpers import load_benchmark
@@ -210,6 +211,11 @@ def test_identical_rows_tie_in_the_calibration(monkeypatch):
   assert chosen[2] <= chosen[1] + 2 < 32, chosen
 
 
+def _unlabeled_folder(name):
+  """What index_lib.append reads of a sources.FolderSource without class folders."""
+  return types.SimpleNamespace(name=name, class_names=None)
+
+
 def _folder(tmp_path, name, classes, per_class=2):
   """A folder of real photos (clothing test images), `per_class` of each class; their paths."""
   folder = tmp_path / name
@@ -285,7 +291,12 @@ def test_adding_files_embeds_only_new_ones_rows_continue_and_their_queries_find_
     for cls in ("pants", "skirt")
     for f in sorted(os.listdir(os.path.join(new, cls)))
   ]
-  assert after.rows == before.rows + [{"name": name} for name in new_names]
+  # Class folders label the rows; the new classes join the index's after its own.
+  assert [r["label"] for r in before.rows] == [0, 0, 1, 1, 2, 2]
+  assert after.class_names == ["dress", "hat", "shoes", "pants", "skirt"]
+  assert after.rows == before.rows + [
+    {"name": name, "label": label} for name, label in zip(new_names, [3, 4])
+  ]
   # The first part is as it was; the new rows are a new part, embedded as a fresh index does.
   assert open(os.path.join(workdir, index_lib.EMBEDDINGS), "rb").read() == first_bytes
   assert os.path.exists(os.path.join(workdir, "embeddings.1.npy"))
@@ -309,6 +320,13 @@ def test_adding_files_embeds_only_new_ones_rows_continue_and_their_queries_find_
   # Adding the same folder again embeds nothing and changes nothing.
   assert len(embed.run(embed_config(None, dataset=None, folder=folder, add=True), workdir)) == 0
   assert index_lib.load_index(workdir).meta == after.meta
+  # A folder without class folders adds rows without a label; the classes stay.
+  flat = tmp_path / "flat"
+  flat.mkdir()
+  shutil.copy(os.path.join(new, "pants", os.listdir(os.path.join(new, "pants"))[0]), flat / "a.jpg")
+  embed.run(embed_config(None, dataset=None, folder=str(flat), add=True), workdir)
+  grown = index_lib.load_index(workdir)
+  assert grown.rows[-1] == {"name": str(flat / "a.jpg")} and grown.class_names == after.class_names
 
 
 def test_an_interrupted_add_leaves_the_previous_index_as_it_was(photos, tmp_path, monkeypatch):
@@ -585,8 +603,9 @@ def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_ivfpq(tmp_path, mon
     index_lib.load_index(workdir),
     config.ann,
     second,
+    [-1] * 100,
     [str(i) for i in range(100, 200)],
-    "/y",
+    _unlabeled_folder("/y"),
     0,
   )
   grown = index_lib.load_index(workdir)
@@ -599,7 +618,16 @@ def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_ivfpq(tmp_path, mon
   # A further add grows the IVF-PQ index in place and calibrates its nprobe again, on 260 rows:
   # what calibrating the grown index afresh gives.
   third = _unit(rng, 60, 16)
-  index_lib.append(workdir, grown, config.ann, third, [str(i) for i in range(200, 260)], "/z", 0)
+  index_lib.append(
+    workdir,
+    grown,
+    config.ann,
+    third,
+    [-1] * 60,
+    [str(i) for i in range(200, 260)],
+    _unlabeled_folder("/z"),
+    0,
+  )
   again = index_lib.load_index(workdir)
   assert again.ann["file"] == "ann.2.faiss" and again.ann["calibration"]["queries"] == 260
   loaded = ann_lib.load(workdir, again.ann, where="x")

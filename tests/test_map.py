@@ -79,14 +79,16 @@ def _cifar_test(count: int):
 
 def hand_made_index(workdir, embeddings, labels=None, class_names=None):
   """An embed-format folder written by hand: embeddings as given (rows made unit), row i named
-  after and showing CIFAR-10's test image i, labelled only if class_names is given."""
+  after and showing CIFAR-10's test image i, labelled only if class_names is given (row i
+  without a label where labels[i] is None)."""
   embeddings = np.asarray(embeddings, np.float32)
   embeddings /= np.linalg.norm(embeddings, axis=1, keepdims=True)
   os.makedirs(workdir, exist_ok=True)
   np.save(os.path.join(workdir, index_lib.EMBEDDINGS), embeddings)
   with open(os.path.join(workdir, index_lib.INDEX), "w") as f:
     for i in range(len(embeddings)):
-      row = {"name": f"image {i}", **({"label": int(labels[i])} if class_names else {})}
+      labelled = class_names and labels[i] is not None
+      row = {"name": f"image {i}", **({"label": int(labels[i])} if labelled else {})}
       f.write(json.dumps(row) + "\n")
   config = load_config("embed")
   config.dataset, config.data_dir, config.split = "cifar10", TFDS_DIR, f"test[:{len(embeddings)}]"
@@ -240,6 +242,21 @@ def test_separated_clusters_stay_apart_in_2d_and_k_means_finds_them(method, monk
     again, pca_dims = embedding_map.project(x, config)
   assert pca_dims == 50
   np.testing.assert_array_equal(again, xy)
+
+
+def test_rows_without_a_label_in_a_labelled_index_are_one_more_group(tmp_path):
+  labels = [0, 1, None] * 20
+  rng = np.random.default_rng(0)
+  workdir = hand_made_index(tmp_path / "index", rng.normal(size=(60, 8)), labels, ["cat", "dog"])
+  config = map_config(workdir, method="tsne", thumbnail=16)
+  config.tsne.perplexity = 10
+  meta = embedding_map.run(config, str(tmp_path / "map"))
+  assert meta["coloured_by"] == "class" and meta["sample_size"] == 60
+  lines, _ = _read_table(tmp_path / "map")
+  assert [l[2] for l in lines] == ["0", "1", ""] * 20
+  with open(tmp_path / "map" / embedding_map.PROJECTOR_METADATA) as f:
+    classes = [line.rstrip("\n").split("\t")[1] for line in f][1:]
+  assert classes == ["cat", "dog", "(no label)"] * 20
 
 
 def test_layout_and_sprite_against_hand_computed_values():

@@ -252,6 +252,33 @@ def test_folder_of_files_embeds_like_the_dataset_and_lists_what_it_cannot_read(
   assert [n["name"] for n in results["queries"][0]["neighbours"]][0] == names[2]
 
 
+def test_class_folders_label_a_folder_index_and_files_beside_them_are_listed(pretrained, tmp_path):
+  images, labels = _cifar_test()
+  folder = tmp_path / "photos"
+  for i, rel in [(0, "cat/x.png"), (1, "ship/y.png"), (2, "ship/z.png")]:
+    (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+    Image.fromarray(images[i]).save(folder / rel)
+  (folder / "LICENSE").write_text("CC BY 4.0")
+  workdir = tmp_path / "labelled_index"
+  embed.run(embed_config(pretrained, dataset=None, folder=str(folder)), str(workdir))
+  saved = index_lib.load_index(str(workdir))
+  assert saved.class_names == ["cat", "ship"]
+  assert saved.rows == [
+    {"name": str(folder / "cat/x.png"), "label": 0},
+    {"name": str(folder / "ship/y.png"), "label": 1},
+    {"name": str(folder / "ship/z.png"), "label": 1},
+  ]
+  assert saved.config.split is None
+  unreadable = (workdir / index_lib.UNREADABLE).read_text().splitlines()
+  assert unreadable == [
+    f"{folder / 'LICENSE'}\tnot in a class folder (the folder has class folders)"
+  ]
+  results = neighbours.run(
+    neighbours_config(str(workdir), k=2, query_rows="0"), str(tmp_path / "out")
+  )
+  assert [n["label"] for n in results["queries"][0]["neighbours"]][0] == 0
+
+
 def test_bad_input_is_refused_before_any_compute(pretrained, index, tmp_path):
   broken = tmp_path / "broken.jpg"
   broken.write_bytes(b"\xff\xd8\xff\xe0 not really a JPEG")

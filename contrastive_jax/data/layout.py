@@ -82,6 +82,27 @@ def fingerprint(files, stamps: dict, options: dict) -> str:
   return digest.hexdigest()
 
 
+def class_folders(folders):
+  """The classes that folders give their files: (classes, names).
+
+  Args:
+    folders: per file, the list of its folder names from the top (a split
+      folder or the source) down; [] for a file at the top.
+  Returns:
+    classes: the sorted distinct class names, [] when fewer than two (unlabeled).
+    names: per file, its class name ('/'-joined folders less the leading ones
+      that every file in a folder shares), '' for a file in no class folder
+      and for every file when unlabeled.
+  """
+  in_folders = [f for f in folders if f]
+  shared = len(os.path.commonprefix(in_folders)) if in_folders else 0
+  names = ["/".join(f[shared:]) for f in folders]
+  classes = sorted(set(names) - {""})
+  if len(classes) < 2:
+    return [], [""] * len(names)
+  return classes, names
+
+
 def layout(files, *, holdout_fraction: float, seed: int):
   """Assigns files to splits and classes.
 
@@ -120,16 +141,10 @@ def layout(files, *, holdout_fraction: float, seed: int):
       placed.append((f, parts[0], parts[1:-1]))
     else:
       placed.append((f, None, parts[:-1]))
-  in_folders = [folders for _, _, folders in placed if folders]
-  shared = len(os.path.commonprefix(in_folders)) if in_folders else 0
-  classes = sorted({"/".join(folders[shared:]) for folders in in_folders} - {""})
-  labelled = len(classes) >= 2
-  if not labelled:
-    classes = []
+  classes, names = class_folders([folders for _, _, folders in placed])
   examples = collections.defaultdict(list)
-  for f, split, folders in placed:
-    name = "/".join(folders[shared:]) if labelled else ""
-    if labelled and not name:
+  for (f, split, _), name in zip(placed, names):
+    if classes and not name:
       skipped.append((f, "not in a class folder (the dataset has class folders beside it)"))
       continue
     examples[split or "train"].append((f, name))

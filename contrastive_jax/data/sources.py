@@ -36,6 +36,7 @@ from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import DataError
 from contrastive_jax.core.errors import ImageError
 from contrastive_jax.data import images as images_lib
+from contrastive_jax.data import layout
 
 # Features that name an example, first found first: the source file of a prepared
 # image folder, TFDS's own per-example id (e.g. cifar10's 'train_16399').
@@ -519,10 +520,14 @@ class FolderSource:
   """A folder of image files read as they are, without preparation (the embed job's input).
 
   Every file below `folder` is one example, in the order of its path, named
-  by its path; unlabeled. The listing is images.list_files' (links followed,
-  a link loop refused; hidden entries, names starting with '.', left out);
-  other entries it skips (broken links, special files) join `unreadable`. Its one
-  split is SPLIT, the whole folder. Files are
+  by its path. Class folders label their files as the prepare job does
+  (layout.class_folders: two or more classes, named by their folders below
+  the ones every file shares); a file beside the class folders, such as a
+  LICENSE, then joins `unreadable`, and without class folders the files are
+  unlabeled (label -1, num_classes and class_names None). The listing is
+  images.list_files' (links followed, a link loop refused; hidden entries,
+  names starting with '.', left out); other entries it skips (broken links,
+  special files) join `unreadable`. Its one split is SPLIT, the whole folder. Files are
   decoded when read (images.load_image: RGB, EXIF orientation applied, at
   most max_pixels pixels) and downscaled with antialiasing to a shorter side
   of at most shorter_side; a file that cannot be decoded is skipped, logged
@@ -536,8 +541,6 @@ class FolderSource:
   """
 
   SPLIT = "all"
-  num_classes = None
-  class_names = None
   random_access = False
 
   def __init__(self, folder: str, *, max_pixels: int, shorter_side: int, skip=frozenset()):
@@ -547,8 +550,19 @@ class FolderSource:
     files, skipped = images_lib.list_files(folder, flag="config.folder")
     if not files:
       raise ConfigError("folder", folder, "a folder holding image files; it holds no file")
-    self.files = [path for path in (os.path.join(folder, f) for f in files) if path not in skip]
+    classes, names = layout.class_folders([f.split("/")[:-1] for f in files])
+    self.class_names = classes or None
+    self.num_classes = len(classes) or None
     self._skipped = [(os.path.join(folder, f), why) for f, why in skipped if why != "hidden"]
+    label_of = {name: i for i, name in enumerate(classes)}
+    self.files, self._labels = [], []
+    for f, name in zip(files, names):
+      path = os.path.join(folder, f)
+      if classes and not name:
+        self._skipped.append((path, "not in a class folder (the folder has class folders)"))
+      elif path not in skip:
+        self.files.append(path)
+        self._labels.append(label_of[name] if name else -1)
     self._max_pixels, self._shorter_side = max_pixels, shorter_side
     self.unreadable = []
 
@@ -568,7 +582,7 @@ class FolderSource:
   def read(
     self, split: str, *, drop_remainder: bool, decode: bool = True, names: bool = False
   ) -> tf.data.Dataset:
-    """Source.read: this process's contiguous part of the files (image, -1[, path]), in order.
+    """Source.read: this process's contiguous part of the files (image, label[, path]), in order.
 
     For evaluation only: decoded images, drop_remainder False (ValueError
     otherwise). Files that cannot be decoded are skipped and listed in
@@ -580,19 +594,20 @@ class FolderSource:
       )
     counts = self.process_counts(split)
     start = sum(counts[: jax.process_index()])
-    files = self.files[start : start + counts[jax.process_index()]]
+    end = start + counts[jax.process_index()]
+    files, labels = self.files[start:end], self._labels[start:end]
 
     def examples():
       # The listing's skips are the whole folder's: process 0 reports them.
       self.unreadable = list(self._skipped) if jax.process_index() == 0 else []
-      for path in files:
+      for path, label in zip(files, labels):
         try:
           image = self._load(path)
         except ImageError as e:
           logging.warning("Skipped %s", e)
           self.unreadable.append((path, e.reason))
           continue
-        yield (image, -1, path) if names else (image, -1)
+        yield (image, label, path) if names else (image, label)
 
     signature = (tf.TensorSpec([None, None, 3], tf.uint8), tf.TensorSpec([], tf.int32))
     if names:

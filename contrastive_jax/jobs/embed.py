@@ -166,6 +166,8 @@ def run(config, workdir: str):
   config = config.copy_and_resolve_references()
   if existing:
     config = _adding_config(config, existing)
+  if config.folder:  # A folder has no split: embed.json says so rather than the default's.
+    config.split = None
   for field in ("pretrain_workdir", "folder", "data_dir"):  # As the neighbours job will need them.
     if config[field]:
       config[field] = files.resolve_dir(config[field])
@@ -271,7 +273,7 @@ def _embed_and_write(
         listed,
       )
     if len(h) and existing:
-      index_lib.append(workdir, existing, config.ann, h, names, config.folder, len(unreadable))
+      index_lib.append(workdir, existing, config.ann, h, labels, names, source, len(unreadable))
     elif len(h):
       index_lib.write(workdir, config, model, source, h, labels, names, len(unreadable))
   if not len(h):

@@ -325,8 +325,11 @@ def _map_and_write(config, workdir: str, index_workdir: str, index: index_lib.In
     xy, pca_dims = project(x, config)
     seconds = time.perf_counter() - start
     if labelled:
-      groups = np.asarray([index.rows[r]["label"] for r in rows])
       names, coloured_by = list(index.class_names), "class"
+      # Rows added from a folder without class folders have no label: one more group.
+      groups = np.asarray([index.rows[r].get("label", len(names)) for r in rows])
+      if (groups == len(names)).any():
+        names.append("(no label)")
     else:
       groups = clusters(x, config)
       names = [f"cluster {i}" for i in range(config.clusters)]
@@ -373,7 +376,7 @@ def _write_table(path: str, index: index_lib.Index, rows, groups, labelled: bool
   table = csv.writer(buffer, lineterminator="\n")
   table.writerow(["row", "name", "label", "cluster", "x", "y"])
   for row, group, (x, y) in zip(rows, groups, xy):
-    label, cluster = (int(group), "") if labelled else ("", int(group))
+    label, cluster = (index.rows[row].get("label", ""), "") if labelled else ("", int(group))
     table.writerow([int(row), index.rows[row]["name"], label, cluster, f"{x:.9g}", f"{y:.9g}"])
   files.write_atomic(path, buffer.getvalue())
 

@@ -149,7 +149,7 @@ def write(workdir, config, model, source, h, labels, names, num_unreadable: int)
   _commit(workdir, meta, None)
 
 
-def append(workdir, index: "Index", ann, h, names, folder: str, num_unreadable: int):
+def append(workdir, index: "Index", ann, h, labels, names, source, num_unreadable: int):
   """Adds rows to the index in workdir: a new part, the ANN index grown, then embed.json.
 
   The new rows are numbered on from index's. The ANN index is loaded, the
@@ -163,9 +163,13 @@ def append(workdir, index: "Index", ann, h, names, folder: str, num_unreadable: 
     workdir: the index's folder.
     index: load_index(workdir).
     ann: config.ann (its type 'auto' follows the rows; another is kept).
-    h: float32 [M, D] unit rows; names: M strings (file paths).
-    folder: where they come from.
-    num_unreadable: files of folder that could not be decoded.
+    h: float32 [M, D] unit rows; labels: M ints, indices into
+      source.class_names (ignored for an unlabeled source); names: M strings
+      (file paths).
+    source: the sources.FolderSource they come from. Its class names that
+      the index lacks join the index's after its own (so old labels keep
+      their meaning); rows of an unlabeled folder have no label.
+    num_unreadable: files of the folder that could not be decoded.
   Raises:
     JobError: h's dimension is not the index's.
   """
@@ -177,7 +181,17 @@ def append(workdir, index: "Index", ann, h, names, folder: str, num_unreadable: 
     )
   meta = dict(index.meta)
   number = len(meta["parts"])
-  part = _write_part(workdir, number, h, [{"name": name} for name in names], folder)
+  class_names = list(index.class_names or [])
+  if source.class_names:
+    class_names += [name for name in source.class_names if name not in class_names]
+  rows = [
+    {
+      "name": name,
+      **({"label": class_names.index(source.class_names[label])} if label >= 0 else {}),
+    }
+    for name, label in zip(names, labels)
+  ]
+  part = _write_part(workdir, number, h, rows, source.name)
   parts = Parts(
     [*(index.embeddings.parts if isinstance(index.embeddings, Parts) else [index.embeddings]), h]
   )
@@ -204,6 +218,7 @@ def append(workdir, index: "Index", ann, h, names, folder: str, num_unreadable: 
     parts=[*meta["parts"], part],
     ann=new_ann,
     unreadable=meta["unreadable"] + num_unreadable,
+    class_names=class_names or None,
   )
   _commit(workdir, meta, old_ann)
 
