@@ -17,6 +17,7 @@ all.
 import os
 import re
 import sys
+import time
 
 # Read by TensorFlow (the host data pipelines) when it loads, so set before anything imports
 # it; a value set in the environment wins. Its C++ INFO lines off (warnings and errors stay),
@@ -118,11 +119,33 @@ def get_job(name: str):
 
 
 def run_job(config, workdir: str):
-  """Runs config.job with config in workdir; returns what the job returns."""
+  """Runs config.job with config in workdir; returns what the job returns.
+
+  Its last log line (process 0) says what it wrote where: the entries of the
+  workdir it wrote (files.written_since) and how long it took.
+  """
   job = get_job(config.get("job"))
+  start = time.time()
   if hasattr(job, "build"):
-    return runner.run(job, config, workdir)
-  return job.run(config, workdir)
+    result = runner.run(job, config, workdir)
+  else:
+    result = job.run(config, workdir)
+  if jax.process_index() == 0:
+    logging.info(_finished_line(config.job, files.resolve_dir(workdir), start))
+  return result
+
+
+_LISTED = 8  # Names of written entries the last line lists before counting the rest.
+
+
+def _finished_line(job: str, workdir: str, start: float) -> str:
+  """'Finished JOB in S s: wrote A, B, ... to WORKDIR.' (or 'wrote nothing new')."""
+  written = files.written_since(workdir, start - 1.0)  # Less a second: coarse file clocks.
+  named = ", ".join(written[:_LISTED])
+  if len(written) > _LISTED:
+    named += f" and {len(written) - _LISTED} more"
+  what = f"wrote {named} to" if written else "wrote nothing new in"
+  return f"Finished {job} in {time.time() - start:.0f} s: {what} {workdir}."
 
 
 _CONFIG_ARG = re.compile(r"^--?config(?:=(.*))?$")  # --config=FILE[:ARG,...] or --config FILE...

@@ -176,6 +176,11 @@ def test_full_disk_ends_in_one_line_and_the_same_command_resumes(small_disk):
   assert f"Resumed from {directory} at step {step}." in resumed.stderr
   assert sorted(os.listdir(directory), key=int) == [str(s) for s in range(1, 21)]  # No temp left.
   assert metric_steps(workdir) == list(range(1, 21))
+  # The last line says what the job wrote where.
+  finished = re.search(
+    rf"\] Finished pretrain in \d+ s: wrote (.*) to {workdir}\.$", last_line(resumed.stderr)
+  )
+  assert finished and "checkpoints/" in finished[1].split(", "), resumed.stderr[-3000:]
 
 
 def test_a_damaged_dataset_file_ends_in_one_line_naming_it(array_record_cifar, tmp_path):

@@ -349,3 +349,24 @@ def test_the_log_filter_drops_restated_settings_and_keeps_real_warnings():
   assert keep(record(orbax_path, logging.WARNING, "Checkpoint step 3 could not be read"))
   assert keep(record(orbax_path, logging.ERROR, "Given directory is read only: failed"))
   assert not keep(record(orbax_path, logging.INFO, "Saving item state"))
+
+
+def test_the_last_line_names_what_the_job_wrote_since_it_started(tmp_path):
+  old = 1_000_000_000.0  # 2001: long before the job.
+  for rel in ("old.txt", "kept/old.txt", "grown/old.txt", "grown/deep/new.txt", "new.txt", ".lock"):
+    os.makedirs(os.path.dirname(tmp_path / rel), exist_ok=True)
+    (tmp_path / rel).write_text(rel)
+  for rel in ("old.txt", "kept/old.txt", "kept", "grown/old.txt"):
+    os.utime(tmp_path / rel, (old, old))
+  line = main._finished_line("embed", str(tmp_path), old + 10)
+  assert line.startswith("Finished embed in ") and line.endswith(
+    f" s: wrote grown/, new.txt to {tmp_path}."
+  )
+  assert main._finished_line("embed", str(tmp_path / "none"), old + 10).endswith(
+    f" s: wrote nothing new in {tmp_path / 'none'}."
+  )
+  for i in range(10):
+    (tmp_path / f"file{i}").write_text("")
+  assert main._finished_line("embed", str(tmp_path), old + 10).endswith(
+    f"wrote file0, file1, file2, file3, file4, file5, file6, file7 and 4 more to {tmp_path}."
+  )

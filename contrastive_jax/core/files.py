@@ -122,6 +122,40 @@ def workdir_lock(workdir: str):
       handle.close()  # Releases the lock.
 
 
+def _mtime(path: str) -> float:
+  """path's modification time in seconds since the epoch (local or gs://)."""
+  return tf.io.gfile.stat(path).mtime_nsec / 1e9
+
+
+def written_since(workdir: str, start: float) -> list:
+  """The entries directly in workdir written at or after `start`, sorted; folders end in '/'.
+
+  Args:
+    workdir: a local or gs:// folder (none yet: []).
+    start: seconds since the epoch (time.time()).
+  Returns:
+    Names: a file counts by its modification time, a folder by the newest of its
+    files at any depth (and, locally, of itself: a removal inside it counts).
+    The lock file (LOCK) is left out.
+  """
+  if not tf.io.gfile.isdir(workdir):
+    return []
+  found = []
+  for name in sorted(entry.rstrip("/") for entry in tf.io.gfile.listdir(workdir)):
+    path = f"{workdir}/{name}"
+    if name == LOCK:
+      continue
+    if tf.io.gfile.isdir(path):
+      times = [_mtime(f"{root}/{f}") for root, _, names in tf.io.gfile.walk(path) for f in names]
+      if "://" not in path:  # A GCS folder is a name prefix, with no time of its own.
+        times.append(os.stat(path).st_mtime)
+      if max(times, default=0.0) >= start:
+        found.append(name + "/")
+    elif _mtime(path) >= start:
+      found.append(name)
+  return found
+
+
 def is_disk_full(error: BaseException) -> bool:
   """Whether error, or an exception it was raised from or while handling, is a full disk.
 
