@@ -17,6 +17,7 @@ from test_search import embed_config  # The embed config of the search tests.
 from contrastive_jax import main
 from contrastive_jax import models
 from contrastive_jax.core import checkpointing
+from contrastive_jax.core import pictures
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.jobs import audit
 from contrastive_jax.search import ann as ann_lib
@@ -188,8 +189,10 @@ def test_the_planted_duplicates_and_leaks_are_the_top_pairs_and_exactly_those_fo
   }
   assert summary["different_classes"] == {"duplicate": 0, "leak": 0}
   assert summary["rows_with_k_pairs"] == {"duplicate": 0, "leak": 0}
+  # Captions in full, wrapped to the 32 px cells: '0.9999 duplicate' takes 3 lines
+  # ('0.9999', 'duplic', 'ate'), the line's longest caption.
   picture = np.asarray(Image.open(os.path.join(workdir, audit.PICTURE)))
-  assert picture.shape == (2 + 32 + 12 + 2, 2 + 8 * (32 + 2), 3)
+  assert picture.shape == (2 + 32 + 3 * pictures.LINE_HEIGHT + 2, 2 + 8 * (32 + 2), 3)
   # The same pairs through the train index's HNSW index ('auto').
   approximate = main.run_job(audit_config(train, test, threshold=threshold), str(tmp_path / "ann"))
   assert approximate["search"]["method"] == "ann" and approximate["search"]["type"] == "hnsw"
@@ -207,7 +210,7 @@ def test_the_planted_duplicates_and_leaks_are_the_top_pairs_and_exactly_those_fo
     best.items(), key=lambda p: -p[1]
   )
   picture = np.asarray(Image.open(os.path.join(tmp_path, "two", audit.PICTURE)))
-  assert picture.shape == (2 + 32 + 12 + 2, 2 + 4 * (32 + 2), 3)
+  assert picture.shape == (2 + 32 + 3 * pictures.LINE_HEIGHT + 2, 2 + 4 * (32 + 2), 3)
 
 
 @pytest.mark.parametrize("k", [13, 2])

@@ -161,7 +161,8 @@ def test_map_of_an_embed_index_draws_lists_and_projects_the_sampled_rows(index, 
 
   # map.png: every dot's centre shows the class colour of a point whose dot covers it.
   picture = np.asarray(Image.open(out / embedding_map.MAP))
-  assert picture.shape == (scatter.TITLE_HEIGHT + SIZE, SIZE + scatter.LEGEND_WIDTH, 3)
+  # CIFAR's 10 classes fit one legend column (20 lines of 12 px in 256 px less margins).
+  assert picture.shape == (scatter.TITLE_HEIGHT + SIZE, SIZE + scatter.LEGEND_COLUMN, 3)
   colours = scatter.palette(len(saved.class_names))
   labels = np.asarray([saved.rows[r]["label"] for r in rows])
   pixels = scatter.to_pixels(xy, SIZE)
@@ -281,6 +282,66 @@ def test_layout_and_sprite_against_hand_computed_values():
   # square from (10, 80) whose centre is (15, 85).)
   places = scatter.thumbnail_places(np.array([[0, 0], [1, 1], [0.06, 0.06], [0.02, 0.02]]), 100, 10)
   assert places == {0: (0, 90), 1: (90, 0), 2: (10, 80)}
+
+
+def _legend(count: int, size: int = 256):
+  """A scatter and a thumbnail view of 50 points in `count` groups of long names."""
+  rng = np.random.default_rng(0)
+  xy, groups = rng.normal(size=(50, 2)), rng.integers(0, count, 50)
+  names = [f"outerwear/winter_jackets_and_coats_{i:03d}" for i in range(count)]
+  picture = scatter.scatter(xy, groups, names, size=size, title="t")
+  images = {i: np.zeros((16, 16, 3), np.uint8) for i in range(50)}
+  view = scatter.thumbnails(xy, images, groups, names, size=size, cell=16, title="t")
+  return picture, view
+
+
+def _swatches(picture, size: int, count: int):
+  """{group: (row, column) of the top-left of its swatch} for the groups whose colour fills
+  exactly one 9 x 9 swatch in the legend (right of the plot)."""
+  legend = picture[:, size:]
+  found = {}
+  for i, colour in enumerate(scatter.palette(count)):
+    where = np.argwhere((legend == colour).all(axis=-1))
+    if len(where) == 81 and (np.ptp(where, axis=0) == 8).all():
+      found[i] = tuple(int(v) for v in where.min(axis=0))
+  return found
+
+
+def test_a_legend_of_100_long_names_shows_all_100_in_columns_and_each_name_in_its_column():
+  # 256 px plot: (256 - 2 * 8) // 12 = 20 names a column, so 100 names take 5 columns.
+  picture, view = _legend(100)
+  assert scatter.legend_columns(256, 100) == (20, 5)
+  assert picture.shape == view.shape == (16 + 256, 256 + 5 * 176, 3)
+  assert picture.shape[:2] == scatter.layout(256, 100)
+  assert len({tuple(c) for c in scatter.palette(100)}) == 100  # 100 distinct colours.
+  # Name i's swatch: column i // 20, line i % 20, from the legend's top-left (8, 8) below
+  # the title, 2 px into its 12 px line.
+  assert _swatches(picture, 256, 100) == {
+    i: (16 + 8 + (i % 20) * 12 + 2, 8 + (i // 20) * 176) for i in range(100)
+  }
+  assert _swatches(view, 256, 100) == _swatches(picture, 256, 100)
+  legend = picture[16:, 256:]
+  ink = (legend < 200).any(axis=-1)
+  for column in range(5):
+    # The 8 px before each column's swatches stay white: no name runs into the next column,
+    # though every one is too long for its 154 px and is cut with an ellipsis.
+    assert not ink[:, column * 176 : column * 176 + 8].any()
+    # Each of the column's 20 names is drawn beside its swatch.
+    names = ink[:, column * 176 + 22 : (column + 1) * 176]
+    assert all(names[8 + k * 12 : 8 + (k + 1) * 12].any() for k in range(20))
+
+
+def test_a_legend_beyond_256_names_shows_255_and_says_how_many_more():
+  # 300 names: 256 places of 20 a column = 13 columns; 255 names, then '... and 45 more'.
+  picture, _ = _legend(300)
+  assert picture.shape == (16 + 256, 256 + 13 * 176, 3)
+  assert len({tuple(c) for c in scatter.palette(300)}) == 300
+  assert sorted(_swatches(picture, 256, 300)) == list(range(255))
+  # Place 255 (column 12, line 15) holds the line of text, without a swatch.
+  line = picture[16 + 8 + 15 * 12 : 16 + 8 + 16 * 12, 256 + 8 + 12 * 176 :]
+  assert (line < 200).any(axis=-1).any()
+  # A legend of a few names keeps one column.
+  assert scatter.layout(512, 3) == scatter.layout(512, 0) == (16 + 512, 512 + 176)
 
 
 def test_bad_input_is_refused_with_one_line_before_any_compute(monkeypatch, tmp_path):

@@ -1,4 +1,4 @@
-"""pictures.grid: layout, exact pixels of each cell, captions, errors."""
+"""pictures.grid: layout, exact pixels of each cell, captions wrapped to their cells, errors."""
 
 import numpy as np
 import pytest
@@ -23,14 +23,80 @@ def test_grid_places_each_image_in_its_cell_on_white():
   np.testing.assert_array_equal(picture[pad + 8 + pad :, pad + 8 + pad :], 255)
 
 
-def test_captions_add_a_line_under_each_row_and_are_drawn():
-  rows = [[np.full((4, 6, 3), 255, np.uint8)] * 2]
-  plain = pictures.grid(rows, cell=16)
-  captioned = pictures.grid(rows, [["", "0.93"]], cell=16)
-  assert captioned.shape[0] == plain.shape[0] + pictures._CAPTION_HEIGHT
-  under = captioned[pictures._PAD + 16 : pictures._PAD + 16 + pictures._CAPTION_HEIGHT]
-  first, second = np.split(under[:, pictures._PAD : 2 * (16 + pictures._PAD)], 2, axis=1)
+WHITE = np.full((4, 6, 3), 255, np.uint8)
+
+
+def _ink(picture):
+  """bool [H, W]: the pixels text darkened (PIL's default font is anti-aliased)."""
+  return (picture < 200).any(axis=-1)
+
+
+def test_captions_that_fit_add_one_line_under_each_row_and_are_drawn():
+  rows = [[WHITE] * 2]
+  plain = pictures.grid(rows, cell=24)
+  captioned = pictures.grid(rows, [["", "0.93"]], cell=24)  # '0.93' is 20 px: one line.
+  assert captioned.shape[0] == plain.shape[0] + pictures.LINE_HEIGHT
+  under = captioned[pictures._PAD + 24 : pictures._PAD + 24 + pictures.LINE_HEIGHT]
+  first, second = np.split(under[:, pictures._PAD : 2 * (24 + pictures._PAD)], 2, axis=1)
   assert (first == 255).all() and (second < 128).any()
+  # The same caption in a 16 px cell takes two lines ('0.9', '3').
+  assert pictures.grid(rows, [["", "0.93"]], cell=16).shape[0] == (
+    pictures.grid(rows, cell=16).shape[0] + 2 * pictures.LINE_HEIGHT
+  )
+
+
+def test_a_caption_wider_than_its_cell_wraps_at_its_parts_and_makes_only_its_row_taller():
+  # In PIL's default font (Aileron, 10 px) 'outerwear/winter_jackets' is 119 px wide;
+  # 'outerwear/' is 52, 'winter_' 36 and 'jackets' 32: three lines in a 64 px cell.
+  long = "outerwear/winter_jackets"
+  assert pictures.text_width(long) == 119
+  assert pictures.caption_lines(long, 64) == ["outerwear/", "winter_", "jackets"]
+  rows = [[WHITE] * 3, [WHITE] * 3]
+  picture = pictures.grid(rows, [["", long, ""], ["a", "0.93", ""]], cell=64)
+  pad, line = pictures._PAD, pictures.LINE_HEIGHT
+  # Row 0: 64 + 3 lines + pad; row 1 (short captions): 64 + 1 line + pad.
+  assert picture.shape == (pad + (64 + 3 * line + pad) + (64 + line + pad), pad + 3 * (64 + pad), 3)
+  band = _ink(picture[pad + 64 : pad + 64 + 3 * line])
+  columns = np.flatnonzero(band.any(axis=0))
+  # Every pixel of its text lies in the middle cell's columns, none in the pads or the
+  # neighbouring cells, and each of its three lines has ink.
+  middle = pad + 64 + pad
+  assert columns.min() >= middle and columns.max() < middle + 64
+  assert all(band[k * line : (k + 1) * line].any() for k in range(3))
+  # The images stay where they were: row 1 starts below row 0's taller band.
+  second = pad + 64 + 3 * line + pad
+  assert not _ink(picture[second : second + 64]).any()
+  assert _ink(picture[second + 64 : second + 64 + line, pad : pad + 64]).any()  # 'a'
+  assert not _ink(picture[second + 64 + line :]).any()
+
+
+def test_a_word_wider_than_a_cell_breaks_mid_word_and_too_long_a_caption_ends_in_an_ellipsis():
+  word = "supercalifragilistic"  # No break character: cut where the cell is full.
+  lines = pictures.caption_lines(word, 40)
+  assert len(lines) == 3 and "".join(lines) == word
+  assert all(pictures.text_width(l) <= 40 for l in lines)
+  assert pictures.caption_lines(word, 200) == [word]  # Fits: one line, as it is.
+  # 'x' is 5 px: 8 to a 40 px line; 3 lines at most, the last cut short for the ellipsis.
+  long = pictures.caption_lines("x" * 100, 40)
+  assert len(long) == pictures.MAX_LINES == 3
+  assert long[:2] == ["x" * 8] * 2 and long[2].endswith(pictures.ELLIPSIS)
+  assert long[2].rstrip(pictures.ELLIPSIS) == "x" * (len(long[2]) - 1)
+  assert all(pictures.text_width(l) <= 40 for l in long)
+  assert pictures.caption_lines("x" * 100, 40, max_lines=1) == [long[2]]
+  # Spaces at a break are dropped; runs of whitespace are one space; '' has no lines.
+  assert pictures.caption_lines("0.9999  duplicate", 32) == ["0.9999", "duplic", "ate"]
+  assert pictures.caption_lines("cat|dog", 20) == ["cat|", "dog"]
+  assert pictures.caption_lines("", 32) == pictures.caption_lines("  ", 32) == []
+  with pytest.raises(ValueError, match="width >= 1"):
+    pictures.caption_lines("a", 0)
+
+
+def test_text_is_clipped_to_a_cell_narrower_than_a_letter():
+  picture = pictures.grid([[WHITE] * 3], [["", "WWW", ""]], cell=4)
+  pad = pictures._PAD
+  assert picture.shape == (pad + 4 + 3 * pictures.LINE_HEIGHT + pad, pad + 3 * (4 + pad), 3)
+  columns = np.flatnonzero(_ink(picture[pad + 4 :]).any(axis=0))
+  assert len(columns) and columns.min() >= pad + 4 + pad and columns.max() < 2 * (pad + 4)
 
 
 @pytest.mark.parametrize(

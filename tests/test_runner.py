@@ -103,7 +103,7 @@ def check_views_picture(config, path):
   rng = jax.random.split(jax.random.PRNGKey(config.seed))[1]
   per_device = config.batch_size // jax.device_count()
   cell = max(64, config.image_size)
-  pad, caption = pictures._PAD, pictures._CAPTION_HEIGHT
+  pad, caption = pictures._PAD, pictures.LINE_HEIGHT  # "15: 2" fits a line of 64 px.
   n = min(16, config.batch_size)
   per_row = n // 4
   assert picture.shape == (4 * (cell + caption + pad) + pad, 2 * per_row * (cell + pad) + pad, 3)

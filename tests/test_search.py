@@ -173,10 +173,23 @@ def test_neighbours_of_rows_names_and_files_find_themselves(index, tmp_path):
     assert found[0]["score"] == pytest.approx(1.0, abs=1e-5)
     assert [n["score"] for n in found] == sorted((n["score"] for n in found), reverse=True)
   picture = np.asarray(Image.open(workdir / neighbours.PICTURE))
-  pad, caption = pictures._PAD, pictures._CAPTION_HEIGHT
-  assert picture.shape == (3 * (32 + caption + pad) + pad, 5 * (32 + pad) + pad, 3)
+  # Each row's captions ('query', then '<score> <class>' in full) are wrapped to the 32 px
+  # cells: a row's caption band has its longest caption's lines, two at least since a score
+  # and a class do not fit on one line ('0.999 cat': 2 lines, '0.999 automobile': 3).
+  pad, line = pictures._PAD, pictures.LINE_HEIGHT
+  names = index_lib.load_index(index).class_names
+  heights = [
+    line
+    * max(
+      len(pictures.caption_lines(f"{n['score']:.3f} {names[n['label']]}", 32))
+      for n in query["neighbours"]
+    )
+    for query in results["queries"]
+  ]
+  assert min(heights) >= 2 * line
+  assert picture.shape == (sum(32 + h + pad for h in heights) + pad, 5 * (32 + pad) + pad, 3)
   # Row 2 of the grid: the query file, then itself (CIFAR is 32 px: shown as is).
-  top = 2 * (32 + caption + pad) + pad
+  top = pad + (32 + heights[0] + pad) + (32 + heights[1] + pad)
   for column in (0, 1):
     left = pad + column * (32 + pad)
     np.testing.assert_array_equal(picture[top : top + 32, left : left + 32], images[5])

@@ -5,21 +5,93 @@ neighbours of query images), as a PNG file in the workdir and as a
 TensorBoard image.
 """
 
+import functools
 import io
+import math
 from typing import Optional, Sequence
 
 import numpy as np
 from PIL import Image
 from PIL import ImageDraw
+from PIL import ImageFont
 
 from contrastive_jax.core import files
 
-# PIL's default font is about 6 pixels per character: how many characters a caption of a
-# cell's width holds.
-CHARS_PER_PIXEL = 1 / 6
-
 _PAD = 2  # pixels between cells
-_CAPTION_HEIGHT = 12  # pixels under a cell for one line of PIL's default font
+LINE_HEIGHT = 12  # pixels per caption line: PIL's default font inks rows 1 to 11 of a line
+MAX_LINES = 3  # caption lines at most under a cell; a longer caption ends in an ellipsis
+ELLIPSIS = "\u2026"
+# A line may end after these characters (a space is dropped at the break): class names
+# such as 'outerwear/winter_jackets' or 'cat|dog' break at their parts, not mid-word.
+_BREAKS = " /_-|"
+
+
+@functools.lru_cache(maxsize=1)
+def font() -> ImageFont.FreeTypeFont | ImageFont.ImageFont:
+  """PIL's default font (the one draw.text uses without a font), loaded once."""
+  return ImageFont.load_default()
+
+
+def text_width(text: str) -> int:
+  """Pixels from a line's origin to the right edge of its ink or advance, in font()."""
+  if not text:
+    return 0
+  return math.ceil(max(font().getlength(text), font().getbbox(text)[2]))
+
+
+def _longest_fitting(text: str, width: int, suffix: str = "") -> int:
+  """The most leading characters of text that, with suffix, fit in width pixels (>= 0)."""
+  low, high = 0, len(text)  # text[:low] + suffix fits, or low is 0.
+  while low < high:
+    middle = (low + high + 1) // 2
+    if text_width(text[:middle].rstrip() + suffix) <= width:
+      low = middle
+    else:
+      high = middle - 1
+  return low
+
+
+def caption_lines(text: str, width: int, max_lines: int = MAX_LINES) -> list:
+  """text wrapped to lines of at most width pixels each in font(), at most max_lines of them.
+
+  Runs of whitespace count as one space. A line breaks after the last space,
+  '/', '_', '-' or '|' that lets it fit (a space at a break is dropped),
+  else mid-word after as many characters as fit (at least one: a cell
+  narrower than one character still shows its first letters, which grid
+  clips to the cell). When text needs more than max_lines lines, the last
+  line is cut where it fits with
+  ELLIPSIS after it.
+
+  Args:
+    text: the caption; '' has no lines.
+    width: pixels available for a line, >= 1.
+    max_lines: lines at most, >= 1.
+
+  Returns:
+    list of str, between 0 (text is blank) and max_lines lines.
+
+  Raises:
+    ValueError: width or max_lines < 1.
+  """
+  if width < 1 or max_lines < 1:
+    raise ValueError(f"caption_lines needs width >= 1 and max_lines >= 1, got {width}, {max_lines}")
+  lines, rest = [], " ".join(text.split())
+  while rest:
+    if text_width(rest) <= width:
+      lines.append(rest)
+      break
+    if len(lines) == max_lines - 1:
+      fit = _longest_fitting(rest, width, ELLIPSIS)
+      lines.append(rest[:fit].rstrip() + ELLIPSIS)
+      break
+    fit = max(_longest_fitting(rest, width), 1)
+    # A break at position i ends the line with rest[:i]: after a break character, or
+    # before a space.
+    breaks = [i for i in range(1, fit + 1) if rest[i - 1] in _BREAKS or rest[i : i + 1] == " "]
+    cut = breaks[-1] if breaks else fit
+    lines.append(rest[:cut].rstrip())
+    rest = rest[cut:].lstrip()
+  return lines
 
 
 def grid(
@@ -30,6 +102,12 @@ def grid(
 ) -> np.ndarray:
   """Lays out rows of images as one picture, each image resized to a square cell.
 
+  A caption is wrapped to the cell's width (caption_lines: at most
+  MAX_LINES lines, then an ellipsis) and drawn under its image, clipped to
+  the cell's columns so no text reaches a neighbouring cell. Each row's
+  caption band is as tall as that row's longest caption, so rows may differ
+  in height.
+
   Args:
     rows: rows of uint8 [H, W, 3] images (any H, W; rows may differ in length).
     captions: None, or one string per image (same nesting as rows), drawn
@@ -37,8 +115,11 @@ def grid(
     cell: side of a cell in pixels; images are resized (bilinear) to it.
 
   Returns:
-    uint8 [R * (cell + caption + pad) + pad, C * (cell + pad) + pad, 3] on a white
-    background, C the longest row's length.
+    uint8 [sum over rows i of (cell + L_i * LINE_HEIGHT + pad) + pad,
+    C * (cell + pad) + pad, 3] on a white background, C the longest row's
+    length, pad = 2 and L_i the number of caption lines of row i: 0 without
+    captions, else the most lines any caption of row i takes (at least 1, at
+    most MAX_LINES).
 
   Raises:
     ValueError: no rows, cell < 1, an image that is not uint8 [H, W, 3], or
@@ -50,13 +131,17 @@ def grid(
     raise ValueError(f"cell must be >= 1 pixel, got {cell}")
   if captions is not None and [len(c) for c in captions] != [len(r) for r in rows]:
     raise ValueError("captions must have one string per image, row by row")
-  caption = _CAPTION_HEIGHT if captions is not None else 0
+  # Each caption's lines; every row has a caption band of at least one line when captions
+  # are given, so rows of '' line up with captioned ones.
+  wrapped = [[caption_lines(c, cell) for c in row] for row in captions or [[] for _ in rows]]
+  heights = [max([len(w) for w in row] + [1]) * LINE_HEIGHT for row in wrapped]
+  if captions is None:
+    heights = [0] * len(rows)
   width = max(len(r) for r in rows) * (cell + _PAD) + _PAD
-  height = len(rows) * (cell + caption + _PAD) + _PAD
+  height = sum(cell + h + _PAD for h in heights) + _PAD
   canvas = Image.new("RGB", (width, height), "white")
-  draw = ImageDraw.Draw(canvas)
+  top = _PAD
   for i, row in enumerate(rows):
-    top = _PAD + i * (cell + caption + _PAD)
     for j, image in enumerate(row):
       image = np.asarray(image)
       if image.dtype != np.uint8 or image.ndim != 3 or image.shape[-1] != 3:
@@ -66,8 +151,14 @@ def grid(
         )
       left = _PAD + j * (cell + _PAD)
       canvas.paste(Image.fromarray(image).resize((cell, cell), Image.BILINEAR), (left, top))
-      if captions is not None and captions[i][j]:
-        draw.text((left, top + cell), captions[i][j], fill="black")
+      if captions is not None and wrapped[i][j]:
+        # Drawn on a cell-wide strip of its own, then pasted: ink is clipped to the cell.
+        strip = Image.new("RGB", (cell, heights[i]), "white")
+        draw = ImageDraw.Draw(strip)
+        for k, line in enumerate(wrapped[i][j]):
+          draw.text((0, k * LINE_HEIGHT), line, fill="black", font=font())
+        canvas.paste(strip, (left, top + cell))
+    top += cell + heights[i] + _PAD
   return np.asarray(canvas)
 
 

@@ -1,11 +1,12 @@
 """Pictures of a 2-D map of points: a coloured scatter with a legend, thumbnails at their
 places, and a sprite of thumbnails (TensorBoard's projector).
 
-Drawn with Pillow, as pictures.py draws its grids. The scatter and the
-thumbnail view share one layout (layout, to_pixels): a title band on top, a
-square plot of `size` pixels in which both axes have the same scale (so
-distances on the picture are comparable in every direction), and a legend
-column on the right.
+Drawn with Pillow in pictures.py's font, as pictures.py draws its grids. The
+scatter and the thumbnail view share one layout (layout, to_pixels): a title
+band on top, a square plot of `size` pixels in which both axes have the same
+scale (so distances on the picture are comparable in every direction), and
+on the right a legend of as many columns as its names need, each column as
+tall as the plot.
 """
 
 import colorsys
@@ -16,18 +17,34 @@ import numpy as np
 from PIL import Image
 from PIL import ImageDraw
 
+from contrastive_jax.core import pictures
+
 TITLE_HEIGHT = 16  # pixels above the plot for one line of PIL's default font
-LEGEND_WIDTH = 176  # pixels right of the plot for the legend
+LEGEND_COLUMN = 176  # pixels of one legend column: swatch, name and the gap to the next
+LEGEND_MAX = 256  # names a legend shows at most; beyond, its last line says how many more
 MARGIN = 8  # pixels between the plot's border and its outermost point
-_LINE = 12  # pixels per legend line (PIL's default font is about 11 high)
-_CHARS = 26  # characters of a class name that fit in the legend beside its swatch
+_LINE = 12  # pixels per legend line (PIL's default font inks rows 1 to 11 of a line)
+_SWATCH = 14  # pixels from a legend column's left to its name: a 9 px swatch and a gap
+_NAME = LEGEND_COLUMN - _SWATCH - MARGIN  # pixels a name may take; MARGIN stays white
 _DOT = 2  # radius in pixels of a point of the scatter
 _GOLDEN = (math.sqrt(5) - 1) / 2
 
 
-def layout(size: int):
-  """(height, width) of a picture of a plot of size x size pixels: title, plot, legend."""
-  return TITLE_HEIGHT + size, size + LEGEND_WIDTH
+def legend_columns(size: int, count: int):
+  """(lines, columns) of the legend of count names beside a plot of size pixels.
+
+  A column holds `lines` names, one per _LINE pixels of the plot's height
+  less MARGIN above and below (at least one); `columns` is as many as
+  min(count, LEGEND_MAX) names need, at least one.
+  """
+  lines = max(1, (size - 2 * MARGIN) // _LINE)
+  return lines, max(1, math.ceil(min(count, LEGEND_MAX) / lines))
+
+
+def layout(size: int, count: int):
+  """(height, width) in pixels of a picture of a plot of size x size pixels and a legend of
+  count names: TITLE_HEIGHT + size, size + LEGEND_COLUMN * legend_columns(size, count)[1]."""
+  return TITLE_HEIGHT + size, size + LEGEND_COLUMN * legend_columns(size, count)[1]
 
 
 def palette(n: int) -> np.ndarray:
@@ -64,24 +81,32 @@ def to_pixels(xy: np.ndarray, size: int) -> np.ndarray:
 
 
 def _canvas(size: int, title: str, names: Sequence[str], colours: np.ndarray):
-  """A white picture (layout(size)) with the title and the legend drawn; returns (image, draw)."""
-  height, width = layout(size)
+  """A white picture (layout) with the title and the legend drawn; returns (image, draw).
+
+  The legend fills its columns top to bottom, left to right; each name is
+  cut to _NAME pixels with an ellipsis (pictures.caption_lines). Beyond
+  LEGEND_MAX names, the last place says how many more.
+  """
+  height, width = layout(size, len(names))
   canvas = Image.new("RGB", (width, height), "white")
   draw = ImageDraw.Draw(canvas)
-  draw.text((MARGIN, 2), title, fill="black")
+  draw.text((MARGIN, 2), title, fill="black", font=pictures.font())
   draw.rectangle([0, TITLE_HEIGHT, size - 1, height - 1], outline=(200, 200, 200))
-  lines = (size - 2 * MARGIN) // _LINE
-  shown = len(names) if len(names) <= lines else lines - 1  # The last line says how many more.
-  left = size + MARGIN
+  lines, _ = legend_columns(size, len(names))
+  shown = len(names) if len(names) <= LEGEND_MAX else LEGEND_MAX - 1
+
+  def place(i):
+    column, line = divmod(i, lines)
+    return size + MARGIN + column * LEGEND_COLUMN, TITLE_HEIGHT + MARGIN + line * _LINE
+
   for i in range(shown):
-    top = TITLE_HEIGHT + MARGIN + i * _LINE
+    left, top = place(i)
     draw.rectangle([left, top + 2, left + 8, top + 10], fill=tuple(int(c) for c in colours[i]))
-    draw.text((left + 14, top), str(names[i])[:_CHARS], fill="black")
+    name = pictures.caption_lines(str(names[i]), _NAME, max_lines=1)
+    draw.text((left + _SWATCH, top), "".join(name), fill="black", font=pictures.font())
   if shown < len(names):
     draw.text(
-      (left, TITLE_HEIGHT + MARGIN + shown * _LINE),
-      f"... and {len(names) - shown} more",
-      fill="black",
+      place(shown), f"... and {len(names) - shown} more", fill="black", font=pictures.font()
     )
   return canvas, draw
 
@@ -94,14 +119,16 @@ def scatter(
   Args:
     xy: float [N, 2] positions (any scale; see to_pixels).
     groups: int [N], each in [0, len(names)).
-    names: a name per group, in the legend in this order (as many as fit;
-      then a line saying how many more).
+    names: a name per group, in the legend in this order (legend_columns:
+      all of them up to LEGEND_MAX, else LEGEND_MAX - 1 and a line saying how
+      many more), each cut to its column's width with an ellipsis.
     size: the plot's side in pixels.
     title: one line above the plot.
     seed: the order the dots are drawn in is a permutation seeded by it, so
       no group is drawn last over all the others.
   Returns:
-    uint8 [TITLE_HEIGHT + size, size + LEGEND_WIDTH, 3] (layout).
+    uint8 [TITLE_HEIGHT + size, size + LEGEND_COLUMN * columns, 3], columns =
+    legend_columns(size, len(names))[1] (layout(size, len(names))).
   """
   colours = palette(len(names))
   canvas, draw = _canvas(size, title, names, colours)
@@ -154,7 +181,8 @@ def thumbnails(
       thumbnail_places(xy, size, cell) chooses.
     cell: a thumbnail's side in pixels, at most size.
   Returns:
-    uint8 [TITLE_HEIGHT + size, size + LEGEND_WIDTH, 3] (layout).
+    uint8 [TITLE_HEIGHT + size, size + LEGEND_COLUMN * columns, 3], columns =
+    legend_columns(size, len(names))[1] (layout(size, len(names))).
   """
   colours = palette(len(names))
   canvas, draw = _canvas(size, title, names, colours)

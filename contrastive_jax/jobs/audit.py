@@ -407,7 +407,6 @@ def _picture(config, indexes: list, table: list) -> np.ndarray:
     side = index.eval_crop.shorter_side(max(config.cell, index.eval_crop.size))
     for row, image in index_lib.read_images(index, sorted(rows), side).items():
       read[which, row] = index_lib.center_crop(index, image, config.cell)
-  chars = int(config.cell * pictures.CHARS_PER_PIXEL)
   # pylint: enable=protected-access
   lines, captions = [], []
   for start in range(0, len(table), _PAIRS_PER_LINE):
@@ -416,8 +415,8 @@ def _picture(config, indexes: list, table: list) -> np.ndarray:
       line += [read[which, a], read[reference, b]]
       classes = [_class(indexes[which], a), _class(indexes[reference], b)]
       caption += [
-        f"{score:.4f} {kind}"[:chars],
-        (classes[0] if classes[0] == classes[1] else "|".join(classes))[:chars],
+        f"{score:.4f} {kind}",
+        classes[0] if classes[0] == classes[1] else "|".join(classes),
       ]
     lines.append(line)
     captions.append(caption)

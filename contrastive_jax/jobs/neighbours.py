@@ -269,12 +269,11 @@ def _picture(config, index: index_lib.Index, queries, scores, rows) -> np.ndarra
     {int(r) for r in rows.ravel() if r >= 0} | {r for _, r, _ in queries if r is not None}
   )
   read = index_lib.read_images(index, wanted, side)
-  chars = int(config.cell * pictures.CHARS_PER_PIXEL)
 
   def caption(score, row):
     label = index.rows[row].get("label")
     named = f" {index.class_names[label]}" if label is not None and index.class_names else ""
-    return f"{score:.3f}{named}"[:chars]
+    return f"{score:.3f}{named}"
 
   lines, captions = [], []
   for (item, row, _), line_scores, line_rows in zip(queries, scores, rows):
