@@ -114,6 +114,16 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
+def receive_ctrl_c():
+  """A Popen preexec_fn: the child takes SIGINT (Ctrl-C) as a terminal's foreground job does.
+
+  A command started in the background of a non-interactive shell (`cmd &`,
+  as a CI runner may start pytest) ignores SIGINT, and so would every process
+  it starts; Python then installs no KeyboardInterrupt handler.
+  """
+  signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def subprocess_env(fast_compile: bool = False, **extra) -> dict:
   """This environment for a test's Python subprocess, importing this checkout's package.
 

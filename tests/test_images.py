@@ -22,6 +22,7 @@ import gcs_emulator
 from google.auth.compute_engine import _metadata
 from helpers import SHARED
 from helpers import load_config
+from helpers import receive_ctrl_c
 from helpers import subprocess_env
 from helpers import tiny_config
 import jax
@@ -862,6 +863,7 @@ def test_prepare_ctrl_c_ends_in_one_line_replaces_nothing_and_stops_its_workers(
       env=env,
       start_new_session=True,
       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      preexec_fn=receive_ctrl_c,
     )
   try:
     group = os.getpgid(_wait_for_decoding(decoding, lambda: job.poll() is None))

@@ -13,6 +13,7 @@ import time
 from helpers import CONFIG_DIR
 from helpers import TFDS_DIR
 from helpers import damaged_copy
+from helpers import receive_ctrl_c
 from helpers import subprocess_env
 import pytest
 
@@ -44,7 +45,11 @@ def start(args, log):
   """Popen of args with stdout and stderr to the file `log` (a pipe could fill and stall it)."""
   with open(log, "w") as f:
     return subprocess.Popen(
-      args, stdout=subprocess.DEVNULL, stderr=f, env=subprocess_env(fast_compile=True)
+      args,
+      stdout=subprocess.DEVNULL,
+      stderr=f,
+      env=subprocess_env(fast_compile=True),
+      preexec_fn=receive_ctrl_c,
     )
 
 
