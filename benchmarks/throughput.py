@@ -97,7 +97,7 @@ def prepare_folder(folder: str, data_dir: str) -> str:
   done = subprocess.run(command, capture_output=True, text=True, env=env, check=False)
   if done.returncode:
     last = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
-    raise JobError(f"--folder={folder!r}: the prepare job failed: {last}")
+    raise JobError(f"--folder={folder!r}: the prepare job failed: {last.removeprefix('error: ')}")
   return FOLDER_DATASET
 
 

@@ -135,7 +135,7 @@ def run_job(config, workdir: str):
   return result
 
 
-_LISTED = 8  # Names of written entries the last line lists before counting the rest.
+_LISTED = 12  # Names of written entries the last line lists before counting the rest.
 
 
 def _finished_line(job: str, workdir: str, start: float) -> str:

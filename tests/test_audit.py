@@ -4,11 +4,13 @@ import csv
 import json
 import os
 import shutil
+import types
 
 from helpers import load_benchmark
 from helpers import load_config
 from helpers import tiny_config
 import jax
+import ml_collections
 import numpy as np
 from PIL import Image
 import pytest
@@ -338,3 +340,15 @@ def test_the_benchmarks_ground_truth_pairs_re_uploads_by_what_they_show(tmp_path
   )
   with pytest.raises(ValueError, match="1, a re-upload of 0's draw, shows another photo or crop"):
     benchmark.ground_truth(str(manifest))
+
+
+def test_an_index_grown_from_other_folders_is_named_by_all_of_them():
+  def index(folder, split, part_folders):
+    config = ml_collections.ConfigDict({"folder": folder, "split": split})
+    return types.SimpleNamespace(
+      config=config, meta={"parts": [{"folder": f} for f in part_folders]}
+    )
+
+  assert audit.split_name(index(None, "test", [None])) == "test"
+  assert audit.split_name(index("/a", None, ["/a"])) == "/a"
+  assert audit.split_name(index("/a", None, ["/a", "/b", "/a"])) == "/a, /b"

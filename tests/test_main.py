@@ -326,6 +326,7 @@ def test_a_text_file_as_init_from_ends_in_its_one_line_every_time(tmp_path):
       "7935391400498849128 bytes in a file of 19)"
     ), out.stderr
     assert not [line for line in lines if line.startswith(("E", "W", "Traceback"))], out.stderr
+    assert not os.path.exists(tmp_path / str(attempt))  # The workdir it made is gone again.
 
 
 def test_the_log_filter_drops_restated_settings_and_keeps_real_warnings():
@@ -365,8 +366,9 @@ def test_the_last_line_names_what_the_job_wrote_since_it_started(tmp_path):
   assert main._finished_line("embed", str(tmp_path / "none"), old + 10).endswith(
     f" s: wrote nothing new in {tmp_path / 'none'}."
   )
-  for i in range(10):
-    (tmp_path / f"file{i}").write_text("")
+  for i in range(12):
+    (tmp_path / f"file{i:02}").write_text("")
+  listed = ", ".join(f"file{i:02}" for i in range(12))
   assert main._finished_line("embed", str(tmp_path), old + 10).endswith(
-    f"wrote file0, file1, file2, file3, file4, file5, file6, file7 and 4 more to {tmp_path}."
+    f"wrote {listed} and 2 more to {tmp_path}."
   )

@@ -43,6 +43,17 @@ def prepare_workdir(path: Optional[str]) -> str:
   return path
 
 
+def exists(path: str) -> bool:
+  """Whether path (local or gs://) exists."""
+  return tf.io.gfile.exists(path)
+
+
+def remove_tree(path: str):
+  """Removes the folder path and everything in it (process 0; local or gs://)."""
+  if jax.process_index() == 0 and tf.io.gfile.exists(path):
+    tf.io.gfile.rmtree(path)
+
+
 def write_atomic(path: str, content: Union[bytes, str]):
   """Writes content to path (local or gs://) atomically: a reader sees all of it or nothing.
 

@@ -125,8 +125,13 @@ def checkpoint_of(index: index_lib.Index) -> dict:
 
 
 def split_name(index: index_lib.Index) -> str:
-  """How pairs.csv names an index's images: its dataset split (e.g. 'test') or its folder."""
-  return index.config.folder or index.config.split
+  """How pairs.csv names an index's images: its dataset split (e.g. 'test'), or its folders
+  in the order they were embedded, comma-separated (one, unless files of other folders were
+  added to it)."""
+  if not index.config.folder:
+    return index.config.split
+  folders = [part.get("folder") or index.config.folder for part in index.meta["parts"]]
+  return ", ".join(dict.fromkeys(folders))
 
 
 def _check_comparable(config, reference: index_lib.Index, others: list):

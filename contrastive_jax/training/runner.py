@@ -130,7 +130,8 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
   """Runs `job` with `config` in `workdir`; returns (final state, last evaluation results).
 
   Holds the workdir's lock (files.workdir_lock) from the config check to the
-  end, and waits for pending checkpoint writes on every exit path.
+  end, and waits for pending checkpoint writes on every exit path. A job
+  refused before its first step (build raises) removes the workdir it made.
 
   Raises:
     ConfigError: before any compute, for a config, dataset or checkpoint
@@ -144,6 +145,7 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
   """
   workdir = files.prepare_workdir(workdir)
   job.check_config(config, jax.device_count())
+  fresh = not files.exists(workdir)
   with files.workdir_lock(workdir):
     ckpt = checkpointing.Checkpointer(f"{workdir}/checkpoints", keep=config.keep_checkpoints)
     with _closing(ckpt, workdir):
@@ -159,7 +161,12 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
             f"checkpoints in {ckpt.directory}; use a new workdir",
           )
       mesh = mesh_lib.make_mesh()
-      task = job.build(config, mesh, saved, workdir)
+      try:
+        task = job.build(config, mesh, saved, workdir)
+      except JobError:  # Refused before step 0: a workdir this run made is left as it was, absent.
+        if fresh:
+          files.remove_tree(workdir)
+        raise
       if saved is not None:  # Compared with what build() resolved (e.g. the probe's preset).
         differences = checkpointing.config_differences(
           saved.to_dict(), task.config, MAY_CHANGE_ON_RESUME
