@@ -350,6 +350,15 @@ def test_the_log_filter_drops_restated_settings_and_keeps_real_warnings():
   assert keep(record(orbax_path, logging.WARNING, "Checkpoint step 3 could not be read"))
   assert keep(record(orbax_path, logging.ERROR, "Given directory is read only: failed"))
   assert not keep(record(orbax_path, logging.INFO, "Saving item state"))
+  tfds_path = "/site/tensorflow_datasets/core/features/feature.py"
+  deprecated = "`Image.dtype` is deprecated. Please change your code to use NumPy with the field"
+  assert not keep(record(tfds_path, logging.WARNING, deprecated))
+  assert keep(record(tfds_path, logging.WARNING, "Found a different version of the dataset"))
+  saved_model_path = "/site/tensorflow/python/saved_model/signature_serialization.py"
+  renamed = "Function `serve` contains input name(s) resource with unsupported characters"
+  assert not keep(record(saved_model_path, logging.WARNING, renamed))
+  assert not keep(record(saved_model_path, logging.INFO, "Writing fingerprint to /x"))
+  assert keep(record(saved_model_path, logging.WARNING, "Found untraced functions"))
 
 
 def test_the_last_line_names_what_the_job_wrote_since_it_started(tmp_path):

@@ -144,12 +144,22 @@ _SETTINGS_RESTATED = (
   ("orbax", "Given directory is read only"),
 )
 
+# Records about a library's own internals that a user cannot act on, (library path, message
+# part): TFDS's decoding reads its own deprecated FeatureConnector.dtype; TensorFlow renames
+# the internal resource inputs of the SavedModel that jax2tf writes.
+_LIBRARY_INTERNALS = (
+  ("tensorflow_datasets", ".dtype` is deprecated. Please change your code"),
+  ("tensorflow/python/saved_model", "contains input name(s) resource with unsupported"),
+)
+
 
 class _QuietLibraries(std_logging.Filter):
-  """Drops INFO records of Orbax and TFDS, restated settings, and a failed save's duplicates.
+  """Drops INFO records of Orbax, TFDS and TensorFlow, restated settings, notices of
+  library internals (_LIBRARY_INTERNALS) and a failed save's duplicates.
 
-  Orbax and TFDS log every checkpoint file they touch; _SETTINGS_RESTATED
-  lists the records that restate what this project chose. When a save fails
+  Orbax and TFDS log every checkpoint file they touch, TensorFlow each step of
+  writing a SavedModel; _SETTINGS_RESTATED lists the records that restate what
+  this project chose. When a save fails
   (a full disk, say), each of Orbax's background threads logs the error with
   a traceback, and asyncio logs its tasks' again, some at exit; the main
   thread raises the same error and reports it once (main.py: one line for an
@@ -165,10 +175,15 @@ class _QuietLibraries(std_logging.Filter):
       for lib, start in _SETTINGS_RESTATED
     ):
       return False
+    if record.levelno < std_logging.ERROR and any(
+      f"/{lib}/" in record.pathname and part in record.getMessage()
+      for lib, part in _LIBRARY_INTERNALS
+    ):
+      return False
     if record.exc_info and "orbax" in record.pathname:
       record.exc_info = record.exc_text = None
     return record.levelno >= std_logging.WARNING or not any(
-      lib in record.pathname for lib in ("orbax", "tensorflow_datasets")
+      lib in record.pathname for lib in ("orbax", "tensorflow_datasets", "/tensorflow/python/")
     )
 
 
@@ -190,11 +205,15 @@ def _drop_closed_loop_callbacks(unraisable, previous=sys.unraisablehook):
 def quiet_library_logs():
   """Keeps the console to this project's progress lines and the libraries' warnings.
 
-  See _QuietLibraries and _drop_closed_loop_callbacks for what is left out. Also
+  See _QuietLibraries and _drop_closed_loop_callbacks for what is left out, and
+  TensorFlow's INFO records. Also
   dropped: Python's 'coroutine ... was never awaited' warning, printed at exit
   (after the job's last line) for each of Orbax's writes a failed save abandoned;
   this project runs no coroutines of its own.
   """
   logging.get_absl_handler().addFilter(_QuietLibraries())
+  # TensorFlow's INFO lines (a SavedModel's saver and builder steps) come twice, through its
+  # own handler and absl's; its warnings and errors are kept.
+  std_logging.getLogger("tensorflow").setLevel(std_logging.WARNING)
   sys.unraisablehook = _drop_closed_loop_callbacks
   warnings.filterwarnings("ignore", r"coroutine '.*' was never awaited", RuntimeWarning)
