@@ -168,16 +168,15 @@ class _QuietLibraries(std_logging.Filter):
   """
 
   def filter(self, record):
-    if record.name == "asyncio" and "orbax" in record.getMessage():
+    message = record.getMessage()
+    if record.name == "asyncio" and "orbax" in message:
       return False
-    if record.levelno < std_logging.ERROR and any(
-      f"/{lib}/" in record.pathname and record.getMessage().startswith(start)
-      for lib, start in _SETTINGS_RESTATED
-    ):
-      return False
-    if record.levelno < std_logging.ERROR and any(
-      f"/{lib}/" in record.pathname and part in record.getMessage()
-      for lib, part in _LIBRARY_INTERNALS
+    if record.levelno < std_logging.ERROR and (
+      any(
+        f"/{lib}/" in record.pathname and message.startswith(start)
+        for lib, start in _SETTINGS_RESTATED
+      )
+      or any(f"/{lib}/" in record.pathname and part in message for lib, part in _LIBRARY_INTERNALS)
     ):
       return False
     if record.exc_info and "orbax" in record.pathname:
@@ -206,10 +205,10 @@ def quiet_library_logs():
   """Keeps the console to this project's progress lines and the libraries' warnings.
 
   See _QuietLibraries and _drop_closed_loop_callbacks for what is left out, and
-  TensorFlow's INFO records. Also
-  dropped: Python's 'coroutine ... was never awaited' warning, printed at exit
-  (after the job's last line) for each of Orbax's writes a failed save abandoned;
-  this project runs no coroutines of its own.
+  TensorFlow's INFO records. Also dropped: Python's 'coroutine ... was never
+  awaited' warning, printed at exit (after the job's last line) for each of
+  Orbax's writes a failed save abandoned; this project runs no coroutines of
+  its own.
   """
   logging.get_absl_handler().addFilter(_QuietLibraries())
   # TensorFlow's INFO lines (a SavedModel's saver and builder steps) come twice, through its

@@ -59,8 +59,7 @@ def caption_lines(text: str, width: int, max_lines: int = MAX_LINES) -> list:
   else mid-word after as many characters as fit (at least one: a cell
   narrower than one character still shows its first letters, which grid
   clips to the cell). When text needs more than max_lines lines, the last
-  line is cut where it fits with
-  ELLIPSIS after it.
+  line is cut where it fits with ELLIPSIS after it.
 
   Args:
     text: the caption; '' has no lines.
@@ -131,12 +130,13 @@ def grid(
     raise ValueError(f"cell must be >= 1 pixel, got {cell}")
   if captions is not None and [len(c) for c in captions] != [len(r) for r in rows]:
     raise ValueError("captions must have one string per image, row by row")
-  # Each caption's lines; every row has a caption band of at least one line when captions
-  # are given, so rows of '' line up with captioned ones.
-  wrapped = [[caption_lines(c, cell) for c in row] for row in captions or [[] for _ in rows]]
-  heights = [max([len(w) for w in row] + [1]) * LINE_HEIGHT for row in wrapped]
   if captions is None:
-    heights = [0] * len(rows)
+    wrapped, heights = None, [0] * len(rows)
+  else:
+    # Each caption's lines; every row has a caption band of at least one line, so rows of ''
+    # line up with captioned ones.
+    wrapped = [[caption_lines(c, cell) for c in row] for row in captions]
+    heights = [max([len(w) for w in row] + [1]) * LINE_HEIGHT for row in wrapped]
   width = max(len(r) for r in rows) * (cell + _PAD) + _PAD
   height = sum(cell + h + _PAD for h in heights) + _PAD
   canvas = Image.new("RGB", (width, height), "white")
@@ -151,7 +151,7 @@ def grid(
         )
       left = _PAD + j * (cell + _PAD)
       canvas.paste(Image.fromarray(image).resize((cell, cell), Image.BILINEAR), (left, top))
-      if captions is not None and wrapped[i][j]:
+      if wrapped is not None and wrapped[i][j]:
         # Drawn on a cell-wide strip of its own, then pasted: ink is clipped to the cell.
         strip = Image.new("RGB", (cell, heights[i]), "white")
         draw = ImageDraw.Draw(strip)

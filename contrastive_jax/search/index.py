@@ -184,11 +184,10 @@ def append(workdir, index: "Index", ann, h, labels, names, source, num_unreadabl
   class_names = list(index.class_names or [])
   if source.class_names:
     class_names += [name for name in source.class_names if name not in class_names]
+  # The index's label of each of the source's labels.
+  relabel = [class_names.index(name) for name in source.class_names or []]
   rows = [
-    {
-      "name": name,
-      **({"label": class_names.index(source.class_names[label])} if label >= 0 else {}),
-    }
+    {"name": name, **({"label": relabel[label]} if label >= 0 else {})}
     for name, label in zip(names, labels)
   ]
   part = _write_part(workdir, number, h, rows, source.name)
