@@ -103,7 +103,35 @@ def open_file(path: str, mode: str = "r"):
   Raises:
     FileNotFoundError: reading a file that does not exist.
   """
+  if path.startswith("gs://") and mode in ("a", "ab"):
+    return _GcsAppender(path, binary=mode == "ab")
   return epath.Path(path).open(mode)
+
+
+class _GcsAppender:
+  """An append-mode file on gs://: the object's bytes so far plus what was written, all
+  uploaded at each flush and at close (a GCS object is replaced whole, never appended to)."""
+
+  def __init__(self, path: str, *, binary: bool):
+    self._path = epath.Path(path)
+    self._binary = binary
+    self._data = self._path.read_bytes() if self._path.exists() else b""
+
+  def write(self, data) -> int:
+    self._data += data if self._binary else data.encode("utf-8")
+    return len(data)
+
+  def flush(self):
+    self._path.write_bytes(self._data)
+
+  def close(self):
+    self.flush()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
 
 
 def remove_tree(path: str):
