@@ -8,25 +8,33 @@ setuptools.setup(
   description="Contrastive self-supervised learning (SimCLR, MoCo, BYOL) in JAX/Flax.",
   packages=setuptools.find_packages(include=["contrastive_jax", "contrastive_jax.*"]),
   python_requires=">=3.10",
+  # Ranges from the versions the suite runs at (constraints.txt pins them: install with
+  # `-c constraints.txt` to reproduce it exactly) through the newest releases the train path
+  # was run at (JAX 0.11.2, flax 0.12.12: docs/gpu.md). TensorFlow and TFDS are the host
+  # input pipeline's (tf.data) and the data jobs'; the train step, checkpoints and metrics
+  # import neither, so an accelerator image with JAX alone runs them (docs/gpu.md).
   install_requires=[
     "absl-py",
-    "clu==0.0.12",
-    "flax==0.12.8",
+    "clu>=0.0.12,<0.1",
+    "etils[epath]",  # core/files.py: every path, local or gs://.
+    "flax>=0.12.8,<0.13",
     "google-auth",  # gcs.py: the credentials check for gs:// paths.
     "google-cloud-storage",  # Orbax imports it for gs:// checkpoints (bucket query).
     "importlib_resources",  # TFDS needs it to write datasets (the prepare job).
-    "jax==0.10.2",
-    "jaxlib==0.10.2",
-    "ml-collections==1.1.0",
+    "jax>=0.10.2,<0.12",
+    "jaxlib>=0.10.2,<0.12",
+    "ml-collections>=1.1.0,<2",
     "numpy",
-    "optax==0.2.8",
-    "orbax-checkpoint==0.12.8",
+    "optax>=0.2.8,<0.3",
+    "orbax-checkpoint>=0.12.8,<0.13",
     "pillow",
     "tensorboard",
-    "tensorflow-cpu==2.21.0",
-    "tensorflow-datasets==4.9.10",
+    "tensorflow-cpu>=2.21.0,<3",
+    "tensorflow-datasets>=4.9.10,<5",
   ],
   extras_require={
+    # NVIDIA GPUs: JAX's CUDA 13 plugin, with CUDA's libraries as wheels (docs/gpu.md).
+    "cuda": ["jax[cuda13]>=0.10.2,<0.12"],
     # The prepare job runs on Apache Beam (reading prepared datasets does not).
     "beam": ["apache-beam==2.77.0"],
     # tests/gcs_emulator.py patches gaps of this emulator version; cryptography makes its

@@ -18,8 +18,8 @@ from absl import logging
 import jax
 import ml_collections
 import orbax.checkpoint as ocp
-import tensorflow as tf
 
+from contrastive_jax.core import files
 from contrastive_jax.core.errors import ABSENT
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import ForeignCheckpointError
@@ -118,9 +118,9 @@ class Checkpointer:
     """Raises ForeignCheckpointError unless a Checkpointer wrote step's folder, whole or not:
     Orbax's metadata of the step names the items 'state' and 'config'."""
     try:
-      with tf.io.gfile.GFile(f"{self.directory}/{step}/{_STEP_METADATA}") as f:
+      with files.open_file(f"{self.directory}/{step}/{_STEP_METADATA}") as f:
         items = sorted(json.load(f).get("item_handlers") or ())
-    except (tf.errors.NotFoundError, ValueError, AttributeError):
+    except (FileNotFoundError, ValueError, AttributeError):
       items = None
     if items is None or not {"state", "config"} <= set(items):
       found = "no Orbax metadata" if items is None else f"the items {items}"
@@ -131,8 +131,7 @@ class Checkpointer:
 
   def _is_complete(self, step: int) -> bool:
     return all(
-      tf.io.gfile.exists(f"{self.directory}/{step}/{item}/{marker}")
-      for item, marker in _ITEM_MARKERS
+      files.exists(f"{self.directory}/{step}/{item}/{marker}") for item, marker in _ITEM_MARKERS
     )
 
   def complete_steps(self, steps: Optional[Sequence[int]] = None):

@@ -1,7 +1,10 @@
 """Files and workdirs: local paths or gs:// URLs, atomic writes.
 
-Every path goes through tf.io.gfile, so a workdir may be a local directory or
-a gs:// URL alike.
+Every path goes through etils.epath, so a workdir may be a local directory or
+a gs:// URL alike, and no TensorFlow is imported. A gs:// path is read and
+written through TensorFlow's tf.io.gfile when TensorFlow is installed (as
+etils.epath chooses), else through fsspec's gcsfs, which must then be installed
+(check_remote_support says so before a job starts).
 """
 
 import contextlib
@@ -11,10 +14,10 @@ import os
 import socket
 from typing import Optional, Union
 
+from etils import epath
 import jax
 from jax.experimental import multihost_utils
 import numpy as np
-import tensorflow as tf
 
 from contrastive_jax.core import gcs
 from contrastive_jax.core.errors import JobError
@@ -38,20 +41,103 @@ def prepare_workdir(path: Optional[str]) -> str:
     raise JobError("--workdir is empty: give the directory for checkpoints and metrics")
   path = resolve_dir(path)
   gcs.check_credentials(path, "--workdir")
-  if tf.io.gfile.exists(path) and not tf.io.gfile.isdir(path):
+  check_remote_support(path, "--workdir")
+  if exists(path) and not isdir(path):
     raise JobError(f"--workdir={path}: must be a directory (or not exist yet); it is a file")
   return path
 
 
+def check_remote_support(path: str, field: str):
+  """Raises JobError when `path` is a gs:// URL that nothing installed can read.
+
+  etils.epath reads gs:// through TensorFlow when it is installed, else through
+  fsspec's gcsfs; a local path always passes.
+
+  Raises:
+    JobError: a gs:// path, and neither tensorflow nor gcsfs can be imported.
+  """
+  if not str(path).startswith("gs://"):
+    return
+  for module in ("tensorflow", "gcsfs"):
+    try:
+      __import__(module)
+    except ImportError:
+      continue
+    return
+  raise JobError(
+    f"{field}={path}: gs:// paths need TensorFlow (pip install tensorflow-cpu) or gcsfs "
+    "(pip install gcsfs), and neither is installed"
+  )
+
+
 def exists(path: str) -> bool:
   """Whether path (local or gs://) exists."""
-  return tf.io.gfile.exists(path)
+  return epath.Path(path).exists()
+
+
+def isdir(path: str) -> bool:
+  """Whether path (local or gs://) is a folder (on gs://: a prefix holding objects)."""
+  return epath.Path(path).is_dir()
+
+
+def makedirs(path: str):
+  """Creates the folder path and its parents (local or gs://); an existing one is kept."""
+  epath.Path(path).mkdir(parents=True, exist_ok=True)
+
+
+def listdir(path: str) -> list:
+  """The names directly in the folder path (local or gs://), sorted, without a trailing '/'.
+
+  Raises:
+    FileNotFoundError: no folder at path.
+  """
+  return sorted(child.name for child in epath.Path(path).iterdir())
+
+
+def open_file(path: str, mode: str = "r"):
+  """The file path (local or gs://) opened in mode 'r', 'rb', 'w', 'wb', 'a' or 'ab'.
+
+  A context manager, like open(). On gs://, an append mode keeps a local copy
+  and uploads all of it at each flush (GCS objects cannot be appended to).
+
+  Raises:
+    FileNotFoundError: reading a file that does not exist.
+  """
+  if path.startswith("gs://") and mode in ("a", "ab"):
+    return _GcsAppender(path, binary=mode == "ab")
+  return epath.Path(path).open(mode)
+
+
+class _GcsAppender:
+  """An append-mode file on gs://: the object's bytes so far plus what was written, all
+  uploaded at each flush and at close (a GCS object is replaced whole, never appended to)."""
+
+  def __init__(self, path: str, *, binary: bool):
+    self._path = epath.Path(path)
+    self._binary = binary
+    self._data = self._path.read_bytes() if self._path.exists() else b""
+
+  def write(self, data) -> int:
+    self._data += data if self._binary else data.encode("utf-8")
+    return len(data)
+
+  def flush(self):
+    self._path.write_bytes(self._data)
+
+  def close(self):
+    self.flush()
+
+  def __enter__(self):
+    return self
+
+  def __exit__(self, *exc):
+    self.close()
 
 
 def remove_tree(path: str):
   """Removes the folder path and everything in it (process 0; local or gs://)."""
-  if jax.process_index() == 0 and tf.io.gfile.exists(path):
-    tf.io.gfile.rmtree(path)
+  if jax.process_index() == 0 and exists(path):
+    epath.Path(path).rmtree()
 
 
 def write_atomic(path: str, content: Union[bytes, str]):
@@ -62,14 +148,14 @@ def write_atomic(path: str, content: Union[bytes, str]):
   """
   tmp = path + ".tmp"
   try:
-    with tf.io.gfile.GFile(tmp, "wb") as f:
+    with open_file(tmp, "wb") as f:
       f.write(content.encode() if isinstance(content, str) else content)
-    tf.io.gfile.rename(tmp, path, overwrite=True)
+    epath.Path(tmp).replace(path)
   except BaseException:  # A full disk, say: leave no partial .tmp behind.
     try:
-      tf.io.gfile.remove(tmp)
-    except tf.errors.OpError:  # Never written, or unreachable: the first error tells.
-      pass
+      epath.Path(tmp).unlink()
+    except Exception:  # pylint: disable=broad-except  # Never written, or unreachable: the
+      pass  # first error tells.
     raise
 
 
@@ -134,8 +220,14 @@ def workdir_lock(workdir: str):
 
 
 def _mtime(path: str) -> float:
-  """path's modification time in seconds since the epoch (local or gs://)."""
-  return tf.io.gfile.stat(path).mtime_nsec / 1e9
+  """path's modification time in seconds since the epoch (local or gs://).
+
+  Local times keep their fraction; etils.epath gives a gs:// object's in whole
+  seconds (truncated), which callers allow for (main.py asks a second early).
+  """
+  if "://" not in path:
+    return os.stat(path).st_mtime
+  return float(epath.Path(path).stat().mtime)
 
 
 def written_since(workdir: str, start: float) -> list:
@@ -149,15 +241,15 @@ def written_since(workdir: str, start: float) -> list:
     files at any depth (and, locally, of itself: a removal inside it counts).
     The lock file (LOCK) is left out.
   """
-  if not tf.io.gfile.isdir(workdir):
+  if not isdir(workdir):
     return []
   found = []
-  for name in sorted(entry.rstrip("/") for entry in tf.io.gfile.listdir(workdir)):
+  for name in listdir(workdir):
     path = f"{workdir}/{name}"
     if name == LOCK:
       continue
-    if tf.io.gfile.isdir(path):
-      times = [_mtime(f"{root}/{f}") for root, _, names in tf.io.gfile.walk(path) for f in names]
+    if isdir(path):
+      times = [_mtime(f"{root}/{f}") for root, _, names in _walk(path) for f in names]
       if "://" not in path:  # A GCS folder is a name prefix, with no time of its own.
         times.append(os.stat(path).st_mtime)
       if max(times, default=0.0) >= start:
@@ -167,10 +259,16 @@ def written_since(workdir: str, start: float) -> list:
   return found
 
 
+def _walk(path: str):
+  """(folder, subfolder names, file names) of path and every folder below it, as os.walk."""
+  for root, folders, names in epath.Path(path).walk():
+    yield str(root).rstrip("/"), folders, names
+
+
 def is_disk_full(error: BaseException) -> bool:
   """Whether error, or an exception it was raised from or while handling, is a full disk.
 
-  Recognises OSError ENOSPC and the messages of tf.io.gfile
+  Recognises OSError ENOSPC and the messages of TensorFlow's gfile on gs://
   (ResourceExhaustedError '...; No space left on device') and of Orbax's
   TensorStore writes ('RESOURCE_EXHAUSTED: ... No space left on device').
   """

@@ -13,14 +13,14 @@ that does not say why (an HTTP 401, or offline "Could not resolve host"). So
 jobs call check_credentials first, which asks google-auth (the library behind
 google-cloud-storage) and fails within seconds with what to do.
 
+google-auth is imported only to check a gs:// path, so local runs need none of
+these clients.
+
 STORAGE_EMULATOR_HOST (the emulator variable of Google's client libraries) skips
 the check; tests/gcs_emulator.py says how each client is pointed at an emulator.
 """
 
 import os
-
-import google.auth
-import google.auth.exceptions
 
 from contrastive_jax.core.errors import JobError
 
@@ -38,6 +38,9 @@ def check_credentials(path: str, what: str):
   """
   if not path.startswith("gs://") or os.environ.get("STORAGE_EMULATOR_HOST"):
     return
+  import google.auth  # pylint: disable=import-outside-toplevel
+  import google.auth.exceptions  # pylint: disable=import-outside-toplevel
+
   try:
     google.auth.default()
   except google.auth.exceptions.DefaultCredentialsError as e:

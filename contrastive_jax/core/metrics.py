@@ -1,21 +1,26 @@
-"""Metric writers: TensorBoard + console (clu) and WORKDIR/metrics.jsonl.
+"""Metric writers: the console, WORKDIR/metrics.jsonl and TensorBoard events.
 
 Only process 0 writes files; other processes log to the console only.
+
+TensorBoard's events (events.out.tfevents.*) are written with TensorFlow's
+summary writer (through clu), imported only when a writer is created: the train
+step, checkpoints and metrics.jsonl need no TensorFlow. Where TensorFlow is not
+installed (an accelerator image with JAX alone, say), the job writes
+metrics.jsonl and the console lines as usual and logs one warning that no
+events are written; nothing else changes (tensorboard can plot metrics.jsonl
+only through a conversion, so install tensorflow-cpu to get events).
 """
 
 import json
 import logging as std_logging
 import sys
 import time
-from typing import Optional
+from typing import Any, Mapping, Optional, Sequence
 import warnings
 
 from absl import logging
-from clu import metric_writers
-from clu.metric_writers import interface
 import jax
 import numpy as np
-import tensorflow as tf
 
 from contrastive_jax.core import files
 
@@ -23,7 +28,89 @@ from contrastive_jax.core import files
 GCS_FLUSH_SECS = 60.0
 
 
-class JsonlWriter(interface.MetricWriter):
+class ConsoleWriter:
+  """Logs each write at INFO: '[STEP] name=value, ...' for scalars (sorted by name,
+  floats with 6 significant digits), the shapes of images, the hyperparameters.
+
+  The methods are those of clu's MetricWriter, which every writer here has.
+  """
+
+  def write_scalars(self, step: int, scalars: Mapping[str, Any]):
+    values = [
+      f"{k}={v:.6g}" if isinstance(v, float) else f"{k}={v}" for k, v in sorted(scalars.items())
+    ]
+    logging.info("[%d] %s", step, ", ".join(values))
+
+  def write_hparams(self, hparams: Mapping[str, Any]):
+    logging.info("[Hyperparameters] %s", hparams)
+
+  def write_summaries(self, step, values, metadata=None):
+    logging.info("[%d] Got raw tensors: %s.", step, {k: np.shape(v) for k, v in values.items()})
+
+  def write_images(self, step, images):
+    logging.info("[%d] Got images: %s.", step, {k: np.shape(v) for k, v in images.items()})
+
+  def write_videos(self, step, videos):
+    logging.info("[%d] Got videos: %s.", step, {k: np.shape(v) for k, v in videos.items()})
+
+  def write_audios(self, step, audios, *, sample_rate):
+    logging.info("[%d] Got audios: %s.", step, {k: np.shape(v) for k, v in audios.items()})
+
+  def write_texts(self, step, texts):
+    logging.info("[%d] Got texts: %s.", step, texts)
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    logging.info("[%d] Got histograms: %s.", step, {k: np.shape(v) for k, v in arrays.items()})
+
+  def flush(self):
+    logging.flush()
+
+  def close(self):
+    self.flush()
+
+
+class MultiWriter:
+  """Passes every write, flush and close on to each of `writers`, in order."""
+
+  def __init__(self, writers: Sequence[Any]):
+    self._writers = tuple(writers)
+
+  def _each(self, method: str, *args, **kwargs):
+    for writer in self._writers:
+      getattr(writer, method)(*args, **kwargs)
+
+  def write_scalars(self, step, scalars):
+    self._each("write_scalars", step, scalars)
+
+  def write_hparams(self, hparams):
+    self._each("write_hparams", hparams)
+
+  def write_summaries(self, step, values, metadata=None):
+    self._each("write_summaries", step, values, metadata)
+
+  def write_images(self, step, images):
+    self._each("write_images", step, images)
+
+  def write_videos(self, step, videos):
+    self._each("write_videos", step, videos)
+
+  def write_audios(self, step, audios, *, sample_rate):
+    self._each("write_audios", step, audios, sample_rate=sample_rate)
+
+  def write_texts(self, step, texts):
+    self._each("write_texts", step, texts)
+
+  def write_histograms(self, step, arrays, num_buckets=None):
+    self._each("write_histograms", step, arrays, num_buckets)
+
+  def flush(self):
+    self._each("flush")
+
+  def close(self):
+    self._each("close")
+
+
+class JsonlWriter:
   """Appends one JSON object per write_scalars call: {"step": s, name: value, ...}.
 
   The JSONL file holds scalars only; hyperparameters, images, videos, audio,
@@ -34,13 +121,13 @@ class JsonlWriter(interface.MetricWriter):
     path: a local path or a gs:// URL.
     flush_every_secs: the records reach storage at the first write this many
       seconds after the previous flush (0: at every write), and at flush()
-      and close(). GCS objects cannot be appended to: on gs://, tf.io.gfile's
-      append mode keeps a local copy of the file and uploads all of it at
+      and close(). GCS objects cannot be appended to: on gs://, the append
+      mode (files.open_file) keeps a local copy of the file and uploads all of it at
       each flush, so flushing every record would upload O(records^2) bytes.
   """
 
   def __init__(self, path: str, flush_every_secs: float = 0.0):
-    self._file = tf.io.gfile.GFile(path, "a")
+    self._file = files.open_file(path, "a")
     self._flush_every_secs = flush_every_secs
     self._flushed = time.monotonic()
 
@@ -81,8 +168,31 @@ class JsonlWriter(interface.MetricWriter):
     self._file.close()
 
 
-def create_writer(workdir: str, resumed_step: Optional[int]) -> interface.MetricWriter:
-  """TensorBoard events in WORKDIR, WORKDIR/metrics.jsonl and the console log.
+_warned_no_events = False
+
+
+def _tensorboard_writer(workdir: str):
+  """clu's TensorBoard SummaryWriter on workdir, or None where TensorFlow is not installed
+  (logged once per process, as a warning)."""
+  global _warned_no_events
+  try:
+    import tensorflow  # noqa: F401  # pylint: disable=import-outside-toplevel,unused-import
+  except ImportError:
+    if not _warned_no_events:
+      _warned_no_events = True
+      logging.warning(
+        "TensorBoard events are not written: they need TensorFlow, which is not installed "
+        "(pip install tensorflow-cpu). Every scalar is still in %s/metrics.jsonl.",
+        workdir,
+      )
+    return None
+  from clu.metric_writers import summary_writer  # pylint: disable=import-outside-toplevel
+
+  return summary_writer.SummaryWriter(workdir)
+
+
+def create_writer(workdir: str, resumed_step: Optional[int]) -> MultiWriter:
+  """The console log, WORKDIR/metrics.jsonl and TensorBoard events in WORKDIR.
 
   WORKDIR may be a local path or gs://. metrics.jsonl keeps only the records
   up to resumed_step, the step of the checkpoint the job resumed from (None
@@ -91,27 +201,34 @@ def create_writer(workdir: str, resumed_step: Optional[int]) -> interface.Metric
   line, when a kill or a full disk stopped its write) is dropped with a
   warning; the file is rewritten atomically. Locally each record is flushed at
   once; on gs:// every GCS_FLUSH_SECS (see JsonlWriter), and the runner
-  flushes the writer at every checkpoint.
+  flushes the writer at every checkpoint. The events need TensorFlow; without
+  it they are left out, with one warning (the module's docstring). A process
+  other than 0 gets the console alone.
+
+  Returns:
+    A MultiWriter (the methods of clu's MetricWriter: write_scalars(step,
+    {name: scalar}), write_images(step, {name: uint8 [N, H, W, C]}),
+    write_hparams, flush, close, ...).
   """
   if jax.process_index() > 0:
-    return metric_writers.create_default_writer(just_logging=True)
-  tf.io.gfile.makedirs(workdir)
+    return MultiWriter([ConsoleWriter()])
+  files.makedirs(workdir)
   path = f"{workdir}/metrics.jsonl"
-  if tf.io.gfile.exists(path):
+  if files.exists(path):
     kept = []
     if resumed_step is not None:
-      with tf.io.gfile.GFile(path) as f:
+      with files.open_file(path) as f:
         kept = [
           line
           for line in _whole_records(path, f.read())
           if json.loads(line)["step"] <= resumed_step
         ]
     files.write_atomic(path, "".join(kept))
-  return metric_writers.MultiWriter(
-    [
-      metric_writers.create_default_writer(workdir, asynchronous=False),
-      JsonlWriter(path, flush_every_secs=GCS_FLUSH_SECS if workdir.startswith("gs://") else 0.0),
-    ]
+  events = _tensorboard_writer(workdir)
+  return MultiWriter(
+    [ConsoleWriter()]
+    + ([] if events is None else [events])
+    + [JsonlWriter(path, flush_every_secs=GCS_FLUSH_SECS if workdir.startswith("gs://") else 0.0)]
   )
 
 

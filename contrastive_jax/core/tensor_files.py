@@ -16,7 +16,6 @@ from typing import Dict
 
 import ml_dtypes
 import numpy as np
-import tensorflow as tf
 
 from contrastive_jax.core import files
 from contrastive_jax.core.errors import WeightsError
@@ -42,7 +41,7 @@ _MAX_HEADER = 100_000_000  # The reference implementation's limit on the JSON he
 
 def is_weights_file(path: str) -> bool:
   """Whether path's name is that of a weights file (kind's suffixes), not a directory's."""
-  return path.endswith((SAFETENSORS,) + TORCH_SUFFIXES) and not tf.io.gfile.isdir(path)
+  return path.endswith((SAFETENSORS,) + TORCH_SUFFIXES) and not files.isdir(path)
 
 
 def kind(path: str) -> str:
@@ -73,9 +72,9 @@ def read(path: str) -> Dict[str, np.ndarray]:
       in the format its suffix says, a .pth without torch installed.
   """
   which = kind(path)
-  if not tf.io.gfile.exists(path):
+  if not files.exists(path):
     raise WeightsError(path, "no such file")
-  with tf.io.gfile.GFile(path, "rb") as f:
+  with files.open_file(path, "rb") as f:
     content = f.read()
   return _parse_safetensors(path, content) if which == "safetensors" else _read_torch(path, content)
 
