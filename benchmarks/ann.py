@@ -9,7 +9,9 @@ saved folder), recall@k against exact search (the share of the exact k
 nearest it returns, over all queries), queries/s, and queries/s as a multiple
 of exact search's measured in the same run. Exact search is FAISS's
 IndexFlatIP searching all queries in one batch (BLAS); each index searches
-the same batch. Every search runs after one untimed warm-up search. Random
+the same batch. The project's own exact search (exact.top_k_cosine, which
+the neighbours and audit jobs use) is measured beside it on the same batch,
+with whether its rows are FAISS's. Every search runs after one untimed warm-up search. Random
 unit vectors are the hardest case for an ANN index (no clusters, every
 direction equally likely); embeddings of images are far easier.
 
@@ -40,12 +42,14 @@ import numpy as np
 
 from contrastive_jax import recipes
 from contrastive_jax.search import ann as ann_lib
+from contrastive_jax.search import exact
 from contrastive_jax.search import index as index_lib
 
 CONFIG = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "embed.py"
 )
 FLAGS = flags.FLAGS
+EXACT_CHUNK = 65_536  # configs/neighbours.py's chunk_size.
 
 
 def define_flags():
@@ -193,6 +197,14 @@ def measure(
   flat_build = time.perf_counter() - start
   exact_rows, exact_s = timed_search(lambda q: flat.search(q, k)[1], queries)
   row("exact: faiss IndexFlatIP", flat_build, n * d * 4, exact_rows, exact_s)
+  # The project's own exact search (exact.top_k_cosine, as the jobs' config.chunk_size).
+  # Compiled untimed at the shape of its full query blocks (the warm-up's 16 are another).
+  exact.top_k_cosine(queries[: exact.QUERY_BATCH], bank, k, chunk_size=EXACT_CHUNK)
+  own_rows, own_s = timed_search(
+    lambda q: exact.top_k_cosine(q, bank, k, chunk_size=EXACT_CHUNK)[1], queries
+  )
+  row("exact: contrastive_jax top_k_cosine", 0.0, n * d * 4, own_rows, own_s)
+  print(f"  top_k_cosine rows identical to IndexFlatIP's: {np.array_equal(own_rows, exact_rows)}")
 
   auto = recipes.load_config_file(CONFIG, "CONFIG").ann  # The embed job's defaults.
   default = ann_lib.choose(n, d, auto)

@@ -49,9 +49,12 @@ def _ann_config(**fields):
   return config
 
 
-def test_choose_is_exact_below_the_measured_size_and_ivfpq_above_unless_told():
+def test_choose_is_exact_below_the_measured_size_ivf_then_ivfpq_above_unless_told():
   auto = _ann_config()
   assert ann_lib.choose(ann_lib.EXACT_BELOW - 1, 128, auto)["type"] == "flat"
+  assert ann_lib.choose(ann_lib.EXACT_BELOW, 128, auto)["type"] == "ivf"
+  assert ann_lib.choose(ann_lib.IVF_FLAT_BELOW - 1, 128, auto)["factory"] == "IVF4096,Flat"
+  assert ann_lib.choose(ann_lib.IVF_FLAT_BELOW, 128, auto)["type"] == "ivfpq"
   assert ann_lib.choose(1_000_000, 128, auto) == {
     "type": "ivfpq",
     "factory": "IVF4096,PQ64x4fs,RFlat",
@@ -571,7 +574,7 @@ def test_a_flat_index_searched_exactly_still_has_its_file_checked_and_says_how(
   ) in caplog.text
 
 
-def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_ivfpq(tmp_path, monkeypatch):
+def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_ivf(tmp_path, monkeypatch):
   rng = np.random.default_rng(1)
   monkeypatch.setattr(ann_lib, "EXACT_BELOW", 150)
   config = ml_collections.ConfigDict(dict(ann=_ann_config().to_dict()))
@@ -609,7 +612,7 @@ def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_ivfpq(tmp_path, mon
     0,
   )
   grown = index_lib.load_index(workdir)
-  assert grown.ann["type"] == "ivfpq" and grown.ann["rows"] == 200
+  assert grown.ann["type"] == "ivf" and grown.ann["rows"] == 200
   assert sorted(f for f in os.listdir(workdir) if f.endswith(".faiss")) == ["ann.1.faiss"]
   bank = np.concatenate([first, second])
   scores, rows = ann_lib.search(ann_lib.load(workdir, grown.ann, where="x"), bank[150:], 1)

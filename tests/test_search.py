@@ -41,8 +41,16 @@ def _reference_top_k(queries, bank, k):
   return np.take_along_axis(sims, order, axis=1), order
 
 
-@pytest.mark.parametrize("chunk_size", [3, 40])
-def test_chunked_top_k_equals_brute_force_with_ties_across_chunks(chunk_size):
+@pytest.mark.parametrize("resident", [True, False])
+@pytest.mark.parametrize("group", [4, 256])
+@pytest.mark.parametrize("chunk_size", [3, 16, 40])
+def test_chunked_top_k_equals_brute_force_with_ties_across_chunks(
+  chunk_size, group, resident, monkeypatch
+):
+  """Resident (one call) and streamed banks, the two-step top-k (GROUP 4) and lax.top_k's."""
+  monkeypatch.setattr(exact, "GROUP", group)
+  if not resident:
+    monkeypatch.setattr(exact, "RESIDENT_BYTES", 0)
   rng = np.random.default_rng(0)
   # Small integer vectors: exact dot products and many equal scores, with
   # repeated bank rows falling in different chunks.
@@ -62,6 +70,25 @@ def test_chunked_top_k_equals_brute_force_with_ties_across_chunks(chunk_size):
   np.testing.assert_array_equal(rows, want_rows)
   np.testing.assert_allclose(scores, want_scores, atol=1e-6)
   assert list(rows[:, 0]) == [0, 1, 2]
+
+
+@pytest.mark.parametrize("resident", [True, False])
+def test_top_k_with_many_ties_k_beyond_a_chunk_and_a_ragged_last_chunk(resident, monkeypatch):
+  """Every score tied in groups: rows must come in row order; k larger than a chunk."""
+  monkeypatch.setattr(exact, "GROUP", 8)
+  if not resident:
+    monkeypatch.setattr(exact, "RESIDENT_BYTES", 0)
+  rng = np.random.default_rng(1)
+  bank = rng.integers(-1, 2, (203, 3)).astype(np.float32)  # 203 = 3 x 64 + 11.
+  queries = rng.integers(-1, 2, (7, 3)).astype(np.float32)
+  for k in (5, 70, 203):
+    scores, rows = exact.top_k_cosine(queries, bank, k, chunk_size=64, query_batch=3)
+    want_scores, want_rows = _reference_top_k(queries, bank, k)
+    np.testing.assert_array_equal(rows, want_rows)
+    np.testing.assert_array_equal(scores, want_scores)
+    assert scores.dtype == np.float32 and rows.dtype == np.int32
+  with pytest.raises(ValueError, match="k=204: must be in"):
+    exact.top_k_cosine(queries, bank, 204, chunk_size=64)
 
 
 @pytest.fixture(scope="module")
