@@ -30,7 +30,8 @@ Multi-host: every process holds the whole split and runs the same program; the
 output is sharded along the batch over the mesh, so each device computes its own
 rows of the one global batch (the batch of a one-process run of the same config).
 
-The .npz helpers (save_npz, load_npz) hold a split as numpy arrays; they need
+The .npz helpers (save_npz, save_encoded_npz, load_npz) hold splits as numpy
+arrays (raw uint8, or the image files as one byte buffer); reading them needs
 neither TensorFlow nor TFDS (benchmarks/make_device_data.py writes CIFAR-10's).
 """
 
@@ -185,8 +186,41 @@ def save_npz(path: str, splits: dict):
   np.savez_compressed(path, **arrays)
 
 
+def save_encoded_npz(path: str, splits: dict):
+  """Writes {split: (encoded image files [N] as bytes, labels int [N])} to an .npz, uncompressed.
+
+  The files (PNG, JPEG: whatever PIL reads) are stored concatenated as
+  '<split>/encoded' (uint8) with '<split>/offsets' (int64 [N + 1], file i is
+  encoded[offsets[i]:offsets[i + 1]]) and '<split>/labels' (int32): no pickled
+  objects, so np.load reads it safely.
+  """
+  arrays = {}
+  for split, (files, labels) in splits.items():
+    arrays[f"{split}/encoded"] = np.frombuffer(b"".join(files), np.uint8)
+    arrays[f"{split}/offsets"] = np.cumsum([0] + [len(f) for f in files], dtype=np.int64)
+    arrays[f"{split}/labels"] = np.asarray(labels, np.int32)
+  np.savez(path, **arrays)
+
+
+def _decode(buffer: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+  """uint8 [N, H, W, 3] of the image files in buffer (save_encoded_npz's layout), decoded with
+  PIL. A JPEG's pixels may differ from TensorFlow's decode of it (another libjpeg build's
+  upsampling and IDCT): by up to 4 grey levels, about 1 on average, on the shared CIFAR-10's
+  files."""
+  import io  # pylint: disable=g-import-not-at-top
+
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+
+  def decode(i):
+    with Image.open(io.BytesIO(buffer[offsets[i] : offsets[i + 1]].tobytes())) as image:
+      return np.asarray(image.convert("RGB"))
+
+  return np.stack([decode(i) for i in range(len(offsets) - 1)])
+
+
 def load_npz(path: str, split: str) -> tuple:
-  """(images uint8 [N, H, W, 3], labels int32 [N]) of `split` in an .npz of save_npz; numpy only.
+  """(images uint8 [N, H, W, 3], labels int32 [N]) of `split` in an .npz of save_npz (numpy
+  only) or save_encoded_npz (numpy and PIL, _decode): no TensorFlow either way.
 
   Raises:
     ConfigError: no such file, or no such split in it (naming those it holds).
@@ -195,9 +229,12 @@ def load_npz(path: str, split: str) -> tuple:
     raise ConfigError("device_data_file", path, "an .npz written by save_npz (no such file)")
   with np.load(path) as data:
     held = sorted({key.split("/")[0] for key in data.files})
-    if f"{split}/images" not in data.files:
+    labels = data[f"{split}/labels"] if f"{split}/labels" in data.files else None
+    if labels is None:
       raise ConfigError("train_split", split, f"one of the splits in {path}: {held}")
-    return data[f"{split}/images"], data[f"{split}/labels"]
+    if f"{split}/images" in data.files:
+      return data[f"{split}/images"], labels
+    return _decode(data[f"{split}/encoded"], data[f"{split}/offsets"]), labels
 
 
 def to_mesh(images: np.ndarray, labels: np.ndarray, mesh) -> Split:
