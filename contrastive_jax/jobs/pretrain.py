@@ -5,8 +5,9 @@ train step, the host input pipeline (or, with config.on_device_data, the
 train split held and cropped on the device: data/device_data.py) and the
 evaluators' view of the model (the kNN monitor on h, the online probe's
 classifier). Every random draw is a function of (seed, step), so a resumed run
-continues bit for bit. With config.init_from=FILE (a torchvision / timm / MoCo weights file) every network
-starts from that file's encoder; the heads start from the method's initialisation.
+continues bit for bit. With config.init_from=FILE (a torchvision / timm / MoCo
+weights file) every network starts from that file's encoder; the heads start
+from the method's initialisation.
 """
 
 from typing import Any, Callable, NamedTuple
