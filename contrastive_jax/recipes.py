@@ -110,7 +110,8 @@ def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDic
   (checkpointing.Checkpointer.saved_config) and the pretraining config an export
   recorded. Format 0 (no format_version field) holds the host crop in three
   flat fields crop_sampler, crop_area_min and crop_resize; format 1 holds them
-  in config.crop (crop()).
+  in config.crop (crop()). A pretraining config without on_device_data (written
+  before the field existed) read its data on the host: False.
 
   Raises:
     ConfigError: a format_version above FORMAT_VERSION (written by a newer version of
@@ -132,6 +133,8 @@ def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     }
     if flat:
       fields["crop"] = flat
+  if fields.get("job", "pretrain") == "pretrain":
+    fields.setdefault("on_device_data", False)  # Older pretraining configs read on the host.
   fields["format_version"] = FORMAT_VERSION
   return ml_collections.ConfigDict(fields)
 
@@ -260,6 +263,10 @@ def base_config() -> ml_collections.ConfigDict:
     online_probe=dict(kind="classifier", every="10 epochs", split="test", batch_size=1000),
   )
   config.online_probe = dict(learning_rate=1e-3)
+  # Hold the train split in device memory and crop and flip on the device
+  # (data/device_data.py): for small datasets of equal-size images (CIFAR). The
+  # evaluators still read through the host pipeline.
+  config.on_device_data = False
   # A weights file (.safetensors; .pth with torch) of a torchvision ResNet or a timm /
   # MoCo v3 ViT that every network starts from (jobs/pretrain.py, docs/weights.md).
   config.init_from = config_dict.placeholder(str)

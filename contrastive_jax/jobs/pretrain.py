@@ -1,11 +1,13 @@
 """The pretraining job (config.job='pretrain'): SimCLR, MoCo v1/v2, MoCo v3 or BYOL.
 
 Builds what runner.run() steps: the method's model, optimizer, state and
-train step, the host input pipeline and the evaluators' view of the model
-(the kNN monitor on h, the online probe's classifier). Every random draw is a
-function of (seed, step), so a resumed run continues bit for bit. With
-config.init_from=FILE (a torchvision / timm / MoCo weights file) every network
-starts from that file's encoder; the heads start from the method's initialisation.
+train step, the host input pipeline (or, with config.on_device_data, the
+train split held and cropped on the device: data/device_data.py) and the
+evaluators' view of the model (the kNN monitor on h, the online probe's
+classifier). Every random draw is a function of (seed, step), so a resumed run
+continues bit for bit. With config.init_from=FILE (a torchvision / timm / MoCo
+weights file) every network starts from that file's encoder; the heads start
+from the method's initialisation.
 """
 
 from typing import Any, Callable, NamedTuple
@@ -25,6 +27,7 @@ from contrastive_jax.core import tensor_files
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.data import augment
 from contrastive_jax.data import crops
+from contrastive_jax.data import device_data
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.methods import common
@@ -152,6 +155,13 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   steps_per_epoch = runner.steps_per_epoch(source, config)
   method.check_config(config, source.num_examples(config.train_split, "train_split"))
   num_steps = durations.to_steps(config.duration, "duration", steps_per_epoch)
+  train_batches = (
+    on_device_batches(config, source, mesh, num_steps)
+    if config.get("on_device_data", False)
+    else input_pipeline.train_batches(
+      source, config, mesh_lib.batch_sharded(mesh), image_size=config.image_size
+    )
+  )
   run = setup(config, mesh, steps_per_epoch, num_steps, source.num_classes or 0, imported)
 
   encoder = run.model.encoder
@@ -178,9 +188,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
     config=config,
     init=run.init,
     train_step=run.train_step,
-    train_batches=input_pipeline.train_batches(
-      source, config, mesh_lib.batch_sharded(mesh), image_size=config.image_size
-    ),
+    train_batches=train_batches,
     num_steps=num_steps,
     steps_per_epoch=steps_per_epoch,
     global_batch=config.batch_size,
@@ -188,6 +196,21 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
     eval_model=eval_model,
     num_classes=source.num_classes,
     views_picture=views_picture(views(config), mesh),
+  )
+
+
+def on_device_batches(config, source, mesh, num_steps: int):
+  """train_batches of config.on_device_data: the train split read once, replicated on the
+  mesh, its batches cropped and flipped on the device (data/device_data.py).
+
+  Raises:
+    ConfigError: a split whose images differ in size or that does not fit the
+      devices (device_data.check_config), checked before it is read.
+  """
+  device_data.check_config(config, source, num_steps)
+  images, labels = device_data.read_split(source, config.train_split)
+  return device_data.train_batches(
+    device_data.to_mesh(images, labels, mesh), config, mesh, image_size=config.image_size
   )
 
 

@@ -1,0 +1,533 @@
+"""Small datasets held in device memory, cropped and flipped on the device (config.on_device_data).
+
+A split whose images all have one size (CIFAR-10: 50,000 x 32 x 32 x 3, 146 MiB
+as uint8) is read once, placed whole on every device of the mesh as uint8
+(replicated: every device can then gather any record without communication, and
+every process can compute any part of the global batch; a CIFAR-sized split is
+small next to a device's memory, and the check_fits rule refuses one that is
+not), and each train step draws its batch there with one jitted call:
+
+  order   the global batch of step s holds stream positions p = s B ... s B + B - 1;
+          position p reads record perm_e(p mod N) of the split, e = p // N, with
+          input_pipeline.epoch_permutation: the host pipeline's order for a
+          random-access (ArrayRecord) source of one process. A TFRecord source's
+          host order (a shuffle buffer) has no device form; the device path uses
+          the permutation whatever the source's format.
+  crops   each view's window is drawn with jax.random from a key that is a function
+          of (seed, p, view), with the distribution of crops.py's sampler
+          (crop_window: 'tensorflow', 'torchvision', 'byol'), and resized to
+          image_size with crops.RESIZES' kernel (resize_weights), then flipped
+          left-right with p 1/2. Views are uint8, rounded and clipped, as the
+          host's.
+
+Everything is a function of (seed, step), so the batches from start_step s equal
+an uninterrupted run's. The draws are not the host's (jax.random, not TF's
+stateless ops): the same distributions, other samples, so switching a run
+between the two paths changes what it computes (the field is not one a resume
+may change).
+
+Multi-host: every process holds the whole split and runs the same program; the
+output is sharded along the batch over the mesh, so each device computes its own
+rows of the one global batch (the batch of a one-process run of the same config).
+
+The .npz helpers (save_npz, save_encoded_npz, load_npz) hold splits as numpy
+arrays (raw uint8, or the image files as one byte buffer); reading them needs
+neither TensorFlow nor TFDS (benchmarks/make_device_data.py writes CIFAR-10's).
+"""
+
+import math
+import os
+from typing import Iterator, NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.data import crops
+
+# The share of a device's memory the dataset may take: the rest is the model's,
+# its optimizer state and the step's activations.
+DEVICE_SHARE = 0.5
+# A tag folded into the seed's key so that the crops' draws are not the train step's
+# (methods.run_keys draws from jax.random.key(seed) too).
+_CROP_STREAM = 0x43524F50
+
+
+class Split(NamedTuple):
+  """A split held on the mesh: images uint8 [N, H, W, 3] and labels int32 [N] (-1 if
+  unlabeled), both replicated on every device."""
+
+  images: jax.Array
+  labels: jax.Array
+
+
+def split_bytes(num: int, height: int, width: int) -> int:
+  """Bytes one copy of a split of num uint8 [height, width, 3] images and int32 labels takes."""
+  return num * (height * width * 3 + 4)
+
+
+def _host_available_bytes() -> Optional[int]:
+  """MemAvailable of /proc/meminfo in bytes, or None where there is none."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return None
+
+
+def device_capacity(devices=None) -> tuple:
+  """(bytes the dataset may use per device, what that is in words) for the local devices.
+
+  A device that reports memory_stats()['bytes_limit'] (GPU, TPU) may give
+  DEVICE_SHARE of it; devices that report none (CPU) share the host's memory,
+  so DEVICE_SHARE of the host's available memory is divided among them. (None,
+  reason) when neither is known: then no check is made.
+  """
+  devices = jax.local_devices() if devices is None else devices
+  stats = devices[0].memory_stats() or {}
+  if stats.get("bytes_limit"):
+    limit = int(stats["bytes_limit"])
+    return int(limit * DEVICE_SHARE), f"{DEVICE_SHARE:.0%} of {devices[0].device_kind}'s " + (
+      f"{limit / 2**30:.1f} GiB"
+    )
+  available = _host_available_bytes()
+  if available is None:
+    return None, "unknown (no memory_stats and no /proc/meminfo)"
+  return int(available * DEVICE_SHARE / len(devices)), (
+    f"{DEVICE_SHARE:.0%} of the host's {available / 2**30:.1f} GiB available memory "
+    f"shared by {len(devices)} {devices[0].platform} devices"
+  )
+
+
+def check_fits(num_bytes: int, capacity: Optional[int], where: str, dataset: str):
+  """Raises ConfigError on config.on_device_data when a split of num_bytes exceeds capacity.
+
+  capacity, where: device_capacity()'s; None capacity skips the check.
+  """
+  if capacity is not None and num_bytes > capacity:
+    raise ConfigError(
+      "on_device_data",
+      True,
+      f"False for {dataset}: it needs {num_bytes / 2**30:.2f} GiB on every device and "
+      f"may use {capacity / 2**30:.2f} GiB ({where}); the host pipeline reads it instead",
+    )
+
+
+def check_config(config, source, num_steps: int):
+  """Raises ConfigError, before any data is read, for an on_device_data config that cannot run.
+
+  Checks that the train split's images have one size (the TFDS features' image
+  shape: a prepared image folder's photos do not), that it fits the devices
+  (check_fits), and that the stream positions of num_steps steps fit int32
+  (the device computes them so). Returns (N, H, W).
+  """
+  features = getattr(source, "features", None)
+  shape = getattr(features["image"], "shape", None) if features and "image" in features else None
+  if shape is None or len(shape) != 3 or None in shape or shape[2] != 3:
+    raise ConfigError(
+      "on_device_data",
+      True,
+      f"False for {source.name}: its images have no single size (image shape {shape}); "
+      "the device path holds datasets of equal-size RGB images such as cifar10",
+    )
+  num = source.num_examples(config.train_split, "train_split")
+  height, width, _ = shape
+  capacity, where = device_capacity()
+  check_fits(
+    split_bytes(num, height, width), capacity, where, f"{source.name} {config.train_split}"
+  )
+  if num_steps * config.batch_size >= 2**31:
+    raise ConfigError(
+      "on_device_data",
+      True,
+      f"False for {num_steps} steps of batch {config.batch_size}: the device path "
+      "numbers stream positions in int32 (fewer than 2^31 images per run)",
+    )
+  return num, height, width
+
+
+def read_split(source, split: str) -> tuple:
+  """(images uint8 [N, H, W, 3], labels int32 [N]) of `split` in read order, on the host.
+
+  Every process reads the whole split (source.read_range). Raises ConfigError when
+  the images do not all have one size.
+  """
+  import tensorflow_datasets as tfds  # pylint: disable=g-import-not-at-top
+
+  num = source.num_examples(split, "train_split")
+  images, labels = [], []
+  try:
+    for image, label in tfds.as_numpy(source.read_range(split, 0, num).batch(5000)):
+      images.append(image)
+      labels.append(label)
+  except Exception as error:  # tf.data cannot batch images of different sizes.
+    if "shape" not in str(error).lower():
+      raise
+    raise ConfigError(
+      "on_device_data", True, f"False for {source.name}: its images differ in size"
+    ) from None
+  return np.concatenate(images), np.concatenate(labels).astype(np.int32)
+
+
+def save_npz(path: str, splits: dict):
+  """Writes {split: (images uint8 [N, H, W, 3], labels int [N])} to an .npz (np.savez_compressed).
+
+  Arrays are stored as '<split>/images' and '<split>/labels' (int32).
+  """
+  arrays = {}
+  for split, (images, labels) in splits.items():
+    arrays[f"{split}/images"] = np.asarray(images, np.uint8)
+    arrays[f"{split}/labels"] = np.asarray(labels, np.int32)
+  np.savez_compressed(path, **arrays)
+
+
+def save_encoded_npz(path: str, splits: dict):
+  """Writes {split: (encoded image files [N] as bytes, labels int [N])} to an .npz, uncompressed.
+
+  The files (PNG, JPEG: whatever PIL reads) are stored concatenated as
+  '<split>/encoded' (uint8) with '<split>/offsets' (int64 [N + 1], file i is
+  encoded[offsets[i]:offsets[i + 1]]) and '<split>/labels' (int32): no pickled
+  objects, so np.load reads it safely.
+  """
+  arrays = {}
+  for split, (files, labels) in splits.items():
+    arrays[f"{split}/encoded"] = np.frombuffer(b"".join(files), np.uint8)
+    arrays[f"{split}/offsets"] = np.cumsum([0] + [len(f) for f in files], dtype=np.int64)
+    arrays[f"{split}/labels"] = np.asarray(labels, np.int32)
+  np.savez(path, **arrays)
+
+
+def _decode(buffer: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+  """uint8 [N, H, W, 3] of the image files in buffer (save_encoded_npz's layout), decoded with
+  PIL. A JPEG's pixels may differ from TensorFlow's decode of it (another libjpeg build's
+  upsampling and IDCT): by up to 4 grey levels, about 1 on average, on the shared CIFAR-10's
+  files."""
+  import io  # pylint: disable=g-import-not-at-top
+
+  from PIL import Image  # pylint: disable=g-import-not-at-top
+
+  def decode(i):
+    with Image.open(io.BytesIO(buffer[offsets[i] : offsets[i + 1]].tobytes())) as image:
+      return np.asarray(image.convert("RGB"))
+
+  return np.stack([decode(i) for i in range(len(offsets) - 1)])
+
+
+def load_npz(path: str, split: str) -> tuple:
+  """(images uint8 [N, H, W, 3], labels int32 [N]) of `split` in an .npz of save_npz (numpy
+  only) or save_encoded_npz (numpy and PIL, _decode): no TensorFlow either way.
+
+  Raises:
+    ConfigError: no such file, or no such split in it (naming those it holds).
+  """
+  if not os.path.exists(path):
+    raise ConfigError("device_data_file", path, "an .npz written by save_npz (no such file)")
+  with np.load(path) as data:
+    held = sorted({key.split("/")[0] for key in data.files})
+    labels = data[f"{split}/labels"] if f"{split}/labels" in data.files else None
+    if labels is None:
+      raise ConfigError("train_split", split, f"one of the splits in {path}: {held}")
+    if f"{split}/images" in data.files:
+      return data[f"{split}/images"], labels
+    return _decode(data[f"{split}/encoded"], data[f"{split}/offsets"]), labels
+
+
+def to_mesh(images: np.ndarray, labels: np.ndarray, mesh) -> Split:
+  """The split replicated on every device of the mesh (every process passes the same arrays)."""
+  sharding = mesh_lib.replicated(mesh)
+
+  def put(x):
+    return jax.make_array_from_callback(x.shape, sharding, lambda index: x[index])
+
+  return Split(put(np.ascontiguousarray(images, np.uint8)), put(np.asarray(labels, np.int32)))
+
+
+# --- Crop windows --------------------------------------------------------------------------
+
+
+def _lrint(x):
+  """C's lrintf: round half to even, to int32."""
+  return jnp.round(x).astype(jnp.int32)
+
+
+def _offsets(key, height, width, h, w):
+  """Top and left uniform over the integers that keep an h x w crop inside the image."""
+  top_key, left_key = jax.random.split(key)
+  top = jax.random.randint(top_key, (), 0, height - h + 1)
+  left = jax.random.randint(left_key, (), 0, width - w + 1)
+  return top, left
+
+
+def _area_and_ratio(key, shape, area_min, area):
+  """Target area U[area_min, 1) x area and aspect ratio exp(U[log 3/4, log 4/3)), float32."""
+  u = jax.random.uniform(key, shape + (2,))
+  log_lo, log_hi = math.log(crops.ASPECT_RANGE[0]), math.log(crops.ASPECT_RANGE[1])
+  return area * (area_min + (1.0 - area_min) * u[..., 0]), jnp.exp(
+    log_lo + (log_hi - log_lo) * u[..., 1]
+  )
+
+
+def _tensorflow_window(key, height, width, area_min):
+  """TF's sample_distorted_bounding_box kernel with SimCLR's arguments (crops.py docstring):
+
+  per attempt a ratio uniform in [3/4, 4/3], the height uniform among the
+  integers from the one that gives area_min to the largest that fits, nudged
+  by one to meet the area range; an attempt counts if it fits and covers at
+  least min_object_covered of the image; the first of 100 wins, else the
+  whole image. (tests/test_recipes.py transcribes the kernel in numpy.)
+  """
+  ratio_key, height_key, offset_key = jax.random.split(key, 3)
+  n = crops.SIMCLR_MAX_ATTEMPTS
+  lo, hi = crops.ASPECT_RANGE
+  ratio = jax.random.uniform(ratio_key, (n,)) * (hi - lo) + lo
+  min_area = jnp.float32(area_min * width * height)
+  max_area = jnp.float32(width * height)
+  ch = _lrint(jnp.sqrt(min_area / ratio))
+  max_h = _lrint(jnp.sqrt(max_area / ratio))
+  too_wide = _lrint(max_h * ratio) > width
+  max_h = jnp.where(too_wide, jnp.floor((width + 0.5 - 1e-7) / ratio).astype(jnp.int32), max_h)
+  max_h = jnp.where(too_wide & (_lrint(max_h * ratio) > width), max_h - 1, max_h)
+  max_h = jnp.minimum(max_h, height)
+  ch = jnp.minimum(ch, max_h)
+  extra = jnp.floor(jax.random.uniform(height_key, (n,)) * (max_h - ch + 1)).astype(jnp.int32)
+  ch = ch + jnp.where(ch < max_h, jnp.minimum(extra, max_h - ch), 0)
+  cw = _lrint(ch * ratio)
+  small = cw * ch < min_area
+  ch = jnp.where(small, ch + 1, ch)
+  cw = jnp.where(small, _lrint(ch * ratio), cw)
+  large = cw * ch > max_area
+  ch = jnp.where(large, ch - 1, ch)
+  cw = jnp.where(large, _lrint(ch * ratio), cw)
+  area = cw * ch
+  valid = (min_area <= area) & (area <= max_area) & (cw > 0) & (cw <= width)
+  valid &= (ch > 0) & (ch <= height)
+  valid &= area / jnp.float32(width * height) >= jnp.float32(crops.SIMCLR_MIN_OBJECT_COVERED)
+  first = jnp.argmax(valid)
+  found = valid[first]
+  h = jnp.where(found, ch[first], height)
+  w = jnp.where(found, cw[first], width)
+  top, left = _offsets(offset_key, height, width, h, w)
+  return top, left, h, w
+
+
+def _torchvision_window(key, height, width, area_min):
+  """torchvision's RandomResizedCrop.get_params, as crops._torchvision_window."""
+  draw_key, offset_key = jax.random.split(key)
+  target, ratio = _area_and_ratio(
+    draw_key, (crops.TORCHVISION_ATTEMPTS,), area_min, float(height * width)
+  )
+  ws, hs = _lrint(jnp.sqrt(target * ratio)), _lrint(jnp.sqrt(target / ratio))
+  fits = (ws > 0) & (ws <= width) & (hs > 0) & (hs <= height)
+  first = jnp.argmax(fits)
+  found = fits[first]
+  # The fallback: a centre crop of the whole image, clamped to the aspect range
+  # (height and width are static, so this is Python arithmetic).
+  in_ratio = width / height
+  fallback_h = round(width / crops.ASPECT_RANGE[0]) if in_ratio < crops.ASPECT_RANGE[0] else height
+  fallback_w = round(height * crops.ASPECT_RANGE[1]) if in_ratio > crops.ASPECT_RANGE[1] else width
+  h = jnp.where(found, hs[first], fallback_h)
+  w = jnp.where(found, ws[first], fallback_w)
+  top, left = _offsets(offset_key, height, width, h, w)
+  top = jnp.where(found, top, (height - h) // 2)
+  left = jnp.where(found, left, (width - w) // 2)
+  return top, left, h, w
+
+
+def _byol_window(key, height, width, area_min):
+  """BYOL's _decode_and_random_crop: one draw, each side clamped to [1, the image's]."""
+  draw_key, offset_key = jax.random.split(key)
+  target, ratio = _area_and_ratio(draw_key, (), area_min, float(height * width))
+  w = jnp.clip(_lrint(jnp.sqrt(target * ratio)), 1, width)
+  h = jnp.clip(_lrint(jnp.sqrt(target / ratio)), 1, height)
+  top, left = _offsets(offset_key, height, width, h, w)
+  return top, left, h, w
+
+
+_WINDOWS = {
+  "tensorflow": _tensorflow_window,
+  "torchvision": _torchvision_window,
+  "byol": _byol_window,
+}
+
+
+def crop_window(key, height: int, width: int, sampler: str, area_min: float):
+  """(top, left, crop height, crop width), int32 scalars: `sampler`'s crop of a height x width
+  image.
+
+  The device twin of crops.crop_window (same distribution, drawn with
+  jax.random from `key`); height and width are static Python ints.
+  """
+  return _WINDOWS[sampler](key, height, width, area_min)
+
+
+# --- Resize --------------------------------------------------------------------------------
+
+
+def _triangle(x):
+  return jnp.maximum(1.0 - jnp.abs(x), 0.0)
+
+
+def _keys_cubic(x):
+  """Keys' cubic convolution kernel with a = -0.5 (TF's bicubic resizes and PIL's BICUBIC)."""
+  x = jnp.abs(x)
+  near = (1.5 * x - 2.5) * x * x + 1.0
+  far = ((-0.5 * x + 2.5) * x - 4.0) * x + 2.0
+  return jnp.where(x <= 1.0, near, jnp.where(x < 2.0, far, 0.0))
+
+
+_KERNELS = {"bilinear": _triangle, "bicubic": _keys_cubic}
+
+
+def resize_weights(start, length, size: int, in_size: int, resize: str):
+  """float32 [size, in_size]: the weights that resize pixels [start, start + length) of an axis
+  of in_size pixels to `size` pixels with crops.RESIZES[resize].
+
+  Output pixel i samples the window at (i + 0.5) length / size (half-pixel
+  centres); input pixel j weighs kernel((j - start + 0.5 - that) k), k =
+  min(size / length, 1) when the resize antialiases (a kernel stretched over
+  the pixels a shrunk output pixel covers) else 1; pixels outside the window
+  weigh 0 and each row is normalised to sum 1. These are the weights of TF's
+  ScaleAndTranslate (tf.image.resize with antialias) and of its half-pixel
+  bicubic resize, which also zeroes and renormalises taps outside the image.
+  """
+  method, antialias = crops.RESIZES[resize]
+  kernel = _KERNELS[method]
+  length = length.astype(jnp.float32) if hasattr(length, "astype") else jnp.float32(length)
+  scale = size / length
+  k = jnp.minimum(scale, 1.0) if antialias else 1.0
+  centre = (jnp.arange(size, dtype=jnp.float32) + 0.5) / scale  # [size], window coordinates.
+  x = jnp.arange(in_size, dtype=jnp.float32) - start + 0.5  # [in_size], window coordinates.
+  inside = (x > 0) & (x < length)
+  weights = jnp.where(inside[None, :], kernel((x[None, :] - centre[:, None]) * k), 0.0)
+  return weights / jnp.sum(weights, axis=1, keepdims=True)
+
+
+def resized_crop(image, window, size: int, resize: str):
+  """uint8 image [H, W, 3] cropped to window (top, left, h, w) and resized to [size, size, 3],
+  rounded (half to even) and clipped to uint8, as crops.resize_and_flip's resize."""
+  top, left, h, w = window
+  wy = resize_weights(top, h, size, image.shape[0], resize)
+  wx = resize_weights(left, w, size, image.shape[1], resize)
+  out = jnp.einsum(
+    "sh,hwc,tw->stc", wy, image.astype(jnp.float32), wx, precision=jax.lax.Precision.HIGHEST
+  )
+  return jnp.clip(jnp.round(out), 0, 255).astype(jnp.uint8)
+
+
+# --- Batches -------------------------------------------------------------------------------
+
+
+def view_key(seed: int, position, view):
+  """The key of the view `view` of stream position `position` (int32 scalars) of run `seed`."""
+  key = jax.random.fold_in(jax.random.key(seed), _CROP_STREAM)
+  return jax.random.fold_in(jax.random.fold_in(key, position), view)
+
+
+def one_view(image, key, size: int, crop: crops.CropSpec):
+  """crops.random_resized_crop's view on the device: uint8 [size, size, 3] of uint8 image
+  [H, W, 3], its window drawn from key, flipped left-right with p 1/2."""
+  crop_key, flip_key = jax.random.split(key)
+  window = crop_window(crop_key, image.shape[0], image.shape[1], crop.sampler, crop.area_min)
+  view = resized_crop(image, window, size, crop.resize)
+  return jnp.where(jax.random.uniform(flip_key) < 0.5, view, view[:, ::-1])
+
+
+def batch_positions(step, batch: int):
+  """int32 [batch]: the stream positions of step `step`'s global batch."""
+  return step * batch + jnp.arange(batch, dtype=jnp.int32)
+
+
+def make_batch_fn(
+  *, num: int, batch: int, num_views: int, image_size: int, crop: crops.CropSpec, seed: int, mesh
+):
+  """The jitted (split, this_epoch, next_epoch, epoch, step) -> global batch of step `step`.
+
+  split: Split of num records; this_epoch, next_epoch: int32 [num], the
+  permutations (epoch_order_array) of epochs `epoch` and `epoch` + 1, where
+  epoch = step batch // num (a batch is at most num long, so it spans at most
+  both). Returns {'image': uint8 [batch, num_views, S, S, 3], 'label': int32
+  [batch]}, sharded along the batch over the mesh: what
+  input_pipeline.train_batches yields.
+  """
+
+  def fn(split, this_epoch, next_epoch, epoch, step):
+    positions = batch_positions(step, batch)
+    place = positions % num
+    index = jnp.where(positions // num == epoch, this_epoch[place], next_epoch[place])
+    images = split.images[index]
+    keys = jax.vmap(lambda p: jax.vmap(lambda v: view_key(seed, p, v))(jnp.arange(num_views)))(
+      positions
+    )
+    per_image = jax.vmap(lambda k, image: one_view(image, k, image_size, crop), in_axes=(0, None))
+    views = jax.vmap(per_image)(keys, images)
+    return {"image": views, "label": split.labels[index]}
+
+  return jax.jit(fn, out_shardings=mesh_lib.batch_sharded(mesh))
+
+
+def epoch_order_array(num: int, seed: int, epoch: int) -> np.ndarray:
+  """int32 [num]: the record read at each place of epoch `epoch`, input_pipeline.epoch_permutation.
+
+  Computed on the host with TensorFlow (the cipher is TF's RandomIndexShuffle), once per epoch.
+  """
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+
+  from contrastive_jax.data import input_pipeline  # pylint: disable=g-import-not-at-top
+
+  order = input_pipeline.epoch_permutation(
+    tf.range(num, dtype=tf.int64), num, seed, tf.constant(epoch, tf.int64)
+  )
+  return order.numpy().astype(np.int32)
+
+
+class _Orders:
+  """Epoch permutations on the mesh, the two latest kept."""
+
+  def __init__(self, num: int, seed: int, mesh):
+    self.num, self.seed, self.sharding = num, seed, mesh_lib.replicated(mesh)
+    self.cache = {}
+
+  def __call__(self, epoch: int):
+    if epoch not in self.cache:
+      order = epoch_order_array(self.num, self.seed, epoch)
+      self.cache[epoch] = jax.make_array_from_callback(
+        order.shape, self.sharding, lambda index: order[index]
+      )
+      for old in [e for e in self.cache if e < epoch - 1]:
+        del self.cache[old]
+    return self.cache[epoch]
+
+
+def train_batches(split: Split, config, mesh, *, image_size: int, num_views: int = 2):
+  """A job's start_step -> iterator of global training batches from the device (module docstring).
+
+  Reads config.batch_size (global), crop (crops.CropSpec's fields) and seed;
+  batch_size must be at most N (the pretrain job checks it). The iterator
+  yields what input_pipeline.train_batches yields.
+  """
+  num = split.images.shape[0]
+  batch = config.batch_size
+  fn = make_batch_fn(
+    num=num,
+    batch=batch,
+    num_views=num_views,
+    image_size=image_size,
+    crop=crops.CropSpec(**config.crop),
+    seed=config.seed,
+    mesh=mesh,
+  )
+  orders = _Orders(num, config.seed, mesh)
+
+  def batches(start_step: int) -> Iterator[dict]:
+    step = start_step
+    while True:
+      epoch = step * batch // num
+      yield fn(split, orders(epoch), orders(epoch + 1), np.int32(epoch), np.int32(step))
+      step += 1
+
+  return batches

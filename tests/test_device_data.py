@@ -1,0 +1,199 @@
+"""The device data path (data/device_data.py) against the host pipeline it stands in for:
+crop distributions and resizes against crops.py's, flips, the epoch order, exact
+resume, a short pretraining run on CIFAR-10, the bad-input lines, the .npz files."""
+
+import json
+import math
+
+from helpers import TFDS_DIR
+from helpers import load_benchmark
+from helpers import tiny_config
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+from scipy import stats
+import tensorflow as tf
+from test_recipes import sampled_windows
+
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.data import crops
+from contrastive_jax.data import device_data
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.jobs import pretrain
+from contrastive_jax.training import runner
+
+
+def device_windows(sampler, h, w, n, area_min=0.08):
+  """n windows (top, left, height, width) of device_data.crop_window with keys 0..n-1."""
+  fn = jax.jit(
+    jax.vmap(
+      lambda i: jnp.stack(device_data.crop_window(jax.random.key(i), h, w, sampler, area_min))
+    )
+  )
+  return np.asarray(fn(jnp.arange(n)))
+
+
+@pytest.mark.parametrize("h,w", [(32, 32), (168, 224)])
+def test_device_crops_draw_the_host_samplers_distributions(h, w):
+  # Two-sample Kolmogorov-Smirnov on 4000 crops each, as test_recipes: the critical
+  # distance at alpha = 1e-3 is 1.95 sqrt(2 / 4000) = 0.044; the samplers differ
+  # from each other by more than 0.06 (checked there), so a swapped sampler fails.
+  n, critical = 4000, 1.95 * math.sqrt(2 / 4000)
+  for sampler in crops.SAMPLERS:
+    top, left, ch, cw = device_windows(sampler, h, w, n).T
+    assert np.all((top >= 0) & (left >= 0) & (ch > 0) & (cw > 0))
+    assert np.all((top + ch <= h) & (left + cw <= w)), sampler
+    _, _, hch, hcw = sampled_windows(sampler, h, w, n).T
+    area, host_area = ch * cw / (h * w), hch * hcw / (h * w)
+    assert stats.ks_2samp(area, host_area).statistic < critical, sampler
+    assert stats.ks_2samp(cw / ch, hcw / hch).statistic < critical, sampler
+    # Offsets uniform over every position that fits (mean half the slack).
+    slack = h - ch
+    assert abs(np.mean(top[slack > 0] / slack[slack > 0]) - 0.5) < 0.03, sampler
+
+
+def test_device_crop_fallbacks_equal_the_hosts():
+  # A 10 x 1000 image: no crop of >= 8% of it has an aspect ratio in [3/4, 4/3].
+  windows = {s: device_windows(s, 10, 1000, 20) for s in crops.SAMPLERS}
+  np.testing.assert_array_equal(windows["tensorflow"], [[0, 0, 10, 1000]] * 20)
+  np.testing.assert_array_equal(
+    windows["torchvision"], [[0, (1000 - 13) // 2, 10, round(10 * 4 / 3)]] * 20
+  )
+  for top, left, ch, cw in windows["byol"]:
+    assert (top, ch) == (0, 10) and 24 <= cw <= 116 and 0 <= left <= 1000 - cw
+
+
+def test_device_resize_equals_tf_image_resize_within_a_grey_level():
+  # Up- and downscaling windows, every RESIZES name: the weights are TF's, so only a
+  # value within float error of a half rounds the other way.
+  rng = np.random.default_rng(0)
+  image = rng.integers(0, 256, (32, 40, 3), dtype=np.uint8)
+  for resize, (method, antialias) in crops.RESIZES.items():
+    for _ in range(40):
+      h, w = int(rng.integers(1, 33)), int(rng.integers(1, 41))
+      top, left = int(rng.integers(0, 33 - h)), int(rng.integers(0, 41 - w))
+      size = int(rng.choice([16, 32, 48]))
+      want = tf.image.resize(
+        image[top : top + h, left : left + w], [size, size], method=method, antialias=antialias
+      )
+      want = np.clip(np.round(want.numpy()), 0, 255)
+      got = device_data.resized_crop(jnp.asarray(image), (top, left, h, w), size, resize)
+      assert np.abs(np.asarray(got, np.int32) - want).max() <= 1, (resize, h, w, size)
+
+
+def _split(images, labels):
+  mesh = mesh_lib.make_mesh()
+  return device_data.to_mesh(images, labels, mesh), mesh
+
+
+def _config(batch, sampler="torchvision", seed=3):
+  return ml_collections.ConfigDict(
+    dict(
+      batch_size=batch,
+      crop=dict(sampler=sampler, area_min=0.08, resize="pil_bilinear"),
+      seed=seed,
+    )
+  )
+
+
+def test_views_flip_with_probability_one_half_and_keep_the_hosts_batch_layout():
+  # A horizontal ramp stays increasing left to right through any crop and resize;
+  # a flipped view decreases. 2000 views: 4 standard deviations of the fraction are
+  # 4 sqrt(0.25 / 2000) = 0.045.
+  ramp = np.broadcast_to((np.arange(32) * 8)[None, :, None], (32, 32, 3)).astype(np.uint8)
+  split, mesh = _split(np.stack([ramp] * 8), np.arange(8))
+  batches = device_data.train_batches(split, (_config(200)), mesh, image_size=16)(0)
+  views = np.concatenate([np.asarray(next(batches)["image"]) for _ in range(5)])
+  assert views.shape == (1000, 2, 16, 16, 3) and views.dtype == np.uint8
+  columns = views.astype(np.int32).mean(axis=(2, 4))  # [1000, 2, 16]
+  flipped = columns[..., 0] > columns[..., -1]
+  assert abs(flipped.mean() - 0.5) < 0.045
+  assert np.all(columns[..., 0] != columns[..., -1])
+
+
+def test_order_is_the_host_epoch_order_and_a_resume_is_exact():
+  # Labels are the record indices: batch labels are the records read. 100 records,
+  # batch 24: batches run across epoch boundaries.
+  num, batch, seed = 100, 24, 3
+  rng = np.random.default_rng(1)
+  images = rng.integers(0, 256, (num, 12, 12, 3), dtype=np.uint8)
+  split, mesh = _split(images, np.arange(num))
+  config = _config(batch, "tensorflow", seed)
+  batches = device_data.train_batches(split, config, mesh, image_size=12)
+  straight = [jax.device_get(next(it)) for it in [batches(0)] for _ in range(9)]
+  want = [
+    int(input_pipeline.epoch_order(tf.constant(p, tf.int64), num, seed)) for p in range(9 * batch)
+  ]
+  np.testing.assert_array_equal(np.concatenate([b["label"] for b in straight]), want)
+  assert straight[0]["label"].dtype == np.int32
+  resumed = batches(6)
+  for step in range(6, 9):
+    jax.tree.map(np.testing.assert_array_equal, jax.device_get(next(resumed)), straight[step])
+  # Views of one image differ; the two views are drawn independently.
+  assert np.any(straight[0]["image"][:, 0] != straight[0]["image"][:, 1])
+
+
+def test_pretraining_on_the_device_trains_with_a_finite_loss(tmp_path):
+  config = tiny_config("simclr")
+  config.on_device_data = True
+  config.duration = "3 steps"
+  config.checkpoint_every = "3 steps"
+  state, _ = runner.run(pretrain, config, str(tmp_path))
+  assert int(state.step) == 3
+  with open(tmp_path / "metrics.jsonl") as f:
+    losses = [row["loss"] for row in map(json.loads, f) if "loss" in row]
+  assert len(losses) == 3 and np.all(np.isfinite(losses))
+
+
+def test_bad_inputs_are_one_config_error_line():
+  with pytest.raises(ConfigError) as error:
+    device_data.check_fits(
+      device_data.split_bytes(50_000, 32, 32), 2**27, "a test's 128 MiB", "cifar10 train"
+    )
+  message = str(error.value)
+  assert "\n" not in message and message.startswith("config.on_device_data=True")
+  assert "needs 0.14 GiB" in message and "may use 0.12 GiB" in message
+
+  class Folder:
+    name, features = "photos", {"image": type("F", (), {"shape": (None, None, 3)})()}
+
+  with pytest.raises(ConfigError, match="no single size"):
+    device_data.check_config(
+      ml_collections.ConfigDict(dict(train_split="train", batch_size=8)), Folder(), 10
+    )
+
+
+def test_npz_round_trip_needs_only_numpy(tmp_path):
+  images = np.random.default_rng(0).integers(0, 256, (5, 4, 4, 3), dtype=np.uint8)
+  path = str(tmp_path / "d.npz")
+  device_data.save_npz(path, {"train": (images, np.arange(5))})
+  got_images, got_labels = device_data.load_npz(path, "train")
+  np.testing.assert_array_equal(got_images, images)
+  assert got_labels.dtype == np.int32 and list(got_labels) == list(range(5))
+  with pytest.raises(ConfigError, match=r"one of the splits in .*\['train'\]"):
+    device_data.load_npz(path, "test")
+  with pytest.raises(ConfigError, match="no such file"):
+    device_data.load_npz(str(tmp_path / "none.npz"), "train")
+
+
+def test_make_device_data_stores_tfds_files_and_labels(tmp_path):
+  # The files as TFDS stores them (the shared copy's are JPEGs), read back with numpy
+  # and PIL: byte for byte the same files; PIL's pixels within 4 grey levels of TF's
+  # (about 1 on average: the two libjpeg builds decode alike only up to that).
+  script = load_benchmark("make_device_data")
+  split = "test[:64]"
+  files, labels = script.read("cifar10", TFDS_DIR, split, encoded=True)
+  path = str(tmp_path / "c.npz")
+  device_data.save_encoded_npz(path, {"test": (files, labels)})
+  with np.load(path) as data:
+    offsets = data["test/offsets"]
+    assert [data["test/encoded"][a:b].tobytes() for a, b in zip(offsets, offsets[1:])] == files
+  images, got_labels = device_data.load_npz(path, "test")
+  want_images, want_labels = script.read("cifar10", TFDS_DIR, split, encoded=False)
+  assert images.shape == (64, 32, 32, 3) and images.dtype == np.uint8
+  difference = np.abs(images.astype(np.int32) - want_images)
+  assert difference.max() <= 4 and difference.mean() < 1.5  # Measured: 4 and 0.98.
+  np.testing.assert_array_equal(got_labels, want_labels)
