@@ -14,26 +14,26 @@ from contrastive_jax.methods import common
 def test_hsv_round_trip_matches_colorsys():
   rgb = np.random.default_rng(0).uniform(size=(200, 3)).astype(np.float32)
   rgb[:3] = [[0.5, 0.5, 0.5], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]  # Gray, pure red, black.
-  hsv = np.asarray(augment.rgb_to_hsv(jnp.asarray(rgb)))
+  hsv = np.asarray(augment.rgb_to_hsv(jnp.asarray(rgb.T))).T  # Planes [3, N].
   ref = np.array([colorsys.rgb_to_hsv(*p) for p in rgb])
   np.testing.assert_allclose(hsv, ref, atol=1e-5)
-  np.testing.assert_allclose(augment.hsv_to_rgb(jnp.asarray(hsv)), rgb, atol=1e-5)
+  np.testing.assert_allclose(augment.hsv_to_rgb(jnp.asarray(hsv.T)).T, rgb, atol=1e-5)
 
 
 def test_grayscale_blur_and_solarize_hand_cases():
-  x = jnp.array([[[1.0, 0.0, 0.0]]])
-  np.testing.assert_allclose(augment.to_grayscale(x), [[[0.2989] * 3]], rtol=1e-6)
-  constant = jnp.full((20, 20, 3), 0.3)
+  x = jnp.array([[[1.0]], [[0.0]], [[0.0]]])  # Planes [3, 1, 1].
+  np.testing.assert_allclose(augment.to_grayscale(x), [[[0.2989]]] * 3, rtol=1e-6)
+  constant = jnp.full((3, 20, 20), 0.3)
   np.testing.assert_allclose(augment.gaussian_blur(constant, 1.0, "edge"), constant, atol=1e-6)
   # Zero padding (the references' 'SAME' convolution) darkens the border only.
   zeros = augment.gaussian_blur(constant, 1.0, "zeros")
-  np.testing.assert_allclose(zeros[1:-1, 1:-1], constant[1:-1, 1:-1], atol=1e-6)
-  assert float(zeros[0, 5, 0]) < 0.3
-  impulse = jnp.zeros((20, 20, 3)).at[10, 10].set(1.0)
+  np.testing.assert_allclose(zeros[:, 1:-1, 1:-1], constant[:, 1:-1, 1:-1], atol=1e-6)
+  assert float(zeros[0, 0, 5]) < 0.3
+  impulse = jnp.zeros((3, 20, 20)).at[:, 10, 10].set(1.0)
   blurred = augment.gaussian_blur(impulse, 1.0)
   w = np.exp(-(np.arange(-1, 2) ** 2) / 2.0)
   w /= w.sum()  # Radius 1 for a 20-pixel side (10% kernel).
-  np.testing.assert_allclose(blurred[9:12, 9:12, 0], np.outer(w, w), atol=1e-6)
+  np.testing.assert_allclose(blurred[0, 9:12, 9:12], np.outer(w, w), atol=1e-6)
   np.testing.assert_allclose(
     augment.solarize(jnp.array([0.2, 0.5, 0.9])), [0.2, 0.5, 0.1], atol=1e-6
   )

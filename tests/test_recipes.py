@@ -175,22 +175,39 @@ def _gray(x):
   return np.tensordot(x, [0.2989, 0.587, 0.114], axes=(-1, -1))[..., None]
 
 
+def _planes(image):
+  """[H, W, 3] -> the ops' colour planes [3, H, W]."""
+  return jnp.moveaxis(jnp.asarray(image), -1, 0)
+
+
+def _image(planes):
+  return np.moveaxis(np.asarray(planes), 0, -1)
+
+
 def test_tensorflow_style_ops_equal_tf_image(image):
-  x = jnp.asarray(image)
+  x = _planes(image)
   for f in (0.3, 1.7):
     np.testing.assert_allclose(
-      augment.adjust_contrast(x, f, "tensorflow"), tf.image.adjust_contrast(image, f), atol=1e-6
+      _image(augment.adjust_contrast(x, f, "tensorflow")),
+      tf.image.adjust_contrast(image, f),
+      atol=1e-6,
     )
     np.testing.assert_allclose(
-      augment.adjust_saturation(x, f, "tensorflow"), tf.image.adjust_saturation(image, f), atol=1e-5
+      _image(augment.adjust_saturation(x, f, "tensorflow")),
+      tf.image.adjust_saturation(image, f),
+      atol=1e-5,
     )
   for d in (-0.3, 0.1):
-    np.testing.assert_allclose(augment.adjust_hue(x, d), tf.image.adjust_hue(image, d), atol=1e-5)
     np.testing.assert_allclose(
-      augment.adjust_brightness(x, d, "add"), tf.image.adjust_brightness(image, d), atol=1e-6
+      _image(augment.adjust_hue(x, d)), tf.image.adjust_hue(image, d), atol=1e-5
+    )
+    np.testing.assert_allclose(
+      _image(augment.adjust_brightness(x, d, "add")),
+      tf.image.adjust_brightness(image, d),
+      atol=1e-6,
     )
   np.testing.assert_allclose(
-    augment.to_grayscale(x)[..., :1], tf.image.rgb_to_grayscale(image), atol=1e-6
+    _image(augment.to_grayscale(x))[..., :1], tf.image.rgb_to_grayscale(image), atol=1e-6
   )
 
 
@@ -198,22 +215,26 @@ def test_torchvision_style_ops_equal_its_blend_formulas(image):
   # torchvision.transforms.functional: adjust_brightness blends with black,
   # adjust_contrast with the mean of the grayscale image, adjust_saturation
   # with the grayscale image: blend(img, other, f) = f img + (1 - f) other.
-  x = jnp.asarray(image)
+  x = _planes(image)
   for f in (0.3, 1.7):
-    np.testing.assert_allclose(augment.adjust_brightness(x, f, "multiply"), f * image, atol=1e-6)
     np.testing.assert_allclose(
-      augment.adjust_contrast(x, f, "torchvision"),
+      _image(augment.adjust_brightness(x, f, "multiply")), f * image, atol=1e-6
+    )
+    np.testing.assert_allclose(
+      _image(augment.adjust_contrast(x, f, "torchvision")),
       f * image + (1 - f) * _gray(image).mean(),
       atol=1e-6,
     )
     np.testing.assert_allclose(
-      augment.adjust_saturation(x, f, "torchvision"), f * image + (1 - f) * _gray(image), atol=1e-6
+      _image(augment.adjust_saturation(x, f, "torchvision")),
+      f * image + (1 - f) * _gray(image),
+      atol=1e-6,
     )
 
 
 def _jittered(view, value, n=2000):
   """color_jitter of a 1 x 1 image of one gray level under n keys."""
-  x = jnp.full((1, 1, 3), value, jnp.float32)
+  x = jnp.full((3, 1, 1), value, jnp.float32)
   keys = jax.random.split(jax.random.PRNGKey(0), n)
   return np.asarray(jax.jit(jax.vmap(lambda k: augment.color_jitter(x, k, view)))(keys))[:, 0, 0, 0]
 
@@ -266,12 +287,14 @@ def test_blur_equals_simclrs_depthwise_convolution_and_pils_edge_padding():
     tf.nn.depthwise_conv2d(x[None], horizontal, [1] * 4, "SAME"), vertical, [1] * 4, "SAME"
   )[0]
   np.testing.assert_allclose(
-    augment.gaussian_blur(jnp.asarray(x), sigma, "zeros"), simclr, atol=1e-6
+    _image(augment.gaussian_blur(_planes(x), sigma, "zeros")), simclr, atol=1e-6
   )
   edge = ndimage.correlate1d(
     ndimage.correlate1d(x, k, axis=0, mode="nearest"), k, axis=1, mode="nearest"
   )
-  np.testing.assert_allclose(augment.gaussian_blur(jnp.asarray(x), sigma, "edge"), edge, atol=1e-6)
+  np.testing.assert_allclose(
+    _image(augment.gaussian_blur(_planes(x), sigma, "edge")), edge, atol=1e-6
+  )
 
 
 # --- Heads, initialisation and weight decay per method -------------------------------------

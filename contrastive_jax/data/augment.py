@@ -20,8 +20,11 @@ settings say whose ops to use:
   blur_padding 'zeros' (TensorFlow/JAX 'SAME' convolutions: SimCLR, BYOL) or
     'edge' (PIL's blur repeats the border pixels: MoCo v2).
 
-Images are float32 [H, W, 3] with values in [0, 1]; every op clips back to
-[0, 1].
+The ops take an image as float32 colour planes [3, H, W] (channel first) with
+values in [0, 1]; every op clips back to [0, 1]. Planes keep each op's
+arithmetic on contiguous rows, which XLA:CPU vectorises: on [3, 32, 32]
+images the hue shift ran 14x faster than on channel-last [32, 32, 3] ones.
+augment_image and augment_batch take and return channel-last images.
 """
 
 import dataclasses
@@ -110,34 +113,42 @@ class ViewAugment:
 
 
 def to_grayscale(x):
-  """[H, W, 3] -> [H, W, 3] with the luma in every channel."""
-  return jnp.broadcast_to(jnp.dot(x, _LUMA)[..., None], x.shape)
+  """Planes [3, ...] -> [3, ...] with the luma in every plane."""
+  luma = _LUMA[0] * x[0] + _LUMA[1] * x[1] + _LUMA[2] * x[2]
+  return jnp.broadcast_to(luma, x.shape)
+
+
+def _wrap(x, period: float):
+  """x modulo period in [0, period): floor, not the remainder's fmod call, so that XLA:CPU
+  vectorises it."""
+  return x - period * jnp.floor(x / period)
 
 
 def rgb_to_hsv(x):
-  """[..., 3] RGB in [0, 1] -> HSV, hue in turns [0, 1)."""
-  r, g, b = x[..., 0], x[..., 1], x[..., 2]
-  maxc, minc = jnp.max(x, -1), jnp.min(x, -1)
-  delta = maxc - minc
+  """Planes [3, ...] RGB in [0, 1] -> HSV planes, hue in turns [0, 1)."""
+  r, g, b = x[0], x[1], x[2]
+  maxc = jnp.maximum(jnp.maximum(r, g), b)
+  delta = maxc - jnp.minimum(jnp.minimum(r, g), b)
   safe = jnp.where(delta > 0, delta, 1.0)
   h = jnp.where(
     maxc == r, (g - b) / safe, jnp.where(maxc == g, 2.0 + (b - r) / safe, 4.0 + (r - g) / safe)
   )
-  h = jnp.where(delta > 0, (h / 6.0) % 1.0, 0.0)
+  h = h / 6.0  # In [-1/6, 5/6): only negatives wrap.
+  h = jnp.where(delta > 0, jnp.where(h < 0, h + 1.0, h), 0.0)
   s = jnp.where(maxc > 0, delta / jnp.where(maxc > 0, maxc, 1.0), 0.0)
-  return jnp.stack([h, s, maxc], -1)
+  return jnp.stack([h, s, maxc])
 
 
 def hsv_to_rgb(x):
-  """Inverse of rgb_to_hsv."""
-  h, s, v = x[..., 0], x[..., 1], x[..., 2]
+  """Inverse of rgb_to_hsv, planes [3, ...]."""
+  h, s, v = x[0], x[1], x[2]
 
   # Standard piecewise-linear form: channel n uses k = (n + 6h) mod 6.
   def channel(n):
-    k = (n + h * 6.0) % 6.0
+    k = _wrap(n + h * 6.0, 6.0)
     return v - v * s * jnp.clip(jnp.minimum(k, 4.0 - k), 0.0, 1.0)
 
-  return jnp.stack([channel(5.0), channel(3.0), channel(1.0)], -1)
+  return jnp.stack([channel(5.0), channel(3.0), channel(1.0)])
 
 
 def adjust_brightness(x, value, op: str):
@@ -147,7 +158,7 @@ def adjust_brightness(x, value, op: str):
 
 
 def adjust_contrast(x, factor, color_ops: str):
-  """Contrast of x [H, W, 3] scaled by factor about a mean.
+  """Contrast of planes x [3, H, W] scaled by factor about a mean.
 
   'tensorflow': each channel about its own mean over the image
   (tf.image.adjust_contrast); 'torchvision': every channel about the mean of
@@ -155,14 +166,14 @@ def adjust_contrast(x, factor, color_ops: str):
   before its clamp).
   """
   if color_ops == "tensorflow":
-    mean = jnp.mean(x, axis=(0, 1), keepdims=True)
+    mean = jnp.mean(x, axis=(1, 2), keepdims=True)
   else:
-    mean = jnp.mean(jnp.dot(x, _LUMA))
+    mean = jnp.mean(to_grayscale(x)[0])
   return (x - mean) * factor + mean
 
 
 def adjust_saturation(x, factor, color_ops: str):
-  """Saturation of x [..., 3] in [0, 1] scaled by factor.
+  """Saturation of planes x [3, ...] in [0, 1] scaled by factor.
 
   'tensorflow': the HSV saturation s times factor, clipped to [0, 1], hue and
   value kept (tf.image.adjust_saturation). Each channel is c = v - v s g(h)
@@ -172,8 +183,8 @@ def adjust_saturation(x, factor, color_ops: str):
   (torchvision's adjust_saturation before its clamp).
   """
   if color_ops == "tensorflow":
-    v, low = jnp.max(x, -1, keepdims=True), jnp.min(x, -1, keepdims=True)
-    chroma = v - low
+    v = jnp.maximum(jnp.maximum(x[0], x[1]), x[2])
+    chroma = v - jnp.minimum(jnp.minimum(x[0], x[1]), x[2])
     ratio = jnp.where(chroma > 0, jnp.minimum(factor, v / jnp.where(chroma > 0, chroma, 1.0)), 0.0)
     return v - ratio * (v - x)
   gray = to_grayscale(x)
@@ -181,10 +192,10 @@ def adjust_saturation(x, factor, color_ops: str):
 
 
 def adjust_hue(x, delta):
-  """Hue of x [..., 3] in [0, 1] shifted by delta turns, wrapped (tf.image.adjust_hue;
+  """Hue of planes x [3, ...] in [0, 1] shifted by delta turns, wrapped (tf.image.adjust_hue;
   torchvision's adjust_hue, without its uint8 rounding of the hue)."""
   hsv = rgb_to_hsv(x)
-  return hsv_to_rgb(hsv.at[..., 0].set((hsv[..., 0] + delta) % 1.0))
+  return hsv_to_rgb(jnp.stack([_wrap(hsv[0] + delta, 1.0), hsv[1], hsv[2]]))
 
 
 def _factor(key, strength):
@@ -192,7 +203,8 @@ def _factor(key, strength):
 
 
 def color_jitter(x, key, view: ViewAugment):
-  """Brightness, contrast, saturation and hue jitter in a random order, each clipped.
+  """Brightness, contrast, saturation and hue jitter of planes x [3, H, W] in a random order,
+  each clipped.
 
   Every reference applies the four in a random order and clips to [0, 1]
   after each (SimCLR's color_jitter_rand, BYOL's _color_transform_single_image,
@@ -220,11 +232,13 @@ def color_jitter(x, key, view: ViewAugment):
   if not clipped:
     return x
   order = jax.random.permutation(perm_key, len(clipped))
-  return jax.lax.fori_loop(0, len(clipped), lambda i, y: jax.lax.switch(order[i], clipped, y), x)
+  for position in range(len(clipped)):
+    x = jax.lax.switch(order[position], clipped, x)
+  return x
 
 
 def gaussian_blur(x, sigma, padding: str = "zeros"):
-  """Separable Gaussian blur of x [H, W, C] with a kernel of about 10% of the side.
+  """Separable Gaussian blur of planes x [C, H, W] with a kernel of about 10% of the side.
 
   The kernel has radius H // 20 (SimCLR's int((H // 10) / 2), BYOL's
   int(H / 10 / 2)): 1 at 32 px, 11 at 224 px, none below 20 px. padding
@@ -232,7 +246,8 @@ def gaussian_blur(x, sigma, padding: str = "zeros"):
   pixels as PIL's blur does (MoCo v2, whose blur is PIL's three-box
   approximation of this Gaussian).
   """
-  radius = x.shape[0] // 20
+  height, width = x.shape[1:]
+  radius = height // 20
   if radius == 0:
     return x
   offsets = jnp.arange(-radius, radius + 1, dtype=jnp.float32)
@@ -240,12 +255,12 @@ def gaussian_blur(x, sigma, padding: str = "zeros"):
   weights = weights / jnp.sum(weights)
   padded = jnp.pad(
     x,
-    ((radius, radius), (radius, radius), (0, 0)),
+    ((0, 0), (radius, radius), (radius, radius)),
     mode="constant" if padding == "zeros" else "edge",
   )
   size = 2 * radius + 1
-  rows = sum(weights[i] * padded[i : i + x.shape[0], :, :] for i in range(size))
-  return sum(weights[i] * rows[:, i : i + x.shape[1], :] for i in range(size))
+  rows = sum(weights[i] * padded[:, i : i + height, :] for i in range(size))
+  return sum(weights[i] * rows[:, :, i : i + width] for i in range(size))
 
 
 def solarize(x, threshold=0.5):
@@ -257,9 +272,10 @@ def augment_image(image, key, view: ViewAugment):
   """Augments one image: uint8 or float [H, W, 3] -> float32 [H, W, 3] in [0, 1].
 
   Order: color jitter then grayscale (or grayscale first, MoCo v1), blur,
-  solarize; the flip, done on the host, commutes with all of them.
+  solarize; the flip, done on the host, commutes with all of them. The ops run
+  on the image's colour planes (module docstring).
   """
-  x = image.astype(jnp.float32)
+  x = jnp.moveaxis(image.astype(jnp.float32), -1, 0)
   if image.dtype == jnp.uint8:
     x = x / 255.0
   keys = jax.random.split(key, 6)
@@ -283,7 +299,7 @@ def augment_image(image, key, view: ViewAugment):
     )
   if view.solarize_prob > 0:
     x = jnp.where(jax.random.bernoulli(keys[5], view.solarize_prob), solarize(x), x)
-  return x
+  return jnp.moveaxis(x, 0, -1)
 
 
 def augment_batch(images, key, view: ViewAugment):
