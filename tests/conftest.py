@@ -13,6 +13,7 @@ compiled alike or against tolerances that hold at any level.
 """
 
 import os
+import shutil
 import tempfile
 
 import pytest
@@ -28,6 +29,12 @@ os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 jax.config.update("jax_num_cpu_devices", 8)
 jax.config.update("jax_compilation_cache_dir", _CACHE)
 jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+
+
+def pytest_sessionfinish(session, exitstatus):
+  """Removes the session's compilation cache, which nothing after the session reads."""
+  del session, exitstatus
+  shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
