@@ -1,27 +1,28 @@
-"""The SimCLR step beside a PyTorch eager peer, side by side in one process; prints a table.
+"""Each method's pretraining step beside a PyTorch eager peer, side by side in one process.
 
   python benchmarks/torch_peer.py --config=configs/simclr_cifar10.py:runlocal
 
-Needs torch (the [torch] extra). Rows, each timed on the same fixed batch after a
-warm-up step, in interleaved rounds (every row once per round, the median round
-reported) so that a change of the machine's load falls on every row alike:
+Needs torch (the [torch] extra); SimCLR, MoCo v2, BYOL and MoCo v3 configs of ResNets with
+BasicBlocks (ResNet-18/34). Prints a table. Each row is timed on one fixed batch after a
+warm-up call, in interleaved rounds (every row once per round, the median round reported),
+so that a change of the machine's load falls on every row alike:
 
-  project step     the job's jitted train step: on-device colour augmentation of
-                   both views, encoder and projection head, NT-Xent over the global
-                   batch, the config's optimizer (LARS), the online probe;
+  project step     the job's jitted train step: the on-device colour augmentation of both
+                   views, the method's networks and loss, the config's optimizer, the
+                   online probe;
   augmentation     the on-device augmentation of both views alone;
-  JAX peer, LARS   the project's encoder, projection head and nt_xent on float32
+  JAX peer, LARS   (SimCLR) the project's encoder, projection head and nt_xent on float32
                    views already augmented, with the config's optimizer;
-  JAX peer, SGD    the same with SGD, momentum 0.9: the peer's work exactly;
-  PyTorch peer     the same network (ResNet with the config's depth, width, stem and
-                   projection shortcuts; the same MLP head with BN), NT-Xent and
-                   torch.optim.SGD(momentum=0.9), eager, channels-first float32.
+  JAX peer, SGD    (SimCLR) the same with SGD, momentum 0.9: the PyTorch peer's work;
+  PyTorch peer     the same networks (torch_peer's docstring says what each method's
+                   does), eager, channels-first float32, SGD with momentum 0.9.
 
-The last column divides each row's seconds by the PyTorch peer's. The online probe's
-cost is about the project step's minus the augmentation's and the JAX LARS peer's.
-Only ResNet configs with BasicBlocks (ResNet-18/34) have a PyTorch peer here.
+The last column divides each row's seconds by the PyTorch peer's. The online probe's cost
+is about the project step's minus the augmentation's and the JAX LARS peer's.
 """
 
+import copy
+import functools
 import os
 import statistics
 import sys
@@ -38,6 +39,7 @@ from ml_collections import config_flags
 import numpy as np
 import optax
 import torch
+from torch import nn
 
 # torch's compiler stack before the project's modules import TensorFlow: torch.optim imports
 # triton lazily, and triton's libraries segfault when they load after TensorFlow's.
@@ -53,15 +55,16 @@ from contrastive_jax.methods import simclr
 from contrastive_jax.models import heads
 from contrastive_jax.models import resnet
 
+METHODS = ("simclr", "moco", "byol", "mocov3")
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A SimCLR ResNet-18/34 config.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Timed steps per row and round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds; the median is reported.")
 
 
 def check_config(config):
-  """Raises ValueError unless config is SimCLR on a ResNet with BasicBlocks."""
-  if config.method != "simclr":
-    raise ValueError(f"method: {config.method!r}; this benchmark times 'simclr' configs")
+  """Raises ValueError unless config is one of METHODS on a ResNet with BasicBlocks."""
+  if config.method not in METHODS:
+    raise ValueError(f"method: {config.method!r}; allowed: {METHODS}")
   spec = resnet.SPECS.get(config.model.name)
   if spec is None or spec[0] != "basic":
     raise ValueError(
@@ -102,9 +105,12 @@ def jax_peer(config, tx):
   return jax.jit(step, donate_argnums=0), (params, batch_stats, tx.init(params))
 
 
-def torch_peer(config):
-  """(step, model): the PyTorch network of config, NT-Xent and SGD momentum 0.9, eager."""
-  from torch import nn  # pylint: disable=g-import-not-at-top
+def torch_resnet(model_config):
+  """(module, width of h): the config's ResNet of BasicBlocks in PyTorch, NCHW float32.
+
+  The same depth, widths, stem and projection shortcuts as models/resnet.py; symmetric
+  padding (the FLOPs are the same under every padding rule).
+  """
 
   class Block(nn.Module):
     def __init__(self, cin, cout, stride, project):
@@ -123,40 +129,104 @@ def torch_peer(config):
       y = torch.relu(self.bn1(self.conv1(x)))
       return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
 
-  base = max(1, round(64 * config.model.width))
-  if config.model.stem == "cifar":
+  base = max(1, round(64 * model_config.width))
+  if model_config.stem == "cifar":
     layers = [nn.Conv2d(3, base, 3, 1, 1, bias=False), nn.BatchNorm2d(base), nn.ReLU()]
   else:
     layers = [nn.Conv2d(3, base, 7, 2, 3, bias=False), nn.BatchNorm2d(base), nn.ReLU()]
     layers.append(nn.MaxPool2d(3, 2, 1))
   cin = base
-  stage_projection = config.model.get("stage_projection", False)
-  for i, blocks in enumerate(resnet.SPECS[config.model.name][1]):
+  stage_projection = model_config.get("stage_projection", False)
+  for i, blocks in enumerate(resnet.SPECS[model_config.name][1]):
     for j in range(blocks):
       stride = 2 if i > 0 and j == 0 else 1
       cout = base * 2**i
       project = (stage_projection and j == 0) or stride > 1 or cin != cout
       layers.append(Block(cin, cout, stride, project))
       cin = cout
-  layers += [nn.AdaptiveAvgPool2d(1), nn.Flatten()]
-  head = []
-  for width in config.projector.hidden_dims:
-    head += [nn.Linear(cin, width, bias=False), nn.BatchNorm1d(width), nn.ReLU()]
-    cin = width
-  head += [nn.Linear(cin, config.projector.out_dim, bias=False)]
-  if config.projector.get("final_bn", False):
-    head.append(nn.BatchNorm1d(config.projector.out_dim))
-  model = nn.Sequential(*layers, *head)
-  opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-  temperature = config.temperature
+  return nn.Sequential(*layers, nn.AdaptiveAvgPool2d(1), nn.Flatten()), cin
 
-  def step(views):
-    z = nn.functional.normalize(model(views), dim=1)
-    n = z.shape[0] // 2
-    logits = z @ z.T / temperature
-    logits = logits.masked_fill(torch.eye(2 * n, dtype=torch.bool), float("-inf"))
-    positives = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
-    loss = nn.functional.cross_entropy(logits, positives, reduction="sum") / n
+
+def torch_mlp(mlp_config, width: int):
+  """(module, output width): the config's MLP head (models.build_mlp's layers) in PyTorch."""
+  layers = []
+  for hidden in mlp_config.hidden_dims:
+    layers += [nn.Linear(width, hidden, bias=not mlp_config.use_bn)]
+    layers += [nn.BatchNorm1d(hidden)] if mlp_config.use_bn else []
+    layers += [nn.ReLU()]
+    width = hidden
+  layers.append(nn.Linear(width, mlp_config.out_dim, bias=not mlp_config.get("final_bn", False)))
+  if mlp_config.get("final_bn", False):
+    layers.append(nn.BatchNorm1d(mlp_config.out_dim))
+  return nn.Sequential(*layers), mlp_config.out_dim
+
+
+def torch_networks(config):
+  """(online, target or None): encoder, projection head and (BYOL, MoCo v3) predictor; the
+  momentum encoder or target network a copy of the online encoder and head."""
+  encoder, width = torch_resnet(config.model)
+  projector, width = torch_mlp(config.projector, width)
+  online = nn.Sequential(encoder, projector)
+  target = None if config.method == "simclr" else copy.deepcopy(online)
+  if config.method in ("byol", "mocov3"):
+    online.append(torch_mlp(config.predictor, width)[0])
+  return online, target
+
+
+def _ema(target, online, momentum: float):
+  """target <- momentum * target + (1 - momentum) * online, parameter by parameter."""
+  with torch.no_grad():
+    for t, o in zip(target.parameters(), online[: len(target)].parameters()):
+      t.lerp_(o, 1 - momentum)
+
+
+def _info_nce(q, k, temperature: float):
+  """MoCo v3's symmetric term: cross-entropy of q's similarities to k, positives on the
+  diagonal, times 2 * temperature (MoCo v3 Algorithm 1)."""
+  logits = q @ k.T / temperature
+  return nn.functional.cross_entropy(logits, torch.arange(len(q))) * 2 * temperature
+
+
+def torch_peer(config):
+  """step(v1, v2) -> loss: the method's PyTorch peer, eager, views NCHW float32 [B, 3, S, S].
+
+  SimCLR: NT-Xent over both views in one forward pass. MoCo v2: InfoNCE of view 1's
+  queries against view 2's keys and a queue of config.moco.queue_size keys, the momentum
+  encoder an EMA, plain BN (no shuffle). BYOL: each network's two views in two passes, the
+  symmetric regression loss, the target an EMA. MoCo v3: the same passes, the symmetric
+  InfoNCE within the batch. Every update is SGD with momentum 0.9.
+  """
+  online, target = torch_networks(config)
+  opt = torch.optim.SGD(online.parameters(), lr=0.1, momentum=0.9)
+  normalize = functools.partial(nn.functional.normalize, dim=1)
+  momentum = config.moco.momentum if "moco" in config else config.get("byol", {}).get("tau_base")
+  if config.method == "moco":
+    queue = normalize(torch.randn(config.moco.queue_size, config.projector.out_dim))
+
+  def loss_fn(v1, v2):
+    nonlocal queue
+    t = config.get("temperature", 1.0)
+    if config.method == "simclr":
+      z = normalize(online(torch.cat([v1, v2])))
+      n = len(v1)
+      logits = (z @ z.T / t).masked_fill(torch.eye(2 * n, dtype=torch.bool), float("-inf"))
+      positives = torch.cat([torch.arange(n, 2 * n), torch.arange(n)])
+      return nn.functional.cross_entropy(logits, positives, reduction="sum") / n
+    _ema(target, online, momentum)
+    with torch.no_grad():
+      k1, k2 = normalize(target(v1)), normalize(target(v2))
+    if config.method == "moco":
+      q = normalize(online(v1))
+      logits = torch.cat([(q * k2).sum(1, keepdim=True), q @ queue.T], dim=1) / t
+      queue = torch.cat([k2, queue[: -len(k2)]])
+      return nn.functional.cross_entropy(logits, torch.zeros(len(q), dtype=torch.long))
+    p1, p2 = normalize(online(v1)), normalize(online(v2))
+    if config.method == "byol":
+      return (4 - 2 * (p1 * k2).sum(1) - 2 * (p2 * k1).sum(1)).mean()
+    return _info_nce(p1, k2, t) + _info_nce(p2, k1, t)
+
+  def step(v1, v2):
+    loss = loss_fn(v1, v2)
     opt.zero_grad(set_to_none=True)
     loss.backward()
     opt.step()
@@ -174,80 +244,65 @@ def median_seconds(timers, rounds: int) -> dict:
   return {name: statistics.median(t) for name, t in times.items()}
 
 
+def jax_timer(step, state, batch, steps: int):
+  """timer() -> seconds per call of jitted step(state, batch) -> (state, out) over `steps`
+  calls, each on the state the last returned; compiles with one call first."""
+  state, out = step(state, batch)
+  jax.block_until_ready(out)
+  holder = [state]
+
+  def timer():
+    seconds, holder[0] = common.seconds_per_step(step, holder[0], batch, steps)
+    return seconds
+
+  return timer
+
+
+def eager_timer(fn, steps: int):
+  """timer() -> seconds per call of fn() over `steps` calls; calls it once first."""
+  fn()
+
+  def timer():
+    start = time.perf_counter()
+    for _ in range(steps):
+      fn()
+    return (time.perf_counter() - start) / steps
+
+  return timer
+
+
 def main(_):
   config = _CONFIG.value
   check_config(config)
   steps = _STEPS.value
   b, s = config.batch_size, config.image_size
   print(
-    f"{jax.device_count()} {jax.devices()[0].platform} device(s), torch {torch.__version__} "
-    f"with {torch.get_num_threads()} threads; batch {b} ({2 * b} views of {s} px), "
-    f"{steps} steps x {_ROUNDS.value} rounds"
+    f"{config.method}: {jax.device_count()} {jax.devices()[0].platform} device(s), "
+    f"torch {torch.__version__} with {torch.get_num_threads()} threads; batch {b} "
+    f"({2 * b} views of {s} px), {steps} steps x {_ROUNDS.value} rounds, "
+    f"XLA_FLAGS={os.environ.get('XLA_FLAGS', '')!r}"
   )
-
   run, state, batch = common.step_setup(config)
-  views_np = np.random.default_rng(1).random((2 * b, s, s, 3), np.float32)
+  timers = {"project step": jax_timer(run.train_step, state, batch, steps)}
 
   view_settings = pretrain.views(config)
-  images = jax.device_put(np.asarray(batch["image"]))  # unsharded, for the vmap below
 
   @jax.jit
-  def augment_both(key):
-    keys = jax.random.split(key, 2)
-    return [augment.augment_batch(images[:, v], keys[v], view_settings[v]) for v in range(2)]
+  def augment_step(key, images):
+    key, *keys = jax.random.split(key, 3)
+    return key, [augment.augment_batch(images[:, v], keys[v], view_settings[v]) for v in range(2)]
 
-  tx = optax.sgd(0.1, momentum=0.9)
-  peers = {
-    "LARS": jax_peer(config, run_tx(config)),
-    "SGD": jax_peer(config, tx),
-  }
+  images = jax.device_put(np.asarray(batch["image"]))  # On one device, for augment's vmap.
+  timers["augmentation"] = jax_timer(augment_step, jax.random.key(0), images, steps)
+
+  views = np.random.default_rng(1).random((2, b, s, s, 3), np.float32)
+  if config.method == "simclr":
+    jax_views = jax.device_put(views.reshape(2 * b, s, s, 3))
+    for name, tx in (("LARS", run_tx(config)), ("SGD", optax.sgd(0.1, momentum=0.9))):
+      timers[f"JAX peer, {name}"] = jax_timer(*jax_peer(config, tx), jax_views, steps)
   torch_step = torch_peer(config)
-  torch_views = torch.from_numpy(views_np.transpose(0, 3, 1, 2).copy())
-  jax_views = jax.device_put(views_np)
-
-  holder = {"state": state, **{name: peer[1] for name, peer in peers.items()}}
-
-  def time_project():
-    seconds, holder["state"] = common.seconds_per_step(
-      run.train_step, holder["state"], batch, steps
-    )
-    return seconds
-
-  def time_augment():
-    start = time.perf_counter()
-    for i in range(steps):
-      out = augment_both(jax.random.key(i))
-    jax.block_until_ready(out)
-    return (time.perf_counter() - start) / steps
-
-  def time_jax_peer(name):
-    def timer():
-      seconds, holder[name] = common.seconds_per_step(
-        peers[name][0], holder[name], jax_views, steps
-      )
-      return seconds
-
-    return timer
-
-  def time_torch():
-    start = time.perf_counter()
-    for _ in range(steps):
-      torch_step(torch_views)
-    return (time.perf_counter() - start) / steps
-
-  timers = {
-    "project step": time_project,
-    "augmentation": time_augment,
-    "JAX peer, LARS": time_jax_peer("LARS"),
-    "JAX peer, SGD": time_jax_peer("SGD"),
-    "PyTorch peer": time_torch,
-  }
-  for name, peer in peers.items():  # Warm-up: compile, and the first eager step.
-    holder[name], loss = peer[0](holder[name], jax_views)
-    jax.block_until_ready(loss)
-  holder["state"], metrics = run.train_step(holder["state"], batch)
-  jax.block_until_ready((metrics, augment_both(jax.random.key(0))))
-  torch_step(torch_views)
+  v1, v2 = (torch.from_numpy(v.transpose(0, 3, 1, 2).copy()) for v in views)
+  timers["PyTorch peer"] = eager_timer(lambda: torch_step(v1, v2), steps)
 
   seconds = median_seconds(timers, _ROUNDS.value)
   print("| row | s/step | views/s | / PyTorch peer |")
