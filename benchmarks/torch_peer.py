@@ -73,12 +73,6 @@ def check_config(config):
     )
 
 
-def run_tx(config):
-  """The config's optimizer (methods/optim.py) with its schedule at a 1,000-step run."""
-  schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, 100, 1000)
-  return optim.build_optimizer(config.optimizer, schedule)
-
-
 def jax_peer(config, tx):
   """(step, state): network, nt_xent and tx on float32 views [2B, S, S, 3], one device."""
   model = heads.ContrastiveModel(
@@ -298,7 +292,10 @@ def main(_):
   views = np.random.default_rng(1).random((2, b, s, s, 3), np.float32)
   if config.method == "simclr":
     jax_views = jax.device_put(views.reshape(2 * b, s, s, 3))
-    for name, tx in (("LARS", run_tx(config)), ("SGD", optax.sgd(0.1, momentum=0.9))):
+    for name, tx in (
+      ("LARS", optim.build_optimizer(config.optimizer, run.schedule)),
+      ("SGD", optax.sgd(0.1, momentum=0.9)),
+    ):
       timers[f"JAX peer, {name}"] = jax_timer(*jax_peer(config, tx), jax_views, steps)
   torch_step = torch_peer(config)
   v1, v2 = (torch.from_numpy(v.transpose(0, 3, 1, 2).copy()) for v in views)
