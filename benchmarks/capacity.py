@@ -4,7 +4,7 @@
   python benchmarks/capacity.py --config=configs/moco_v2_imagenet.py --devices=32 \
       --accelerator=tpu_v5p --mfu=0.3
 
-Compiles the config's real train step (pretrain.setup, the same jitted, donating
+Compiles the config's real train step (pretraining.setup, the same jitted, donating
 function the job runs) for a simulated 1-D mesh of --devices CPU devices, from
 abstract inputs only: the state comes from jax.eval_shape of the jitted init
 (shapes, dtypes and its replicated sharding, nothing allocated), the batch is a
@@ -63,6 +63,7 @@ from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import get_method
+from contrastive_jax.methods import pretraining
 
 
 @dataclasses.dataclass(frozen=True)
@@ -276,7 +277,7 @@ def plan(config, num_devices: int, *, num_train: int = 0, num_classes: int = -1)
   mesh = mesh_lib.make_mesh(devices[:num_devices])
   steps_per_epoch = num_train // config.batch_size
   num_steps = durations.to_steps(config.duration, "duration", steps_per_epoch)
-  run = pretrain.setup(config, mesh, steps_per_epoch, num_steps, num_classes)
+  run = pretraining.setup(config, mesh, steps_per_epoch, num_steps, num_classes)
 
   state = jax.eval_shape(run.init)  # ShapeDtypeStructs with the replicated sharding.
   size = config.image_size

@@ -13,10 +13,10 @@ from ml_collections import config_flags
 import numpy as np
 
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.data import crops
+from contrastive_jax.data import crop_spec
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
-from contrastive_jax.jobs import pretrain
+from contrastive_jax.methods import pretraining
 
 
 def config_name(config_flag) -> str:
@@ -44,14 +44,16 @@ def cost(compiled) -> dict:
 def step_setup(config):
   """(run, state, batch): the pretraining job's step for config, its initial state and a batch.
 
-  The step is pretrain.setup's (jitted, state donated), with the online probe when
+  The step is pretraining.setup's (jitted, state donated), with the online probe when
   config's dataset is labelled, as the job runs it. The batch is fixed random uint8
   images [batch_size, 2, image_size, image_size, 3] and zero labels, placed as the job
   places its batches (split over the mesh's data axis).
   """
   mesh = mesh_lib.make_mesh()
   num_classes = sources.get_source(config, {}).num_classes or 0
-  run = pretrain.setup(config, mesh, steps_per_epoch=100, num_steps=1000, num_classes=num_classes)
+  run = pretraining.setup(
+    config, mesh, steps_per_epoch=100, num_steps=1000, num_classes=num_classes
+  )
   size = config.image_size
   images = np.random.default_rng(0).integers(
     0, 256, (config.batch_size, 2, size, size, 3), np.uint8
@@ -82,7 +84,7 @@ def train_pipeline(config, source, *, shuffle_buffer: int):
     config.train_split,
     local_batch=config.batch_size,
     image_size=config.image_size,
-    crop=crops.CropSpec(**config.crop),
+    crop=crop_spec.CropSpec(**config.crop),
     seed=config.seed,
     start_step=0,
     cache=False,

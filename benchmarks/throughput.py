@@ -61,7 +61,7 @@ from benchmarks import capacity
 from benchmarks import common
 from contrastive_jax.core import metrics
 from contrastive_jax.core.errors import JobError
-from contrastive_jax.data import crops
+from contrastive_jax.data import crop_spec
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import pretrain
 
@@ -108,7 +108,7 @@ def peer_views(encoded, *, image_size: int, area_min: float, resize: str, decode
   (SimCLR's constants, crops.py); decode_window=True decodes only that window
   (tf.image.decode_and_crop_jpeg), False decodes the whole image and slices it.
   """
-  method, antialias = crops.RESIZES[resize]
+  method, antialias = crop_spec.RESIZES[resize]
   shape = tf.io.extract_jpeg_shape(encoded)
   image = None if decode_window else tf.io.decode_jpeg(encoded, channels=3)
   views = []
@@ -116,10 +116,10 @@ def peer_views(encoded, *, image_size: int, area_min: float, resize: str, decode
     begin, size, _ = tf.image.sample_distorted_bounding_box(
       shape,
       bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
-      min_object_covered=crops.SIMCLR_MIN_OBJECT_COVERED,
-      aspect_ratio_range=crops.ASPECT_RANGE,
+      min_object_covered=crop_spec.SIMCLR_MIN_OBJECT_COVERED,
+      aspect_ratio_range=crop_spec.ASPECT_RANGE,
       area_range=(area_min, 1.0),
-      max_attempts=crops.SIMCLR_MAX_ATTEMPTS,
+      max_attempts=crop_spec.SIMCLR_MAX_ATTEMPTS,
       use_image_if_no_bounding_boxes=True,
     )
     if decode_window:

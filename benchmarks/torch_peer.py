@@ -48,9 +48,9 @@ import torch._dynamo  # noqa: F401  pylint: disable=unused-import
 from benchmarks import common
 from contrastive_jax import models
 from contrastive_jax.data import augment
-from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import common as method_common
 from contrastive_jax.methods import optim
+from contrastive_jax.methods import pretraining
 from contrastive_jax.methods import simclr
 from contrastive_jax.models import heads
 from contrastive_jax.models import resnet
@@ -279,7 +279,7 @@ def main(_):
   run, state, batch = common.step_setup(config)
   timers = {"project step": jax_timer(run.train_step, state, batch, steps)}
 
-  view_settings = pretrain.views(config)
+  view_settings = pretraining.views(config)
 
   @jax.jit
   def augment_step(key, images):

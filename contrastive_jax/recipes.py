@@ -346,8 +346,8 @@ def mocov3_views() -> dict:
 
 
 def crop(sampler: str, area_min: float, resize: str) -> dict:
-  """config.crop, the training views' random resized crop (crops.CropSpec): a crops.SAMPLERS
-  sampler, the smallest crop area as a fraction of the image, a crops.RESIZES resize (the
+  """config.crop, the training views' random resized crop (crop_spec.CropSpec): a crop_spec.SAMPLERS
+  sampler, the smallest crop area as a fraction of the image, a crop_spec.RESIZES resize (the
   evaluation's centre crop resizes with it too)."""
   return dict(sampler=sampler, area_min=area_min, resize=resize)
 

@@ -71,19 +71,19 @@ def tiny_config(method: str = "simclr", variant: str = "runlocal"):
 
 def sigterm_after_first_train_batch(monkeypatch):
   """Sends SIGTERM while the loop runs step 2, so the job stops after it."""
-  from contrastive_jax.data import input_pipeline  # pylint: disable=g-import-not-at-top
+  from contrastive_jax.core import mesh as mesh_lib  # pylint: disable=g-import-not-at-top
 
-  original = input_pipeline.device_batches
+  original = mesh_lib.device_batches
 
-  def device_batches(ds, sharding, prefetch=2):
-    is_train = "mask" not in ds.element_spec
-    for i, batch in enumerate(original(ds, sharding, prefetch)):
+  def device_batches(batches, sharding, prefetch=2):
+    for i, batch in enumerate(original(batches, sharding, prefetch)):
       yield batch
-      # The loop resumes this generator when it fetches the next batch.
-      if is_train and i == 0:
+      # The loop resumes this generator when it fetches the next batch; eval batches
+      # carry a mask.
+      if i == 0 and "mask" not in batch:
         os.kill(os.getpid(), signal.SIGTERM)
 
-  monkeypatch.setattr(input_pipeline, "device_batches", device_batches)
+  monkeypatch.setattr(mesh_lib, "device_batches", device_batches)
 
 
 def damaged_copy(data_dir, name: str, into, how: str):

@@ -76,7 +76,7 @@ def this_process_rows(batch, sharding):
   """The global batch as jax.Arrays, each process passing only its own rows.
 
   The mesh lists process 0's devices first, so process p holds rows
-  [p * B / P, (p + 1) * B / P): what input_pipeline.device_batches passes.
+  [p * B / P, (p + 1) * B / P): what mesh_lib.device_batches passes.
   """
   p, n = jax.process_index(), jax.process_count()
 

@@ -9,9 +9,9 @@ from test_simclr import numeric_grad
 
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import augment
-from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import byol
 from contrastive_jax.methods import common
+from contrastive_jax.methods import pretraining
 
 
 def test_tau_schedule_first_middle_last():
@@ -47,7 +47,7 @@ def test_loss_value_and_gradient_match_numpy_and_spare_the_target():
 
 def test_views_get_their_own_settings():
   config = load_config("byol_imagenet")
-  v1, v2 = pretrain.views(config)
+  v1, v2 = pretraining.views(config)
   assert (v1.blur_prob, v1.solarize_prob, v2.blur_prob, v2.solarize_prob) == (1.0, 0.0, 0.1, 0.2)
   # Applied per view: solarize always on view 1, never on view 2.
   mesh = mesh_lib.make_mesh()
@@ -118,7 +118,7 @@ def test_eight_devices_equal_one_device_and_target_follows_the_ema():
   config = tiny_byol_config()
   states = []
   for mesh in (mesh_lib.make_mesh(), mesh_lib.make_mesh(jax.devices()[:1])):
-    run = pretrain.setup(config, mesh, steps_per_epoch=10, num_steps=4)
+    run = pretraining.setup(config, mesh, steps_per_epoch=10, num_steps=4)
     state = run.init()
     state0 = jax.device_get(state)
     target0 = state0.extra["target_params"]

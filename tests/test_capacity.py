@@ -11,6 +11,7 @@ import pytest
 
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import get_method
+from contrastive_jax.methods import pretraining
 
 capacity = load_benchmark("capacity")
 DEVICES = 2
@@ -80,7 +81,7 @@ def test_mocov3_imagenet_configs_pass_their_checks_and_build_their_state(variant
   pretrain.check_config(config, 8)
   get_method(config.method).check_config(config, capacity.KNOWN_DATASETS["imagenet2012"][0])
   mesh = jax.make_mesh((8,), ("data",))
-  state = jax.eval_shape(pretrain.setup(config, mesh, 312, 300 * 312, num_classes=1000).init)
+  state = jax.eval_shape(pretraining.setup(config, mesh, 312, 300 * 312, num_classes=1000).init)
   nbytes = capacity.per_device_bytes
   params = state.params
   # timm's vit_small/base_patch16_224 (22,050,664 and 86,567,656 parameters) less their

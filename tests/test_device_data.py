@@ -19,9 +19,8 @@ from test_recipes import sampled_windows
 
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.data import crops
+from contrastive_jax.data import crop_spec
 from contrastive_jax.data import device_data
-from contrastive_jax.data import input_pipeline
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.training import runner
 
@@ -42,7 +41,7 @@ def test_device_crops_draw_the_host_samplers_distributions(h, w):
   # distance at alpha = 1e-3 is 1.95 sqrt(2 / 4000) = 0.044; the samplers differ
   # from each other by more than 0.06 (checked there), so a swapped sampler fails.
   n, critical = 4000, 1.95 * math.sqrt(2 / 4000)
-  for sampler in crops.SAMPLERS:
+  for sampler in crop_spec.SAMPLERS:
     top, left, ch, cw = device_windows(sampler, h, w, n).T
     assert np.all((top >= 0) & (left >= 0) & (ch > 0) & (cw > 0))
     assert np.all((top + ch <= h) & (left + cw <= w)), sampler
@@ -57,7 +56,7 @@ def test_device_crops_draw_the_host_samplers_distributions(h, w):
 
 def test_device_crop_fallbacks_equal_the_hosts():
   # A 10 x 1000 image: no crop of >= 8% of it has an aspect ratio in [3/4, 4/3].
-  windows = {s: device_windows(s, 10, 1000, 20) for s in crops.SAMPLERS}
+  windows = {s: device_windows(s, 10, 1000, 20) for s in crop_spec.SAMPLERS}
   np.testing.assert_array_equal(windows["tensorflow"], [[0, 0, 10, 1000]] * 20)
   np.testing.assert_array_equal(
     windows["torchvision"], [[0, (1000 - 13) // 2, 10, round(10 * 4 / 3)]] * 20
@@ -71,7 +70,7 @@ def test_device_resize_equals_tf_image_resize_within_a_grey_level():
   # value within float error of a half rounds the other way.
   rng = np.random.default_rng(0)
   image = rng.integers(0, 256, (32, 40, 3), dtype=np.uint8)
-  for resize, (method, antialias) in crops.RESIZES.items():
+  for resize, (method, antialias) in crop_spec.RESIZES.items():
     for _ in range(40):
       h, w = int(rng.integers(1, 33)), int(rng.integers(1, 41))
       top, left = int(rng.integers(0, 33 - h)), int(rng.integers(0, 41 - w))
@@ -114,26 +113,40 @@ def test_views_flip_with_probability_one_half_and_keep_the_hosts_batch_layout():
   assert np.all(columns[..., 0] != columns[..., -1])
 
 
-def test_order_is_the_host_epoch_order_and_a_resume_is_exact():
-  # Labels are the record indices: batch labels are the records read. 100 records,
-  # batch 24: batches run across epoch boundaries.
-  num, batch, seed = 100, 24, 3
+def test_each_epoch_reads_every_record_once_in_a_seeded_order_and_a_resume_is_exact():
+  # Labels are the record indices: batch labels are the records read. 96 records,
+  # batch 24: four batches an epoch.
+  num, batch, seed = 96, 24, 3
   rng = np.random.default_rng(1)
   images = rng.integers(0, 256, (num, 12, 12, 3), dtype=np.uint8)
   split, mesh = _split(images, np.arange(num))
-  config = _config(batch, "tensorflow", seed)
-  batches = device_data.train_batches(split, config, mesh, image_size=12)
-  straight = [jax.device_get(next(it)) for it in [batches(0)] for _ in range(9)]
-  want = [
-    int(input_pipeline.epoch_order(tf.constant(p, tf.int64), num, seed)) for p in range(9 * batch)
-  ]
-  np.testing.assert_array_equal(np.concatenate([b["label"] for b in straight]), want)
+  batches = device_data.train_batches(
+    split, _config(batch, "tensorflow", seed), mesh, image_size=12
+  )
+  straight = [jax.device_get(next(it)) for it in [batches(0)] for _ in range(12)]
+  read = np.concatenate([b["label"] for b in straight]).reshape(3, num)
   assert straight[0]["label"].dtype == np.int32
+  for epoch in range(3):  # Every record once an epoch, in epoch_order_array's order.
+    np.testing.assert_array_equal(np.sort(read[epoch]), np.arange(num))
+    np.testing.assert_array_equal(read[epoch], device_data.epoch_order_array(num, seed, epoch))
+  assert np.any(read[0] != read[1]) and np.any(read[1] != read[2])
+  assert np.any(read[0] != device_data.epoch_order_array(num, seed + 1, 0))
   resumed = batches(6)
-  for step in range(6, 9):
+  for step in range(6, 12):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(next(resumed)), straight[step])
   # Views of one image differ; the two views are drawn independently.
   assert np.any(straight[0]["image"][:, 0] != straight[0]["image"][:, 1])
+
+
+def test_a_batch_spanning_two_epochs_reads_the_end_of_one_and_the_start_of_the_next():
+  num, batch, seed = 12, 8, 0
+  split, mesh = _split(np.zeros((num, 4, 4, 3), np.uint8), np.arange(num))
+  batches = device_data.train_batches(split, _config(batch, "tensorflow", seed), mesh, image_size=4)
+  labels = np.concatenate(
+    [jax.device_get(next(it))["label"] for it in [batches(0)] for _ in range(3)]
+  )
+  want = np.concatenate([device_data.epoch_order_array(num, seed, e) for e in (0, 1)])
+  np.testing.assert_array_equal(labels, want)  # Step 1: places 8-11 of epoch 0, 0-3 of 1.
 
 
 def test_pretraining_on_the_device_trains_with_a_finite_loss(tmp_path):

@@ -19,7 +19,7 @@ from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import ResumeError
-from contrastive_jax.data import crops
+from contrastive_jax.data import crop_spec
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import finetune
@@ -134,7 +134,7 @@ def test_each_process_reads_its_part_and_together_the_subset(cifar, monkeypatch)
       split,
       local_batch=4,
       image_size=32,
-      crop=crops.CropSpec("tensorflow", 0.5, "tf_bicubic"),
+      crop=crop_spec.CropSpec("tensorflow", 0.5, "tf_bicubic"),
       seed=1,
       start_step=start_step,
       cache=True,

@@ -38,7 +38,7 @@ from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import ImageError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import NoSpaceError
-from contrastive_jax.data import crops
+from contrastive_jax.data import crop_spec
 from contrastive_jax.data import images
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import layout
@@ -376,7 +376,7 @@ def test_pipelines_crop_variable_sizes_and_upscale_small_images(prepared):
       "train",
       local_batch=8,
       image_size=48,
-      crop=crops.CropSpec("tensorflow", 0.08, "tf_bicubic"),
+      crop=crop_spec.CropSpec("tensorflow", 0.08, "tf_bicubic"),
       seed=0,
       start_step=0,
       cache=cache,

@@ -21,6 +21,7 @@ import tensorflow_datasets as tfds
 
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import DataError
+from contrastive_jax.data import crop_spec
 from contrastive_jax.data import crops
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
@@ -49,7 +50,7 @@ def _train(cifar, start_step=0, area=0.08, split="train[:40]", **kw):
   args = dict(
     local_batch=8,
     image_size=32,
-    crop=crops.CropSpec("tensorflow", area, "tf_bicubic"),
+    crop=crop_spec.CropSpec("tensorflow", area, "tf_bicubic"),
     seed=3,
     start_step=start_step,
     cache=False,
@@ -420,7 +421,7 @@ def _photos():
   return jpegs[::300] + groceries[:2] + pngs[:2]
 
 
-@pytest.mark.parametrize("sampler", crops.SAMPLERS)
+@pytest.mark.parametrize("sampler", crop_spec.SAMPLERS)
 def test_views_of_a_jpeg_decoded_over_their_windows_equal_those_of_the_whole_image(sampler):
   for i, path in enumerate(_photos()):
     encoded = tf.io.read_file(path)
@@ -464,7 +465,7 @@ def test_centre_crops_are_antialiased_as_pils_resize():
 
 def test_cifar_centre_crops_keep_their_pixels(cifar):
   image = cifar[0].images("test", [0])[0]
-  for resize in crops.RESIZES:
+  for resize in crop_spec.RESIZES:
     np.testing.assert_array_equal(input_pipeline.center_crop(image, 32, 1.0, resize), image)
 
 

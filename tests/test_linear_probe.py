@@ -25,6 +25,7 @@ from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import NonFiniteError
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
+from contrastive_jax.methods import pretraining
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
 
@@ -66,7 +67,7 @@ def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path)
   ckpt = checkpointing.Checkpointer(os.path.join(pretrained, "checkpoints"), read_only=True)
   full = ckpt.restore(
     checkpointing.abstract_like(
-      jax.eval_shape(pretrain.setup(saved_config, mesh, 1, 1, num_classes=10).init),
+      jax.eval_shape(pretraining.setup(saved_config, mesh, 1, 1, num_classes=10).init),
       mesh_lib.replicated(mesh),
     )
   )
@@ -139,7 +140,7 @@ def test_random_init_baseline_is_the_pretraining_runs_initialisation(pretrained)
   random = restore.restore_encoder(
     probe_config(pretrained, random_init=True), mesh_lib.make_mesh()
   ).variables
-  init = jax.device_get(pretrain.setup(saved, mesh_lib.make_mesh(), 1, 1).init())
+  init = jax.device_get(pretraining.setup(saved, mesh_lib.make_mesh(), 1, 1).init())
   jax.tree.map(
     np.testing.assert_array_equal, jax.device_get(random["params"]), init.params["encoder"]
   )

@@ -15,8 +15,8 @@ import pytest
 from contrastive_jax import methods
 from contrastive_jax import models
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import common
+from contrastive_jax.methods import pretraining
 from contrastive_jax.models import heads
 
 # Method -> tiny config.
@@ -37,7 +37,7 @@ def _batches(config, n, seed=0):
 
 
 def _run(config, mesh, batches, num_classes):
-  run = pretrain.setup(config, mesh, steps_per_epoch=16, num_steps=100, num_classes=num_classes)
+  run = pretraining.setup(config, mesh, steps_per_epoch=16, num_steps=100, num_classes=num_classes)
   state = run.init()
   for batch in batches:
     state, metrics = run.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))

@@ -11,9 +11,9 @@ from test_simclr import numeric_grad
 
 from contrastive_jax import models
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import common
 from contrastive_jax.methods import moco
+from contrastive_jax.methods import pretraining
 from contrastive_jax.models import heads
 
 
@@ -108,7 +108,7 @@ def tiny_moco_config():
 
 
 def run_steps(config, mesh, images, steps=3):
-  run = pretrain.setup(config, mesh, steps_per_epoch=10, num_steps=100)
+  run = pretraining.setup(config, mesh, steps_per_epoch=10, num_steps=100)
   state = run.init()
   losses = []
   for i in range(steps):
@@ -139,7 +139,7 @@ def test_eight_devices_equal_one_device_with_the_same_bn_groups():
   assert len(shards) == 8 and all(np.array_equal(shards[0], s) for s in shards)
   # The newest keys are unit vectors; the key encoder moved towards the query encoder.
   np.testing.assert_allclose(np.linalg.norm(state8.extra["queue"][:48], axis=1), 1.0, rtol=1e-5)
-  init = pretrain.setup(config, mesh_lib.make_mesh(), 10, 100).init()
+  init = pretraining.setup(config, mesh_lib.make_mesh(), 10, 100).init()
   for k0, k, q in zip(
     jax.tree.leaves(init.extra["key_params"]),
     jax.tree.leaves(state8.extra["key_params"]),
@@ -152,7 +152,7 @@ def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
   config = tiny_moco_config()
   config.optimizer.warmup_epochs = 0  # So that step 0 moves the query encoder.
   mesh = mesh_lib.make_mesh()
-  run = pretrain.setup(config, mesh, steps_per_epoch=10, num_steps=100)
+  run = pretraining.setup(config, mesh, steps_per_epoch=10, num_steps=100)
   state0 = jax.device_get(run.init())
   images = np.random.default_rng(5).integers(0, 256, (2, 16, 2, 32, 32, 3), np.uint8)
   state1, _ = run.train_step(

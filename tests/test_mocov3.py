@@ -25,6 +25,7 @@ from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import common
 from contrastive_jax.methods import mocov3
 from contrastive_jax.methods import optim
+from contrastive_jax.methods import pretraining
 from contrastive_jax.models import vit
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
@@ -107,7 +108,7 @@ def test_train_steps_on_8_devices_equal_1_device_and_the_momentum_encoder_is_an_
   images = np.random.default_rng(0).integers(0, 256, (2, 16, 2, 32, 32, 3), np.uint8)
 
   def run(mesh):
-    r = pretrain.setup(config, mesh, steps_per_epoch=10, num_steps=100)
+    r = pretraining.setup(config, mesh, steps_per_epoch=10, num_steps=100)
     state, states, losses = r.init(), [], []
     for batch in images:
       states.append(jax.device_get(state))
@@ -251,7 +252,7 @@ def test_linear_probe_of_a_vit_checkpoint(tmp_path):
   # batch_stats hold the heads' BN statistics but nothing of the encoder.
   config = tiny_vit_config()
   pretrain_dir = str(tmp_path / "pretrain")
-  state = pretrain.setup(config, mesh_lib.make_mesh(), 16, 4, num_classes=10).init()
+  state = pretraining.setup(config, mesh_lib.make_mesh(), 16, 4, num_classes=10).init()
   assert "encoder" not in state.batch_stats
   ckpt = checkpointing.Checkpointer(f"{pretrain_dir}/checkpoints")
   ckpt.save(0, state, config)

@@ -32,6 +32,7 @@ from contrastive_jax import recipes
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import VariantError
 from contrastive_jax.data import augment
+from contrastive_jax.data import crop_spec
 from contrastive_jax.data import crops
 from contrastive_jax.methods import optim
 from contrastive_jax.models import heads
@@ -126,7 +127,7 @@ def test_crop_area_and_aspect_distributions_match_the_reference_algorithms(h, w)
   reference = {
     name: np.array([fn(h, w, 0.08, rng) for _ in range(n)]) for name, fn in REFERENCE_CROPS.items()
   }
-  for sampler in crops.SAMPLERS:
+  for sampler in crop_spec.SAMPLERS:
     windows = sampled_windows(sampler, h, w, n)
     top, left, ch, cw = windows.T
     assert np.all((top >= 0) & (left >= 0) & (top + ch <= h) & (left + cw <= w))
@@ -144,7 +145,7 @@ def test_crop_fallbacks_and_offsets():
   seeds = [tf.constant([0, i], tf.int64) for i in range(20)]
   windows = {
     s: [np.array(crops.crop_window(10, 1000, seed, s, 0.08)) for seed in seeds]
-    for s in crops.SAMPLERS
+    for s in crop_spec.SAMPLERS
   }
   for window in windows["tensorflow"]:  # TF's kernel: the whole image.
     np.testing.assert_array_equal(window, [0, 0, 10, 1000])
@@ -598,7 +599,7 @@ def test_every_config_and_probe_preset_spells_the_crop_alike():
     assert where.endswith(" crop") or where.endswith(".crop"), where
     assert set(crop) == {"sampler", "area_min", "resize"}, where
     if crop["sampler"] is not None:  # The probe's are None until a preset fills them.
-      assert crops.CropSpec(**crop).sampler in crops.SAMPLERS, where
+      assert crop_spec.CropSpec(**crop).sampler in crop_spec.SAMPLERS, where
 
 
 def test_upgrade_config_reads_the_flat_crop_fields_of_older_saved_configs():
@@ -633,7 +634,7 @@ def test_probe_presets_fill_the_crop_and_a_given_field_wins():
   config.crop.area_min = 0.5
   filled = recipes.fill_probe_preset(config, "byol")
   assert filled.crop.to_dict() == dict(sampler="byol", area_min=0.5, resize="tf_bicubic")
-  crops.check_config(filled)
+  crop_spec.check_config(filled)
   filled.crop.sampler = "tensorflw"
   with pytest.raises(ConfigError, match=r"^config.crop.sampler='tensorflw': must be one of "):
-    crops.check_config(filled)
+    crop_spec.check_config(filled)

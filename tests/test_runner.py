@@ -33,6 +33,7 @@ from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import common
+from contrastive_jax.methods import pretraining
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
 
@@ -108,7 +109,7 @@ def check_views_picture(config, path):
   per_row = n // 4
   assert picture.shape == (4 * (cell + caption + pad) + pad, 2 * per_row * (cell + pad) + pad, 3)
   for i in (0, n // 3, n - 1):  # Batch 16: rows of devices 0, 2 and 7; batch 8: 0, 2 and 7.
-    for v, view in enumerate(pretrain.views(config)):
+    for v, view in enumerate(pretraining.views(config)):
       key = jax.random.split(common.view_key(rng, 0, i // per_device, v), per_device)[
         i % per_device
       ]

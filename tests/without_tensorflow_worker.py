@@ -4,7 +4,7 @@ Run as a script (tests/test_without_tensorflow.py does, in a subprocess; on an i
 without TensorFlow it runs as it is): `python tests/without_tensorflow_worker.py
 [METHOD ...]` (default: simclr moco_v2 byol). It first puts a finder on sys.meta_path
 that raises ImportError for both packages, then imports every module of
-contrastive_jax.core, .models and .methods and contrastive_jax.recipes, and for each
+contrastive_jax.core, .models and .methods and of MODULES, and for each
 method's tiny config (helpers.tiny_config) runs two real train steps on random images,
 saves the state and config with core.checkpointing, restores them, and writes metrics
 through core.metrics. It asserts the values (finite loss, the restored state equal to
@@ -51,12 +51,23 @@ def block_tensorflow():
     sys.modules[name] = None
 
 
+# Beyond core, models and methods: what benchmarks/device.py builds on (the on-device data,
+# the kNN monitor).
+MODULES = (
+  "contrastive_jax.recipes",
+  "contrastive_jax.data.augment",
+  "contrastive_jax.data.crop_spec",
+  "contrastive_jax.data.device_data",
+  "contrastive_jax.training.evaluators",
+)
+
+
 def import_train_path() -> list:
-  """Imports every module of core, models, methods and recipes; returns their names."""
+  """Imports every module of core, models and methods, and MODULES; returns their names."""
   import contrastive_jax  # pylint: disable=import-outside-toplevel
 
   root = os.path.dirname(contrastive_jax.__file__)
-  names = ["contrastive_jax.recipes"]
+  names = list(MODULES)
   for package in ("core", "models", "methods"):
     names.append(f"contrastive_jax.{package}")
     names += [

@@ -8,15 +8,15 @@ small next to a device's memory, and the check_fits rule refuses one that is
 not), and each train step draws its batch there with one jitted call:
 
   order   the global batch of step s holds stream positions p = s B ... s B + B - 1;
-          position p reads record perm_e(p mod N) of the split, e = p // N, with
-          input_pipeline.epoch_permutation: the host pipeline's order for a
-          random-access (ArrayRecord) source of one process. A TFRecord source's
-          host order (a shuffle buffer) has no device form; the device path uses
-          the permutation whatever the source's format.
+          position p reads record perm_e(p mod N) of the split, e = p // N, where
+          perm_e is jax.random.permutation of a key that is a function of (seed,
+          e) (epoch_order_array): TensorFlow-free, so that the path runs where
+          only JAX is installed. It is not the host pipeline's order (TF's
+          index_shuffle cipher), as the crops below are not the host's draws.
   crops   each view's window is drawn with jax.random from a key that is a function
           of (seed, p, view), with the distribution of crops.py's sampler
           (crop_window: 'tensorflow', 'torchvision', 'byol'), and resized to
-          image_size with crops.RESIZES' kernel (resize_weights), then flipped
+          image_size with crop_spec.RESIZES' kernel (resize_weights), then flipped
           left-right with p 1/2. Views are uint8, rounded and clipped, as the
           host's.
 
@@ -45,14 +45,15 @@ import numpy as np
 
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.data import crops
+from contrastive_jax.data import crop_spec
 
 # The share of a device's memory the dataset may take: the rest is the model's,
 # its optimizer state and the step's activations.
 DEVICE_SHARE = 0.5
-# A tag folded into the seed's key so that the crops' draws are not the train step's
-# (methods.run_keys draws from jax.random.key(seed) too).
+# Tags folded into the seed's key so that the crops' and the order's draws are not the
+# train step's (methods.run_keys draws from jax.random.key(seed) too), nor each other's.
 _CROP_STREAM = 0x43524F50
+_ORDER_STREAM = 0x4F524452
 
 
 class Split(NamedTuple):
@@ -266,7 +267,7 @@ def _offsets(key, height, width, h, w):
 def _area_and_ratio(key, shape, area_min, area):
   """Target area U[area_min, 1) x area and aspect ratio exp(U[log 3/4, log 4/3)), float32."""
   u = jax.random.uniform(key, shape + (2,))
-  log_lo, log_hi = math.log(crops.ASPECT_RANGE[0]), math.log(crops.ASPECT_RANGE[1])
+  log_lo, log_hi = math.log(crop_spec.ASPECT_RANGE[0]), math.log(crop_spec.ASPECT_RANGE[1])
   return area * (area_min + (1.0 - area_min) * u[..., 0]), jnp.exp(
     log_lo + (log_hi - log_lo) * u[..., 1]
   )
@@ -282,8 +283,8 @@ def _tensorflow_window(key, height, width, area_min):
   whole image. (tests/test_recipes.py transcribes the kernel in numpy.)
   """
   ratio_key, height_key, offset_key = jax.random.split(key, 3)
-  n = crops.SIMCLR_MAX_ATTEMPTS
-  lo, hi = crops.ASPECT_RANGE
+  n = crop_spec.SIMCLR_MAX_ATTEMPTS
+  lo, hi = crop_spec.ASPECT_RANGE
   ratio = jax.random.uniform(ratio_key, (n,)) * (hi - lo) + lo
   min_area = jnp.float32(area_min * width * height)
   max_area = jnp.float32(width * height)
@@ -306,7 +307,7 @@ def _tensorflow_window(key, height, width, area_min):
   area = cw * ch
   valid = (min_area <= area) & (area <= max_area) & (cw > 0) & (cw <= width)
   valid &= (ch > 0) & (ch <= height)
-  valid &= area / jnp.float32(width * height) >= jnp.float32(crops.SIMCLR_MIN_OBJECT_COVERED)
+  valid &= area / jnp.float32(width * height) >= jnp.float32(crop_spec.SIMCLR_MIN_OBJECT_COVERED)
   first = jnp.argmax(valid)
   found = valid[first]
   h = jnp.where(found, ch[first], height)
@@ -319,7 +320,7 @@ def _torchvision_window(key, height, width, area_min):
   """torchvision's RandomResizedCrop.get_params, as crops._torchvision_window."""
   draw_key, offset_key = jax.random.split(key)
   target, ratio = _area_and_ratio(
-    draw_key, (crops.TORCHVISION_ATTEMPTS,), area_min, float(height * width)
+    draw_key, (crop_spec.TORCHVISION_ATTEMPTS,), area_min, float(height * width)
   )
   ws, hs = _lrint(jnp.sqrt(target * ratio)), _lrint(jnp.sqrt(target / ratio))
   fits = (ws > 0) & (ws <= width) & (hs > 0) & (hs <= height)
@@ -328,8 +329,12 @@ def _torchvision_window(key, height, width, area_min):
   # The fallback: a centre crop of the whole image, clamped to the aspect range
   # (height and width are static, so this is Python arithmetic).
   in_ratio = width / height
-  fallback_h = round(width / crops.ASPECT_RANGE[0]) if in_ratio < crops.ASPECT_RANGE[0] else height
-  fallback_w = round(height * crops.ASPECT_RANGE[1]) if in_ratio > crops.ASPECT_RANGE[1] else width
+  fallback_h = (
+    round(width / crop_spec.ASPECT_RANGE[0]) if in_ratio < crop_spec.ASPECT_RANGE[0] else height
+  )
+  fallback_w = (
+    round(height * crop_spec.ASPECT_RANGE[1]) if in_ratio > crop_spec.ASPECT_RANGE[1] else width
+  )
   h = jnp.where(found, hs[first], fallback_h)
   w = jnp.where(found, ws[first], fallback_w)
   top, left = _offsets(offset_key, height, width, h, w)
@@ -385,7 +390,7 @@ _KERNELS = {"bilinear": _triangle, "bicubic": _keys_cubic}
 
 def resize_weights(start, length, size: int, in_size: int, resize: str):
   """float32 [size, in_size]: the weights that resize pixels [start, start + length) of an axis
-  of in_size pixels to `size` pixels with crops.RESIZES[resize].
+  of in_size pixels to `size` pixels with crop_spec.RESIZES[resize].
 
   Output pixel i samples the window at (i + 0.5) length / size (half-pixel
   centres); input pixel j weighs kernel((j - start + 0.5 - that) k), k =
@@ -395,7 +400,7 @@ def resize_weights(start, length, size: int, in_size: int, resize: str):
   ScaleAndTranslate (tf.image.resize with antialias) and of its half-pixel
   bicubic resize, which also zeroes and renormalises taps outside the image.
   """
-  method, antialias = crops.RESIZES[resize]
+  method, antialias = crop_spec.RESIZES[resize]
   kernel = _KERNELS[method]
   length = length.astype(jnp.float32) if hasattr(length, "astype") else jnp.float32(length)
   scale = size / length
@@ -428,7 +433,7 @@ def view_key(seed: int, position, view):
   return jax.random.fold_in(jax.random.fold_in(key, position), view)
 
 
-def one_view(image, key, size: int, crop: crops.CropSpec):
+def one_view(image, key, size: int, crop: crop_spec.CropSpec):
   """crops.random_resized_crop's view on the device: uint8 [size, size, 3] of uint8 image
   [H, W, 3], its window drawn from key, flipped left-right with p 1/2."""
   crop_key, flip_key = jax.random.split(key)
@@ -443,7 +448,14 @@ def batch_positions(step, batch: int):
 
 
 def make_batch_fn(
-  *, num: int, batch: int, num_views: int, image_size: int, crop: crops.CropSpec, seed: int, mesh
+  *,
+  num: int,
+  batch: int,
+  num_views: int,
+  image_size: int,
+  crop: crop_spec.CropSpec,
+  seed: int,
+  mesh,
 ):
   """The jitted (split, this_epoch, next_epoch, epoch, step) -> global batch of step `step`.
 
@@ -470,19 +482,11 @@ def make_batch_fn(
   return jax.jit(fn, out_shardings=mesh_lib.batch_sharded(mesh))
 
 
-def epoch_order_array(num: int, seed: int, epoch: int) -> np.ndarray:
-  """int32 [num]: the record read at each place of epoch `epoch`, input_pipeline.epoch_permutation.
-
-  Computed on the host with TensorFlow (the cipher is TF's RandomIndexShuffle), once per epoch.
-  """
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
-
-  from contrastive_jax.data import input_pipeline  # pylint: disable=g-import-not-at-top
-
-  order = input_pipeline.epoch_permutation(
-    tf.range(num, dtype=tf.int64), num, seed, tf.constant(epoch, tf.int64)
-  )
-  return order.numpy().astype(np.int32)
+def epoch_order_array(num: int, seed: int, epoch: int) -> jax.Array:
+  """int32 [num]: the record read at each place of epoch `epoch` of run `seed`, a permutation
+  of [0, num) drawn by jax.random.permutation (threefry: the same on every backend)."""
+  key = jax.random.fold_in(jax.random.fold_in(jax.random.key(seed), _ORDER_STREAM), epoch)
+  return jax.random.permutation(key, num).astype(jnp.int32)
 
 
 class _Orders:
@@ -494,10 +498,9 @@ class _Orders:
 
   def __call__(self, epoch: int):
     if epoch not in self.cache:
-      order = epoch_order_array(self.num, self.seed, epoch)
-      self.cache[epoch] = jax.make_array_from_callback(
-        order.shape, self.sharding, lambda index: order[index]
-      )
+      self.cache[epoch] = jax.jit(
+        epoch_order_array, static_argnums=(0, 1), out_shardings=self.sharding
+      )(self.num, self.seed, epoch)
       for old in [e for e in self.cache if e < epoch - 1]:
         del self.cache[old]
     return self.cache[epoch]
@@ -506,7 +509,7 @@ class _Orders:
 def train_batches(split: Split, config, mesh, *, image_size: int, num_views: int = 2):
   """A job's start_step -> iterator of global training batches from the device (module docstring).
 
-  Reads config.batch_size (global), crop (crops.CropSpec's fields) and seed;
+  Reads config.batch_size (global), crop (crop_spec.CropSpec's fields) and seed;
   batch_size must be at most N (the pretrain job checks it). The iterator
   yields what input_pipeline.train_batches yields.
   """
@@ -517,7 +520,7 @@ def train_batches(split: Split, config, mesh, *, image_size: int, num_views: int
     batch=batch,
     num_views=num_views,
     image_size=image_size,
-    crop=crops.CropSpec(**config.crop),
+    crop=crop_spec.CropSpec(**config.crop),
     seed=config.seed,
     mesh=mesh,
   )

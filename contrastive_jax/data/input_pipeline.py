@@ -26,7 +26,6 @@ JPEG images are decoded only over their crop windows
 (crops.decode_random_resized_crops), with the same pixels as a whole decode.
 """
 
-import collections
 import functools
 import math
 from typing import Iterator, NamedTuple, Optional
@@ -37,6 +36,8 @@ import numpy as np
 import tensorflow as tf
 import tensorflow_datasets as tfds
 
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.data import crop_spec
 from contrastive_jax.data import crops
 
 
@@ -52,7 +53,7 @@ class EvalCrop(NamedTuple):
 
   size: S, the crop's side in pixels (the pretraining run's image_size);
   fraction: the share of the image's shorter side the crop covers, in (0, 1]
-  (config.eval_crop_fraction); resize: the crops.RESIZES name that resizes it
+  (config.eval_crop_fraction); resize: the crop_spec.RESIZES name that resizes it
   (config.crop.resize). Every file the project writes stores it as
   {"size", "fraction", "resize"} under the name "eval_crop" (embed.json,
   export.json, the ONNX model's metadata).
@@ -80,7 +81,7 @@ class EvalCrop(NamedTuple):
 def center_crop(image, size: int, crop_fraction: float, resize: str):
   """Central crop of crop_fraction of the shorter side, resized to [size, size] uint8.
 
-  image: uint8 [H, W, 3] of any size; resize: a crops.RESIZES name, whose
+  image: uint8 [H, W, 3] of any size; resize: a crop_spec.RESIZES name, whose
   method (bilinear or bicubic) resizes the crop, always with antialiasing
   when it shrinks, as PIL's resize in torchvision's evaluation transform
   (MoCo). SimCLR's and BYOL's TF evaluation resizes without antialiasing; we
@@ -98,7 +99,7 @@ def center_crop(image, size: int, crop_fraction: float, resize: str):
   crop = tf.image.resize(
     image[top : top + side, left : left + side],
     [size, size],
-    method=crops.RESIZES[resize][0],
+    method=crop_spec.RESIZES[resize][0],
     antialias=True,
   )
   return tf.cast(tf.clip_by_value(tf.round(crop), 0, 255), tf.uint8)
@@ -210,7 +211,7 @@ def train_dataset(
   *,
   local_batch: int,
   image_size: int,
-  crop: crops.CropSpec,
+  crop: crop_spec.CropSpec,
   seed: int,
   start_step: int,
   cache: bool,
@@ -350,9 +351,9 @@ def eval_dataset(
 
 
 def train_batches(source, config, sharding, *, image_size: int, num_views: int = 2):
-  """A job's start_step -> iterator of global training batches (train_dataset, device_batches).
+  """A job's start_step -> iterator of global training batches (train_dataset, mesh_lib.device_batches).
 
-  Reads config.train_split, batch_size (global), crop (crops.CropSpec's fields),
+  Reads config.train_split, batch_size (global), crop (crop_spec.CropSpec's fields),
   seed, cache, shuffle_buffer and data_threads; each process reads
   its own part. Logs stream_cost_warning's line, if any, now: before any compute.
   """
@@ -363,19 +364,21 @@ def train_batches(source, config, sharding, *, image_size: int, num_views: int =
     logging.warning(warning)
 
   def batches(start_step: int) -> Iterator[dict]:
-    return device_batches(
-      train_dataset(
-        source,
-        config.train_split,
-        local_batch=config.batch_size // jax.process_count(),
-        image_size=image_size,
-        crop=crops.CropSpec(**config.crop),
-        seed=config.seed,
-        start_step=start_step,
-        cache=config.cache,
-        shuffle_buffer=config.shuffle_buffer,
-        threads=config.data_threads,
-        num_views=num_views,
+    return mesh_lib.device_batches(
+      tfds.as_numpy(
+        train_dataset(
+          source,
+          config.train_split,
+          local_batch=config.batch_size // jax.process_count(),
+          image_size=image_size,
+          crop=crop_spec.CropSpec(**config.crop),
+          seed=config.seed,
+          start_step=start_step,
+          cache=config.cache,
+          shuffle_buffer=config.shuffle_buffer,
+          threads=config.data_threads,
+          num_views=num_views,
+        )
       ),
       sharding,
     )
@@ -383,29 +386,17 @@ def train_batches(source, config, sharding, *, image_size: int, num_views: int =
   return batches
 
 
-def device_batches(ds: tf.data.Dataset, sharding, prefetch: int = 2) -> Iterator[dict]:
-  """Yields global jax.Arrays assembled from each process's local batches.
-
-  Keeps `prefetch` batches in flight: device_put is asynchronous, so the
-  transfer of batch i+1 overlaps the step on batch i.
-  """
-  queue = collections.deque()
-  for local in tfds.as_numpy(ds):
-    queue.append(jax.tree.map(lambda x: jax.make_array_from_process_local_data(sharding, x), local))
-    if len(queue) > prefetch:
-      yield queue.popleft()
-  while queue:
-    yield queue.popleft()
-
-
 def eval_datasets(source, *, eval_crop: EvalCrop, threads: int, cache: bool):
-  """(split, local_batch) -> eval tf.data (eval_dataset), built once per pair so that an
-  in-memory cache persists across evaluations."""
+  """(split, local_batch) -> an iterable of eval_dataset's numpy batches (tfds.as_numpy: each
+  iteration reads the split again), built once per pair so that an in-memory cache persists
+  across evaluations."""
 
   @functools.lru_cache(maxsize=None)
   def dataset(split, local_batch):
-    return eval_dataset(
-      source, split, local_batch=local_batch, eval_crop=eval_crop, threads=threads, cache=cache
+    return tfds.as_numpy(
+      eval_dataset(
+        source, split, local_batch=local_batch, eval_crop=eval_crop, threads=threads, cache=cache
+      )
     )
 
   return dataset

@@ -10,14 +10,10 @@ weights file) every network starts from that file's encoder; the heads start
 from the method's initialisation.
 """
 
-from typing import Any, Callable, NamedTuple
-
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
-import optax
 
 from contrastive_jax import models
 from contrastive_jax.core import durations
@@ -25,8 +21,7 @@ from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import pictures
 from contrastive_jax.core import tensor_files
 from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.data import augment
-from contrastive_jax.data import crops
+from contrastive_jax.data import crop_spec
 from contrastive_jax.data import device_data
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
@@ -34,8 +29,7 @@ from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import get_method
 from contrastive_jax.methods import optim
-from contrastive_jax.methods import run_keys
-from contrastive_jax.methods import with_encoder
+from contrastive_jax.methods import pretraining
 from contrastive_jax.models import state_dicts
 from contrastive_jax.training import evaluators
 from contrastive_jax.training import runner
@@ -51,91 +45,14 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int):
   get_method(config.method)
   if config.image_size <= 0:
     raise ConfigError("image_size", config.image_size, "> 0")
-  crops.check_config(config)
+  crop_spec.check_config(config)
   if not 0 < config.eval_crop_fraction <= 1:
     raise ConfigError("eval_crop_fraction", config.eval_crop_fraction, "in (0, 1]")
   if not config.online_probe.learning_rate > 0:
     raise ConfigError("online_probe.learning_rate", config.online_probe.learning_rate, "> 0")
   models.check_model_config(config.model, config.image_size)
   optim.check_optimizer_config(config.optimizer)
-  views(config)
-
-
-def views(config):
-  """The (view 1, view 2) on-device augmentation settings of the config."""
-  return (
-    augment.ViewAugment.from_config(config.augment.view1, "augment.view1"),
-    augment.ViewAugment.from_config(config.augment.view2, "augment.view2"),
-  )
-
-
-def online_probe(config, num_classes: int) -> common.OnlineProbe:
-  """The online probe of a dataset with num_classes classes.
-
-  A zero-initialised linear layer on h trained with Adam at
-  config.online_probe.learning_rate (Adam's per-parameter step fits the scale
-  of h as it changes during pretraining without retuning); SimCLR (Chen et al.
-  2020, Appendix B.6) and BYOL (Grill et al. 2020, Appendix C.1) train such a
-  classifier on stop_gradient(h) alongside pretraining. Every pretraining run
-  on a labelled dataset trains it, so that the state's structure does not
-  depend on which evaluators a resumed run declares.
-  """
-  head = nn.Dense(num_classes, kernel_init=nn.initializers.zeros)
-  return common.OnlineProbe(head, optax.adam(config.online_probe.learning_rate))
-
-
-class Run(NamedTuple):
-  """What a config builds: the model, its lr schedule, init and train step."""
-
-  model: Any
-  schedule: Callable
-  init: Callable  # () -> TrainState at step 0, replicated on the mesh.
-  train_step: Callable  # (state, batch) -> (state, metrics), jitted, state donated.
-  probe: Any  # common.OnlineProbe or None.
-
-
-def setup(
-  config,
-  mesh,
-  steps_per_epoch: int,
-  num_steps: int,
-  num_classes: int = 0,
-  encoder_variables_at_start=None,
-) -> Run:
-  """Builds the method's model, optimizer, state initialiser and train step.
-
-  num_classes > 0 (a labelled dataset) adds the online probe; 0, none.
-  encoder_variables_at_start: None, or the encoder's {'params', 'batch_stats'}
-  (numpy) that every network of the state starts from (methods.with_encoder).
-  """
-  method = get_method(config.method)
-  schedule = optim.learning_rate_schedule(
-    config.optimizer, config.batch_size, steps_per_epoch, num_steps
-  )
-  tx = optim.build_optimizer(
-    config.optimizer, schedule, freeze=config.model.get("random_patch_projection", False)
-  )
-  model = method.build_model(config)
-  probe = online_probe(config, num_classes) if num_classes > 0 else None
-  init_rng, rng = run_keys(config.seed)
-
-  def init():
-    state = method.init_state(config, model, tx, init_rng, rng)
-    if probe is not None:
-      state = state.replace(probe=probe.init(init_rng, models.encoder_width(config.model)))
-    return state
-
-  replicated = mesh_lib.replicated(mesh)
-  init_state = jax.jit(init, out_shardings=replicated)
-  if encoder_variables_at_start is not None:
-    drawn = init_state
-    replace = jax.jit(with_encoder, out_shardings=replicated, donate_argnums=0)
-    init_state = lambda: replace(drawn(), encoder_variables_at_start)
-  train_step = jax.jit(
-    method.make_train_step(config, model, tx, views(config), mesh, num_steps, probe),
-    donate_argnums=0,
-  )
-  return Run(model, schedule, init_state, train_step, probe)
+  pretraining.views(config)
 
 
 def build(config, mesh, saved_config, workdir) -> runner.Task:
@@ -162,7 +79,9 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
       source, config, mesh_lib.batch_sharded(mesh), image_size=config.image_size
     )
   )
-  run = setup(config, mesh, steps_per_epoch, num_steps, source.num_classes or 0, imported)
+  run = pretraining.setup(
+    config, mesh, steps_per_epoch, num_steps, source.num_classes or 0, imported
+  )
 
   encoder = run.model.encoder
 
@@ -195,7 +114,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
     schedule=run.schedule,
     eval_model=eval_model,
     num_classes=source.num_classes,
-    views_picture=views_picture(views(config), mesh),
+    views_picture=views_picture(pretraining.views(config), mesh),
   )
 
 

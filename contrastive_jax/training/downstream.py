@@ -19,7 +19,7 @@ from contrastive_jax.core import durations
 from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.data import crops
+from contrastive_jax.data import crop_spec
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.methods import common
@@ -32,7 +32,7 @@ from contrastive_jax.training import runner
 def check_config(config, num_devices: int):
   """Raises ConfigError for the shared fields that cannot run (before any compute)."""
   runner.check_config(config, num_devices)
-  crops.check_config(config)
+  crop_spec.check_config(config)
   optim.check_optimizer_config(config.optimizer)
 
 

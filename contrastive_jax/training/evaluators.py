@@ -22,7 +22,6 @@ import numpy as np
 from contrastive_jax.core import durations
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.data import input_pipeline
 from contrastive_jax.methods import common
 
 
@@ -32,8 +31,8 @@ class EvalModel(NamedTuple):
   variables: state -> the pytree passed to features and logits.
   features: -> float32 [B, D] representation h (eval-mode encoder).
   logits: -> float32 [B, C] class logits of the job's classifier, or None.
-  dataset: (split, local_batch) -> this process's eval tf.data of
-    {'image', 'label', 'mask'} (input_pipeline.eval_dataset).
+  dataset: (split, local_batch) -> an iterable of this process's eval batches,
+    numpy {'image', 'label', 'mask'} (input_pipeline.eval_datasets).
   """
 
   variables: Callable
@@ -122,7 +121,7 @@ class Knn:
   def _features(self, variables, split):
     """Yields (h sharded [B, D], labels, mask) for every batch of `split`."""
     ds = self._model.dataset(split, self._local_batch)
-    for batch in input_pipeline.device_batches(ds, mesh_lib.batch_sharded(self._mesh)):
+    for batch in mesh_lib.device_batches(ds, mesh_lib.batch_sharded(self._mesh)):
       yield self._embed(variables, batch["image"]), batch["label"], batch["mask"]
 
   def __call__(self, state) -> dict:
@@ -162,7 +161,7 @@ class Classifier:
     variables = self._model.variables(state)
     totals = 0
     ds = self._model.dataset(self._split, self._local_batch)
-    for batch in input_pipeline.device_batches(ds, mesh_lib.batch_sharded(self._mesh)):
+    for batch in mesh_lib.device_batches(ds, mesh_lib.batch_sharded(self._mesh)):
       totals = totals + self._counts(variables, batch)  # Stays on the device until the end.
     totals = np.asarray(jax.device_get(totals), np.float64)
     return {f"{self.name}_top{k}": totals[i] / totals[-1] for i, k in enumerate(self._ks)}

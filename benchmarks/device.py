@@ -1,0 +1,472 @@
+"""The accelerator benchmark: what the project does on the device it runs on, as one table.
+
+  python benchmarks/device.py --data=cifar10.npz --out=/tmp/device  # one GPU: ~9 min
+  python benchmarks/device.py --tiny --data=cifar10.npz --out=/tmp/device  # CPU: toy sizes
+
+It needs JAX, flax, optax, orbax-checkpoint, numpy, Pillow, absl-py, etils and
+ml_collections, and no TensorFlow, TFDS or clu, so it runs on an accelerator image
+that has JAX alone (docs/gpu.md says what to carry there). --data is the .npz of
+benchmarks/make_device_data.py (CIFAR-10's train and test splits). Sections:
+
+  environment  JAX's version, the backend, the device kind and count, and the kind's
+               dense bfloat16 peak (PEAK_TFLOPS, or --peak_tflops).
+  steps        for each row of ROWS, its config's pretraining step
+               (methods.pretraining.setup: jitted, state donated, the online probe
+               of 10 classes) on a fixed uint8 batch after compilation: ms per
+               step, images/s (an image and its two views count once), TFLOP per
+               step from XLA's cost analysis (one device's), MFU = those FLOPs /
+               step time / peak, and the bytes the compiled program holds (XLA's
+               memory analysis: arguments, outputs and temporaries, less what
+               donation aliases). The last row is a supervised ResNet-50 step
+               (cross-entropy, SGD with momentum 0.9 and weight decay 1e-4, batch
+               256, bfloat16): the reference the two-view rows are read against.
+  pretraining  SimCLR ResNet-18 on CIFAR-10 (batch 512, bfloat16) from the .npz held
+               on the device (data/device_data.py) for --train_seconds (the number
+               of steps is the budget over the step time measured above, so the
+               learning-rate schedule runs to its end), then the kNN monitor
+               (evaluators.Knn: k 200, temperature 0.1, test against train).
+
+--tiny shrinks every row to seconds on a CPU (batch 16, width 1/8, one ViT block,
+32 px) and trains for 20 s on the first 2,048 training images: a check that every
+row runs, not a measurement. Prints the table and writes it to OUT/device.md, with
+every figure in OUT/device.json.
+"""
+
+import importlib.util
+import json
+import os
+import sys
+import time
+
+# What the script imports beyond the standard library: checked before any import,
+# so that an image without one of them gets one line naming it.
+REQUIRED = {
+  "absl": "absl-py",
+  "etils": "etils[epath]",
+  "flax": "flax",
+  "jax": "jax",
+  "ml_collections": "ml-collections",
+  "numpy": "numpy",
+  "optax": "optax",
+  "orbax.checkpoint": "orbax-checkpoint",
+  "PIL": "pillow",
+}
+
+
+def missing_packages() -> list:
+  """The pip names of REQUIRED's modules that this Python cannot import."""
+  missing = []
+  for module, package in REQUIRED.items():
+    try:
+      found = importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # A parent package is absent.
+      found = False
+    if not found:
+      missing.append(package)
+  return missing
+
+
+if __name__ == "__main__" and missing_packages():
+  sys.exit(
+    f"benchmarks/device.py needs {', '.join(missing_packages())}: install them or carry "
+    "their wheels (docs/gpu.md)"
+  )
+
+# Time the package this script sits in, not another installed copy of it.
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from absl import app  # noqa: E402
+from absl import flags  # noqa: E402
+import flax.linen as nn  # noqa: E402
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
+
+from contrastive_jax import models  # noqa: E402
+from contrastive_jax.core import files  # noqa: E402
+from contrastive_jax.core import mesh as mesh_lib  # noqa: E402
+from contrastive_jax.core.errors import ConfigError  # noqa: E402
+from contrastive_jax.data import device_data  # noqa: E402
+from contrastive_jax.methods import encoder_variables  # noqa: E402
+from contrastive_jax.methods import pretraining  # noqa: E402
+from contrastive_jax.training import evaluators  # noqa: E402
+
+FLAGS = flags.FLAGS
+
+# Dense bfloat16 peak FLOP/s per chip by device kind (the vendors' data sheets; the
+# sparse figures are twice these). MFU is read against this whatever a row's dtype.
+PEAK_TFLOPS = {
+  "H200": 989.0,
+  "H100": 989.0,
+  "A100": 312.0,
+  "L4": 121.0,
+  "A6000": 155.0,
+  "TPU v4": 275.0,
+  "TPU v5 lite": 197.0,
+  "TPU v5e": 197.0,
+  "TPU v5p": 459.0,
+  "TPU v6 lite": 918.0,
+}
+
+# (row, config file in configs/, its argument, field overrides): the issue's shapes,
+# ResNet-18 CIFAR at batch 512 and the 224 px networks at batch 256.
+ROWS = (
+  ("SimCLR ResNet-18 CIFAR bf16", "simclr_cifar10", "dtype=bfloat16", {}),
+  ("SimCLR ResNet-18 CIFAR f32", "simclr_cifar10", "dtype=float32", {}),
+  ("MoCo v2 ResNet-18 CIFAR bf16", "moco_v2_cifar10", "dtype=bfloat16", {}),
+  ("BYOL ResNet-18 CIFAR bf16", "byol_cifar10", "dtype=bfloat16", {"batch_size": 512}),
+  ("MoCo v3 ResNet-18 CIFAR bf16", "mocov3_cifar10", "dtype=bfloat16", {"batch_size": 512}),
+  ("SimCLR ResNet-50 224 bf16", "simclr_imagenet", "dtype=bfloat16", {"batch_size": 256}),
+  ("MoCo v2 ResNet-50 224 bf16", "moco_v2_imagenet", "dtype=bfloat16", {"batch_size": 256}),
+  ("BYOL ResNet-50 224 bf16", "byol_imagenet", "dtype=bfloat16", {"batch_size": 256}),
+  (
+    "MoCo v3 ResNet-50 224 bf16",
+    "mocov3_imagenet",
+    "model=resnet50,dtype=bfloat16",
+    {"batch_size": 256},
+  ),
+  (
+    "MoCo v3 ViT-S/16 224 bf16",
+    "mocov3_imagenet",
+    "model=vit_small,dtype=bfloat16",
+    {"batch_size": 256},
+  ),
+)
+SUPERVISED = "supervised ResNet-50 224 bf16"
+TINY_BATCH = 16
+
+
+def define_flags():
+  """The script's flags (not defined at import, so tests can load the module)."""
+  flags.DEFINE_string("data", None, "the .npz of benchmarks/make_device_data.py (train, test)")
+  flags.DEFINE_string("out", "/tmp/device", "where device.md and device.json are written")
+  flags.DEFINE_bool("tiny", False, "every row at toy sizes: a CPU check, not a measurement")
+  flags.DEFINE_integer("steps", 10, "timed steps per row, after compilation and one warm-up")
+  flags.DEFINE_float("train_seconds", 120.0, "the pretraining section's budget (--tiny: 20)")
+  flags.DEFINE_list("rows", [], "the steps rows whose names contain one of these (default: all)")
+  flags.DEFINE_float("peak_tflops", None, "the device's dense bf16 peak (default: PEAK_TFLOPS)")
+
+
+def load_config(name: str, arg: str):
+  """configs/NAME.py's get_config(arg), as --config=configs/NAME.py:arg loads it."""
+  spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "configs", name + ".py"))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config(arg)
+
+
+def shrink(config):
+  """config at --tiny's sizes (batch 16, width 1/8, one ViT block, 32 px); MoCo's BN groups
+  and queue fitted to them."""
+  config.batch_size = TINY_BATCH
+  config.image_size = 32
+  if "depth" in config.model:  # A ViT: patch 16 on 32 px is a 2 x 2 grid.
+    config.model.depth = 1
+  else:
+    config.model.width = 0.125
+  if "queue_size" in config.get("moco", {}):
+    config.moco.queue_size = 4 * TINY_BATCH
+  return config
+
+
+def row_config(name: str, arg: str, overrides: dict, tiny: bool):
+  """The config of a row of ROWS; MoCo's shuffle-BN groups made a multiple of the device count
+  (one device: the config's group size is kept, its groups all on the one device)."""
+  config = load_config(name, arg)
+  for field, value in overrides.items():
+    config[field] = value
+  if tiny:
+    config = shrink(config)
+  if "bn_group_size" in config.get("moco", {}):
+    devices = jax.device_count()
+    size = max(config.moco.bn_group_size // devices, 1) * devices
+    while config.batch_size % size or config.batch_size // size < 2:
+      size //= 2
+    config.moco.bn_group_size = size
+  return config
+
+
+def peak_flops(kind: str):
+  """The dense bf16 FLOP/s of a device kind (PEAK_TFLOPS, --peak_tflops first), or None."""
+  if FLAGS.peak_tflops:
+    return FLAGS.peak_tflops * 1e12
+  for name, tflops in PEAK_TFLOPS.items():
+    if name.lower() in kind.lower():
+      return tflops * 1e12
+  return None
+
+
+def compiled_cost(step, *args) -> dict:
+  """{'flops', 'bytes'}: XLA's cost analysis FLOPs and memory analysis bytes of step(*args)."""
+  compiled = step.lower(*args).compile()
+  analysis = compiled.cost_analysis()
+  if isinstance(analysis, (list, tuple)):
+    analysis = analysis[0]
+  memory = compiled.memory_analysis()
+  held = None
+  if memory is not None:
+    held = (
+      memory.argument_size_in_bytes
+      + memory.output_size_in_bytes
+      - memory.alias_size_in_bytes
+      + memory.temp_size_in_bytes
+    )
+  return {"flops": float(analysis.get("flops", 0.0)), "bytes": held}
+
+
+def time_steps(step, state, batch, steps: int):
+  """(seconds per step, final state): one warm-up step, then `steps` timed, each on the state
+  the previous returned, blocked on at the end only."""
+  state, metrics = step(state, batch)
+  jax.block_until_ready(metrics)
+  start = time.perf_counter()
+  for _ in range(steps):
+    state, metrics = step(state, batch)
+  jax.block_until_ready(metrics)
+  return (time.perf_counter() - start) / steps, state
+
+
+def random_batch(config, mesh, num_views: int = 2):
+  """A fixed uint8 batch [B, num_views, S, S, 3] with zero labels, sharded as the jobs shard."""
+  size = config.image_size
+  images = np.random.default_rng(0).integers(
+    0, 256, (config.batch_size, num_views, size, size, 3), np.uint8
+  )
+  batch = {"image": images, "label": np.zeros(config.batch_size, np.int32)}
+  return jax.device_put(batch, mesh_lib.batch_sharded(mesh))
+
+
+def step_row(label: str, config, mesh, peak) -> dict:
+  """The steps section's measurements of one config."""
+  start = time.perf_counter()
+  run = pretraining.setup(config, mesh, steps_per_epoch=100, num_steps=1000, num_classes=10)
+  state, batch = run.init(), random_batch(config, mesh)
+  cost = compiled_cost(run.train_step, state, batch)
+  seconds, state = time_steps(run.train_step, state, batch, FLAGS.steps)
+  del state
+  return result_row(label, config.batch_size, seconds, cost, peak, time.perf_counter() - start)
+
+
+def result_row(label, batch, seconds, cost, peak, wall) -> dict:
+  flops = cost["flops"] * jax.device_count()
+  return {
+    "row": label,
+    "batch": batch,
+    "ms": 1e3 * seconds,
+    "images_per_s": batch / seconds,
+    "tflop_per_step": flops / 1e12,
+    "mfu": flops / seconds / (peak * jax.device_count()) if peak else None,
+    "memory_gib": cost["bytes"] / 2**30 if cost["bytes"] is not None else None,
+    "wall_s": wall,
+  }
+
+
+def supervised_row(tiny: bool, mesh, peak) -> dict:
+  """A supervised ResNet-50 step at 224 px (batch 256, bfloat16): the encoder, a linear
+  classifier of 1,000 classes, softmax cross-entropy, SGD momentum 0.9, weight decay 1e-4
+  on every parameter; images flipped nowhere, normalised by the encoder's stem."""
+  start = time.perf_counter()
+  config = load_config("simclr_imagenet", "dtype=bfloat16")
+  config.batch_size = 256
+  if tiny:
+    config = shrink(config)
+  encoder = models.build_encoder(config.model)
+  head = nn.Dense(1000)
+  tx = optax.chain(optax.add_decayed_weights(1e-4), optax.sgd(0.1, momentum=0.9))
+  size, batch_size = config.image_size, config.batch_size
+  images = jnp.zeros((1, size, size, 3), jnp.float32)
+
+  def init():
+    variables = encoder.init(jax.random.key(0), images, train=False)
+    features = encoder.apply(variables, images, train=False)
+    params = {"encoder": variables["params"], "head": head.init(jax.random.key(1), features)}
+    return params, variables.get("batch_stats", {}), tx.init(params)
+
+  replicated = mesh_lib.replicated(mesh)
+  state = jax.jit(init, out_shardings=replicated)()
+
+  def step(state, batch):
+    params, batch_stats, opt_state = state
+    x = batch["image"][:, 0].astype(jnp.float32) / 255.0
+
+    def loss_fn(params):
+      h, updates = encoder.apply(
+        {"params": params["encoder"], "batch_stats": batch_stats},
+        x,
+        train=True,
+        mutable=["batch_stats"],
+      )
+      logits = head.apply(params["head"], h.astype(jnp.float32))
+      loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+      return loss, updates["batch_stats"]
+
+    (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return (optax.apply_updates(params, updates), batch_stats, opt_state), {"loss": loss}
+
+  step = jax.jit(step, donate_argnums=0, out_shardings=(replicated, replicated))
+  batch = random_batch(config, mesh, num_views=1)
+  cost = compiled_cost(step, state, batch)
+  seconds, state = time_steps(step, state, batch, FLAGS.steps)
+  del state
+  return result_row(SUPERVISED, batch_size, seconds, cost, peak, time.perf_counter() - start)
+
+
+def numpy_batches(images, labels, local_batch: int):
+  """(split, local_batch) -> iterable of numpy eval batches of images uint8 [N, S, S, 3]: the
+  last one padded with zeros, its padding masked out (what evaluators read)."""
+
+  def batches():
+    for start in range(0, len(images), local_batch):
+      x, y = images[start : start + local_batch], labels[start : start + local_batch]
+      pad = local_batch - len(x)
+      mask = np.arange(local_batch) < len(x)
+      yield {
+        "image": np.concatenate([x, np.zeros((pad,) + x.shape[1:], x.dtype)]),
+        "label": np.concatenate([y, np.zeros(pad, y.dtype)]),
+        "mask": mask,
+      }
+
+  return batches
+
+
+def pretraining_run(tiny: bool, mesh, seconds_per_step: float) -> dict:
+  """The pretraining section: SimCLR ResNet-18 on CIFAR-10 from the .npz on the device for
+  --train_seconds, then the kNN monitor. seconds_per_step: the steps section's SimCLR bf16."""
+  start = time.perf_counter()
+  train_images, train_labels = device_data.load_npz(FLAGS.data, "train")
+  test_images, test_labels = device_data.load_npz(FLAGS.data, "test")
+  config = row_config("simclr_cifar10", "dtype=bfloat16", {}, tiny)
+  if tiny:
+    train_images, train_labels = train_images[:2048], train_labels[:2048]
+    test_images, test_labels = test_images[:512], test_labels[:512]
+  num, height, width, _ = train_images.shape
+  capacity, where = device_data.device_capacity()
+  device_data.check_fits(device_data.split_bytes(num, height, width), capacity, where, FLAGS.data)
+  read_s = time.perf_counter() - start
+  budget = FLAGS.train_seconds if not tiny or FLAGS["train_seconds"].present else 20.0
+  num_steps = max(int(budget / seconds_per_step), 1)
+  steps_per_epoch = num // config.batch_size
+  run = pretraining.setup(config, mesh, steps_per_epoch, num_steps, num_classes=10)
+  split = device_data.to_mesh(train_images, train_labels, mesh)
+  batches = device_data.train_batches(split, config, mesh, image_size=config.image_size)(0)
+  state = run.init()
+  train_start = time.perf_counter()
+  for _ in range(num_steps):
+    state, metrics = run.train_step(state, next(batches))
+  loss = float(metrics["loss"])
+  train_s = time.perf_counter() - train_start
+  knn_config = config.evaluators.knn.copy_and_resolve_references()
+  knn_config.update(split="test", bank_split="train", k=200, temperature=0.1)
+  knn_config.batch_size = min(knn_config.batch_size, 8 * config.batch_size)
+  knn_config.batch_size -= knn_config.batch_size % jax.device_count()
+  encoder = run.model.encoder
+  data = {"train": (train_images, train_labels), "test": (test_images, test_labels)}
+  eval_model = evaluators.EvalModel(
+    variables=encoder_variables,
+    features=lambda variables, images: models.encode(encoder, variables, images),
+    logits=None,
+    dataset=lambda split, local_batch: numpy_batches(*data[split], local_batch)(),
+  )
+  knn_start = time.perf_counter()
+  knn = evaluators.Knn("knn", knn_config, eval_model, mesh, 10)(state)["knn_top1"]
+  return {
+    "steps": num_steps,
+    "epochs": num_steps * config.batch_size / num,
+    "images_per_s": num_steps * config.batch_size / train_s,
+    "train_s": train_s,
+    "read_s": read_s,
+    "knn_s": time.perf_counter() - knn_start,
+    "final_loss": loss,
+    "knn_top1": knn,
+    "train_images": num,
+    "test_images": len(test_images),
+  }
+
+
+def fmt(value, spec: str) -> str:
+  return "n/a" if value is None else format(value, spec)
+
+
+def table(env: dict, rows: list, pretrain: dict) -> str:
+  """The results as markdown."""
+  lines = [
+    f"JAX {env['jax']}, {env['devices']} x {env['kind']} ({env['backend']}), peak "
+    f"{fmt(env['peak_tflops'], '.0f')} bf16 TFLOP/s per chip{' (--tiny)' if env['tiny'] else ''}",
+    "",
+    "| row | batch | ms/step | images/s | TFLOP/step | MFU | memory (GiB) | wall (s) |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  for r in rows:
+    lines.append(
+      f"| {r['row']} | {r['batch']} | {r['ms']:.1f} | {r['images_per_s']:.0f} | "
+      f"{r['tflop_per_step']:.3f} | {fmt(r['mfu'], '.1%')} | {fmt(r['memory_gib'], '.2f')} | "
+      f"{r['wall_s']:.0f} |"
+    )
+  p = pretrain
+  lines += [
+    "",
+    f"SimCLR ResNet-18 CIFAR-10 from the device: {p['steps']} steps ({p['epochs']:.1f} epochs of "
+    f"{p['train_images']}) in {p['train_s']:.0f} s, {p['images_per_s']:.0f} images/s; final loss "
+    f"{p['final_loss']:.3f}; kNN top-1 {p['knn_top1']:.4f} on {p['test_images']} test images "
+    f"({p['knn_s']:.0f} s); data read in {p['read_s']:.0f} s",
+  ]
+  return "\n".join(lines) + "\n"
+
+
+def main(argv):
+  del argv
+  chosen = [r for r in ROWS if not FLAGS.rows or any(s in r[0] for s in FLAGS.rows)]
+  if not chosen or not chosen[0][0].startswith("SimCLR ResNet-18 CIFAR bf16"):
+    sys.exit(
+      f"benchmarks/device.py: --rows={','.join(FLAGS.rows)} must choose the first row "
+      f"({ROWS[0][0]!r}), whose step time sizes the pretraining section; rows: "
+      + "; ".join(r[0] for r in ROWS)
+    )
+  if not FLAGS.data or not os.path.exists(FLAGS.data):
+    sys.exit(
+      f"benchmarks/device.py: --data={FLAGS.data or ''} is no file; it needs the .npz that "
+      "benchmarks/make_device_data.py writes (docs/gpu.md)"
+    )
+  start = time.perf_counter()
+  mesh = mesh_lib.make_mesh()
+  kind = jax.devices()[0].device_kind
+  peak = peak_flops(kind)
+  env = {
+    "jax": jax.__version__,
+    "backend": jax.default_backend(),
+    "kind": kind,
+    "devices": jax.device_count(),
+    "peak_tflops": peak / 1e12 if peak else None,
+    "tiny": FLAGS.tiny,
+  }
+  print(f"JAX {env['jax']} on {env['devices']} x {kind}", flush=True)
+  rows = []
+  for label, name, arg, overrides in chosen:
+    rows.append(step_row(label, row_config(name, arg, overrides, FLAGS.tiny), mesh, peak))
+    print(f"  {label}: {rows[-1]['images_per_s']:.0f} images/s", flush=True)
+  rows.append(supervised_row(FLAGS.tiny, mesh, peak))
+  print(f"  {SUPERVISED}: {rows[-1]['images_per_s']:.0f} images/s", flush=True)
+  pretrain = pretraining_run(FLAGS.tiny, mesh, rows[0]["ms"] / 1e3)
+  env["wall_s"] = time.perf_counter() - start
+  text = table(env, rows, pretrain)
+  print(text, flush=True)
+  files.makedirs(FLAGS.out)
+  files.write_atomic(os.path.join(FLAGS.out, "device.md"), text)
+  results = {"environment": env, "steps": rows, "pretraining": pretrain}
+  files.write_atomic(os.path.join(FLAGS.out, "device.json"), json.dumps(results, indent=1))
+
+
+def run_main(argv):
+  """main, with a ConfigError as its one line on stderr and exit status 2."""
+  try:
+    main(argv)
+  except ConfigError as error:
+    sys.exit(f"benchmarks/device.py: {error}")
+
+
+if __name__ == "__main__":
+  define_flags()
+  app.run(run_main)
