@@ -299,7 +299,9 @@ def supervised_row(tiny: bool, mesh, peak) -> dict:
         mutable=["batch_stats"],
       )
       logits = head.apply(params["head"], h.astype(jnp.float32))
-      loss = optax.softmax_cross_entropy_with_integer_labels(logits, batch["label"]).mean()
+      # One-hot targets: an integer-label gather over the batch-sharded logits has no
+      # unambiguous output sharding under an explicit mesh (JAX 0.11 refuses it).
+      loss = optax.softmax_cross_entropy(logits, jax.nn.one_hot(batch["label"], 1000)).mean()
       return loss, updates["batch_stats"]
 
     (loss, batch_stats), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)

@@ -5,7 +5,6 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
-import tensorflow as tf
 
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.training import evaluators
@@ -50,13 +49,17 @@ def _eval_model(images_by_split, labels_by_split, logits=None):
     n = len(images)
     padded = -(-n // local_batch) * local_batch
     pad = padded - n
-    return tf.data.Dataset.from_tensor_slices(
+    image = np.concatenate([images, np.zeros((pad,) + images.shape[1:], np.uint8)])
+    label = np.concatenate([labels, np.zeros(pad, np.int32)])
+    mask = np.arange(padded) < n
+    return [
       {
-        "image": np.concatenate([images, np.zeros((pad,) + images.shape[1:], np.uint8)]),
-        "label": np.concatenate([labels, np.zeros(pad, np.int32)]),
-        "mask": np.arange(padded) < n,
+        "image": image[i : i + local_batch],
+        "label": label[i : i + local_batch],
+        "mask": mask[i : i + local_batch],
       }
-    ).batch(local_batch)
+      for i in range(0, padded, local_batch)
+    ]
 
   features = lambda v, x: x.reshape(x.shape[0], -1).astype(jnp.float32) * v
   return evaluators.EvalModel(

@@ -351,7 +351,8 @@ def eval_dataset(
 
 
 def train_batches(source, config, sharding, *, image_size: int, num_views: int = 2):
-  """A job's start_step -> iterator of global training batches (train_dataset, mesh_lib.device_batches).
+  """A job's start_step -> iterator of global training batches (train_dataset,
+  mesh_lib.device_batches).
 
   Reads config.train_split, batch_size (global), crop (crop_spec.CropSpec's fields),
   seed, cache, shuffle_buffer and data_threads; each process reads
