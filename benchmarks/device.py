@@ -14,10 +14,11 @@ benchmarks/make_device_data.py (CIFAR-10's train and test splits). Sections:
                (methods.pretraining.setup: jitted, state donated, the online probe
                of 10 classes) on a fixed uint8 batch after compilation: ms per
                step, images/s (an image and its two views count once), TFLOP per
-               step from XLA's cost analysis (one device's), MFU = those FLOPs /
+               step from XLA's cost analysis of the lowered program (one device's;
+               compile_step says why not the compiled one's), MFU = those FLOPs /
                step time / peak, and the bytes the compiled program holds (XLA's
                memory analysis: arguments, outputs and temporaries, less what
-               donation aliases). The last row is a supervised ResNet-50 step
+               donation aliases). Then a supervised ResNet-50 step
                (cross-entropy, SGD with momentum 0.9 and weight decay 1e-4, batch
                256, bfloat16): the reference the two-view rows are read against.
   pretraining  SimCLR ResNet-18 on CIFAR-10 (batch 512, bfloat16) from the .npz held
@@ -28,8 +29,10 @@ benchmarks/make_device_data.py (CIFAR-10's train and test splits). Sections:
 
 --tiny shrinks every row to seconds on a CPU (batch 16, width 1/8, one ViT block,
 32 px) and trains for 20 s on the first 2,048 training images: a check that every
-row runs, not a measurement. Prints the table and writes it to OUT/device.md, with
-every figure in OUT/device.json.
+row runs, not a measurement. Runs the first row, the supervised row and the pretraining
+section before the other rows, so that a run stopped by its time limit keeps them; prints each
+row as it finishes and rewrites OUT/device.md and OUT/device.json (every figure) after each,
+then prints the whole table.
 """
 
 import importlib.util
@@ -135,6 +138,7 @@ ROWS = (
   ),
 )
 SUPERVISED = "supervised ResNet-50 224 bf16"
+SECTIONS = ("steps", "supervised", "pretraining")
 TINY_BATCH = 16
 
 
@@ -146,6 +150,11 @@ def define_flags():
   flags.DEFINE_integer("steps", 10, "timed steps per row, after compilation and one warm-up")
   flags.DEFINE_float("train_seconds", 120.0, "the pretraining section's budget (--tiny: 20)")
   flags.DEFINE_list("rows", [], "the steps rows whose names contain one of these (default: all)")
+  flags.DEFINE_list(
+    "sections",
+    list(SECTIONS),
+    f"which of {', '.join(SECTIONS)} to run (the rest of a run cut short)",
+  )
   flags.DEFINE_float("peak_tflops", None, "the device's dense bf16 peak (default: PEAK_TFLOPS)")
 
 
@@ -198,10 +207,19 @@ def peak_flops(kind: str):
   return None
 
 
-def compiled_cost(step, *args) -> dict:
-  """{'flops', 'bytes'}: XLA's cost analysis FLOPs and memory analysis bytes of step(*args)."""
-  compiled = step.lower(*args).compile()
-  analysis = compiled.cost_analysis()
+def compile_step(step, *args):
+  """(compiled, {'flops', 'bytes'}): step compiled for args, once (the timing calls the
+  compiled program itself), with its FLOPs and the bytes it holds.
+
+  FLOPs are XLA's cost analysis of the program as lowered, before the backend's passes (2 per
+  multiply-add of dots and convolutions): the compiled program's analysis leaves out what a
+  backend hands to libraries, as the GPU backend does every convolution (cuDNN calls).
+  Bytes: XLA's memory analysis of the compiled program (arguments, outputs and temporaries,
+  less what donation aliases), or None where the backend gives none.
+  """
+  lowered = step.lower(*args)
+  compiled = lowered.compile()
+  analysis = lowered.cost_analysis() or compiled.cost_analysis()
   if isinstance(analysis, (list, tuple)):
     analysis = analysis[0]
   memory = compiled.memory_analysis()
@@ -213,7 +231,7 @@ def compiled_cost(step, *args) -> dict:
       - memory.alias_size_in_bytes
       + memory.temp_size_in_bytes
     )
-  return {"flops": float(analysis.get("flops", 0.0)), "bytes": held}
+  return compiled, {"flops": float(analysis.get("flops", 0.0)), "bytes": held}
 
 
 def time_steps(step, state, batch, steps: int):
@@ -243,8 +261,8 @@ def step_row(label: str, config, mesh, peak) -> dict:
   start = time.perf_counter()
   run = pretraining.setup(config, mesh, steps_per_epoch=100, num_steps=1000, num_classes=10)
   state, batch = run.init(), random_batch(config, mesh)
-  cost = compiled_cost(run.train_step, state, batch)
-  seconds, state = time_steps(run.train_step, state, batch, FLAGS.steps)
+  step, cost = compile_step(run.train_step, state, batch)
+  seconds, state = time_steps(step, state, batch, FLAGS.steps)
   del state
   return result_row(label, config.batch_size, seconds, cost, peak, time.perf_counter() - start)
 
@@ -310,7 +328,7 @@ def supervised_row(tiny: bool, mesh, peak) -> dict:
 
   step = jax.jit(step, donate_argnums=0, out_shardings=(replicated, replicated))
   batch = random_batch(config, mesh, num_views=1)
-  cost = compiled_cost(step, state, batch)
+  step, cost = compile_step(step, state, batch)
   seconds, state = time_steps(step, state, batch, FLAGS.steps)
   del state
   return result_row(SUPERVISED, batch_size, seconds, cost, peak, time.perf_counter() - start)
@@ -397,8 +415,17 @@ def fmt(value, spec: str) -> str:
   return "n/a" if value is None else format(value, spec)
 
 
-def table(env: dict, rows: list, pretrain: dict) -> str:
-  """The results as markdown."""
+def row_line(r: dict) -> str:
+  """One steps row of the markdown table."""
+  return (
+    f"| {r['row']} | {r['batch']} | {r['ms']:.1f} | {r['images_per_s']:.0f} | "
+    f"{r['tflop_per_step']:.3f} | {fmt(r['mfu'], '.1%')} | {fmt(r['memory_gib'], '.2f')} | "
+    f"{r['wall_s']:.0f} |"
+  )
+
+
+def table(env: dict, rows: list, pretrain) -> str:
+  """The results as markdown; pretrain None while that section has not run."""
   lines = [
     f"JAX {env['jax']}, {env['devices']} x {env['kind']} ({env['backend']}), peak "
     f"{fmt(env['peak_tflops'], '.0f')} bf16 TFLOP/s per chip{' (--tiny)' if env['tiny'] else ''}",
@@ -406,34 +433,48 @@ def table(env: dict, rows: list, pretrain: dict) -> str:
     "| row | batch | ms/step | images/s | TFLOP/step | MFU | memory (GiB) | wall (s) |",
     "|---|---|---|---|---|---|---|---|",
   ]
-  for r in rows:
-    lines.append(
-      f"| {r['row']} | {r['batch']} | {r['ms']:.1f} | {r['images_per_s']:.0f} | "
-      f"{r['tflop_per_step']:.3f} | {fmt(r['mfu'], '.1%')} | {fmt(r['memory_gib'], '.2f')} | "
-      f"{r['wall_s']:.0f} |"
-    )
+  lines += [row_line(r) for r in rows]
   p = pretrain
-  lines += [
-    "",
-    f"SimCLR ResNet-18 CIFAR-10 from the device: {p['steps']} steps ({p['epochs']:.1f} epochs of "
-    f"{p['train_images']}) in {p['train_s']:.0f} s after a {p['compile_s']:.0f} s first step, "
-    f"{fmt(p['images_per_s'], '.0f')} images/s; final loss "
-    f"{p['final_loss']:.3f}; kNN top-1 {p['knn_top1']:.4f} on {p['test_images']} test images "
-    f"({p['knn_s']:.0f} s); data read in {p['read_s']:.0f} s",
-  ]
+  if p is not None:
+    lines += [
+      "",
+      f"SimCLR ResNet-18 CIFAR-10 from the device: {p['steps']} steps ({p['epochs']:.1f} epochs "
+      f"of {p['train_images']}) in {p['train_s']:.0f} s after a {p['compile_s']:.0f} s first "
+      f"step, {fmt(p['images_per_s'], '.0f')} images/s; final loss "
+      f"{p['final_loss']:.3f}; kNN top-1 {p['knn_top1']:.4f} on {p['test_images']} test images "
+      f"({p['knn_s']:.0f} s); data read in {p['read_s']:.0f} s",
+    ]
   return "\n".join(lines) + "\n"
+
+
+def save(env: dict, rows: list, pretrain) -> str:
+  """Writes OUT/device.md and OUT/device.json, each atomically, with what has been measured
+  so far (a run cut short keeps its finished rows); returns the markdown."""
+  text = table(env, rows, pretrain)
+  files.makedirs(FLAGS.out)
+  files.write_atomic(os.path.join(FLAGS.out, "device.md"), text)
+  results = {"environment": env, "steps": rows, "pretraining": pretrain}
+  files.write_atomic(os.path.join(FLAGS.out, "device.json"), json.dumps(results, indent=1))
+  return text
 
 
 def main(argv):
   del argv
   chosen = [r for r in ROWS if not FLAGS.rows or any(s in r[0] for s in FLAGS.rows)]
-  if not chosen or not chosen[0][0].startswith("SimCLR ResNet-18 CIFAR bf16"):
+  unknown = sorted(set(FLAGS.sections) - set(SECTIONS))
+  if unknown:
+    sys.exit(f"benchmarks/device.py: --sections={','.join(FLAGS.sections)}: {unknown[0]!r} is none "
+             f"of {', '.join(SECTIONS)}")  # fmt: skip
+  pretrains = "pretraining" in FLAGS.sections
+  if pretrains and (not chosen or not chosen[0][0].startswith(ROWS[0][0])):
     sys.exit(
       f"benchmarks/device.py: --rows={','.join(FLAGS.rows)} must choose the first row "
       f"({ROWS[0][0]!r}), whose step time sizes the pretraining section; rows: "
       + "; ".join(r[0] for r in ROWS)
     )
-  if not FLAGS.data or not os.path.exists(FLAGS.data):
+  if "steps" not in FLAGS.sections:
+    chosen = chosen[:1] if pretrains else []
+  if pretrains and (not FLAGS.data or not os.path.exists(FLAGS.data)):
     sys.exit(
       f"benchmarks/device.py: --data={FLAGS.data or ''} is no file; it needs the .npz that "
       "benchmarks/make_device_data.py writes (docs/gpu.md)"
@@ -451,20 +492,28 @@ def main(argv):
     "tiny": FLAGS.tiny,
   }
   print(f"JAX {env['jax']} on {env['devices']} x {kind}", flush=True)
-  rows = []
-  for label, name, arg, overrides in chosen:
-    rows.append(step_row(label, row_config(name, arg, overrides, FLAGS.tiny), mesh, peak))
-    print(f"  {label}: {rows[-1]['images_per_s']:.0f} images/s", flush=True)
-  rows.append(supervised_row(FLAGS.tiny, mesh, peak))
-  print(f"  {SUPERVISED}: {rows[-1]['images_per_s']:.0f} images/s", flush=True)
-  pretrain = pretraining_run(FLAGS.tiny, mesh, rows[0]["ms"] / 1e3)
+  rows, pretrain = [], None
+
+  def add(row):
+    rows.append(row)
+    print(row_line(row), flush=True)
+    save(env, rows, pretrain)
+
+  # The goals' rows and the pretraining run first, so a run cut short by its lease keeps them:
+  # SimCLR ResNet-18 CIFAR, the supervised reference, then the rest of the steps section.
+  first, rest = chosen[:1], chosen[1:]
+  for label, name, arg, overrides in first:
+    add(step_row(label, row_config(name, arg, overrides, FLAGS.tiny), mesh, peak))
+  if "supervised" in FLAGS.sections:
+    add(supervised_row(FLAGS.tiny, mesh, peak))
+  if pretrains:
+    pretrain = pretraining_run(FLAGS.tiny, mesh, rows[0]["ms"] / 1e3)
+    save(env, rows, pretrain)
+    print(f"  pretraining: kNN top-1 {pretrain['knn_top1']:.4f}", flush=True)
+  for label, name, arg, overrides in rest:
+    add(step_row(label, row_config(name, arg, overrides, FLAGS.tiny), mesh, peak))
   env["wall_s"] = time.perf_counter() - start
-  text = table(env, rows, pretrain)
-  print(text, flush=True)
-  files.makedirs(FLAGS.out)
-  files.write_atomic(os.path.join(FLAGS.out, "device.md"), text)
-  results = {"environment": env, "steps": rows, "pretraining": pretrain}
-  files.write_atomic(os.path.join(FLAGS.out, "device.json"), json.dumps(results, indent=1))
+  print(save(env, rows, pretrain), flush=True)
 
 
 def run_main(argv):
