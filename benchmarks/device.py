@@ -1,6 +1,6 @@
 """The accelerator benchmark: what the project does on the device it runs on, as one table.
 
-  python benchmarks/device.py --data=cifar10.npz --out=/tmp/device  # one GPU: ~9 min
+  python benchmarks/device.py --data=cifar10.npz --out=/tmp/device  # one H200: ~13 min
   python benchmarks/device.py --tiny --data=cifar10.npz --out=/tmp/device  # CPU: toy sizes
 
 It needs JAX, flax, optax, orbax-checkpoint, numpy, Pillow, absl-py, etils and
@@ -13,9 +13,9 @@ benchmarks/make_device_data.py (CIFAR-10's train and test splits). Sections:
   steps        for each row of ROWS, its config's pretraining step
                (methods.pretraining.setup: jitted, state donated, the online probe
                of 10 classes) on a fixed uint8 batch after compilation: ms per
-               step, images/s (an image and its two views count once), TFLOP per
-               step from XLA's cost analysis of the lowered program (one device's;
-               compile_step says why not the compiled one's), MFU = those FLOPs /
+               step, images/s (an image and its two views count once), model TFLOP
+               per step (benchmarks/flops.py: dots and convolutions, one device's
+               share), MFU = those FLOPs /
                step time / peak, and the bytes the compiled program holds (XLA's
                memory analysis: arguments, outputs and temporaries, less what
                donation aliases). Then a supervised ResNet-50 step
@@ -87,6 +87,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from benchmarks import flops  # noqa: E402
 from contrastive_jax import models  # noqa: E402
 from contrastive_jax.core import files  # noqa: E402
 from contrastive_jax.core import mesh as mesh_lib  # noqa: E402
@@ -209,19 +210,11 @@ def peak_flops(kind: str):
 
 def compile_step(step, *args):
   """(compiled, {'flops', 'bytes'}): step compiled for args, once (the timing calls the
-  compiled program itself), with its FLOPs and the bytes it holds.
-
-  FLOPs are XLA's cost analysis of the program as lowered, before the backend's passes (2 per
-  multiply-add of dots and convolutions): the compiled program's analysis leaves out what a
-  backend hands to libraries, as the GPU backend does every convolution (cuDNN calls).
-  Bytes: XLA's memory analysis of the compiled program (arguments, outputs and temporaries,
-  less what donation aliases), or None where the backend gives none.
-  """
-  lowered = step.lower(*args)
-  compiled = lowered.compile()
-  analysis = lowered.cost_analysis() or compiled.cost_analysis()
-  if isinstance(analysis, (list, tuple)):
-    analysis = analysis[0]
+  compiled program itself), with one device's share of its model FLOPs (flops.model_flops:
+  dots and convolutions, the same count on every backend) and the bytes it holds: XLA's
+  memory analysis of the compiled program (arguments, outputs and temporaries, less what
+  donation aliases), or None where the backend gives none."""
+  compiled = step.lower(*args).compile()
   memory = compiled.memory_analysis()
   held = None
   if memory is not None:
@@ -231,7 +224,7 @@ def compile_step(step, *args):
       - memory.alias_size_in_bytes
       + memory.temp_size_in_bytes
     )
-  return compiled, {"flops": float(analysis.get("flops", 0.0)), "bytes": held}
+  return compiled, {"flops": flops.model_flops(step, *args) / jax.device_count(), "bytes": held}
 
 
 def time_steps(step, state, batch, steps: int):
