@@ -1,0 +1,139 @@
+"""The label-efficiency job: its subsets, scores and interval, its bad inputs, and a tiny run."""
+
+import math
+
+import numpy as np
+import pytest
+
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.training import label_efficiency as le
+
+
+def _split(per_class=(30, 20, 12)):
+  """ids 'x0'... and labels of a small split with per_class[c] examples of class c, shuffled."""
+  labels = np.concatenate([np.full(n, c) for c, n in enumerate(per_class)])
+  labels = np.random.default_rng(0).permutation(labels).astype(np.int32)
+  return np.array([f"x{i}" for i in range(len(labels))], object), labels
+
+
+def test_subset_is_class_balanced_disjoint_and_fixed_by_the_seed():
+  ids, labels = _split()
+  subset = le.draw_subset(ids, labels, 20, seed=3, num_classes=3, validation_fraction=0.25)
+  both = np.concatenate([subset.train, subset.validation])
+  assert len(set(both.tolist())) == 20  # Disjoint parts, 20 examples.
+  # 20 = 3 x 6 + 2: two classes give 7, one gives 6; a quarter of each validates.
+  assert sorted(np.bincount(labels[both], minlength=3).tolist()) == [6, 7, 7]
+  for c in range(3):
+    share = np.sum(labels[both] == c)
+    assert np.sum(labels[subset.validation] == c) == max(1, math.floor(share / 4 + 0.5))
+  again = le.draw_subset(ids, labels, 20, seed=3, num_classes=3, validation_fraction=0.25)
+  assert all(np.array_equal(a, b) for a, b in zip(subset, again))
+  # The draw follows the (id, label) pairs, not their order.
+  order = np.random.default_rng(1).permutation(len(ids))
+  shuffled = le.draw_subset(ids[order], labels[order], 20, 3, 3, 0.25)
+  assert set(ids[order][shuffled.train]) == set(ids[subset.train])
+  other = le.draw_subset(ids, labels, 20, seed=4, num_classes=3, validation_fraction=0.25)
+  assert set(ids[other.train]) != set(ids[subset.train])
+
+
+def test_label_counts_absolute_or_fractions():
+  assert le.parse_counts("0.01,5000,500", 50_000) == (500, 5000)
+  assert le.parse_counts("100", 1000) == (100,)
+  for bad in ("0", "1.5", "-3", "many", "2000"):
+    with pytest.raises(ConfigError, match=r"^config\.labels="):
+      le.parse_counts(bad, 1000)
+
+
+def test_counts_no_class_can_give_are_refused_naming_the_class():
+  ids, labels = _split()
+  with pytest.raises(ConfigError, match=r"class 2 \('c'\) has 12 in the train split"):
+    le.check_counts([45], labels, 3, class_names=["a", "b", "c"])  # 15 of each class.
+  with pytest.raises(ConfigError, match="at least 2 per class"):
+    le.check_counts([5], labels, 3)
+  le.check_counts([36], labels, 3)  # 12 of each: fits.
+
+
+def test_top1_and_balanced_accuracy_by_hand():
+  scores = np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.7, 0.3]])
+  labels = np.array([0, 1, 1, 0])
+  assert le.top1(scores, labels) == 0.75
+  # Class 0: 2 of 2 right; class 1: 1 of 2.
+  assert le.balanced_accuracy(scores, labels) == pytest.approx(0.75)
+  assert le.balanced_accuracy(scores, np.array([0, 0, 0, 1])) == pytest.approx((2 / 3 + 0) / 2)
+
+
+def test_auroc_by_hand():
+  # Positives score 0.8, 0.4, 0.4; negatives 0.5, 0.4. Pairs (pos > neg) counted 1, ties 1/2:
+  # 0.8 beats both (2); each 0.4 loses to 0.5 and ties 0.4 (0.5 + 0.5): 3 of 6.
+  scores = np.array([0.8, 0.4, 0.4, 0.5, 0.4])
+  positive = np.array([True, True, True, False, False])
+  assert le.binary_auroc(scores, positive) == pytest.approx(3 / 6)
+  # A binary task's AUROC is class 1's; three classes: the mean of one-vs-rest.
+  two = np.stack([1 - scores, scores], 1)
+  assert le.auroc(two, positive.astype(int)) == pytest.approx(0.5)
+  three = np.array([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3], [0.1, 0.2, 0.7], [0.5, 0.1, 0.4]])
+  labels = np.array([0, 1, 2, 2])
+  # Class 0: pos 0.6 vs 0.2, 0.1, 0.5 -> 1. Class 1: pos 0.5 vs 0.3, 0.2, 0.1 -> 1.
+  # Class 2: pos 0.7, 0.4 vs 0.1, 0.3: 0.7 beats both, 0.4 beats both -> 1.
+  assert le.auroc(three, labels) == pytest.approx(1.0)
+  three[3] = [0.5, 0.1, 0.2]  # Now 0.2 < 0.3: class 2 wins 3 of 4 pairs.
+  assert le.auroc(three, labels) == pytest.approx((1 + 1 + 0.75) / 3)
+  with pytest.raises(ValueError, match="positives and negatives"):
+    le.auroc(three, np.array([0, 1, 1, 1]))  # Class 2 absent.
+
+
+def test_scores_agree_with_scikit_learn():
+  metrics = pytest.importorskip("sklearn.metrics")
+  rng = np.random.default_rng(0)
+  labels = rng.integers(0, 4, 200)
+  logits = rng.normal(size=(200, 4)) + np.eye(4)[labels]
+  logits[:20] = np.round(logits[:20])  # Ties.
+  probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+  assert le.auroc(probs, labels) == pytest.approx(
+    metrics.roc_auc_score(labels, probs, multi_class="ovr", average="macro")
+  )
+  binary = labels % 2
+  assert le.auroc(probs[:, :2], binary) == pytest.approx(metrics.roc_auc_score(binary, probs[:, 1]))
+  assert le.balanced_accuracy(probs, labels) == pytest.approx(
+    metrics.balanced_accuracy_score(labels, probs.argmax(1))
+  )
+
+
+def test_paired_interval_is_the_t_interval_of_the_differences():
+  a, b = [0.52, 0.61, 0.58], [0.40, 0.47, 0.49]
+  d = np.subtract(a, b)
+  # t_{0.975, 2} = 4.302652729911275, from a table of Student's t.
+  half = 4.302652729911275 * np.sqrt(np.sum((d - d.mean()) ** 2) / 2) / np.sqrt(3)
+  interval = le.paired_interval(a, b)
+  assert interval["pairs"] == 3
+  assert interval["mean"] == pytest.approx(d.mean())
+  assert interval["low"] == pytest.approx(d.mean() - half)
+  assert interval["high"] == pytest.approx(d.mean() + half)
+  five = le.paired_interval([1, 2, 3, 4, 6], [0, 0, 0, 0, 0])  # t_{0.975, 4} = 2.776445105
+  assert five["high"] - five["mean"] == pytest.approx(
+    2.776445105 * np.std([1, 2, 3, 4, 6], ddof=1) / np.sqrt(5)
+  )
+  assert math.isnan(le.paired_interval([1.0], [0.5])["low"])
+
+
+def test_summary_picks_by_validation_and_pairs_by_seed():
+  rows = []
+  for seed, (pre_knn, pre_lp, rnd) in enumerate(
+    [(0.5, 0.6, 0.3), (0.55, 0.7, 0.35), (0.52, 0.62, 0.3)]
+  ):
+    # The probe validates worse than kNN for the pretrained init, though it tests better.
+    rows.append(
+      dict(init="pretrained", protocol="knn", labels=40, seed=seed, val_top1=0.9, top1=pre_knn)
+    )
+    rows.append(
+      dict(
+        init="pretrained", protocol="linear_probe", labels=40, seed=seed, val_top1=0.5, top1=pre_lp
+      )
+    )
+    rows.append(dict(init="random", protocol="knn", labels=40, seed=seed, val_top1=0.3, top1=rnd))
+  summary = le.summarise(rows, ["pretrained", "random"], ["top1"])["labels"]["40"]
+  assert summary["best"]["pretrained"]["protocol"] == "knn"
+  assert summary["best"]["pretrained"]["top1"] == pytest.approx(np.mean([0.5, 0.55, 0.52]))
+  gain = summary["gain"]["random"]["top1"]
+  expected = le.paired_interval([0.5, 0.55, 0.52], [0.3, 0.35, 0.3])
+  assert gain == pytest.approx(expected)
