@@ -1,11 +1,22 @@
 """The label-efficiency job: its subsets, scores and interval, its bad inputs, and a tiny run."""
 
+import csv
+import json
 import math
+import os
+import shutil
 
+from helpers import TFDS_DIR
+from helpers import load_config
 import numpy as np
+from PIL import Image
 import pytest
+from test_finetune import pretrained  # noqa: F401  # The fixture: a tiny SimCLR checkpoint.
 
+from contrastive_jax import main
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import ResumeError
+from contrastive_jax.jobs import label_efficiency
 from contrastive_jax.training import label_efficiency as le
 
 
@@ -137,3 +148,113 @@ def test_summary_picks_by_validation_and_pairs_by_seed():
   gain = summary["gain"]["random"]["top1"]
   expected = le.paired_interval([0.5, 0.55, 0.52], [0.3, 0.35, 0.3])
   assert gain == pytest.approx(expected)
+
+
+def tiny_config(pretrain_workdir, **overrides):
+  """configs/label_efficiency.py on 200 train and 40 test images: 2 label counts, 2 seeds."""
+  config = load_config("label_efficiency")
+  config.pretrain_workdir = pretrain_workdir
+  config.data_dir = TFDS_DIR
+  config.train_split = "train[:200]"
+  config.test_split = "test[:40]"
+  config.labels = "20,40"
+  config.seeds = 2
+  config.validation_fraction = 0.5
+  config.eval_batch_size = 40
+  config.knn.k = "1,3"
+  config.linear_probe.update(epochs=2, eval_every=1, batch_size=16)
+  config.finetune.update(epochs=2, eval_every=1, batch_size=8)
+  config.data_threads = 1
+  config.update(overrides)
+  return config
+
+
+@pytest.fixture(scope="module")
+def curve(pretrained, tmp_path_factory):
+  """A finished tiny job: (config, workdir, summary)."""
+  workdir = str(tmp_path_factory.mktemp("curve"))
+  config = tiny_config(pretrained)
+  return config, workdir, main.run_job(config, workdir)
+
+
+def test_the_job_writes_a_cell_per_init_protocol_count_and_seed(curve):
+  config, workdir, summary = curve
+  with open(f"{workdir}/curve.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert list(rows[0])[:7] == list(label_efficiency.COLUMNS)
+  cells = {(r["init"], r["protocol"], int(r["labels"]), int(r["seed"])) for r in rows}
+  assert len(rows) == len(cells) == 2 * 3 * 2 * 2
+  for r in rows:
+    for metric in ("top1", "balanced_accuracy", "auroc", "val_top1"):
+      assert 0 <= float(r[metric]) <= 1
+  assert set(summary["labels"]) == {"20", "40"}
+  gain = summary["labels"]["20"]["gain"]["random"]["top1"]
+  assert gain["pairs"] == 2 and gain["low"] <= gain["mean"] <= gain["high"]
+  with open(f"{workdir}/summary.json") as f:
+    assert json.load(f) == summary
+  picture = np.asarray(Image.open(f"{workdir}/curve.png"))
+  assert picture.ndim == 3 and len(np.unique(picture.reshape(-1, 3), axis=0)) > 3
+
+
+def test_a_job_killed_between_cells_resumes_at_the_next_one(curve, pretrained, tmp_path):
+  config, workdir, _ = curve
+  resumed = str(tmp_path / "resumed")
+  shutil.copytree(workdir, resumed)
+  names = sorted(os.listdir(f"{resumed}/cells"))
+  # A job killed after its first cells: the later cells are not there.
+  for name in names[len(names) // 2 :]:
+    os.remove(f"{resumed}/cells/{name}")
+  # Marks a kept cell: a job that computed it again would write the file anew.
+  kept = f"{resumed}/cells/{names[0]}"
+  with open(kept) as f:
+    row = json.load(f)
+  with open(kept, "w") as f:
+    json.dump(dict(row, marked=True), f)
+  main.run_job(config, resumed)
+  assert sorted(os.listdir(f"{resumed}/cells")) == names
+  with open(kept) as f:
+    assert json.load(f)["marked"]
+  for name in names:  # Computed again, a cell gives what it gave.
+    with open(f"{workdir}/cells/{name}") as f, open(f"{resumed}/cells/{name}") as g:
+      a, b = json.load(f), json.load(g)
+      b.pop("marked", None)
+      assert a == b, name
+  with open(f"{workdir}/curve.csv") as f, open(f"{resumed}/curve.csv") as g:
+    assert f.read() == g.read()
+  with pytest.raises(ResumeError, match="config.seeds=3"):
+    main.run_job(tiny_config(pretrained, seeds=3), resumed)
+
+
+def test_choices_are_made_without_the_test_split(curve, pretrained, tmp_path):
+  """Cells scored on other test images make the same choices on the same validation scores."""
+  config, workdir, _ = curve
+  other = str(tmp_path / "other_test")
+  main.run_job(tiny_config(pretrained, test_split="test[40:80]", labels="20"), other)
+  with open(f"{workdir}/curve.csv") as f, open(f"{other}/curve.csv") as g:
+    first = {
+      (r["init"], r["protocol"], r["seed"]): r for r in csv.DictReader(f) if r["labels"] == "20"
+    }
+    second = {(r["init"], r["protocol"], r["seed"]): r for r in csv.DictReader(g)}
+  assert set(first) == set(second)
+  for key in first:
+    assert (first[key]["val_top1"], first[key]["choice"]) == (
+      second[key]["val_top1"],
+      second[key]["choice"],
+    ), key
+  assert any(first[k]["top1"] != second[k]["top1"] for k in first)
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    (dict(labels="400"), r"at most the train split's size \(200 images\)"),
+    (dict(labels="190"), r"class \d \('\w+'\) has \d+ in the train split"),
+    (dict(labels="12"), "at least 2 per class"),
+    (dict(protocols="knn,svm"), "config.protocols="),
+    (dict(inits="pretrained,weights"), "config.weights=None"),
+  ],
+)
+def test_bad_input_stops_before_any_compute(pretrained, tmp_path, overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    main.run_job(tiny_config(pretrained, **overrides), str(tmp_path / "w"))
+  assert not os.path.exists(tmp_path / "w" / "cells")

@@ -1,0 +1,455 @@
+"""The label-efficiency job (config.job='label_efficiency'): what an init buys per label count.
+
+  python -m contrastive_jax.main --config=configs/label_efficiency.py \
+      --config.pretrain_workdir=PRETRAIN_DIR --config.labels=100,500,1000 --workdir=DIR
+
+For each init (config.inits: 'pretrained', the checkpoint of pretrain_workdir;
+'random', that run's initialisation of the encoder; 'weights', the weights file
+config.weights read as the model of config.weights_config), label count, seed
+and protocol (config.protocols) it runs one cell:
+training/label_efficiency.draw_subset draws the class-balanced labelled subset
+of the count for the seed from train_split, with a validation part held out of
+it; the protocol fits on the subset's train part and makes every choice on its
+validation part (kNN: k of config.knn.k; linear probe and fine-tuning: the
+epoch, of those evaluated every eval_every epochs, of best validation top-1);
+then, at the cell's end only, the model so chosen scores test_split: top-1,
+balanced accuracy and (config.auroc) AUROC.
+
+Protocols: 'knn', the weighted kNN of the frozen encoder's h (evaluators.knn_scores;
+bank: the train part); 'linear_probe', linear_probe.LinearHead trained on the
+frozen encoder's h of the train part's images, centre-cropped as for evaluation
+(no augmentation: the features are computed once per cell); 'finetune', the
+encoder and a zero-initialised linear head trained together on random crops
+(finetune.make_train_step, BN in train mode).
+
+Each finished cell is written as WORKDIR/cells/INIT-PROTOCOL-LABELS-SEED.json;
+a job started again on the same workdir skips those cells. At the end (and
+after each cell) it writes curve.csv (a row per cell), summary.json
+(training/label_efficiency.summarise: each init's best protocol by validation,
+the gain of the first init over the others with a 95% interval paired by
+seed) and curve.png (test top-1 against labels, log axis, a line per init and
+protocol, the seeds' range shaded). Single-process only.
+"""
+
+import csv
+import io
+import json
+
+from absl import logging
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+
+from contrastive_jax import models
+from contrastive_jax.core import checkpointing
+from contrastive_jax.core import files
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core import pictures
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import ResumeError
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import sources
+from contrastive_jax.jobs import finetune
+from contrastive_jax.jobs import linear_probe
+from contrastive_jax.methods import ENCODER
+from contrastive_jax.methods import common
+from contrastive_jax.methods import encoder_variables
+from contrastive_jax.methods import optim
+from contrastive_jax.training import downstream
+from contrastive_jax.training import evaluators
+from contrastive_jax.training import label_efficiency as le
+from contrastive_jax.training import restore
+
+INITS = ("pretrained", "random", "weights")
+PROTOCOLS = ("knn", "linear_probe", "finetune")
+CELLS = "cells"
+CONFIG_FILE = "config.json"
+COLUMNS = ("init", "protocol", "labels", "seed", "top1", "auroc", "balanced_accuracy")
+# Fields a resumed job may change: how fast it reads and evaluates, never what a cell computes.
+MAY_CHANGE_ON_RESUME = ("data_dir", "data_threads", "cache", "eval_batch_size")
+
+
+def _listed(value) -> list:
+  return [v.strip() for v in str(value).split(",") if v.strip()]
+
+
+def check_config(config, num_devices: int):
+  """Raises ConfigError for a field that cannot run, before any data or checkpoint is read."""
+  if jax.process_count() > 1:
+    raise ConfigError("job", config.job, "run on one process (a multi-host run is not supported)")
+  inits = _listed(config.inits)
+  if not inits or any(i not in INITS for i in inits) or len(set(inits)) < len(inits):
+    raise ConfigError("inits", config.inits, f"distinct comma-separated names of {list(INITS)}")
+  if "weights" in inits and not config.weights:
+    raise ConfigError("weights", config.weights, "a weights file, with 'weights' in inits")
+  protocols = _listed(config.protocols)
+  if not protocols or any(p not in PROTOCOLS for p in protocols):
+    raise ConfigError("protocols", config.protocols, f"comma-separated names of {list(PROTOCOLS)}")
+  if config.seeds < 1:
+    raise ConfigError("seeds", config.seeds, "an integer >= 1")
+  if not 0 < config.validation_fraction < 1:
+    raise ConfigError("validation_fraction", config.validation_fraction, "in (0, 1)")
+  if config.eval_batch_size <= 0 or config.eval_batch_size % num_devices:
+    raise ConfigError(
+      "eval_batch_size", config.eval_batch_size, f"a positive multiple of {num_devices}"
+    )
+  ks = _listed(config.knn.k)
+  if not ks or any(not k.isdigit() or int(k) < 1 for k in ks):
+    raise ConfigError("knn.k", config.knn.k, "comma-separated integers >= 1, e.g. '10,20,50'")
+  if not config.knn.temperature > 0:
+    raise ConfigError("knn.temperature", config.knn.temperature, "> 0")
+  for name in ("linear_probe", "finetune"):
+    part = config[name]
+    optim.check_optimizer_config(part.optimizer)
+    for field in ("epochs", "eval_every", "batch_size"):
+      if part[field] < 1:
+        raise ConfigError(f"{name}.{field}", part[field], "an integer >= 1")
+  if config.finetune.batch_size % num_devices:
+    raise ConfigError(
+      "finetune.batch_size", config.finetune.batch_size, f"a multiple of {num_devices}"
+    )
+
+
+def run(config, workdir: str) -> dict:
+  """Runs every cell not yet finished in workdir, then writes the curve; returns the summary.
+
+  Raises:
+    ConfigError: see check_config, le.parse_counts and le.check_counts; an
+      unlabeled dataset; AUROC of a dataset with one class; a fine-tune
+      train part smaller than the device count; an init that cannot be
+      restored (restore.restore_encoder), or a weights file of another model
+      than the checkpoint's.
+    ResumeError: the workdir's cells were computed with another config.
+  """
+  workdir = files.prepare_workdir(workdir)
+  check_config(config, jax.device_count())
+  source = downstream.labelled_source(config, "the label-efficiency job")
+  source.num_examples(config.test_split, "test_split")
+  ids, labels = source.ids_and_labels(config.train_split)
+  counts = le.parse_counts(config.labels, len(ids))
+  le.check_counts(counts, labels, source.num_classes, source.class_names)
+  if config.auroc and source.num_classes < 2:
+    raise ConfigError("auroc", config.auroc, "False: AUROC needs two classes or more")
+  if "finetune" in _listed(config.protocols):
+    _check_finetune_sizes(config, counts, source.num_classes)
+  with files.workdir_lock(workdir):
+    _check_resume(config, workdir)
+    mesh = mesh_lib.make_mesh()
+    encoders = _restore_inits(config, mesh)
+    files.makedirs(f"{workdir}/{CELLS}")
+    done = set(files.listdir(f"{workdir}/{CELLS}"))
+    for init, encoder in encoders.items():
+      cells = _Cells(config, mesh, source, encoder, ids, labels)
+      for count in counts:
+        for seed in range(config.seeds):
+          for protocol in _listed(config.protocols):
+            name = f"{init}-{protocol}-{count}-{seed}.json"
+            if name in done:
+              continue
+            row = dict(init=init, protocol=protocol, labels=count, seed=seed)
+            row.update(cells.run(protocol, count, seed))
+            files.write_atomic(f"{workdir}/{CELLS}/{name}", json.dumps(row, indent=1))
+            logging.info("Cell %s: %s.", name[:-5], _scores_line(row))
+            write_results(config, workdir)
+    return write_results(config, workdir)
+
+
+def _scores_line(row: dict) -> str:
+  shown = ("val_top1", "top1", "balanced_accuracy", "auroc", "choice")
+  return ", ".join(
+    f"{k} {row[k]:.4f}" if isinstance(row[k], float) else f"{k} {row[k]}" for k in shown if k in row
+  )
+
+
+def _check_finetune_sizes(config, counts, num_classes: int):
+  """Raises ConfigError when the train part of the smallest count is fewer images than devices."""
+  shares = le.class_shares(min(counts), num_classes, 0)
+  size = int(np.sum(shares - le.validation_sizes(shares, config.validation_fraction)))
+  if size < jax.device_count():
+    raise ConfigError(
+      "labels",
+      config.labels,
+      f"counts whose train part ({size} images for {min(counts)} labels) fills a fine-tuning "
+      f"batch of at least one image per device ({jax.device_count()} devices)",
+    )
+
+
+def _check_resume(config, workdir: str):
+  """Writes WORKDIR/config.json, or checks that config computes what its cells computed.
+
+  Raises:
+    ResumeError: a field outside MAY_CHANGE_ON_RESUME differs.
+  """
+  path = f"{workdir}/{CONFIG_FILE}"
+  if files.exists(path):
+    with files.open_file(path) as f:
+      saved = json.load(f)
+    differences = checkpointing.config_differences(saved, config, MAY_CHANGE_ON_RESUME)
+    if differences:
+      raise ResumeError(workdir, differences, MAY_CHANGE_ON_RESUME)
+    return
+  files.write_atomic(path, json.dumps(config.to_dict(), indent=1, sort_keys=True))
+
+
+def _restore_inits(config, mesh) -> dict:
+  """{init: restore.Encoder} in config.inits order.
+
+  Raises:
+    ConfigError: see restore.restore_encoder; a weights file whose model is not the
+      checkpoint's (when 'pretrained' or 'random' is also an init).
+  """
+  encoders = {}
+  for init in _listed(config.inits):
+    view = config.copy_and_resolve_references()
+    with view.unlocked():
+      view.random_init = init == "random"
+      if init == "weights":
+        view.pretrain_workdir, view.pretrain_config = config.weights, config.weights_config
+    encoders[init] = restore.restore_encoder(view, mesh)
+  names = {init: e.pretrained.model.name for init, e in encoders.items()}
+  if "weights" in names and len(set(names.values())) > 1:
+    checkpoint = names.get("pretrained", names.get("random"))
+    raise ConfigError(
+      "weights",
+      config.weights,
+      f"a weights file of the checkpoint's model {checkpoint!r}, not {names['weights']!r}",
+    )
+  return encoders
+
+
+class _Cells:
+  """The cells of one init: its subsets, their features, the protocols."""
+
+  def __init__(self, config, mesh, source, encoder: restore.Encoder, ids, labels):
+    self._config, self._mesh, self._source, self._encoder = config, mesh, source, encoder
+    self._ids, self._labels = ids, labels
+    self._eval_crop = input_pipeline.EvalCrop.of(encoder.pretrained)
+    self._features = jax.jit(lambda v, x: models.encode(encoder.module, v, x))
+    self._test_features = None  # h of test_split, computed at the end of the first cell.
+
+  def run(self, protocol: str, count: int, seed: int) -> dict:
+    subset = le.draw_subset(
+      self._ids,
+      self._labels,
+      count,
+      seed,
+      self._source.num_classes,
+      self._config.validation_fraction,
+    )
+    return getattr(self, f"_{protocol}")(subset, seed)
+
+  def _part(self, indices):
+    return sources.LabelledSubset.of_indices(
+      self._source, self._config.train_split, indices, self._ids, self._labels
+    )
+
+  def _outputs(self, fn, variables, source, split: str):
+    """(fn(variables, images) of every image of split, as numpy [N, ...], labels int [N])."""
+    ds = input_pipeline.eval_dataset(
+      source,
+      split,
+      local_batch=self._config.eval_batch_size,
+      eval_crop=self._eval_crop,
+      threads=self._config.data_threads,
+    )
+    outputs, labels = [], []
+    for batch in mesh_lib.device_batches(
+      ds.as_numpy_iterator(), mesh_lib.batch_sharded(self._mesh)
+    ):
+      mask = np.asarray(batch["mask"])
+      outputs.append(np.asarray(jax.device_get(fn(variables, batch["image"])))[mask])
+      labels.append(np.asarray(batch["label"])[mask])
+    return np.concatenate(outputs), np.concatenate(labels)
+
+  def _frozen_parts(self, subset: le.Subset):
+    """((h [n, D], labels [n]) of the train part, the same of the validation part): frozen h."""
+    split = self._config.train_split
+    return tuple(
+      self._outputs(self._features, self._encoder.variables, self._part(part), split)
+      for part in subset
+    )
+
+  def _test(self):
+    """h and labels of test_split (read once per init, at the end of its first cell)."""
+    if self._test_features is None:
+      self._test_features = self._outputs(
+        self._features, self._encoder.variables, self._source, self._config.test_split
+      )
+    return self._test_features
+
+  def _final(self, scores, labels, val_top1: float, choice: str) -> dict:
+    result = le.scores_of(scores, labels, self._config.auroc)
+    return dict(result, val_top1=val_top1, choice=choice)
+
+  def _knn(self, subset: le.Subset, seed: int) -> dict:
+    del seed  # The kNN draws nothing.
+    (bank, bank_labels), (val, val_labels) = self._frozen_parts(subset)
+    num_classes, t = self._source.num_classes, self._config.knn.temperature
+    bank = common.l2_normalize(jnp.asarray(bank))
+
+    def scores(queries, k):
+      sims = common.l2_normalize(jnp.asarray(queries)) @ bank.T
+      top_sims, top_labels = evaluators.top_k_neighbours(sims, jnp.asarray(bank_labels), k)
+      votes = evaluators.knn_scores(top_sims, top_labels, num_classes=num_classes, temperature=t)
+      return np.asarray(votes / jnp.sum(votes, axis=1, keepdims=True))
+
+    ks = [int(k) for k in _listed(self._config.knn.k)]
+    val_top1 = [le.top1(scores(val, k), val_labels) for k in ks]
+    best = int(np.argmax(val_top1))
+    test, test_labels = self._test()
+    test_scores = np.concatenate(
+      [scores(test[i : i + 1024], ks[best]) for i in range(0, len(test), 1024)]
+    )
+    return self._final(test_scores, test_labels, val_top1[best], f"k={ks[best]}")
+
+  def _linear_probe(self, subset: le.Subset, seed: int) -> dict:
+    """linear_probe.LinearHead on frozen h, trained by downstream.make_classifier_step."""
+    cfg = self._config.linear_probe
+    (h, y), (val, val_labels) = self._frozen_parts(subset)
+    head = linear_probe.LinearHead(self._source.num_classes, standardize=True, dense_init="zeros")
+    batch = min(cfg.batch_size, len(h))
+    spe = len(h) // batch
+    schedule = optim.learning_rate_schedule(cfg.optimizer, batch, spe, cfg.epochs * spe)
+    tx = optim.build_optimizer(cfg.optimizer, schedule)
+    variables = head.init(jax.random.PRNGKey(seed), jnp.zeros((1, h.shape[1])), train=False)
+    state = common.TrainState(
+      step=jnp.zeros((), jnp.int32),
+      params=variables["params"],
+      batch_stats=variables["batch_stats"],
+      opt_state=tx.init(variables["params"]),
+      rng=jax.random.PRNGKey(seed),
+    )
+
+    def forward(params, batch_stats, x):
+      logits, updates = head.apply(
+        {"params": params, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
+      )
+      return logits, updates["batch_stats"]
+
+    step = downstream.make_classifier_step(lambda x: x, forward, tx)
+    predict = jax.jit(lambda v, x: jax.nn.softmax(head.apply(v, x, train=False)))
+    rng = np.random.default_rng(seed)
+    best = (-1.0, None, 0)
+    for epoch in range(1, cfg.epochs + 1):
+      order = rng.permutation(len(h))
+      for i in range(spe):
+        rows = order[i * batch : (i + 1) * batch]
+        state, _ = step(state, {"image": h[rows, None], "label": y[rows]})
+      if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
+        variables = {"params": state.params, "batch_stats": state.batch_stats}
+        val_top1 = le.top1(np.asarray(predict(variables, val)), val_labels)
+        if val_top1 > best[0]:
+          best = (val_top1, jax.device_get(variables), epoch)
+    test, test_labels = self._test()
+    return self._final(np.asarray(predict(best[1], test)), test_labels, best[0], f"epoch={best[2]}")
+
+  def _finetune(self, subset: le.Subset, seed: int) -> dict:
+    """Encoder and a zero-initialised head, finetune.make_train_step on random crops."""
+    cfg, encoder, mesh = self._config.finetune, self._encoder, self._mesh
+    train = self._part(subset.train)
+    batch = min(cfg.batch_size, len(subset.train) // jax.device_count() * jax.device_count())
+    spe = len(subset.train) // batch
+    schedule = optim.learning_rate_schedule(cfg.optimizer, batch, spe, cfg.epochs * spe)
+    tx = optim.build_optimizer(
+      cfg.optimizer, schedule, freeze=encoder.pretrained.model.get("random_patch_projection", False)
+    )
+    head = nn.Dense(self._source.num_classes, kernel_init=nn.initializers.zeros)
+
+    def init_state(enc_vars):
+      params = {
+        ENCODER: enc_vars["params"],
+        "head": head.init(jax.random.PRNGKey(seed), jnp.zeros((1, encoder.dim)))["params"],
+      }
+      return common.TrainState(
+        step=jnp.zeros((), jnp.int32),
+        params=params,
+        batch_stats={ENCODER: enc_vars["batch_stats"]},
+        opt_state=tx.init(params),
+        rng=jax.random.PRNGKey(seed),
+      )
+
+    # Copies: the train step donates its state, and the encoder's variables serve every cell.
+    state = jax.jit(init_state, out_shardings=mesh_lib.replicated(mesh))(
+      jax.tree.map(lambda x: x.copy(), encoder.variables)
+    )
+    step = finetune.make_train_step(encoder.module, head, tx)
+
+    def predict(variables, images):
+      h = models.encode(encoder.module, encoder_variables(variables), images)
+      return jax.nn.softmax(head.apply({"params": variables["params"]["head"]}, h))
+
+    predict = jax.jit(predict)
+    view = ml_collections.ConfigDict(
+      dict(
+        train_split=self._config.train_split,
+        batch_size=batch,
+        crop=cfg.crop.to_dict(),
+        seed=seed,
+        cache=self._config.cache,
+        shuffle_buffer=max(len(subset.train), 1),
+        data_threads=self._config.data_threads,
+      )
+    )
+    batches = input_pipeline.train_batches(
+      train,
+      view,
+      mesh_lib.batch_sharded(mesh),
+      image_size=encoder.pretrained.image_size,
+      num_views=1,
+    )(0)
+    validation = self._part(subset.validation)
+    best = (-1.0, None, 0)
+    for epoch in range(1, cfg.epochs + 1):
+      for _ in range(spe):
+        state, _ = step(state, next(batches))
+      if epoch % cfg.eval_every == 0 or epoch == cfg.epochs:
+        variables = {"params": state.params, "batch_stats": state.batch_stats}
+        val, val_labels = self._outputs(predict, variables, validation, self._config.train_split)
+        val_top1 = le.top1(val, val_labels)
+        if val_top1 > best[0]:
+          best = (val_top1, jax.device_get(variables), epoch)
+    test, test_labels = self._outputs(predict, best[1], self._source, self._config.test_split)
+    return self._final(test, test_labels, best[0], f"epoch={best[2]}")
+
+
+def read_rows(workdir: str) -> list:
+  """The rows of every finished cell in WORKDIR/cells, sorted by (init, protocol, labels, seed)."""
+  rows = []
+  for name in sorted(files.listdir(f"{workdir}/{CELLS}")):
+    if name.endswith(".json"):
+      with files.open_file(f"{workdir}/{CELLS}/{name}") as f:
+        rows.append(json.load(f))
+  return sorted(rows, key=lambda r: (r["init"], r["protocol"], r["labels"], r["seed"]))
+
+
+def curve_csv(rows: list) -> str:
+  """curve.csv's text: COLUMNS, then val_top1 and choice, a row per cell (auroc empty if off)."""
+  text = io.StringIO()
+  writer = csv.writer(text, lineterminator="\n")
+  header = COLUMNS + ("val_top1", "choice")
+  writer.writerow(header)
+  for row in rows:
+    writer.writerow([row.get(c, "") for c in header])
+  return text.getvalue()
+
+
+def write_results(config, workdir: str) -> dict:
+  """Writes curve.csv, summary.json and curve.png from the finished cells; returns the summary."""
+  rows = read_rows(workdir)
+  metrics = ["top1", "balanced_accuracy"] + (["auroc"] if config.auroc else [])
+  inits = [i for i in _listed(config.inits)]
+  summary = le.summarise(rows, inits, metrics)
+  files.write_atomic(f"{workdir}/curve.csv", curve_csv(rows))
+  files.write_atomic(f"{workdir}/summary.json", json.dumps(summary, indent=1))
+  lines = {}
+  for row in rows:
+    lines.setdefault(f"{row['init']} {row['protocol']}", {}).setdefault(row["labels"], []).append(
+      row["top1"]
+    )
+  pictures.write_png(
+    f"{workdir}/curve.png",
+    pictures.line_chart(lines, x_label="labels (log scale)", y_label="test top-1"),
+  )
+  return summary
