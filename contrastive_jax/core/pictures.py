@@ -169,8 +169,19 @@ def write_png(path: str, picture: np.ndarray):
   files.write_atomic(path, buffer.getvalue())
 
 
-# Line colours, in series order (then again): distinct on white and in greyscale.
-_COLOURS = ((31, 119, 180), (214, 39, 40), (44, 160, 44), (148, 103, 189), (255, 127, 14))
+# Line colours, in series order (then again): Tableau's ten, distinct on white.
+_COLOURS = (
+  (31, 119, 180),
+  (255, 127, 14),
+  (44, 160, 44),
+  (214, 39, 40),
+  (148, 103, 189),
+  (140, 86, 75),
+  (227, 119, 194),
+  (127, 127, 127),
+  (188, 189, 34),
+  (23, 190, 207),
+)
 
 
 def line_chart(
@@ -190,7 +201,7 @@ def line_chart(
   ys = [y for points in series.values() for values in points.values() for y in values]
   if not xs or xs[0] <= 0:
     raise ValueError(f"line_chart needs points with x > 0, got xs {xs}")
-  left, right, top, bottom = 56, width - 12, 12, height - 40 - LINE_HEIGHT * len(series)
+  left, right, top, bottom = 56, width - 12, 20, height - 40 - LINE_HEIGHT * len(series)
   lo, hi = min(ys), max(ys)
   lo, hi = (lo - 0.5, hi + 0.5) if hi == lo else (lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
   span = math.log(xs[-1] / xs[0]) or 1.0
@@ -207,7 +218,7 @@ def line_chart(
     draw.line((left - 4, py(y), left, py(y)), fill="black")
     draw.text((left - 6 - text_width(f"{y:.3f}"), py(y) - 6), f"{y:.3f}", fill="black", font=font())
   draw.text((left, bottom + 6 + LINE_HEIGHT), x_label, fill="black", font=font())
-  draw.text((2, top - 10), y_label, fill="black", font=font())
+  draw.text((2, 2), y_label, fill="black", font=font())
   for n, (name, points) in enumerate(series.items()):
     colour = _COLOURS[n % len(_COLOURS)]
     at = sorted(points)

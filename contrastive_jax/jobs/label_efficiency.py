@@ -117,7 +117,7 @@ def run(config, workdir: str) -> dict:
 
   Raises:
     ConfigError: see check_config, le.parse_counts and le.check_counts; an
-      unlabeled dataset; AUROC of a dataset with one class; a fine-tune
+      unlabeled dataset; AUROC of a test split without some class; a fine-tune
       train part smaller than the device count; an init that cannot be
       restored (restore.restore_encoder), or a weights file of another model
       than the checkpoint's.
@@ -130,14 +130,13 @@ def run(config, workdir: str) -> dict:
   ids, labels = source.ids_and_labels(config.train_split)
   counts = le.parse_counts(config.labels, len(ids))
   le.check_counts(counts, labels, source.num_classes, source.class_names)
-  if config.auroc and source.num_classes < 2:
-    raise ConfigError("auroc", config.auroc, "False: AUROC needs two classes or more")
+  if config.auroc:
+    _check_auroc(config, source)
   if "finetune" in _listed(config.protocols):
     _check_finetune_sizes(config, counts, source.num_classes)
   with files.workdir_lock(workdir):
-    _check_resume(config, workdir)
     mesh = mesh_lib.make_mesh()
-    encoders = _restore_inits(config, mesh)
+    config, encoders = _resume(config, workdir, mesh)
     files.makedirs(f"{workdir}/{CELLS}")
     done = set(files.listdir(f"{workdir}/{CELLS}"))
     for init, encoder in encoders.items():
@@ -176,21 +175,52 @@ def _check_finetune_sizes(config, counts, num_classes: int):
     )
 
 
-def _check_resume(config, workdir: str):
-  """Writes WORKDIR/config.json, or checks that config computes what its cells computed.
+def _check_auroc(config, source):
+  """Raises ConfigError when AUROC is undefined: a class with no example in test_split.
+
+  Reads the test split's labels only (no image): every class of a subset's
+  validation part is there by construction (le.draw_subset).
+  """
+  test_labels = source.ids_and_labels(config.test_split)[1]
+  held = np.bincount(test_labels, minlength=source.num_classes)
+  if source.num_classes < 2 or not held.all():
+    absent = int(np.argmin(held))
+    raise ConfigError(
+      "auroc",
+      config.auroc,
+      f"False, or a test_split with every class (one-vs-rest AUROC needs each class and "
+      f"another): class {absent} has {held[absent]} of the {len(test_labels)} images of "
+      f"{config.test_split!r}",
+    )
+
+
+def _resume(config, workdir: str, mesh):
+  """(config with pretrain_step resolved, {init: restore.Encoder}); writes or checks config.json.
+
+  A fresh job saves its config with the checkpoint step it restored; a job
+  started again on the workdir restores that step (when pretrain_step is -1,
+  the latest) and must compute what its cells computed.
 
   Raises:
-    ResumeError: a field outside MAY_CHANGE_ON_RESUME differs.
+    ConfigError: see _restore_inits.
+    ResumeError: a field outside MAY_CHANGE_ON_RESUME differs from config.json's.
   """
-  path = f"{workdir}/{CONFIG_FILE}"
+  path, saved = f"{workdir}/{CONFIG_FILE}", None
+  config = config.copy_and_resolve_references()
   if files.exists(path):
     with files.open_file(path) as f:
       saved = json.load(f)
-    differences = checkpointing.config_differences(saved, config, MAY_CHANGE_ON_RESUME)
-    if differences:
-      raise ResumeError(workdir, differences, MAY_CHANGE_ON_RESUME)
-    return
-  files.write_atomic(path, json.dumps(config.to_dict(), indent=1, sort_keys=True))
+    if config.pretrain_step < 0:
+      config.pretrain_step = saved.get("pretrain_step", -1)
+  encoders = _restore_inits(config, mesh)
+  config.pretrain_step = next((e.step for i, e in encoders.items() if i != "weights"), -1)
+  if saved is None:
+    files.write_atomic(path, json.dumps(config.to_dict(), indent=1, sort_keys=True))
+    return config, encoders
+  differences = checkpointing.config_differences(saved, config, MAY_CHANGE_ON_RESUME)
+  if differences:
+    raise ResumeError(workdir, differences, MAY_CHANGE_ON_RESUME)
+  return config, encoders
 
 
 def _restore_inits(config, mesh) -> dict:
