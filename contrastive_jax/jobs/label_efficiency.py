@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import tensorflow as tf
 
 from contrastive_jax import models
 from contrastive_jax.core import checkpointing
@@ -139,20 +140,83 @@ def run(config, workdir: str) -> dict:
     config, encoders = _resume(config, workdir, mesh)
     files.makedirs(f"{workdir}/{CELLS}")
     done = set(files.listdir(f"{workdir}/{CELLS}"))
-    for init, encoder in encoders.items():
-      cells = _Cells(config, mesh, source, encoder, ids, labels)
-      for count in counts:
-        for seed in range(config.seeds):
-          for protocol in _listed(config.protocols):
-            name = f"{init}-{protocol}-{count}-{seed}.json"
-            if name in done:
-              continue
-            row = dict(init=init, protocol=protocol, labels=count, seed=seed)
-            row.update(cells.run(protocol, count, seed))
-            files.write_atomic(f"{workdir}/{CELLS}/{name}", json.dumps(row, indent=1))
-            logging.info("Cell %s: %s.", name[:-5], _scores_line(row))
-            write_results(config, workdir)
+    cells = {init: _Cells(config, mesh, source, encoder) for init, encoder in encoders.items()}
+    for count in counts:
+      for seed in range(config.seeds):
+        todo = [
+          (init, protocol, f"{init}-{protocol}-{count}-{seed}.json")
+          for init in encoders
+          for protocol in _listed(config.protocols)
+        ]
+        todo = [cell for cell in todo if cell[2] not in done]
+        if not todo:
+          continue
+        subset = le.draw_subset(
+          ids, labels, count, seed, source.num_classes, config.validation_fraction
+        )
+        parts = _read_parts(source, config.train_split, subset, ids, labels)
+        for init, protocol, name in todo:
+          row = dict(init=init, protocol=protocol, labels=count, seed=seed)
+          row.update(cells[init].run(protocol, parts, seed))
+          files.write_atomic(f"{workdir}/{CELLS}/{name}", json.dumps(row, indent=1))
+          logging.info("Cell %s: %s.", name[:-5], _scores_line(row))
+          write_results(config, workdir)
     return write_results(config, workdir)
+
+
+class _InMemory:
+  """Decoded images and their labels held in host memory: a source (sources.Source) whose
+  every split is them, read by one process. Serves a subset's part to the protocols, which
+  read it many times (each evaluation, each fine-tuning epoch)."""
+
+  random_access = False
+
+  def __init__(self, source, images: list, labels: np.ndarray):
+    self.name, self.num_classes = source.name, source.num_classes
+    self.class_names = source.class_names
+    self._images, self._labels = images, labels
+
+  def num_examples(self, split: str, field: str) -> int:
+    """Source.num_examples: how many images it holds."""
+    del split, field
+    return len(self._labels)
+
+  def process_counts(self, split: str, drop_remainder: bool = False) -> list:
+    """Source.process_counts: one process reads them all."""
+    del split, drop_remainder
+    return [len(self._labels)]
+
+  def read(
+    self, split: str, *, drop_remainder: bool, decode: bool = True, names: bool = False
+  ) -> tf.data.Dataset:
+    """Source.read: (image, label) in order; decoded only (ValueError otherwise), no names."""
+    del split, drop_remainder
+    if not decode or names:
+      raise ValueError("an in-memory part serves decoded images without names only")
+    return tf.data.Dataset.from_generator(
+      lambda: zip(self._images, self._labels),
+      output_signature=(
+        tf.TensorSpec([None, None, 3], tf.uint8),
+        tf.TensorSpec([], tf.int32),
+      ),
+    )
+
+
+def _read_parts(source, split: str, subset: le.Subset, ids, labels):
+  """(train part, validation part) of subset as _InMemory sources: the images read once."""
+  both = np.concatenate([subset.train, subset.validation])
+  order = np.argsort(both)
+  reader = sources.LabelledSubset.of_indices(source, split, both[order], ids, labels)
+  images = [None] * len(both)
+  for position, (image, _) in zip(
+    order, reader.read(split, drop_remainder=False).as_numpy_iterator()
+  ):
+    images[position] = image
+  n = len(subset.train)
+  return (
+    _InMemory(source, images[:n], labels[subset.train]),
+    _InMemory(source, images[n:], labels[subset.validation]),
+  )
 
 
 def _scores_line(row: dict) -> str:
@@ -252,28 +316,15 @@ def _restore_inits(config, mesh) -> dict:
 class _Cells:
   """The cells of one init: its subsets, their features, the protocols."""
 
-  def __init__(self, config, mesh, source, encoder: restore.Encoder, ids, labels):
+  def __init__(self, config, mesh, source, encoder: restore.Encoder):
     self._config, self._mesh, self._source, self._encoder = config, mesh, source, encoder
-    self._ids, self._labels = ids, labels
     self._eval_crop = input_pipeline.EvalCrop.of(encoder.pretrained)
     self._features = jax.jit(lambda v, x: models.encode(encoder.module, v, x))
     self._test_features = None  # h of test_split, computed at the end of the first cell.
 
-  def run(self, protocol: str, count: int, seed: int) -> dict:
-    subset = le.draw_subset(
-      self._ids,
-      self._labels,
-      count,
-      seed,
-      self._source.num_classes,
-      self._config.validation_fraction,
-    )
-    return getattr(self, f"_{protocol}")(subset, seed)
-
-  def _part(self, indices):
-    return sources.LabelledSubset.of_indices(
-      self._source, self._config.train_split, indices, self._ids, self._labels
-    )
+  def run(self, protocol: str, parts, seed: int) -> dict:
+    """The scores of `protocol` fitted on parts = (train, validation) (_read_parts) for seed."""
+    return getattr(self, f"_{protocol}")(parts, seed)
 
   def _outputs(self, fn, variables, source, split: str):
     """(fn(variables, images) of every image of split, as numpy [N, ...], labels int [N])."""
@@ -293,12 +344,11 @@ class _Cells:
       labels.append(np.asarray(batch["label"])[mask])
     return np.concatenate(outputs), np.concatenate(labels)
 
-  def _frozen_parts(self, subset: le.Subset):
+  def _frozen_parts(self, parts):
     """((h [n, D], labels [n]) of the train part, the same of the validation part): frozen h."""
-    split = self._config.train_split
     return tuple(
-      self._outputs(self._features, self._encoder.variables, self._part(part), split)
-      for part in subset
+      self._outputs(self._features, self._encoder.variables, part, self._config.train_split)
+      for part in parts
     )
 
   def _test(self):
@@ -313,9 +363,9 @@ class _Cells:
     result = le.scores_of(scores, labels, self._config.auroc)
     return dict(result, val_top1=val_top1, choice=choice)
 
-  def _knn(self, subset: le.Subset, seed: int) -> dict:
+  def _knn(self, parts, seed: int) -> dict:
     del seed  # The kNN draws nothing.
-    (bank, bank_labels), (val, val_labels) = self._frozen_parts(subset)
+    (bank, bank_labels), (val, val_labels) = self._frozen_parts(parts)
     num_classes, t = self._source.num_classes, self._config.knn.temperature
     bank = common.l2_normalize(jnp.asarray(bank))
 
@@ -334,10 +384,10 @@ class _Cells:
     )
     return self._final(test_scores, test_labels, val_top1[best], f"k={ks[best]}")
 
-  def _linear_probe(self, subset: le.Subset, seed: int) -> dict:
+  def _linear_probe(self, parts, seed: int) -> dict:
     """linear_probe.LinearHead on frozen h, trained by downstream.make_classifier_step."""
     cfg = self._config.linear_probe
-    (h, y), (val, val_labels) = self._frozen_parts(subset)
+    (h, y), (val, val_labels) = self._frozen_parts(parts)
     head = linear_probe.LinearHead(self._source.num_classes, standardize=True, dense_init="zeros")
     batch = min(cfg.batch_size, len(h))
     spe = len(h) // batch
@@ -375,12 +425,13 @@ class _Cells:
     test, test_labels = self._test()
     return self._final(np.asarray(predict(best[1], test)), test_labels, best[0], f"epoch={best[2]}")
 
-  def _finetune(self, subset: le.Subset, seed: int) -> dict:
+  def _finetune(self, parts, seed: int) -> dict:
     """Encoder and a zero-initialised head, finetune.make_train_step on random crops."""
     cfg, encoder, mesh = self._config.finetune, self._encoder, self._mesh
-    train = self._part(subset.train)
-    batch = min(cfg.batch_size, len(subset.train) // jax.device_count() * jax.device_count())
-    spe = len(subset.train) // batch
+    train, validation = parts
+    size = train.num_examples("", "")
+    batch = min(cfg.batch_size, size // jax.device_count() * jax.device_count())
+    spe = size // batch
     schedule = optim.learning_rate_schedule(cfg.optimizer, batch, spe, cfg.epochs * spe)
     tx = optim.build_optimizer(
       cfg.optimizer, schedule, freeze=encoder.pretrained.model.get("random_patch_projection", False)
@@ -417,8 +468,8 @@ class _Cells:
         batch_size=batch,
         crop=cfg.crop.to_dict(),
         seed=seed,
-        cache=self._config.cache,
-        shuffle_buffer=max(len(subset.train), 1),
+        cache=True,  # The part is in memory, decoded.
+        shuffle_buffer=size,
         data_threads=self._config.data_threads,
       )
     )
@@ -429,7 +480,6 @@ class _Cells:
       image_size=encoder.pretrained.image_size,
       num_views=1,
     )(0)
-    validation = self._part(subset.validation)
     best = (-1.0, None, 0)
     for epoch in range(1, cfg.epochs + 1):
       for _ in range(spe):
