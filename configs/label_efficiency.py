@@ -19,8 +19,10 @@ project's standardised probe: affine-free BN, then a zero-initialised linear
 layer; Nesterov SGD lr 0.1 x B/256, cosine, no weight decay); fine-tuning the
 whole encoder and a linear head with SimCLR's semi-supervised recipe
 (configs/finetune.py: Nesterov SGD lr 0.05 x B/256, cosine, no weight decay,
-SimCLR's crop and flip, batch 64, 60 epochs). Probe and fine-tune keep the
-epoch, of those evaluated every eval_every epochs, of best validation top-1.
+SimCLR's crop and flip, batch 64, 60 epochs); and, if listed ('lp_ft', not by
+default), LP-FT (Kumar et al. 2022): that fine-tuning from a linear probe's head (the
+probe without its standardising BN). Probe and fine-tune keep the epoch, of those
+evaluated every eval_every epochs, of best validation top-1.
 
 Argument `runlocal` (--config=configs/label_efficiency.py:runlocal): labels 100,
 500 and 1000, 3 seeds, the probe for 50 epochs and fine-tuning for 20, each

@@ -4,6 +4,7 @@ import csv
 import json
 import math
 import os
+import re
 import shutil
 
 from helpers import TFDS_DIR
@@ -274,3 +275,13 @@ def test_line_chart_draws_means_on_a_log_axis_and_shades_the_range():
   assert shaded != [255, 255, 255] and shaded[2] > shaded[0]
   with pytest.raises(ValueError, match="x > 0"):
     pictures.line_chart({"a": {0: [1.0]}}, x_label="", y_label="")
+
+
+def test_lp_ft_fine_tunes_from_a_probe(pretrained, tmp_path):
+  config = tiny_config(pretrained, labels="20", seeds=1, inits="pretrained", protocols="lp_ft")
+  summary = main.run_job(config, str(tmp_path / "lp_ft"))
+  with open(tmp_path / "lp_ft" / "curve.csv") as f:
+    (row,) = list(csv.DictReader(f))
+  assert row["protocol"] == "lp_ft" and 0 <= float(row["top1"]) <= 1
+  assert re.fullmatch(r"probe epoch=[12], epoch=[12]", row["choice"])
+  assert summary["labels"]["20"]["best"]["pretrained"]["protocol"] == "lp_ft"

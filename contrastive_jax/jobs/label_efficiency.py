@@ -20,7 +20,8 @@ bank: the train part); 'linear_probe', linear_probe.LinearHead trained on the
 frozen encoder's h of the train part's images, centre-cropped as for evaluation
 (no augmentation: the features are computed once per cell); 'finetune', the
 encoder and a zero-initialised linear head trained together on random crops
-(finetune.make_train_step, BN in train mode).
+(finetune.make_train_step, BN in train mode); 'lp_ft', LP-FT (Kumar et al. 2022):
+that fine-tuning with the head of a linear probe (not standardised) of the frozen h.
 
 Each finished cell is written as WORKDIR/cells/INIT-PROTOCOL-LABELS-SEED.json;
 a job started again on the same workdir skips those cells. At the end (and
@@ -64,7 +65,7 @@ from contrastive_jax.training import label_efficiency as le
 from contrastive_jax.training import restore
 
 INITS = ("pretrained", "random", "weights")
-PROTOCOLS = ("knn", "linear_probe", "finetune")
+PROTOCOLS = ("knn", "linear_probe", "finetune", "lp_ft")
 CELLS = "cells"
 CONFIG_FILE = "config.json"
 COLUMNS = ("init", "protocol", "labels", "seed", "top1", "auroc", "balanced_accuracy")
@@ -227,9 +228,12 @@ def _scores_line(row: dict) -> str:
 
 
 def _check_finetune_sizes(config, counts, num_classes: int):
-  """Raises ConfigError when the train part of the smallest count is fewer images than devices."""
-  shares = le.class_shares(min(counts), num_classes, 0)
-  size = int(np.sum(shares - le.validation_sizes(shares, config.validation_fraction)))
+  """Raises ConfigError when a train part of the smallest count (any seed: the seed moves the
+  remainder, and with it the held-out sizes) is fewer images than devices."""
+  size = min(
+    int(np.sum(shares - le.validation_sizes(shares, config.validation_fraction)))
+    for shares in (le.class_shares(min(counts), num_classes, s) for s in range(config.seeds))
+  )
   if size < jax.device_count():
     raise ConfigError(
       "labels",
@@ -385,10 +389,29 @@ class _Cells:
     return self._final(test_scores, test_labels, val_top1[best], f"k={ks[best]}")
 
   def _linear_probe(self, parts, seed: int) -> dict:
-    """linear_probe.LinearHead on frozen h, trained by downstream.make_classifier_step."""
+    """linear_probe.LinearHead (standardised) on frozen h: _probe."""
+    best_val, variables, epoch, predict = self._probe(parts, seed, standardize=True)
+    test, test_labels = self._test()
+    return self._final(
+      np.asarray(predict(variables, test)), test_labels, best_val, f"epoch={epoch}"
+    )
+
+  def _lp_ft(self, parts, seed: int) -> dict:
+    """LP-FT (Kumar et al. 2022): fine-tuning whose head starts as a linear probe's (_probe,
+    not standardised: a plain linear layer on h, the fine-tuning head)."""
+    _, variables, epoch, _ = self._probe(parts, seed, standardize=False)
+    return self._finetune(parts, seed, head=variables["params"]["Dense_0"], probed=epoch)
+
+  def _probe(self, parts, seed: int, standardize: bool):
+    """A linear_probe.LinearHead trained on frozen h by downstream.make_classifier_step.
+
+    Returns:
+      (best validation top-1, the head's variables then, on the host, that epoch,
+      jitted (variables, h) -> class probabilities).
+    """
     cfg = self._config.linear_probe
     (h, y), (val, val_labels) = self._frozen_parts(parts)
-    head = linear_probe.LinearHead(self._source.num_classes, standardize=True, dense_init="zeros")
+    head = linear_probe.LinearHead(self._source.num_classes, standardize, dense_init="zeros")
     batch = min(cfg.batch_size, len(h))
     spe = len(h) // batch
     schedule = optim.learning_rate_schedule(cfg.optimizer, batch, spe, cfg.epochs * spe)
@@ -397,7 +420,7 @@ class _Cells:
     state = common.TrainState(
       step=jnp.zeros((), jnp.int32),
       params=variables["params"],
-      batch_stats=variables["batch_stats"],
+      batch_stats=variables.get("batch_stats", {}),
       opt_state=tx.init(variables["params"]),
       rng=jax.random.PRNGKey(seed),
     )
@@ -406,7 +429,7 @@ class _Cells:
       logits, updates = head.apply(
         {"params": params, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
       )
-      return logits, updates["batch_stats"]
+      return logits, updates.get("batch_stats", {})
 
     step = downstream.make_classifier_step(lambda x: x, forward, tx)
     predict = jax.jit(lambda v, x: jax.nn.softmax(head.apply(v, x, train=False)))
@@ -422,11 +445,14 @@ class _Cells:
         val_top1 = le.top1(np.asarray(predict(variables, val)), val_labels)
         if val_top1 > best[0]:
           best = (val_top1, jax.device_get(variables), epoch)
-    test, test_labels = self._test()
-    return self._final(np.asarray(predict(best[1], test)), test_labels, best[0], f"epoch={best[2]}")
+    return best + (predict,)
 
-  def _finetune(self, parts, seed: int) -> dict:
-    """Encoder and a zero-initialised head, finetune.make_train_step on random crops."""
+  def _finetune(self, parts, seed: int, head=None, probed: int = 0) -> dict:
+    """Encoder and a linear head on h, finetune.make_train_step on random crops.
+
+    The head starts at zero, or at `head` ({'kernel', 'bias'}: LP-FT's probe, trained for
+    `probed` epochs, which the choice names).
+    """
     cfg, encoder, mesh = self._config.finetune, self._encoder, self._mesh
     train, validation = parts
     size = train.num_examples("", "")
@@ -436,12 +462,15 @@ class _Cells:
     tx = optim.build_optimizer(
       cfg.optimizer, schedule, freeze=encoder.pretrained.model.get("random_patch_projection", False)
     )
-    head = nn.Dense(self._source.num_classes, kernel_init=nn.initializers.zeros)
+    dense = nn.Dense(self._source.num_classes, kernel_init=nn.initializers.zeros)
+    start = dense.init(jax.random.PRNGKey(seed), jnp.zeros((1, encoder.dim)))["params"]
+    start = start if head is None else head
+    head = dense
 
     def init_state(enc_vars):
       params = {
         ENCODER: enc_vars["params"],
-        "head": head.init(jax.random.PRNGKey(seed), jnp.zeros((1, encoder.dim)))["params"],
+        "head": start,
       }
       return common.TrainState(
         step=jnp.zeros((), jnp.int32),
@@ -491,7 +520,8 @@ class _Cells:
         if val_top1 > best[0]:
           best = (val_top1, jax.device_get(variables), epoch)
     test, test_labels = self._outputs(predict, best[1], self._source, self._config.test_split)
-    return self._final(test, test_labels, best[0], f"epoch={best[2]}")
+    choice = f"probe epoch={probed}, epoch={best[2]}" if head is not None else f"epoch={best[2]}"
+    return self._final(test, test_labels, best[0], choice)
 
 
 def read_rows(workdir: str) -> list:
