@@ -51,6 +51,7 @@ from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import pictures
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import ResumeError
+from contrastive_jax.data import crop_spec
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import finetune
@@ -108,6 +109,7 @@ def check_config(config, num_devices: int):
     for field in ("epochs", "eval_every", "batch_size"):
       if part[field] < 1:
         raise ConfigError(f"{name}.{field}", part[field], "an integer >= 1")
+  crop_spec.check_config(config.finetune)  # Named as crop.*: the fine-tuning's crop.
   if config.finetune.batch_size % num_devices:
     raise ConfigError(
       "finetune.batch_size", config.finetune.batch_size, f"a multiple of {num_devices}"
@@ -134,7 +136,7 @@ def run(config, workdir: str) -> dict:
   le.check_counts(counts, labels, source.num_classes, source.class_names)
   if config.auroc:
     _check_auroc(config, source)
-  if "finetune" in _listed(config.protocols):
+  if {"finetune", "lp_ft"} & set(_listed(config.protocols)):
     _check_finetune_sizes(config, counts, source.num_classes)
   with files.workdir_lock(workdir):
     mesh = mesh_lib.make_mesh()
@@ -325,6 +327,9 @@ class _Cells:
     self._eval_crop = input_pipeline.EvalCrop.of(encoder.pretrained)
     self._features = jax.jit(lambda v, x: models.encode(encoder.module, v, x))
     self._test_features = None  # h of test_split, computed at the end of the first cell.
+    # The fine-tuning head: a zero-initialised linear layer on h.
+    self._head = nn.Dense(source.num_classes, kernel_init=nn.initializers.zeros)
+    self._programs = {}  # The probe's and fine-tuning's jitted programs, by their shapes.
 
   def run(self, protocol: str, parts, seed: int) -> dict:
     """The scores of `protocol` fitted on parts = (train, validation) (_read_parts) for seed."""
@@ -402,8 +407,33 @@ class _Cells:
     _, variables, epoch, _ = self._probe(parts, seed, standardize=False)
     return self._finetune(parts, seed, head=variables["params"]["Dense_0"], probed=epoch)
 
+  def _probe_program(self, standardize: bool, batch: int, steps_per_epoch: int):
+    """(head, tx, jitted train step, jitted (variables, h) -> class probabilities) of a
+    linear_probe.LinearHead on frozen h; built once per (standardize, batch, steps per
+    epoch), so that the seeds and counts of a size share its compilation."""
+    key = ("probe", standardize, batch, steps_per_epoch)
+    if key not in self._programs:
+      cfg = self._config.linear_probe
+      head = linear_probe.LinearHead(self._source.num_classes, standardize, dense_init="zeros")
+      schedule = optim.learning_rate_schedule(
+        cfg.optimizer, batch, steps_per_epoch, cfg.epochs * steps_per_epoch
+      )
+      tx = optim.build_optimizer(cfg.optimizer, schedule)
+
+      def forward(params, batch_stats, x):
+        logits, updates = head.apply(
+          {"params": params, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
+        )
+        return logits, updates.get("batch_stats", {})
+
+      step = downstream.make_classifier_step(lambda x: x, forward, tx)
+      predict = jax.jit(lambda v, x: jax.nn.softmax(head.apply(v, x, train=False)))
+      self._programs[key] = (head, tx, step, predict)
+    return self._programs[key]
+
   def _probe(self, parts, seed: int, standardize: bool):
-    """A linear_probe.LinearHead trained on frozen h by downstream.make_classifier_step.
+    """A linear_probe.LinearHead trained on frozen h by downstream.make_classifier_step,
+    minibatches of the train part in a fresh order each epoch (numpy, seeded).
 
     Returns:
       (best validation top-1, the head's variables then, on the host, that epoch,
@@ -411,11 +441,9 @@ class _Cells:
     """
     cfg = self._config.linear_probe
     (h, y), (val, val_labels) = self._frozen_parts(parts)
-    head = linear_probe.LinearHead(self._source.num_classes, standardize, dense_init="zeros")
     batch = min(cfg.batch_size, len(h))
     spe = len(h) // batch
-    schedule = optim.learning_rate_schedule(cfg.optimizer, batch, spe, cfg.epochs * spe)
-    tx = optim.build_optimizer(cfg.optimizer, schedule)
+    head, tx, step, predict = self._probe_program(standardize, batch, spe)
     variables = head.init(jax.random.PRNGKey(seed), jnp.zeros((1, h.shape[1])), train=False)
     state = common.TrainState(
       step=jnp.zeros((), jnp.int32),
@@ -424,15 +452,6 @@ class _Cells:
       opt_state=tx.init(variables["params"]),
       rng=jax.random.PRNGKey(seed),
     )
-
-    def forward(params, batch_stats, x):
-      logits, updates = head.apply(
-        {"params": params, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
-      )
-      return logits, updates.get("batch_stats", {})
-
-    step = downstream.make_classifier_step(lambda x: x, forward, tx)
-    predict = jax.jit(lambda v, x: jax.nn.softmax(head.apply(v, x, train=False)))
     rng = np.random.default_rng(seed)
     best = (-1.0, None, 0)
     for epoch in range(1, cfg.epochs + 1):
@@ -447,6 +466,44 @@ class _Cells:
           best = (val_top1, jax.device_get(variables), epoch)
     return best + (predict,)
 
+  def _finetune_program(self, batch: int, steps_per_epoch: int):
+    """(jitted (encoder variables, head params, seed) -> state at step 0, jitted train step
+    (finetune.make_train_step), jitted (variables, images) -> class probabilities), built
+    once per (batch, steps per epoch), so that cells of a size share their compilation."""
+    key = ("finetune", batch, steps_per_epoch)
+    if key not in self._programs:
+      cfg, encoder = self._config.finetune, self._encoder
+      schedule = optim.learning_rate_schedule(
+        cfg.optimizer, batch, steps_per_epoch, cfg.epochs * steps_per_epoch
+      )
+      # A random patch projection stays frozen, as the encoder was pretrained.
+      tx = optim.build_optimizer(
+        cfg.optimizer,
+        schedule,
+        freeze=encoder.pretrained.model.get("random_patch_projection", False),
+      )
+
+      def init(enc_vars, head_params, seed):
+        params = {ENCODER: enc_vars["params"], "head": head_params}
+        return common.TrainState(
+          step=jnp.zeros((), jnp.int32),
+          params=params,
+          batch_stats={ENCODER: enc_vars["batch_stats"]},
+          opt_state=tx.init(params),
+          rng=jax.random.PRNGKey(seed),
+        )
+
+      def predict(variables, images):
+        h = models.encode(encoder.module, encoder_variables(variables), images)
+        return jax.nn.softmax(self._head.apply({"params": variables["params"]["head"]}, h))
+
+      self._programs[key] = (
+        jax.jit(init, out_shardings=mesh_lib.replicated(self._mesh)),
+        finetune.make_train_step(encoder.module, self._head, tx),
+        jax.jit(predict),
+      )
+    return self._programs[key]
+
   def _finetune(self, parts, seed: int, head=None, probed: int = 0) -> dict:
     """Encoder and a linear head on h, finetune.make_train_step on random crops.
 
@@ -458,39 +515,11 @@ class _Cells:
     size = train.num_examples("", "")
     batch = min(cfg.batch_size, size // jax.device_count() * jax.device_count())
     spe = size // batch
-    schedule = optim.learning_rate_schedule(cfg.optimizer, batch, spe, cfg.epochs * spe)
-    tx = optim.build_optimizer(
-      cfg.optimizer, schedule, freeze=encoder.pretrained.model.get("random_patch_projection", False)
-    )
-    dense = nn.Dense(self._source.num_classes, kernel_init=nn.initializers.zeros)
-    start = dense.init(jax.random.PRNGKey(seed), jnp.zeros((1, encoder.dim)))["params"]
-    start = start if head is None else head
-    head = dense
-
-    def init_state(enc_vars):
-      params = {
-        ENCODER: enc_vars["params"],
-        "head": start,
-      }
-      return common.TrainState(
-        step=jnp.zeros((), jnp.int32),
-        params=params,
-        batch_stats={ENCODER: enc_vars["batch_stats"]},
-        opt_state=tx.init(params),
-        rng=jax.random.PRNGKey(seed),
-      )
-
+    init, step, predict = self._finetune_program(batch, spe)
+    if head is None:
+      head = self._head.init(jax.random.PRNGKey(seed), jnp.zeros((1, encoder.dim)))["params"]
     # Copies: the train step donates its state, and the encoder's variables serve every cell.
-    state = jax.jit(init_state, out_shardings=mesh_lib.replicated(mesh))(
-      jax.tree.map(lambda x: x.copy(), encoder.variables)
-    )
-    step = finetune.make_train_step(encoder.module, head, tx)
-
-    def predict(variables, images):
-      h = models.encode(encoder.module, encoder_variables(variables), images)
-      return jax.nn.softmax(head.apply({"params": variables["params"]["head"]}, h))
-
-    predict = jax.jit(predict)
+    state = init(jax.tree.map(lambda x: x.copy(), encoder.variables), head, seed)
     view = ml_collections.ConfigDict(
       dict(
         train_split=self._config.train_split,
@@ -520,7 +549,7 @@ class _Cells:
         if val_top1 > best[0]:
           best = (val_top1, jax.device_get(variables), epoch)
     test, test_labels = self._outputs(predict, best[1], self._source, self._config.test_split)
-    choice = f"probe epoch={probed}, epoch={best[2]}" if head is not None else f"epoch={best[2]}"
+    choice = f"epoch={best[2]}" if not probed else f"probe epoch={probed}, epoch={best[2]}"
     return self._final(test, test_labels, best[0], choice)
 
 
