@@ -7,19 +7,27 @@ import os
 import re
 import shutil
 
+import helpers
 from helpers import TFDS_DIR
 from helpers import load_config
+import jax
+import jax.numpy as jnp
 import numpy as np
 from PIL import Image
 import pytest
 from test_finetune import pretrained  # noqa: F401  # The fixture: a tiny SimCLR checkpoint.
 
 from contrastive_jax import main
+from contrastive_jax import models
+from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import pictures
+from contrastive_jax.core import tensor_files
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.jobs import label_efficiency
+from contrastive_jax.models import state_dicts
 from contrastive_jax.training import label_efficiency as le
+from contrastive_jax.training import restore
 
 
 def _split(per_class=(30, 20, 12)):
@@ -285,3 +293,46 @@ def test_lp_ft_fine_tunes_from_a_probe(pretrained, tmp_path):
   assert row["protocol"] == "lp_ft" and 0 <= float(row["top1"]) <= 1
   assert re.fullmatch(r"probe epoch=[12], epoch=[12]", row["choice"])
   assert summary["labels"]["20"]["best"]["pretrained"]["protocol"] == "lp_ft"
+
+
+def _weights_file(tmp_path, model_name: str, variables=None):
+  """A .safetensors of helpers.tiny_config()'s encoder as `model_name` (its variables, or
+  zeros of its shapes), and a config file (configs/X.py) of that model."""
+  config = helpers.tiny_config()
+  config.model.name = model_name
+  if variables is None:
+    encoder = models.build_encoder(config.model)
+    shapes = jax.eval_shape(
+      lambda: encoder.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)
+    )
+    variables = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+  path = str(tmp_path / f"{model_name}.safetensors")
+  tensor_files.write(path, state_dicts.to_state_dict(config.model, variables, 32))
+  config_file = tmp_path / f"{model_name}.py"
+  config_file.write_text(
+    f"import sys\nsys.path.insert(0, {helpers.TESTS!r})\nimport helpers\n\n\n"
+    f"def get_config(variant=''):\n  config = helpers.tiny_config()\n"
+    f"  config.model.name = {model_name!r}\n  return config\n"
+  )
+  return path, str(config_file)
+
+
+def test_a_weights_file_init_is_read_as_its_config_says(pretrained, tmp_path):
+  """The checkpoint's own encoder as a weights file scores what the checkpoint scores; a
+  file of another model is refused before any compute."""
+  config = tiny_config(pretrained, labels="20", seeds=1, protocols="knn")
+  variables = restore.restore_encoder(config, mesh_lib.make_mesh()).variables
+  path, config_file = _weights_file(tmp_path, "resnet18", variables)
+  config.update(inits="pretrained,weights", weights=path, weights_config=config_file)
+  main.run_job(config, str(tmp_path / "same"))
+  with open(tmp_path / "same" / "curve.csv") as f:
+    rows = {r["init"]: r for r in csv.DictReader(f)}
+  for field in ("top1", "auroc", "balanced_accuracy", "val_top1", "choice"):
+    assert rows["weights"][field] == rows["pretrained"][field], field
+  other, other_file = _weights_file(tmp_path, "resnet34")
+  config.update(weights=other, weights_config=other_file)
+  with pytest.raises(
+    ConfigError, match=r"config.weights=.*checkpoint's model 'resnet18', not 'resnet34'"
+  ):
+    main.run_job(config, str(tmp_path / "other"))
+  assert not os.path.exists(tmp_path / "other" / "cells")
