@@ -330,6 +330,7 @@ class _Cells:
     # The fine-tuning head: a zero-initialised linear layer on h.
     self._head = nn.Dense(source.num_classes, kernel_init=nn.initializers.zeros)
     self._programs = {}  # The probe's and fine-tuning's jitted programs, by their shapes.
+    self._frozen = (None, None)  # (parts, their frozen h): the last parts' (_frozen_parts).
 
   def run(self, protocol: str, parts, seed: int) -> dict:
     """The scores of `protocol` fitted on parts = (train, validation) (_read_parts) for seed."""
@@ -354,11 +355,17 @@ class _Cells:
     return np.concatenate(outputs), np.concatenate(labels)
 
   def _frozen_parts(self, parts):
-    """((h [n, D], labels [n]) of the train part, the same of the validation part): frozen h."""
-    return tuple(
-      self._outputs(self._features, self._encoder.variables, part, self._config.train_split)
-      for part in parts
-    )
+    """((h [n, D], labels [n]) of the train part, the same of the validation part): frozen h,
+    computed once for the parts of a (count, seed), whichever protocols read them."""
+    if self._frozen[0] is not parts:
+      self._frozen = (
+        parts,
+        tuple(
+          self._outputs(self._features, self._encoder.variables, part, self._config.train_split)
+          for part in parts
+        ),
+      )
+    return self._frozen[1]
 
   def _test(self):
     """h and labels of test_split (read once per init, at the end of its first cell)."""
