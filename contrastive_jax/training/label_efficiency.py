@@ -103,16 +103,16 @@ def check_counts(counts: Sequence[int], labels: np.ndarray, num_classes: int, cl
         f"at least 2 per class ({2 * num_classes} for {num_classes} classes): every class "
         "needs one labelled example to train on and one to validate on",
       )
-    shares = class_shares(count, num_classes, 0)
-    for c in range(num_classes):
-      if shares.max() > held[c]:  # The seed only moves the remainder's extra example.
-        raise ConfigError(
-          "labels",
-          count,
-          f"at most {num_classes} x the smallest class's size: a class-balanced draw of "
-          f"{count} takes up to {shares.max()} of each class and {name(c)} has "
-          f"{held[c]} in the train split",
-        )
+    most = -(-count // num_classes)  # A class's share, whichever the seed gives the remainder.
+    short = np.flatnonzero(held < most)
+    if short.size:
+      raise ConfigError(
+        "labels",
+        count,
+        f"at most {num_classes} x the smallest class's size: a class-balanced draw of "
+        f"{count} takes up to {most} of each class and {name(short[0])} has "
+        f"{held[short[0]]} in the train split",
+      )
 
 
 def draw_subset(ids, labels, count: int, seed: int, num_classes: int, validation_fraction: float):
