@@ -52,6 +52,7 @@ def get_config(arg: str = ""):
   config.weights_config = config_dict.placeholder(str)  # configs/X.py[:ARG] of its model.
   config.protocols = "knn,linear_probe,finetune"
   config.auroc = True
+  config.curve_metric = "top1"  # curve.png's: 'top1', 'balanced_accuracy' or 'auroc'.
   config.eval_batch_size = 1000
   config.knn = dict(k="10,20,50", temperature=0.07)
   config.linear_probe = dict(

@@ -239,7 +239,9 @@ def test_choices_are_made_without_the_test_split(curve, pretrained, tmp_path):
   """Cells scored on other test images make the same choices on the same validation scores."""
   config, workdir, _ = curve
   other = str(tmp_path / "other_test")
-  main.run_job(tiny_config(pretrained, test_split="test[40:80]", labels="20"), other)
+  overrides = dict(test_split="test[40:80]", labels="20", curve_metric="auroc")
+  main.run_job(tiny_config(pretrained, **overrides), other)
+  assert os.path.exists(f"{other}/curve.png")
   with open(f"{workdir}/curve.csv") as f, open(f"{other}/curve.csv") as g:
     first = {
       (r["init"], r["protocol"], r["seed"]): r for r in csv.DictReader(f) if r["labels"] == "20"
@@ -261,6 +263,7 @@ def test_choices_are_made_without_the_test_split(curve, pretrained, tmp_path):
     (dict(labels="190"), r"class \d \('\w+'\) has \d+ in the train split"),
     (dict(labels="12"), "at least 2 per class"),
     (dict(protocols="knn,svm"), "config.protocols="),
+    (dict(auroc=False, curve_metric="auroc"), "config.curve_metric='auroc'"),
     (dict(inits="pretrained,weights"), "config.weights=None"),
     (dict(test_split="test[:5]"), r"config.auroc=True: .* class \d has 0 of the 5 images"),
   ],

@@ -28,8 +28,8 @@ a job started again on the same workdir skips those cells. At the end (and
 after each cell) it writes curve.csv (a row per cell), summary.json
 (training/label_efficiency.summarise: each init's best protocol by validation,
 the gain of the first init over the others with a 95% interval paired by
-seed) and curve.png (test top-1 against labels, log axis, a line per init and
-protocol, the seeds' range shaded). Single-process only.
+seed) and curve.png (the test score config.curve_metric against labels, log
+axis, a line per init and protocol, the seeds' range shaded). Single-process only.
 """
 
 import csv
@@ -70,6 +70,8 @@ PROTOCOLS = ("knn", "linear_probe", "finetune", "lp_ft")
 CELLS = "cells"
 CONFIG_FILE = "config.json"
 COLUMNS = ("init", "protocol", "labels", "seed", "top1", "auroc", "balanced_accuracy")
+# curve.png's metric: config.curve_metric -> its axis caption.
+CURVE_METRICS = {"top1": "top-1", "balanced_accuracy": "balanced accuracy", "auroc": "AUROC"}
 # Fields a resumed job may change: how fast it reads and evaluates, never what a cell computes.
 MAY_CHANGE_ON_RESUME = ("data_dir", "data_threads", "cache", "eval_batch_size")
 
@@ -90,6 +92,14 @@ def check_config(config, num_devices: int):
   protocols = _listed(config.protocols)
   if not protocols or any(p not in PROTOCOLS for p in protocols):
     raise ConfigError("protocols", config.protocols, f"comma-separated names of {list(PROTOCOLS)}")
+  if config.curve_metric not in CURVE_METRICS or (
+    config.curve_metric == "auroc" and not config.auroc
+  ):
+    raise ConfigError(
+      "curve_metric",
+      config.curve_metric,
+      f"one of {sorted(CURVE_METRICS)} ('auroc' with auroc True)",
+    )
   if config.seeds < 1:
     raise ConfigError("seeds", config.seeds, "an integer >= 1")
   if not 0 < config.validation_fraction < 1:
@@ -585,17 +595,18 @@ def write_results(config, workdir: str) -> dict:
   """Writes curve.csv, summary.json and curve.png from the finished cells; returns the summary."""
   rows = read_rows(workdir)
   metrics = ["top1", "balanced_accuracy"] + (["auroc"] if config.auroc else [])
-  inits = [i for i in _listed(config.inits)]
-  summary = le.summarise(rows, inits, metrics)
+  summary = le.summarise(rows, _listed(config.inits), metrics)
   files.write_atomic(f"{workdir}/curve.csv", curve_csv(rows))
   files.write_atomic(f"{workdir}/summary.json", json.dumps(summary, indent=1))
   lines = {}
   for row in rows:
     lines.setdefault(f"{row['init']} {row['protocol']}", {}).setdefault(row["labels"], []).append(
-      row["top1"]
+      row[config.curve_metric]
     )
   pictures.write_png(
     f"{workdir}/curve.png",
-    pictures.line_chart(lines, x_label="labels (log scale)", y_label="test top-1"),
+    pictures.line_chart(
+      lines, x_label="labels (log scale)", y_label=f"test {CURVE_METRICS[config.curve_metric]}"
+    ),
   )
   return summary
