@@ -22,7 +22,11 @@ whole encoder and a linear head with SimCLR's semi-supervised recipe
 SimCLR's crop and flip, batch 64, 60 epochs); and, if listed ('lp_ft', not by
 default), LP-FT (Kumar et al. 2022): that fine-tuning from a linear probe's head (the
 probe without its standardising BN). Probe and fine-tune keep the epoch, of those
-evaluated every eval_every epochs, of best validation top-1.
+evaluated every eval_every epochs, of best validation top-1. Their warm-up and step
+decays are fractions of their run (optimizer.warmup_fraction, decay_fractions);
+fine-tuning can train the encoder at a lower rate than the head
+(finetune.backbone_lr_multiplier, e.g. 0.1) and decay it layer by layer
+(finetune.layer_decay, e.g. 0.75, as BEiT).
 
 Argument `runlocal` (--config=configs/label_efficiency.py:runlocal): labels 100,
 500 and 1000, 3 seeds, the probe for 50 epochs and fine-tuning for 20, each
@@ -35,6 +39,9 @@ from ml_collections import config_dict
 from contrastive_jax import recipes
 
 ARGS = dict(runlocal=False)
+# The probe's and fine-tuning's warm-up and step decays, in fractions of their run's steps
+# (methods/optim.learning_rate_schedule): a count's schedule keeps its shape whatever its steps.
+FRACTIONS = dict(warmup_fraction=0.0, decay_fractions=())
 
 
 def get_config(arg: str = ""):
@@ -60,7 +67,7 @@ def get_config(arg: str = ""):
     eval_every=10,
     batch_size=256,
     optimizer=recipes.optimizer(
-      "sgd", base_lr=0.1, weight_decay=0.0, warmup_epochs=0, nesterov=True
+      "sgd", base_lr=0.1, weight_decay=0.0, warmup_epochs=0, nesterov=True, **FRACTIONS
     ),
   )
   config.finetune = dict(
@@ -69,8 +76,10 @@ def get_config(arg: str = ""):
     batch_size=64,
     crop=recipes.crop("tensorflow", 0.08, "tf_bicubic"),
     optimizer=recipes.optimizer(
-      "sgd", base_lr=0.05, weight_decay=0.0, warmup_epochs=0, nesterov=True
+      "sgd", base_lr=0.05, weight_decay=0.0, warmup_epochs=0, nesterov=True, **FRACTIONS
     ),
+    backbone_lr_multiplier=1.0,  # The encoder's rate / the head's.
+    layer_decay=1.0,  # Layer-wise learning-rate decay (jobs/finetune.learning_rate_multipliers).
   )
   config.evaluators = {}  # The job scores its cells itself (validation, then test).
   if args.runlocal:

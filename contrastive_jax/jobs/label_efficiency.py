@@ -120,6 +120,7 @@ def check_config(config, num_devices: int):
       if part[field] < 1:
         raise ConfigError(f"{name}.{field}", part[field], "an integer >= 1")
   crop_spec.check_config(config.finetune)  # Named as crop.*: the fine-tuning's crop.
+  finetune.check_multipliers(config.finetune, "finetune.")
   if config.finetune.batch_size % num_devices:
     raise ConfigError(
       "finetune.batch_size", config.finetune.batch_size, f"a multiple of {num_devices}"
@@ -494,10 +495,8 @@ class _Cells:
         cfg.optimizer, batch, steps_per_epoch, cfg.epochs * steps_per_epoch
       )
       # A random patch projection stays frozen, as the encoder was pretrained.
-      tx = optim.build_optimizer(
-        cfg.optimizer,
-        schedule,
-        freeze=encoder.pretrained.model.get("random_patch_projection", False),
+      tx = finetune.build_optimizer(
+        cfg, schedule, freeze=encoder.pretrained.model.get("random_patch_projection", False)
       )
 
       def init(enc_vars, head_params, seed):
