@@ -266,6 +266,11 @@ def test_choices_are_made_without_the_test_split(curve, pretrained, tmp_path):
     (dict(auroc=False, curve_metric="auroc"), "config.curve_metric='auroc'"),
     (dict(inits="pretrained,weights"), "config.weights=None"),
     (dict(test_split="test[:5]"), r"config.auroc=True: .* class \d has 0 of the 5 images"),
+    (dict(finetune=dict(layer_decay=0.0)), r"config.finetune.layer_decay=0.0: must be in \(0, 1\]"),
+    (
+      dict(linear_probe=dict(optimizer=dict(decay_fractions=(1.5,)))),
+      r"config.optimizer.decay_fractions=\(1.5,\)",
+    ),
   ],
 )
 def test_bad_input_stops_before_any_compute(pretrained, tmp_path, overrides, message):
