@@ -18,6 +18,12 @@ bounding-box sampler, area 0.08 to 1, bicubic; data/crops.py) and flip only,
 epochs'); BN in train mode. The batch is 64 here (SimCLR: 4096 on 12.8k
 ImageNet images), so that an epoch of 1% (500 images) is several steps.
 
+Options beyond SimCLR's recipe: backbone_lr_multiplier (a lower rate for the
+pretrained encoder than for the head, e.g. 0.1) and layer_decay (layer-wise
+learning-rate decay as BEiT's fine-tuning, e.g. 0.75: each block's rate that of
+the block after it times layer_decay); 1 and 1 (the defaults) train every layer
+at one rate.
+
 Argument `runlocal` (--config=configs/finetune.py:runlocal): the same recipe with
 fewer evaluations and more frequent logs and checkpoints, for the 2-core CPU: 1% of
 CIFAR-10 (500 images, 60 epochs = 420 steps) takes 1 to 3 minutes there, 10% (30
@@ -45,6 +51,10 @@ def get_config(arg: str = ""):
   config.optimizer = recipes.optimizer(
     "sgd", base_lr=0.05, weight_decay=0.0, warmup_epochs=0, nesterov=True
   )
+  # The encoder's rates: backbone_lr_multiplier x layer_decay^(blocks after it + 1)
+  # (jobs/finetune.learning_rate_multipliers); 1 and 1: the head's rate, SimCLR's recipe.
+  config.backbone_lr_multiplier = 1.0
+  config.layer_decay = 1.0
   config.log_every = "100 steps"
   config.checkpoint_every = "1000 steps"
   config.keep_checkpoints = 2

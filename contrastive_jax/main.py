@@ -45,6 +45,7 @@ from contrastive_jax.jobs import embed
 from contrastive_jax.jobs import embedding_map
 from contrastive_jax.jobs import export
 from contrastive_jax.jobs import finetune
+from contrastive_jax.jobs import label_efficiency
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import neighbours
 from contrastive_jax.jobs import prepare
@@ -57,6 +58,7 @@ JOBS = {
   "pretrain": pretrain,
   "linear_probe": linear_probe,
   "finetune": finetune,
+  "label_efficiency": label_efficiency,
   "embed": embed,
   "neighbours": neighbours,
   "audit": audit,

@@ -14,6 +14,7 @@ import pytest
 import tensorflow_datasets as tfds
 
 from contrastive_jax import models
+from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
@@ -323,3 +324,71 @@ def test_bad_datasets_stop_before_any_compute(pretrained, tmp_path, monkeypatch)
     runner.run(finetune, finetune_config(pretrained, data_source="unlabeled"), str(tmp_path))
   assert not (tmp_path / "labelled_subset.csv").exists()
   assert not list((tmp_path / "checkpoints").iterdir())
+
+
+def test_learning_rate_multipliers_decay_layer_by_layer():
+  # A ViT of 2 blocks as BEiT numbers its layers: patch embedding and class token 0,
+  # block k k + 1, the final LayerNorm and the head 3 (= L + 1).
+  leaf = jnp.zeros(2)
+  vit = {
+    "patch_embed": {"kernel": leaf},
+    "cls_token": leaf,
+    "block0": {"attn": {"qkv": {"kernel": leaf}}},
+    "block1": {"norm1": {"scale": leaf}},
+    "norm": {"scale": leaf},
+  }
+  got = finetune.learning_rate_multipliers(
+    {"encoder": vit, "head": {"kernel": leaf}}, backbone=0.5, layer_decay=0.1
+  )
+  assert got == {
+    "encoder": {
+      "patch_embed": {"kernel": 0.5 * 0.1**3},
+      "cls_token": 0.5 * 0.1**3,
+      "block0": {"attn": {"qkv": {"kernel": 0.5 * 0.1**2}}},
+      "block1": {"norm1": {"scale": 0.5 * 0.1}},
+      "norm": {"scale": 0.5},
+    },
+    "head": {"kernel": 1.0},
+  }
+  # A ResNet's stem precedes its blocks, numbered BasicBlock_0...
+  resnet = {"stem_conv": {"kernel": leaf}, "BasicBlock_0": {"Conv_0": {"kernel": leaf}}}
+  got = finetune.learning_rate_multipliers(
+    {"encoder": resnet, "head": {"bias": leaf}}, backbone=1.0, layer_decay=0.5
+  )
+  assert got["encoder"] == {
+    "stem_conv": {"kernel": 0.25},
+    "BasicBlock_0": {"Conv_0": {"kernel": 0.5}},
+  }
+
+
+def test_a_decayed_encoder_moves_less_the_nearer_its_input(pretrained, tmp_path):
+  """With layer_decay 1e-3 the stem's rate is 1e-27 of the head's: its kernel stays as restored
+  (below float32's resolution) while the last block's moves; the plain recipe moves both
+  (test_finetune_trains_the_whole_encoder_and_reports_the_test_split)."""
+  config = finetune_config(pretrained, backbone_lr_multiplier=0.5, layer_decay=1e-3)
+  restored = jax.device_get(restore.restore_encoder(config, mesh_lib.make_mesh()).variables)
+  state, _ = runner.run(finetune, config, str(tmp_path))
+  tuned = jax.device_get(state.params["encoder"])
+  stem = restored["params"]["stem_conv"]["kernel"]
+  np.testing.assert_array_equal(tuned["stem_conv"]["kernel"], stem)
+  last = restored["params"]["BasicBlock_7"]["Conv_1"]["kernel"]
+  assert not np.array_equal(tuned["BasicBlock_7"]["Conv_1"]["kernel"], last)
+
+
+@pytest.mark.parametrize(
+  "field, value, message",
+  [
+    ("backbone_lr_multiplier", 0.0, r"config.backbone_lr_multiplier=0.0: must be > 0"),
+    ("layer_decay", 1.5, r"config.layer_decay=1.5: must be in \(0, 1\]"),
+  ],
+)
+def test_bad_multipliers_stop_before_any_compute(field, value, message, tmp_path):
+  with pytest.raises(ConfigError, match=message):
+    runner.run(finetune, finetune_config("unused", **{field: value}), str(tmp_path))
+
+
+def test_an_older_finetune_config_trained_at_one_rate():
+  saved = load_config("finetune")
+  del saved["backbone_lr_multiplier"], saved["layer_decay"]
+  upgraded = recipes.upgrade_config(saved)
+  assert (upgraded.backbone_lr_multiplier, upgraded.layer_decay) == (1.0, 1.0)

@@ -7,9 +7,12 @@ import jax.numpy as jnp
 import ml_collections
 from ml_collections import config_flags
 import numpy as np
+import optax
+import pytest
 
 from contrastive_jax import models
 from contrastive_jax import recipes
+from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.methods import common
 from contrastive_jax.methods import optim
 from contrastive_jax.models import heads
@@ -150,3 +153,77 @@ def test_whole_warmup_epochs_give_the_same_steps_as_integers_did():
       sched = optim.learning_rate_schedule(cfg, 256, steps_per_epoch, total_steps=100_000)
       warmup = epochs * steps_per_epoch
       assert sched(warmup) == 1.0 and (warmup == 0 or sched(warmup - 1) < 1.0)
+
+
+def _reference_lr(t, peak, warmup, decays, factor=0.1):
+  """The warm-up then step schedule written out: a linear rise over `warmup` steps, then
+  peak x factor^(the decay steps <= t)."""
+  if t < warmup:
+    return peak * t / warmup
+  return peak * factor ** sum(t >= d for d in decays)
+
+
+def test_fraction_schedules_keep_their_shape_at_every_step_budget():
+  cfg = _opt_config(
+    schedule="step", warmup_epochs=0, warmup_fraction=0.1, decay_fractions=(0.6, 0.8)
+  )
+  optim.check_optimizer_config(cfg)
+  for total in (50, 1000):  # steps_per_epoch no longer matters: 7 or 390.
+    for steps_per_epoch in (7, 390):
+      sched = optim.learning_rate_schedule(cfg, 256, steps_per_epoch, total_steps=total)
+      points = [0, total // 20, total // 10, total * 6 // 10 - 1, total * 6 // 10, total - 1]
+      want = [
+        _reference_lr(t, 1.0, total // 10, (total * 6 // 10, total * 8 // 10)) for t in points
+      ]
+      np.testing.assert_allclose([sched(t) for t in points], want, rtol=1e-6, atol=1e-7)
+  # Cosine after a warm-up of a fifth of the run: half the peak half-way through the rest.
+  cfg = _opt_config(warmup_epochs=0, warmup_fraction=0.2, decay_fractions=())
+  sched = optim.learning_rate_schedule(cfg, 256, steps_per_epoch=3, total_steps=500)
+  np.testing.assert_allclose([sched(50), sched(100), sched(300), sched(500)], [0.5, 1, 0.5, 0])
+
+
+@pytest.mark.parametrize(
+  "fields, message",
+  [
+    (dict(warmup_fraction=1.0), r"config.optimizer.warmup_fraction=1.0: must be in \[0, 1\)"),
+    (dict(warmup_fraction=0.1, warmup_epochs=2), "config.optimizer.warmup_epochs=2.0: must be 0"),
+    (dict(decay_fractions=(0.8, 0.6)), r"config.optimizer.decay_fractions=\(0.8, 0.6\)"),
+    (dict(warmup_fraction=0.5, decay_fractions=(0.4,)), r"in \(warmup_fraction \(0.5\), 1\)"),
+    (dict(decay_fractions=(0.5,), decay_epochs=(3,)), r"decay_epochs=\(3.0,\): must be \(\)"),
+  ],
+)
+def test_bad_fractions_are_named(fields, message):
+  cfg = _opt_config(**{"warmup_epochs": 0, **fields})
+  with pytest.raises(ConfigError, match=message):
+    optim.check_optimizer_config(cfg)
+
+
+@pytest.mark.parametrize(
+  "name, fields",
+  [
+    ("sgd", dict(nesterov=True, weight_decay=0.1)),
+    ("lars", dict(weight_decay=0.1, lr_before_momentum=True)),
+    ("adamw", dict(weight_decay=0.1)),
+  ],
+)
+def test_scaled_learning_rates_are_per_leaf_rates(name, fields):
+  # Each leaf with multiplier m steps as the same optimizer at lr x m does.
+  cfg = ml_collections.ConfigDict(recipes.optimizer(name, base_lr=1.0, **fields))
+  rng = np.random.default_rng(0)
+  params = {"a": {"kernel": jnp.asarray(rng.normal(size=(3, 2)))}, "b": {"bias": jnp.ones(4)}}
+  multipliers = {"a": 0.25, "b": 3.0}
+  scaled = optim.scale_learning_rates(
+    optim.build_optimizer(cfg, lambda t: 0.1),
+    lambda p: {k: jax.tree.map(lambda _: multipliers[k], p[k]) for k in p},
+  )
+  state = scaled.init(params)
+  plain = {k: optim.build_optimizer(cfg, lambda t, m=m: 0.1 * m) for k, m in multipliers.items()}
+  states = {k: plain[k].init(params[k]) for k in params}
+  for _ in range(3):
+    grads = jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape)), params)
+    updates, state = scaled.update(grads, state, params)
+    for k in params:
+      want, states[k] = plain[k].update(grads[k], states[k], params[k])
+      for u, w in zip(jax.tree.leaves(updates[k]), jax.tree.leaves(want)):
+        np.testing.assert_allclose(u, w, rtol=1e-5, atol=1e-8)
+    params = optax.apply_updates(params, updates)

@@ -1,8 +1,8 @@
-"""Picture grids: rows of images with optional captions, as one RGB image.
+"""Picture grids (rows of images with optional captions) and line charts, as one RGB image.
 
 One home for every picture a job writes (the augmented views at step 0, the
-neighbours of query images), as a PNG file in the workdir and as a
-TensorBoard image.
+neighbours of query images, the label-efficiency curve), as a PNG file in the
+workdir and as a TensorBoard image.
 """
 
 import functools
@@ -167,3 +167,71 @@ def write_png(path: str, picture: np.ndarray):
   buffer = io.BytesIO()
   Image.fromarray(picture).save(buffer, format="PNG")
   files.write_atomic(path, buffer.getvalue())
+
+
+# Line colours, in series order (then again): Tableau's ten, distinct on white.
+_COLOURS = (
+  (31, 119, 180),
+  (255, 127, 14),
+  (44, 160, 44),
+  (214, 39, 40),
+  (148, 103, 189),
+  (140, 86, 75),
+  (227, 119, 194),
+  (127, 127, 127),
+  (188, 189, 34),
+  (23, 190, 207),
+)
+
+
+def line_chart(
+  series: dict, *, x_label: str, y_label: str, width: int = 640, height: int = 420
+) -> np.ndarray:
+  """A chart of y against x on a log x axis, as uint8 [height, width, 3].
+
+  Args:
+    series: {name: {x > 0: [y, ...]}}: a line per name through the mean of its
+      ys at each x, with their range (min to max) shaded in a lighter shade of
+      its colour; the names in a legend, in order.
+    x_label, y_label: the axes' captions.
+  Raises:
+    ValueError: no point, or an x <= 0.
+  """
+  xs = sorted({x for points in series.values() for x in points})
+  ys = [y for points in series.values() for values in points.values() for y in values]
+  if not xs or xs[0] <= 0:
+    raise ValueError(f"line_chart needs points with x > 0, got xs {xs}")
+  left, right, top, bottom = 56, width - 12, 20, height - 40 - LINE_HEIGHT * len(series)
+  lo, hi = min(ys), max(ys)
+  lo, hi = (lo - 0.5, hi + 0.5) if hi == lo else (lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
+  span = math.log(xs[-1] / xs[0]) or 1.0
+  px = lambda x: left + (right - left) * (math.log(x / xs[0]) / span if len(xs) > 1 else 0.5)
+  py = lambda y: bottom - (bottom - top) * (y - lo) / (hi - lo)
+  canvas = Image.new("RGB", (width, height), "white")
+  draw = ImageDraw.Draw(canvas, "RGBA")
+  draw.rectangle((left, top, right, bottom), outline="black")
+  for x in xs:  # The x ticks are the xs themselves.
+    draw.line((px(x), bottom, px(x), bottom + 4), fill="black")
+    draw.text((px(x) - text_width(f"{x:g}") / 2, bottom + 6), f"{x:g}", fill="black", font=font())
+  for i in range(5):
+    y = lo + (hi - lo) * i / 4
+    draw.line((left - 4, py(y), left, py(y)), fill="black")
+    draw.text((left - 6 - text_width(f"{y:.3f}"), py(y) - 6), f"{y:.3f}", fill="black", font=font())
+  draw.text((left, bottom + 6 + LINE_HEIGHT), x_label, fill="black", font=font())
+  draw.text((2, 2), y_label, fill="black", font=font())
+  for n, (name, points) in enumerate(series.items()):
+    colour = _COLOURS[n % len(_COLOURS)]
+    at = sorted(points)
+    upper = [(px(x), py(max(points[x]))) for x in at]
+    lower = [(px(x), py(min(points[x]))) for x in reversed(at)]
+    if len(at) > 1:
+      draw.polygon(upper + lower, fill=colour + (50,))
+    means = [(px(x), py(float(np.mean(points[x])))) for x in at]
+    if len(means) > 1:
+      draw.line(means, fill=colour, width=2)
+    for x, y in means:
+      draw.ellipse((x - 3, y - 3, x + 3, y + 3), fill=colour)
+    legend_y = bottom + 8 + LINE_HEIGHT * (n + 2)
+    draw.line((left, legend_y + 6, left + 20, legend_y + 6), fill=colour, width=2)
+    draw.text((left + 26, legend_y), name, fill="black", font=font())
+  return np.asarray(canvas)

@@ -615,6 +615,22 @@ class FolderSource:
     return tf.data.Dataset.from_generator(examples, output_signature=signature)
 
 
+def hash_ranks(ids, seed: int) -> np.ndarray:
+  """uint64 [N]: the 64-bit BLAKE2b hash of each id (str [N]), keyed by seed (int >= 0).
+
+  A random order of the ids that depends on the ids and the seed only, never
+  on their order or storage: how labelled subsets are drawn.
+  """
+  key = seed.to_bytes(8, "little")
+  return np.array(
+    [
+      int.from_bytes(hashlib.blake2b(i.encode("utf-8"), digest_size=8, key=key).digest(), "little")
+      for i in ids
+    ],
+    dtype=np.uint64,
+  )
+
+
 def select_labelled(ids, labels, fraction: float, seed: int):
   """The class-balanced labelled subset of a split: sorted indices into ids.
 
@@ -636,14 +652,7 @@ def select_labelled(ids, labels, fraction: float, seed: int):
     ConfigError: a fraction that gives some class of the split no example
       (naming the smallest class and the fraction it needs).
   """
-  key = seed.to_bytes(8, "little")
-  ranks = np.array(
-    [
-      int.from_bytes(hashlib.blake2b(i.encode("utf-8"), digest_size=8, key=key).digest(), "little")
-      for i in ids
-    ],
-    dtype=np.uint64,
-  )
+  ranks = hash_ranks(ids, seed)
   chosen = []
   for label in np.unique(labels):
     members = np.flatnonzero(labels == label)
@@ -681,7 +690,18 @@ class LabelledSubset:
 
   def __init__(self, source, split: str, fraction: float, seed: int):
     ids, labels = source.ids_and_labels(split)
-    self._indices = select_labelled(ids, labels, fraction, seed)
+    self._set(source, split, select_labelled(ids, labels, fraction, seed), ids, labels)
+
+  @classmethod
+  def of_indices(cls, source, split: str, indices, ids, labels) -> "LabelledSubset":
+    """The subset of `split` at sorted int indices [n] (n >= 1) into its ids and labels
+    (source.ids_and_labels(split), read once by the caller)."""
+    subset = cls.__new__(cls)
+    subset._set(source, split, np.asarray(indices), ids, labels)
+    return subset
+
+  def _set(self, source, split, indices, ids, labels):
+    self._indices = indices
     self.ids, self.labels = ids[self._indices], labels[self._indices]
     self.name, self.num_classes = source.name, source.num_classes
     self.class_names = source.class_names

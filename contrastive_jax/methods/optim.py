@@ -55,6 +55,37 @@ def check_optimizer_config(cfg):
       tuple(epochs),
       f"strictly increasing epochs after warmup_epochs ({cfg.warmup_epochs})",
     )
+  _check_fractions(cfg)
+
+
+def _check_fractions(cfg):
+  """The optional warmup_fraction and decay_fractions (learning_rate_schedule): fractions of
+  the run that replace warmup_epochs and decay_epochs, which must then be 0 and ()."""
+  warmup = cfg.get("warmup_fraction")
+  if warmup is not None:
+    if not 0 <= warmup < 1:
+      raise ConfigError("optimizer.warmup_fraction", warmup, "in [0, 1): a fraction of the run")
+    if cfg.warmup_epochs:
+      raise ConfigError(
+        "optimizer.warmup_epochs",
+        cfg.warmup_epochs,
+        f"0 with warmup_fraction set ({warmup}): the warm-up is one or the other",
+      )
+  fractions = cfg.get("decay_fractions")
+  if fractions is not None:
+    fractions = list(fractions)
+    if fractions != sorted(set(fractions)) or any(not (warmup or 0) < f < 1 for f in fractions):
+      raise ConfigError(
+        "optimizer.decay_fractions",
+        tuple(fractions),
+        f"strictly increasing fractions of the run in (warmup_fraction ({warmup or 0}), 1)",
+      )
+    if list(cfg.decay_epochs):
+      raise ConfigError(
+        "optimizer.decay_epochs",
+        tuple(cfg.decay_epochs),
+        "() with decay_fractions set: the decays are at one or the other",
+      )
 
 
 def peak_learning_rate(cfg, global_batch: int) -> float:
@@ -69,14 +100,28 @@ def learning_rate_schedule(cfg, global_batch: int, steps_per_epoch: int, total_s
   ('cosine'), or a constant lr times decay_factor at each of decay_epochs ('step',
   MoCo v1's schedule).
 
+  A config with the optional fields warmup_fraction (float) and decay_fractions
+  (floats) set places the warm-up's end and the step decays at those fractions
+  of total_steps instead (rounded down to a step; e.g. MoCo's decays at epochs
+  60 and 80 of 100 are decay_fractions (0.6, 0.8)), so that a recipe cut to
+  another step budget keeps its shape.
+
   Returns an optax schedule: step (int) -> learning rate (float32).
   """
   peak = peak_learning_rate(cfg, global_batch)
-  warmup = min(int(round(cfg.warmup_epochs * steps_per_epoch)), total_steps)
+  warmup_fraction, decay_fractions = cfg.get("warmup_fraction"), cfg.get("decay_fractions")
+  if warmup_fraction is None:
+    warmup = min(int(round(cfg.warmup_epochs * steps_per_epoch)), total_steps)
+  else:
+    warmup = int(warmup_fraction * total_steps)
+  if decay_fractions is None:
+    decays = [int(e * steps_per_epoch) for e in cfg.decay_epochs]
+  else:
+    decays = [int(f * total_steps) for f in decay_fractions]
   if cfg.schedule == "step":
     # join_schedules counts the second schedule's steps from the boundary.
     decay = optax.piecewise_constant_schedule(
-      peak, {int(e * steps_per_epoch) - warmup: cfg.decay_factor for e in cfg.decay_epochs}
+      peak, {step - warmup: cfg.decay_factor for step in decays}
     )
   else:
     decay = optax.cosine_decay_schedule(peak, max(total_steps - warmup, 1), alpha=0.0)
@@ -189,3 +234,19 @@ def _optimizer(cfg, schedule):
   lr = optax.scale_by_learning_rate(schedule)
   steps += [lr, momentum] if cfg.lr_before_momentum else [momentum, lr]
   return optax.chain(*steps)
+
+
+def scale_learning_rates(tx, multipliers) -> optax.GradientTransformation:
+  """tx with each leaf's update multiplied by multipliers(params)'s leaf (a float per leaf).
+
+  Every optimizer here makes an update linear in its learning rate (momentum,
+  weight decay, LARS's trust ratio and Adam's normalised step all come before
+  it), so this is the per-leaf learning rate lr x multiplier: a lower backbone
+  rate, or layer-wise learning-rate decay (Clark et al. 2020, ELECTRA; Bao et
+  al. 2022, BEiT), when fine-tuning.
+  """
+
+  def scale(updates, params):
+    return jax.tree.map(lambda u, m: u * m, updates, multipliers(params))
+
+  return optax.chain(tx, optax.stateless(scale))

@@ -41,8 +41,8 @@ class EvalModel(NamedTuple):
   dataset: Callable
 
 
-def knn_vote(top_sims, top_labels, *, num_classes: int, temperature: float):
-  """Weighted kNN prediction (Wu et al. 2018, Sec. 3.4).
+def knn_scores(top_sims, top_labels, *, num_classes: int, temperature: float):
+  """Weighted kNN class scores (Wu et al. 2018, Sec. 3.4).
 
   Args:
     top_sims: float32 [Q, k] cosine similarities of each query's k nearest
@@ -50,11 +50,17 @@ def knn_vote(top_sims, top_labels, *, num_classes: int, temperature: float):
     top_labels: int [Q, k] their labels.
     temperature: vote weight exp(sim / temperature), > 0.
   Returns:
-    int32 [Q]: the class with the largest summed weight; ties go to the
-    smaller class index.
+    float32 [Q, num_classes]: each class's summed vote weight.
   """
   votes = jax.nn.one_hot(top_labels, num_classes) * jnp.exp(top_sims / temperature)[..., None]
-  return jnp.argmax(jnp.sum(votes, axis=1), axis=1).astype(jnp.int32)
+  return jnp.sum(votes, axis=1)
+
+
+def knn_vote(top_sims, top_labels, *, num_classes: int, temperature: float):
+  """int32 [Q]: the class of largest knn_scores (same arguments); ties go to the smaller
+  class index."""
+  scores = knn_scores(top_sims, top_labels, num_classes=num_classes, temperature=temperature)
+  return jnp.argmax(scores, axis=1).astype(jnp.int32)
 
 
 def top_k_neighbours(sims, labels, k: int):

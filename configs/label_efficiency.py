@@ -1,0 +1,91 @@
+"""What pretraining buys at each label count, on CIFAR-10 (config.job='label_efficiency').
+
+  python -m contrastive_jax.main --config=configs/label_efficiency.py \
+      --config.pretrain_workdir=DIR --workdir=CURVE_DIR
+
+Set --config.pretrain_workdir=DIR (the pretraining job's --workdir). For each
+init of `inits` ('pretrained': its checkpoint; 'random': its encoder at
+initialisation; 'weights': the weights file `weights` read as the model of
+`weights_config`, e.g. public supervised weights), each label count of
+`labels` (integers, or fractions of train_split), each of `seeds` seeds and each
+protocol of `protocols`, a class-balanced subset of the train split is drawn,
+validation_fraction of it held out for the protocol's choices, and the chosen
+model scores the test split (jobs/label_efficiency.py). The first init's gain
+over the others, with a 95% interval paired by seed, is in summary.json.
+
+Protocols: weighted kNN of the frozen h (temperature 0.07 as Wu et al. 2018;
+k of knn.k chosen by validation); a linear probe on the frozen h (this
+project's standardised probe: affine-free BN, then a zero-initialised linear
+layer; Nesterov SGD lr 0.1 x B/256, cosine, no weight decay); fine-tuning the
+whole encoder and a linear head with SimCLR's semi-supervised recipe
+(configs/finetune.py: Nesterov SGD lr 0.05 x B/256, cosine, no weight decay,
+SimCLR's crop and flip, batch 64, 60 epochs); and, if listed ('lp_ft', not by
+default), LP-FT (Kumar et al. 2022): that fine-tuning from a linear probe's head (the
+probe without its standardising BN). Probe and fine-tune keep the epoch, of those
+evaluated every eval_every epochs, of best validation top-1. Their warm-up and step
+decays are fractions of their run (optimizer.warmup_fraction, decay_fractions);
+fine-tuning can train the encoder at a lower rate than the head
+(finetune.backbone_lr_multiplier, e.g. 0.1) and decay it layer by layer
+(finetune.layer_decay, e.g. 0.75, as BEiT).
+
+Argument `runlocal` (--config=configs/label_efficiency.py:runlocal): labels 100,
+500 and 1000, 3 seeds, the probe for 50 epochs and fine-tuning for 20, each
+validated every 5, for the 2-core CPU (its run time is not measured yet).
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from contrastive_jax import recipes
+
+ARGS = dict(runlocal=False)
+# The probe's and fine-tuning's warm-up and step decays, in fractions of their run's steps
+# (methods/optim.learning_rate_schedule): a count's schedule keeps its shape whatever its steps.
+FRACTIONS = dict(warmup_fraction=0.0, decay_fractions=())
+
+
+def get_config(arg: str = ""):
+  args = recipes.parse_args(arg, ARGS)
+  config = recipes.data_fields(ml_collections.ConfigDict())
+  config.job = "label_efficiency"
+  config.format_version = recipes.FORMAT_VERSION
+  recipes.pretrained_encoder_fields(config)
+  config.test_split = "test"
+  config.labels = "100,500,1000,5000"  # Counts, or fractions of train_split (e.g. '0.01,0.1').
+  config.seeds = 3
+  config.validation_fraction = 0.2  # Of each class's share of a subset, at least one image.
+  config.inits = "pretrained,random"  # The first init's gain over each other one is reported.
+  config.weights = config_dict.placeholder(str)  # A weights file, for the 'weights' init.
+  config.weights_config = config_dict.placeholder(str)  # configs/X.py[:ARG] of its model.
+  config.protocols = "knn,linear_probe,finetune"
+  config.auroc = True
+  config.curve_metric = "top1"  # curve.png's: 'top1', 'balanced_accuracy' or 'auroc'.
+  config.eval_batch_size = 1000
+  config.knn = dict(k="10,20,50", temperature=0.07)
+  config.linear_probe = dict(
+    epochs=100,
+    eval_every=10,
+    batch_size=256,
+    optimizer=recipes.optimizer(
+      "sgd", base_lr=0.1, weight_decay=0.0, warmup_epochs=0, nesterov=True, **FRACTIONS
+    ),
+  )
+  config.finetune = dict(
+    epochs=60,
+    eval_every=10,
+    batch_size=64,
+    crop=recipes.crop("tensorflow", 0.08, "tf_bicubic"),
+    optimizer=recipes.optimizer(
+      "sgd", base_lr=0.05, weight_decay=0.0, warmup_epochs=0, nesterov=True, **FRACTIONS
+    ),
+    backbone_lr_multiplier=1.0,  # The encoder's rate / the head's.
+    layer_decay=1.0,  # Layer-wise learning-rate decay (jobs/finetune.learning_rate_multipliers).
+  )
+  config.evaluators = {}  # The job scores its cells itself (validation, then test).
+  if args.runlocal:
+    config.labels = "100,500,1000"
+    config.linear_probe.epochs = 50
+    config.linear_probe.eval_every = 5
+    config.finetune.epochs = 20
+    config.finetune.eval_every = 5
+  return config

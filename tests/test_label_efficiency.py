@@ -1,0 +1,346 @@
+"""The label-efficiency job: its subsets, scores and interval, its bad inputs, and a tiny run."""
+
+import csv
+import json
+import math
+import os
+import re
+import shutil
+
+import helpers
+from helpers import TFDS_DIR
+from helpers import load_config
+import jax
+import jax.numpy as jnp
+import numpy as np
+from PIL import Image
+import pytest
+from test_finetune import pretrained  # noqa: F401  # The fixture: a tiny SimCLR checkpoint.
+
+from contrastive_jax import main
+from contrastive_jax import models
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core import pictures
+from contrastive_jax.core import tensor_files
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import ResumeError
+from contrastive_jax.jobs import label_efficiency
+from contrastive_jax.models import state_dicts
+from contrastive_jax.training import label_efficiency as le
+from contrastive_jax.training import restore
+
+
+def _split(per_class=(30, 20, 12)):
+  """ids 'x0'... and labels of a small split with per_class[c] examples of class c, shuffled."""
+  labels = np.concatenate([np.full(n, c) for c, n in enumerate(per_class)])
+  labels = np.random.default_rng(0).permutation(labels).astype(np.int32)
+  return np.array([f"x{i}" for i in range(len(labels))], object), labels
+
+
+def test_subset_is_class_balanced_disjoint_and_fixed_by_the_seed():
+  ids, labels = _split()
+  subset = le.draw_subset(ids, labels, 20, seed=3, num_classes=3, validation_fraction=0.25)
+  both = np.concatenate([subset.train, subset.validation])
+  assert len(set(both.tolist())) == 20  # Disjoint parts, 20 examples.
+  # 20 = 3 x 6 + 2: two classes give 7, one gives 6; a quarter of each validates.
+  assert sorted(np.bincount(labels[both], minlength=3).tolist()) == [6, 7, 7]
+  for c in range(3):
+    share = np.sum(labels[both] == c)
+    assert np.sum(labels[subset.validation] == c) == max(1, math.floor(share / 4 + 0.5))
+  again = le.draw_subset(ids, labels, 20, seed=3, num_classes=3, validation_fraction=0.25)
+  assert all(np.array_equal(a, b) for a, b in zip(subset, again))
+  # The draw follows the (id, label) pairs, not their order.
+  order = np.random.default_rng(1).permutation(len(ids))
+  shuffled = le.draw_subset(ids[order], labels[order], 20, 3, 3, 0.25)
+  assert set(ids[order][shuffled.train]) == set(ids[subset.train])
+  other = le.draw_subset(ids, labels, 20, seed=4, num_classes=3, validation_fraction=0.25)
+  assert set(ids[other.train]) != set(ids[subset.train])
+
+
+def test_label_counts_absolute_or_fractions():
+  assert le.parse_counts("0.01,5000,500", 50_000) == (500, 5000)
+  assert le.parse_counts("100", 1000) == (100,)
+  for bad in ("0", "1.5", "-3", "many", "2000"):
+    with pytest.raises(ConfigError, match=r"^config\.labels="):
+      le.parse_counts(bad, 1000)
+
+
+def test_counts_no_class_can_give_are_refused_naming_the_class():
+  ids, labels = _split()
+  with pytest.raises(ConfigError, match=r"class 2 \('c'\) has 12 in the train split"):
+    le.check_counts([45], labels, 3, class_names=["a", "b", "c"])  # 15 of each class.
+  with pytest.raises(ConfigError, match="at least 2 per class"):
+    le.check_counts([5], labels, 3)
+  le.check_counts([36], labels, 3)  # 12 of each: fits.
+
+
+def test_top1_and_balanced_accuracy_by_hand():
+  scores = np.array([[0.9, 0.1], [0.2, 0.8], [0.6, 0.4], [0.7, 0.3]])
+  labels = np.array([0, 1, 1, 0])
+  assert le.top1(scores, labels) == 0.75
+  # Class 0: 2 of 2 right; class 1: 1 of 2.
+  assert le.balanced_accuracy(scores, labels) == pytest.approx(0.75)
+  assert le.balanced_accuracy(scores, np.array([0, 0, 0, 1])) == pytest.approx((2 / 3 + 0) / 2)
+
+
+def test_auroc_by_hand():
+  # Positives score 0.8, 0.4, 0.4; negatives 0.5, 0.4. Pairs (pos > neg) counted 1, ties 1/2:
+  # 0.8 beats both (2); each 0.4 loses to 0.5 and ties 0.4 (0.5 + 0.5): 3 of 6.
+  scores = np.array([0.8, 0.4, 0.4, 0.5, 0.4])
+  positive = np.array([True, True, True, False, False])
+  assert le.binary_auroc(scores, positive) == pytest.approx(3 / 6)
+  # A binary task's AUROC is class 1's; three classes: the mean of one-vs-rest.
+  two = np.stack([1 - scores, scores], 1)
+  assert le.auroc(two, positive.astype(int)) == pytest.approx(0.5)
+  three = np.array([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3], [0.1, 0.2, 0.7], [0.5, 0.1, 0.4]])
+  labels = np.array([0, 1, 2, 2])
+  # Class 0: pos 0.6 vs 0.2, 0.1, 0.5 -> 1. Class 1: pos 0.5 vs 0.3, 0.2, 0.1 -> 1.
+  # Class 2: pos 0.7, 0.4 vs 0.1, 0.3: 0.7 beats both, 0.4 beats both -> 1.
+  assert le.auroc(three, labels) == pytest.approx(1.0)
+  three[3] = [0.5, 0.1, 0.2]  # Now 0.2 < 0.3: class 2 wins 3 of 4 pairs.
+  assert le.auroc(three, labels) == pytest.approx((1 + 1 + 0.75) / 3)
+  with pytest.raises(ValueError, match="positives and negatives"):
+    le.auroc(three, np.array([0, 1, 1, 1]))  # Class 2 absent.
+
+
+def test_scores_agree_with_scikit_learn():
+  metrics = pytest.importorskip("sklearn.metrics")
+  rng = np.random.default_rng(0)
+  labels = rng.integers(0, 4, 200)
+  logits = rng.normal(size=(200, 4)) + np.eye(4)[labels]
+  logits[:20] = np.round(logits[:20])  # Ties.
+  probs = np.exp(logits) / np.exp(logits).sum(1, keepdims=True)
+  assert le.auroc(probs, labels) == pytest.approx(
+    metrics.roc_auc_score(labels, probs, multi_class="ovr", average="macro")
+  )
+  binary = labels % 2
+  assert le.auroc(probs[:, :2], binary) == pytest.approx(metrics.roc_auc_score(binary, probs[:, 1]))
+  assert le.balanced_accuracy(probs, labels) == pytest.approx(
+    metrics.balanced_accuracy_score(labels, probs.argmax(1))
+  )
+
+
+def test_paired_interval_is_the_t_interval_of_the_differences():
+  a, b = [0.52, 0.61, 0.58], [0.40, 0.47, 0.49]
+  d = np.subtract(a, b)
+  # t_{0.975, 2} = 4.302652729911275, from a table of Student's t.
+  half = 4.302652729911275 * np.sqrt(np.sum((d - d.mean()) ** 2) / 2) / np.sqrt(3)
+  interval = le.paired_interval(a, b)
+  assert interval["pairs"] == 3
+  assert interval["mean"] == pytest.approx(d.mean())
+  assert interval["low"] == pytest.approx(d.mean() - half)
+  assert interval["high"] == pytest.approx(d.mean() + half)
+  five = le.paired_interval([1, 2, 3, 4, 6], [0, 0, 0, 0, 0])  # t_{0.975, 4} = 2.776445105
+  assert five["high"] - five["mean"] == pytest.approx(
+    2.776445105 * np.std([1, 2, 3, 4, 6], ddof=1) / np.sqrt(5)
+  )
+  assert math.isnan(le.paired_interval([1.0], [0.5])["low"])
+
+
+def test_summary_picks_by_validation_and_pairs_by_seed():
+  rows = []
+  for seed, (pre_knn, pre_lp, rnd) in enumerate(
+    [(0.5, 0.6, 0.3), (0.55, 0.7, 0.35), (0.52, 0.62, 0.3)]
+  ):
+    # The probe validates worse than kNN for the pretrained init, though it tests better.
+    rows.append(
+      dict(init="pretrained", protocol="knn", labels=40, seed=seed, val_top1=0.9, top1=pre_knn)
+    )
+    rows.append(
+      dict(
+        init="pretrained", protocol="linear_probe", labels=40, seed=seed, val_top1=0.5, top1=pre_lp
+      )
+    )
+    rows.append(dict(init="random", protocol="knn", labels=40, seed=seed, val_top1=0.3, top1=rnd))
+  summary = le.summarise(rows, ["pretrained", "random"], ["top1"])["labels"]["40"]
+  assert summary["best"]["pretrained"]["protocol"] == "knn"
+  assert summary["best"]["pretrained"]["top1"] == pytest.approx(np.mean([0.5, 0.55, 0.52]))
+  gain = summary["gain"]["random"]["top1"]
+  expected = le.paired_interval([0.5, 0.55, 0.52], [0.3, 0.35, 0.3])
+  assert gain == pytest.approx(expected)
+
+
+def tiny_config(pretrain_workdir, **overrides):
+  """configs/label_efficiency.py on 200 train and 40 test images: 2 label counts, 2 seeds."""
+  config = load_config("label_efficiency")
+  config.pretrain_workdir = pretrain_workdir
+  config.data_dir = TFDS_DIR
+  config.train_split = "train[:200]"
+  config.test_split = "test[:40]"
+  config.labels = "20,40"
+  config.seeds = 2
+  config.validation_fraction = 0.5
+  config.eval_batch_size = 40
+  config.knn.k = "1,3"
+  config.linear_probe.update(epochs=2, eval_every=1, batch_size=16)
+  config.finetune.update(epochs=2, eval_every=1, batch_size=8)
+  config.data_threads = 1
+  config.update(overrides)
+  return config
+
+
+@pytest.fixture(scope="module")
+def curve(pretrained, tmp_path_factory):
+  """A finished tiny job: (config, workdir, summary)."""
+  workdir = str(tmp_path_factory.mktemp("curve"))
+  config = tiny_config(pretrained)
+  return config, workdir, main.run_job(config, workdir)
+
+
+def test_the_job_writes_a_cell_per_init_protocol_count_and_seed(curve):
+  config, workdir, summary = curve
+  with open(f"{workdir}/curve.csv") as f:
+    rows = list(csv.DictReader(f))
+  assert list(rows[0])[:7] == list(label_efficiency.COLUMNS)
+  cells = {(r["init"], r["protocol"], int(r["labels"]), int(r["seed"])) for r in rows}
+  assert len(rows) == len(cells) == 2 * 3 * 2 * 2
+  for r in rows:
+    for metric in ("top1", "balanced_accuracy", "auroc", "val_top1"):
+      assert 0 <= float(r[metric]) <= 1
+  assert set(summary["labels"]) == {"20", "40"}
+  gain = summary["labels"]["20"]["gain"]["random"]["top1"]
+  assert gain["pairs"] == 2 and gain["low"] <= gain["mean"] <= gain["high"]
+  with open(f"{workdir}/summary.json") as f:
+    assert json.load(f) == summary
+  picture = np.asarray(Image.open(f"{workdir}/curve.png"))
+  assert picture.ndim == 3 and len(np.unique(picture.reshape(-1, 3), axis=0)) > 3
+
+
+def test_a_job_killed_between_cells_resumes_at_the_next_one(curve, pretrained, tmp_path):
+  config, workdir, _ = curve
+  resumed = str(tmp_path / "resumed")
+  shutil.copytree(workdir, resumed)
+  names = sorted(os.listdir(f"{resumed}/cells"))
+  # A job killed after its first cells: the later cells are not there.
+  for name in names[len(names) // 2 :]:
+    os.remove(f"{resumed}/cells/{name}")
+  # Marks a kept cell: a job that computed it again would write the file anew.
+  kept = f"{resumed}/cells/{names[0]}"
+  with open(kept) as f:
+    row = json.load(f)
+  with open(kept, "w") as f:
+    json.dump(dict(row, marked=True), f)
+  main.run_job(config, resumed)
+  assert sorted(os.listdir(f"{resumed}/cells")) == names
+  with open(kept) as f:
+    assert json.load(f)["marked"]
+  for name in names:  # Computed again, a cell gives what it gave.
+    with open(f"{workdir}/cells/{name}") as f, open(f"{resumed}/cells/{name}") as g:
+      a, b = json.load(f), json.load(g)
+      b.pop("marked", None)
+      assert a == b, name
+  with open(f"{workdir}/curve.csv") as f, open(f"{resumed}/curve.csv") as g:
+    assert f.read() == g.read()
+  with pytest.raises(ResumeError, match="config.seeds=3"):
+    main.run_job(tiny_config(pretrained, seeds=3), resumed)
+
+
+def test_choices_are_made_without_the_test_split(curve, pretrained, tmp_path):
+  """Cells scored on other test images make the same choices on the same validation scores."""
+  config, workdir, _ = curve
+  other = str(tmp_path / "other_test")
+  overrides = dict(test_split="test[40:80]", labels="20", curve_metric="auroc")
+  main.run_job(tiny_config(pretrained, **overrides), other)
+  assert os.path.exists(f"{other}/curve.png")
+  with open(f"{workdir}/curve.csv") as f, open(f"{other}/curve.csv") as g:
+    first = {
+      (r["init"], r["protocol"], r["seed"]): r for r in csv.DictReader(f) if r["labels"] == "20"
+    }
+    second = {(r["init"], r["protocol"], r["seed"]): r for r in csv.DictReader(g)}
+  assert set(first) == set(second)
+  for key in first:
+    assert (first[key]["val_top1"], first[key]["choice"]) == (
+      second[key]["val_top1"],
+      second[key]["choice"],
+    ), key
+  assert any(first[k]["top1"] != second[k]["top1"] for k in first)
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    (dict(labels="400"), r"at most the train split's size \(200 images\)"),
+    (dict(labels="190"), r"class \d \('\w+'\) has \d+ in the train split"),
+    (dict(labels="12"), "at least 2 per class"),
+    (dict(protocols="knn,svm"), "config.protocols="),
+    (dict(auroc=False, curve_metric="auroc"), "config.curve_metric='auroc'"),
+    (dict(inits="pretrained,weights"), "config.weights=None"),
+    (dict(test_split="test[:5]"), r"config.auroc=True: .* class \d has 0 of the 5 images"),
+    (dict(finetune=dict(layer_decay=0.0)), r"config.finetune.layer_decay=0.0: must be in \(0, 1\]"),
+    (
+      dict(linear_probe=dict(optimizer=dict(decay_fractions=(1.5,)))),
+      r"config.optimizer.decay_fractions=\(1.5,\)",
+    ),
+  ],
+)
+def test_bad_input_stops_before_any_compute(pretrained, tmp_path, overrides, message):
+  with pytest.raises(ConfigError, match=message):
+    main.run_job(tiny_config(pretrained, **overrides), str(tmp_path / "w"))
+  assert not os.path.exists(tmp_path / "w" / "cells")
+
+
+def test_line_chart_draws_means_on_a_log_axis_and_shades_the_range():
+  # x 10 and 1000 are the plot's left and right edges (pixels 56 and 628); ys span
+  # [0, 1] padded by 5%: y 0.5 is half-way down the plot, from pixel 20 to 368: 194.
+  chart = pictures.line_chart(
+    {"a": {10: [0.0, 1.0], 1000: [0.5]}}, x_label="labels", y_label="top-1"
+  )
+  assert chart.shape == (420, 640, 3)
+  assert chart[194, 56].tolist() == chart[194, 628].tolist() == [31, 119, 180]
+  shaded = chart[80, 60].tolist()  # Within the range at x 10 (y 0.9), off the line.
+  assert shaded != [255, 255, 255] and shaded[2] > shaded[0]
+  with pytest.raises(ValueError, match="x > 0"):
+    pictures.line_chart({"a": {0: [1.0]}}, x_label="", y_label="")
+
+
+def test_lp_ft_fine_tunes_from_a_probe(pretrained, tmp_path):
+  config = tiny_config(pretrained, labels="20", seeds=1, inits="pretrained", protocols="lp_ft")
+  summary = main.run_job(config, str(tmp_path / "lp_ft"))
+  with open(tmp_path / "lp_ft" / "curve.csv") as f:
+    (row,) = list(csv.DictReader(f))
+  assert row["protocol"] == "lp_ft" and 0 <= float(row["top1"]) <= 1
+  assert re.fullmatch(r"probe epoch=[12], epoch=[12]", row["choice"])
+  assert summary["labels"]["20"]["best"]["pretrained"]["protocol"] == "lp_ft"
+
+
+def _weights_file(tmp_path, model_name: str, variables=None):
+  """A .safetensors of helpers.tiny_config()'s encoder as `model_name` (its variables, or
+  zeros of its shapes), and a config file (configs/X.py) of that model."""
+  config = helpers.tiny_config()
+  config.model.name = model_name
+  if variables is None:
+    encoder = models.build_encoder(config.model)
+    shapes = jax.eval_shape(
+      lambda: encoder.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)
+    )
+    variables = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
+  path = str(tmp_path / f"{model_name}.safetensors")
+  tensor_files.write(path, state_dicts.to_state_dict(config.model, variables, 32))
+  config_file = tmp_path / f"{model_name}.py"
+  config_file.write_text(
+    f"import sys\nsys.path.insert(0, {helpers.TESTS!r})\nimport helpers\n\n\n"
+    f"def get_config(variant=''):\n  config = helpers.tiny_config()\n"
+    f"  config.model.name = {model_name!r}\n  return config\n"
+  )
+  return path, str(config_file)
+
+
+def test_a_weights_file_init_is_read_as_its_config_says(pretrained, tmp_path):
+  """The checkpoint's own encoder as a weights file scores what the checkpoint scores; a
+  file of another model is refused before any compute."""
+  config = tiny_config(pretrained, labels="20", seeds=1, protocols="knn")
+  variables = restore.restore_encoder(config, mesh_lib.make_mesh()).variables
+  path, config_file = _weights_file(tmp_path, "resnet18", variables)
+  config.update(inits="pretrained,weights", weights=path, weights_config=config_file)
+  main.run_job(config, str(tmp_path / "same"))
+  with open(tmp_path / "same" / "curve.csv") as f:
+    rows = {r["init"]: r for r in csv.DictReader(f)}
+  for field in ("top1", "auroc", "balanced_accuracy", "val_top1", "choice"):
+    assert rows["weights"][field] == rows["pretrained"][field], field
+  other, other_file = _weights_file(tmp_path, "resnet34")
+  config.update(weights=other, weights_config=other_file)
+  with pytest.raises(
+    ConfigError, match=r"config.weights=.*checkpoint's model 'resnet18', not 'resnet34'"
+  ):
+    main.run_job(config, str(tmp_path / "other"))
+  assert not os.path.exists(tmp_path / "other" / "cells")
