@@ -553,6 +553,18 @@ LINEAR_PROBE_PRESETS = {
     head=dict(standardize=False, init="normal_0.01"),
     optimizer=optimizer("sgd", 0.1, 0.0, warmup_epochs=0, weight_decay_mask="all"),
   ),
+  # DINO eval_linear.py as its README runs it (8 GPUs x --batch_size_per_gpu 128): SGD
+  # momentum 0.9, lr 0.001 x B/256, no weight decay, batch 1024, 100 epochs, cosine to 0
+  # without warm-up (CosineAnnealingLR), RandomResizedCrop(224) (scale 0.08-1, bilinear)
+  # and flip, fc weights normal(0, 0.01), bias 0. (Its ViTs' probe reads the class tokens
+  # of the last 4 blocks; this preset reads h, the last one.)
+  "dino": dict(
+    batch_size=1024,
+    duration="100 epochs",
+    crop=crop("torchvision", 0.08, "pil_bilinear"),
+    head=dict(standardize=False, init="normal_0.01"),
+    optimizer=optimizer("sgd", 0.001, 0.0, warmup_epochs=0, weight_decay_mask="all"),
+  ),
   # This project's own probe, no reference's: h standardised by an
   # affine-free BN (a fixed per-feature affine map, so the classifier stays
   # linear), so that one learning rate fits every encoder, a random one too;

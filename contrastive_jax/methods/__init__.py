@@ -12,13 +12,16 @@ The method contract: a module registered in METHODS provides
       The state at step 0: params and batch_stats from model.init, the
       optimizer state, rng as the run's base key, and the method's own
       state in `extra` (MoCo's key encoder and queue, MoCo v3's momentum
-      encoder, BYOL's target network).
-  make_train_step(config, model, tx, views, mesh, num_steps, probe=None)
+      encoder, BYOL's target network, DINO's teacher and centre).
+  make_train_step(config, model, tx, views, mesh, num_steps, probe=None,
+                  steps_per_epoch=None)
       -> train_step(state, batch) -> (state, metrics), built with
       common.build_train_step (so every method gets the health
       scalars, the online probe, the augmentation keys and the sharding of
       the others); batch holds 'image' uint8 [B, 2, S, S, 3] and 'label'
       int32 [B]; metrics are float32 scalars including 'loss'.
+      steps_per_epoch: optimizer steps an epoch, for a method with a
+      schedule in epochs (DINO's teacher temperature).
 
 and keeps the encoder that downstream jobs use at state.params['encoder'] and
 state.batch_stats['encoder'] (encoder_variables; absent for an encoder without
@@ -31,11 +34,12 @@ import optax
 
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.methods import byol
+from contrastive_jax.methods import dino
 from contrastive_jax.methods import moco
 from contrastive_jax.methods import mocov3
 from contrastive_jax.methods import simclr
 
-METHODS = {"byol": byol, "moco": moco, "mocov3": mocov3, "simclr": simclr}
+METHODS = {"byol": byol, "dino": dino, "moco": moco, "mocov3": mocov3, "simclr": simclr}
 ENCODER = "encoder"
 
 
