@@ -275,7 +275,7 @@ def build_optimizer(
   transforms = {"train": tx, "frozen": optax.set_to_zero()}
   if hold_steps:
     shifted = _optimizer(cfg, lambda step: schedule(step + hold_steps), total_steps, hold_steps)
-    transforms["held"] = optax.transforms.conditionally_transform(
+    transforms["held"] = optax.transforms.conditionally_mask(
       shifted, lambda count: count >= hold_steps
     )
   return optax.multi_transform(transforms, lambda params: _labels(params, freeze, hold_steps > 0))
