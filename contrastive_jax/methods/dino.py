@@ -135,7 +135,9 @@ def check_config(config, num_train_examples: int):
   del num_train_examples
   for field in config.dino:
     if field not in _DINO_FIELDS:
-      raise ConfigError(f"dino.{field}", config.dino[field], f"one of {list(_DINO_FIELDS)}")
+      raise ConfigError(
+        f"dino.{field}", config.dino[field], f"absent: DINO's fields are {list(_DINO_FIELDS)}"
+      )
   cfg = config.dino
   for field in ("out_dim", "hidden_dim", "bottleneck_dim", "num_layers"):
     if not isinstance(cfg[field], int) or cfg[field] <= 0:
@@ -143,6 +145,9 @@ def check_config(config, num_train_examples: int):
   for field in ("student_temp", "warmup_teacher_temp", "teacher_temp"):
     if not cfg[field] > 0:
       raise ConfigError(f"dino.{field}", cfg[field], "> 0")
+  for field in ("use_bn_in_head", "norm_last_layer"):
+    if not isinstance(cfg[field], bool):
+      raise ConfigError(f"dino.{field}", cfg[field], "True or False")
   for field in ("momentum_teacher", "center_momentum"):
     if not 0.0 <= cfg[field] <= 1.0:
       raise ConfigError(f"dino.{field}", cfg[field], "in [0, 1]")
