@@ -244,6 +244,9 @@ def test_weight_normalised_last_layer():
   head = heads.DINOHead(16, hidden_dim=8, bottleneck_dim=4)
   params = head.init(jax.random.PRNGKey(2), x, train=False)["params"]
   assert sorted(params) == ["Dense_0", "Dense_1", "Dense_2", "last_layer"]
+  with_bn = heads.DINOHead(16, hidden_dim=8, bottleneck_dim=4, use_bn=True)
+  variables = with_bn.init(jax.random.PRNGKey(2), x, train=False)
+  assert sorted(variables["batch_stats"]) == ["BatchNorm_0", "BatchNorm_1"]  # After each hidden.
   bottleneck = x
   for i in range(3):
     d = params[f"Dense_{i}"]
@@ -386,7 +389,7 @@ def test_config_pins_the_reference_command():
     dino.check_config(bad, 50_000)
 
 
-def test_one_step_teacher_is_the_ema_and_the_last_layer_stays_frozen():
+def test_one_step_on_8_devices_loss_centre_teacher_ema_and_frozen_last_layer():
   config = tiny_config("dino", "runlocal")
   config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
   config.optimizer.warmup_epochs = 0.0  # A step with a learning rate above 0.
@@ -413,7 +416,18 @@ def test_one_step_teacher_is_the_ema_and_the_last_layer_stays_frozen():
   assert np.any(
     after.params["encoder"]["norm"]["scale"] != before.params["encoder"]["norm"]["scale"]
   )
-  assert np.any(after.extra["center"] != 0)
+  # The step's loss and centre, on 8 devices, equal the reference's on the whole batch
+  # in one piece: the tiny ViT has no BN and no colour augmentation, so each view is
+  # its uint8 crop / 255, and at step 0 student and teacher are the same network.
+  x = np.concatenate([batch["image"][:, 0], batch["image"][:, 1]]).astype(np.float32) / 255
+  _, out = run.model.apply({"params": before.params}, jnp.asarray(x), train=True)
+  out = np.asarray(out, np.float64)
+  np.testing.assert_allclose(
+    after.extra["center"], reference_center(np.zeros(32), out, 0.9), rtol=1e-5, atol=1e-7
+  )
+  np.testing.assert_allclose(
+    metrics["loss"], reference_loss(out, out, np.zeros(32), 2, 0.1, 0.04), rtol=1e-5
+  )
   assert float(metrics["teacher_temp"]) == pytest.approx(0.04)
   assert float(metrics["teacher_momentum"]) == pytest.approx(m)
   np.testing.assert_allclose(metrics["center_norm"], np.linalg.norm(after.extra["center"]), 1e-6)
