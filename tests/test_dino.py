@@ -1,9 +1,11 @@
 """DINO: loss, centre and gradients against numpy transcriptions of the reference
 (facebookresearch/dino main_dino.py DINOLoss, utils.py cosine_scheduler and
 clip_gradients), 8 devices against one, the schedules, the weight-normalised last
-layer, the optimizer's DINO options, and one train step's teacher EMA and frozen last
-layer."""
+layer, the optimizer's DINO options, one train step's loss, centre, teacher EMA and
+frozen last layer; multi-crop: the local crops' distribution against torchvision's,
+the host pipeline's local views, the step over all views, its bad input."""
 
+from helpers import TFDS_DIR
 from helpers import load_config
 from helpers import tiny_config
 import jax
@@ -12,10 +14,18 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+from scipy import stats
+import tensorflow as tf
+import tensorflow_datasets as tfds
 
 from contrastive_jax import recipes
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.data import crop_spec
+from contrastive_jax.data import crops
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import sources
+from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import common
 from contrastive_jax.methods import dino
 from contrastive_jax.methods import optim
@@ -435,3 +445,129 @@ def test_one_step_on_8_devices_loss_centre_teacher_ema_and_frozen_last_layer():
   np.testing.assert_allclose(
     metrics["teacher_student_kl"], metrics["loss"] - metrics["teacher_entropy"], rtol=1e-6
   )
+
+
+# --- Multi-crop -----------------------------------------------------------------------------
+
+
+def torchvision_crop(h, w, scale, rng):
+  """torchvision.transforms.RandomResizedCrop.get_params with scale (lo, hi), ratio (3/4, 4/3)."""
+  for _ in range(10):
+    target = h * w * rng.uniform(*scale)
+    ratio = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+    cw, ch = int(round(np.sqrt(target * ratio))), int(round(np.sqrt(target / ratio)))
+    if 0 < cw <= w and 0 < ch <= h:
+      return ch, cw
+  return h, w  # Square images: the fallback is the whole image.
+
+
+def test_local_crops_keep_torchvisions_distribution_and_the_global_views():
+  # Two-sample Kolmogorov-Smirnov on 3000 windows of a 96 x 96 image at DINO's local scale
+  # (0.05, 0.4): the critical distance at alpha 1e-3 is 1.95 sqrt(2 / 3000) = 0.050; the
+  # global scale's areas are far away.
+  n, critical = 3000, 1.95 * np.sqrt(2 / 3000)
+  rng = np.random.default_rng(0)
+  reference = np.array([torchvision_crop(96, 96, (0.05, 0.4), rng) for _ in range(n)])
+  draw = tf.function(
+    lambda seeds: tf.map_fn(
+      lambda s: tf.stack(crops.crop_window(96, 96, s, "torchvision", 0.05, 0.4)),
+      seeds,
+      fn_output_signature=tf.int32,
+    )
+  )
+  windows = draw(tf.stack([tf.zeros([n], tf.int64), tf.range(n, dtype=tf.int64)], 1)).numpy()
+  area = windows[:, 2] * windows[:, 3] / 96**2
+  ref_area = reference[:, 0] * reference[:, 1] / 96**2
+  assert stats.ks_2samp(area, ref_area).statistic < critical
+  assert (
+    stats.ks_2samp(windows[:, 3] / windows[:, 2], reference[:, 1] / reference[:, 0]).statistic
+    < critical
+  )
+  assert area.max() < 0.45 and area.min() > 0.03
+  global_ref = np.array([torchvision_crop(96, 96, (0.4, 1.0), rng) for _ in range(n)])
+  assert stats.ks_2samp(area, global_ref[:, 0] * global_ref[:, 1] / 96**2).statistic > 0.5
+
+  # The host pipeline: local views beside the global ones, which stay bitwise as without.
+  config = ml_collections.ConfigDict(dict(data_source="tfds", dataset="cifar10", data_dir=TFDS_DIR))
+  source = sources.get_source(config, {"train_split": "train"})
+  args = dict(
+    local_batch=4,
+    image_size=32,
+    crop=crop_spec.CropSpec("torchvision", 0.4, "pil_bicubic"),
+    seed=3,
+    start_step=1,
+    cache=True,
+    shuffle_buffer=16,
+    threads=1,
+  )
+  plain = next(iter(tfds.as_numpy(input_pipeline.train_dataset(source, "train[:16]", **args))))
+  local = crop_spec.LocalCrops(number=3, size=16, area_min=0.05, area_max=0.4)
+  multi = next(
+    iter(
+      tfds.as_numpy(input_pipeline.train_dataset(source, "train[:16]", local_crops=local, **args))
+    )
+  )
+  np.testing.assert_array_equal(multi["image"], plain["image"])
+  np.testing.assert_array_equal(multi["label"], plain["label"])
+  assert multi["local_image"].shape == (4, 3, 16, 16, 3) and multi["local_image"].dtype == np.uint8
+  flat = multi["local_image"].reshape(12, -1)
+  assert len({row.tobytes() for row in flat}) == 12  # Each local view its own draw.
+
+
+def test_multi_crop_step_on_8_devices_equals_the_reference_over_all_views():
+  config = tiny_config("dino", "runlocal")
+  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
+  config.model.position_embedding = "sincos"
+  config.local_crops = dict(number=3, size=16, area_min=0.05, area_max=0.4)
+  config.augment.local = dict(color_jitter_prob=0.0)  # Identity, as tiny_config's views.
+  dino.check_config(config, 50_000)
+  mesh = mesh_lib.make_mesh()
+  run = pretraining.setup(config, mesh, steps_per_epoch=4, num_steps=10)
+  state = run.init()
+  params = jax.device_get(state).params
+  rng = np.random.default_rng(1)
+  batch = {
+    "image": rng.integers(0, 256, (16, 2, 32, 32, 3), np.uint8),
+    "local_image": rng.integers(0, 256, (16, 3, 16, 16, 3), np.uint8),
+  }
+  state, metrics = run.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
+  apply = lambda x: np.asarray(
+    run.model.apply({"params": params}, jnp.asarray(x, jnp.float32) / 255, train=True)[1],
+    np.float64,
+  )
+  teacher = apply(np.concatenate([batch["image"][:, v] for v in range(2)]))
+  local = apply(np.concatenate([batch["local_image"][:, v] for v in range(3)]))
+  student = np.concatenate([teacher, local])  # Student = teacher at step 0.
+  np.testing.assert_allclose(
+    metrics["loss"], reference_loss(student, teacher, np.zeros(32), 5, 0.1, 0.04), rtol=1e-5
+  )
+  # The centre averages the teacher's global views only.
+  np.testing.assert_allclose(
+    jax.device_get(state).extra["center"],
+    reference_center(np.zeros(32), teacher, 0.9),
+    rtol=1e-5,
+    atol=1e-7,
+  )
+
+
+def test_multi_crop_bad_input_is_one_line_before_any_compute():
+  config = load_config("dino_cifar10", "runlocal,local_crops=4")
+  dino.check_config(config, 50_000)
+  config.local_crops.size = 12
+  with pytest.raises(ConfigError, match=r"^config.local_crops.size=12: must be a multiple of "):
+    dino.check_config(config, 50_000)
+  config = load_config("dino_cifar10", "runlocal,local_crops=4")
+  config.model.position_embedding = "learned"
+  with pytest.raises(ConfigError, match=r"^config.model.position_embedding='learned': must be"):
+    dino.check_config(config, 50_000)
+  config = load_config("dino_cifar10", "runlocal,local_crops=4")
+  config.on_device_data = True
+  with pytest.raises(ConfigError, match=r"^config.on_device_data=True: must be False"):
+    dino.check_config(config, 50_000)
+  config.local_crops.area_min = 0.5
+  with pytest.raises(ConfigError, match=r"^config.local_crops.area_min=0.5: must be in"):
+    crop_spec.check_local_crops(config)
+  simclr = load_config("simclr_cifar10", "runlocal")
+  simclr.local_crops = dict(number=2, size=16, area_min=0.05, area_max=0.4)
+  with pytest.raises(ConfigError, match=r"^config.local_crops=.*absent for method 'simclr'"):
+    pretrain.check_config(simclr, 8)

@@ -46,6 +46,15 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int):
   if config.image_size <= 0:
     raise ConfigError("image_size", config.image_size, "> 0")
   crop_spec.check_config(config)
+  crop_spec.check_local_crops(config)
+  if config.get("local_crops") is not None and not getattr(
+    get_method(config.method), "LOCAL_CROPS", False
+  ):
+    raise ConfigError(
+      "local_crops",
+      config.local_crops.to_dict(),
+      f"absent for method {config.method!r}, which trains on two views",
+    )
   if not 0 < config.eval_crop_fraction <= 1:
     raise ConfigError("eval_crop_fraction", config.eval_crop_fraction, "in (0, 1]")
   if not config.online_probe.learning_rate > 0:

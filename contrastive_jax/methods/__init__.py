@@ -19,7 +19,10 @@ The method contract: a module registered in METHODS provides
       common.build_train_step (so every method gets the health
       scalars, the online probe, the augmentation keys and the sharding of
       the others); batch holds 'image' uint8 [B, 2, S, S, 3] and 'label'
-      int32 [B]; metrics are float32 scalars including 'loss'.
+      int32 [B]; metrics are float32 scalars including 'loss'. A module
+      with LOCAL_CROPS = True (DINO) also takes config.local_crops and then
+      batch['local_image'] uint8 [B, N, s, s, 3] (multi-crop); the
+      pretraining job refuses local_crops for the others.
       steps_per_epoch: optimizer steps an epoch, for a method with a
       schedule in epochs (DINO's teacher temperature).
 

@@ -17,12 +17,18 @@ of every other view v != a, the cross-entropy averaged over the batch, then
 over those pairs. The student temperature tau_s is dino.student_temp; tau_t
 follows teacher_temperature (a linear warm-up by epochs, then constant).
 
-Views: this module trains on the two global views of the method contract
-(batch 'image' [B, 2, S, S, 3]); the teacher sees both, the student both. As
-the reference's MultiCropWrapper, the views of one size go through each network
-in one forward pass (the rows of view 1, then of view 2), so BN statistics are
-over both views of the global batch (every BN global over the data axis, as
-the reference's SyncBatchNorm). Multi-crop's local views are not here yet.
+Views: the two global views of the method contract (batch 'image' [B, 2, S, S,
+3]) and, with config.local_crops (multi-crop), N local views of s pixels (batch
+'local_image' [B, N, s, s, 3], augmented with config.augment.local). The teacher
+sees the global views only, the student all of them. As the reference's
+MultiCropWrapper, the views of one size go through each network in one forward
+pass (the rows of view 1, then of view 2, ...), so BN statistics are over all
+views of one size of the global batch (every BN global over the data axis, as
+the reference's SyncBatchNorm). (The reference runs its head once on the
+features of all sizes together; here each size's pass runs the head too, which
+differs only for a head with BN, off by default.) A ViT sees the local views on
+their own grid of patches with its sin-cos position embedding; the learned
+embedding would need the reference's interpolation, not implemented.
 
 Health scalars (the paper's Sec. 5.3 and Fig. 7 analysis of collapse):
 'teacher_entropy', the mean entropy of P_t (log out_dim at uniform collapse, 0
@@ -37,6 +43,7 @@ import jax.numpy as jnp
 from contrastive_jax import models
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.data import augment
 from contrastive_jax.methods import common
 from contrastive_jax.models import heads
 
@@ -55,6 +62,8 @@ _DINO_FIELDS = (
   "warmup_teacher_temp_epochs",
   "center_momentum",
 )
+# Multi-crop's local views are this method's: the pretraining job refuses them for others.
+LOCAL_CROPS = True
 # Above this teacher temperature the reference reports unstable training (main_dino.py,
 # --teacher_temp's help: "anything above 0.07 is unstable").
 STABLE_TEACHER_TEMP = 0.07
@@ -155,6 +164,24 @@ def check_config(config, num_train_examples: int):
     raise ConfigError(
       "dino.warmup_teacher_temp_epochs", cfg.warmup_teacher_temp_epochs, "an integer >= 0"
     )
+  local = config.get("local_crops")
+  if local is not None:
+    if config.get("on_device_data", False):
+      raise ConfigError(
+        "on_device_data", True, "False with local_crops (multi-crop reads on the host)"
+      )
+    if "local" not in config.augment:
+      raise ConfigError("augment.local", None, "the local views' augmentation (local_crops)")
+    if config.model.get("position_embedding") == "learned":
+      raise ConfigError(
+        "model.position_embedding",
+        "learned",
+        "'sincos' with local_crops (the learned embedding's interpolation to the local "
+        "views' grid is not implemented)",
+      )
+    patch = config.model.get("patch_size")
+    if patch and local.size % patch:
+      raise ConfigError("local_crops.size", local.size, f"a multiple of model.patch_size ({patch})")
   if max(cfg.teacher_temp, cfg.warmup_teacher_temp) > STABLE_TEACHER_TEMP:
     logging.warning(
       "config.dino.teacher_temp=%s: above %s, where the DINO reference reports unstable "
@@ -218,6 +245,10 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps
     raise ValueError("DINO's teacher temperature schedule needs steps_per_epoch")
   cfg = config.dino
   axis = mesh_lib.DATA_AXIS
+  multi_crop = config.get("local_crops") is not None
+  local_view = (
+    augment.ViewAugment.from_config(config.augment.local, "augment.local") if multi_crop else None
+  )
 
   def forward(network_params, batch_stats, x):
     (h, out), updates = model.apply(
@@ -225,10 +256,13 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps
     )
     return h, out, updates["batch_stats"]
 
-  def per_device(state, images):
+  def per_device(state, images, local_images=None):
     x1, x2 = common.augmented_views(images, state.rng, state.step, views)
     b = x1.shape[0]
     x = jnp.concatenate([x1, x2])
+    if multi_crop:
+      local = common.augmented_local_views(local_images, state.rng, state.step, local_view)
+      local = local.reshape((-1,) + local.shape[2:])  # [N b, s, s, 3], view-major.
     extra = state.extra
     _, teacher_out, teacher_stats = forward(
       extra["teacher_params"], extra["teacher_batch_stats"], x
@@ -238,7 +272,10 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps
 
     def loss_fn(params):
       h, student_out, stats = forward(params, state.batch_stats, x)
-      student_out = student_out.reshape(2, b, -1)
+      if multi_crop:
+        _, local_out, stats = forward(params, stats, local)
+        student_out = jnp.concatenate([student_out, local_out])
+      student_out = student_out.reshape(-1, b, student_out.shape[-1])
       loss, entropy = dino_loss(
         student_out, teacher_out, extra["center"], cfg.student_temp, temp, axis
       )
@@ -266,4 +303,6 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps
     teacher = common.ema_update(state.extra["teacher_params"], state.params, momentum)
     return state.replace(extra=dict(state.extra, teacher_params=teacher))
 
-  return common.build_train_step(per_device, tx, mesh, after_update=update_teacher, probe=probe)
+  return common.build_train_step(
+    per_device, tx, mesh, after_update=update_teacher, probe=probe, local_views=multi_crop
+  )
