@@ -7,6 +7,7 @@ the host pipeline's local views, the step over all views, its bad input."""
 
 from helpers import TFDS_DIR
 from helpers import load_config
+from helpers import sigterm_after_first_train_batch
 from helpers import tiny_config
 import jax
 import jax.numpy as jnp
@@ -17,6 +18,7 @@ import pytest
 from scipy import stats
 import tensorflow as tf
 import tensorflow_datasets as tfds
+from test_runner import read_metrics
 
 from contrastive_jax import recipes
 from contrastive_jax.core import mesh as mesh_lib
@@ -31,6 +33,7 @@ from contrastive_jax.methods import dino
 from contrastive_jax.methods import optim
 from contrastive_jax.methods import pretraining
 from contrastive_jax.models import heads
+from contrastive_jax.training import runner
 
 # --- numpy transcriptions of the reference ------------------------------------------------
 
@@ -571,3 +574,27 @@ def test_multi_crop_bad_input_is_one_line_before_any_compute():
   simclr.local_crops = dict(number=2, size=16, area_min=0.05, area_max=0.4)
   with pytest.raises(ConfigError, match=r"^config.local_crops=.*absent for method 'simclr'"):
     pretrain.check_config(simclr, 8)
+
+
+def test_multi_crop_run_resumes_bit_for_bit_across_an_epoch_boundary(tmp_path, monkeypatch):
+  # 48 images at batch 16: 3 steps an epoch. Stopped after step 2, the resumed run crosses
+  # into epoch 1 at step 3, where the last layer's hold ends and the teacher temperature
+  # steps up; its local views, teacher, centre and held optimizer state must match.
+  config = tiny_config("dino", "runlocal")
+  config.train_split = "train[:48]"
+  config.duration = "6 steps"
+  config.checkpoint_every = "3 steps"
+  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
+  config.model.position_embedding = "sincos"
+  config.local_crops = dict(number=2, size=16, area_min=0.05, area_max=0.4)
+  config.augment.local = dict(color_jitter_prob=0.0)
+  straight, _ = runner.run(pretrain, config, str(tmp_path / "straight"))
+  with monkeypatch.context() as m:
+    sigterm_after_first_train_batch(m)
+    stopped, _ = runner.run(pretrain, config, str(tmp_path / "resumed"))
+  assert int(stopped.step) == 2
+  resumed, _ = runner.run(pretrain, config, str(tmp_path / "resumed"))
+  assert int(resumed.step) == 6
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(straight))
+  temps = [r.get("teacher_temp") for r in read_metrics(tmp_path / "resumed")[1:]]
+  np.testing.assert_allclose(temps, [0.04] * 3 + [0.07] * 3, rtol=1e-6)
