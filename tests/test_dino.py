@@ -20,6 +20,8 @@ import tensorflow as tf
 import tensorflow_datasets as tfds
 from test_runner import read_metrics
 
+from contrastive_jax import methods
+from contrastive_jax import models
 from contrastive_jax import recipes
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
@@ -447,6 +449,41 @@ def test_one_step_on_8_devices_loss_centre_teacher_ema_and_frozen_last_layer():
   assert 0 < float(metrics["teacher_entropy"]) <= np.log(32) + 1e-5
   np.testing.assert_allclose(
     metrics["teacher_student_kl"], metrics["loss"] - metrics["teacher_entropy"], rtol=1e-6
+  )
+
+
+def test_knn_monitor_evaluates_the_teacher_and_the_online_probe_the_student(tmp_path):
+  config = tiny_config("dino", "runlocal")
+  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8, momentum_teacher=0.5)
+  config.optimizer.warmup_epochs = 0.0  # Steps with a learning rate above 0.
+  mesh = mesh_lib.make_mesh()
+  task = pretrain.build(config, mesh, None, str(tmp_path))
+  state = task.init()
+  rng = np.random.default_rng(0)
+  for _ in range(2):
+    batch = {
+      "image": rng.integers(0, 256, (16, 2, 32, 32, 3), np.uint8),
+      "label": rng.integers(0, 10, 16).astype(np.int32),
+    }
+    state, _ = task.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
+  state = jax.device_get(state)
+  assert methods.monitored_encoder("dino") is dino.monitored_encoder_variables
+  assert methods.monitored_encoder("byol") is methods.encoder_variables
+  encoder = dino.build_model(config).encoder
+  images = rng.integers(0, 256, (8, 32, 32, 3), np.uint8)
+  teacher = {"params": state.extra["teacher_params"]["encoder"], "batch_stats": {}}
+  student = {"params": state.params["encoder"], "batch_stats": {}}
+  variables = task.eval_model.variables(state)
+  features = np.asarray(task.eval_model.features(variables, images))
+  np.testing.assert_allclose(features, models.encode(encoder, teacher, images), rtol=1e-6)
+  # After two steps the teacher (momentum 0.5) is apart from the student.
+  assert np.abs(features - np.asarray(models.encode(encoder, student, images))).max() > 1e-4
+  probe = pretraining.online_probe(config, 10).head
+  np.testing.assert_allclose(
+    task.eval_model.logits(variables, images),
+    probe.apply({"params": state.probe["params"]}, models.encode(encoder, student, images)),
+    rtol=1e-6,
+    atol=1e-7,
   )
 
 

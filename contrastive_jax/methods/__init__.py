@@ -26,7 +26,12 @@ The method contract: a module registered in METHODS provides
       steps_per_epoch: optimizer steps an epoch, for a method with a
       schedule in epochs (DINO's teacher temperature).
 
-and keeps the encoder that downstream jobs use at state.params['encoder'] and
+A module may also provide monitored_encoder_variables(state) -> the encoder's
+{'params', 'batch_stats'} that the kNN monitor evaluates, when its paper
+evaluates another network than state.params['encoder'] (DINO: the teacher);
+monitored_encoder() picks it.
+
+Every module keeps the encoder that downstream jobs use at state.params['encoder'] and
 state.batch_stats['encoder'] (encoder_variables; absent for an encoder without
 BN, a ViT), which is what their partial checkpoint restore reads.
 tests/test_methods.py checks every registered method against this contract.
@@ -68,6 +73,22 @@ def encoder_variables(tree):
     "params": get("params")[ENCODER],
     "batch_stats": (get("batch_stats") or {}).get(ENCODER, {}),
   }
+
+
+def monitored_encoder(name: str):
+  """state -> the encoder's {'params', 'batch_stats'} that method `name`'s kNN monitor evaluates.
+
+  The method module's monitored_encoder_variables when it has one (DINO's teacher,
+  which the DINO paper evaluates, Sec. 4 and eval_knn.py's --checkpoint_key
+  teacher), else encoder_variables: the network each other paper evaluates
+  (SimCLR's encoder, MoCo's query encoder, MoCo v3's base encoder, BYOL's online
+  encoder). The online probe is trained on, and evaluated with, the student's
+  h, encoder_variables, whatever the method.
+
+  Raises:
+    ConfigError: unknown method name.
+  """
+  return getattr(get_method(name), "monitored_encoder_variables", encoder_variables)
 
 
 def with_encoder(state, variables):
