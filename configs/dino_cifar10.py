@@ -41,8 +41,9 @@ Arguments (--config=configs/dino_cifar10.py:ARG,ARG..., e.g. :runlocal,model=res
       ImageNet stem (recipes.runlocal).
   `local_crops=0` (the default) or 2, 4, 6, 8, 10: multi-crop with that many local
       views of 16 px (area 0.05-0.4, blur p 0.5), the global views' scale then 0.4-1
-      as the reference's default command; the ViT then takes the fixed sin-cos position
-      embedding (the learned one's interpolation to the local grid is not implemented).
+      as the reference's default command; the ViT's learned position embedding is
+      interpolated to the local views' grid (4 x 4 at patch 4, 2 x 2 in runlocal) as the
+      reference's interpolate_pos_encoding.
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 Variant `runlocal_resnet`: runlocal,model=resnet18.
 """
@@ -117,7 +118,5 @@ def get_config(arg: str = ""):
     config.crop.area_min = 0.4
     config.local_crops = dict(number=args.local_crops, size=16, area_min=0.05, area_max=0.4)
     config.augment.local = dict(config.augment.view1, blur_prob=0.5)
-    if args.model == "vit_tiny":
-      config.model.position_embedding = "sincos"  # dino.check_config: no interpolation yet.
   config.model.dtype = args.dtype
   return config

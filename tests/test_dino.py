@@ -557,7 +557,6 @@ def test_local_crops_keep_torchvisions_distribution_and_the_global_views():
 def test_multi_crop_step_on_8_devices_equals_the_reference_over_all_views():
   config = tiny_config("dino", "runlocal")
   config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
-  config.model.position_embedding = "sincos"
   config.local_crops = dict(number=3, size=16, area_min=0.05, area_max=0.4)
   config.augment.local = dict(color_jitter_prob=0.0)  # Identity, as tiny_config's views.
   dino.check_config(config, 50_000)
@@ -597,10 +596,6 @@ def test_multi_crop_bad_input_is_one_line_before_any_compute():
   with pytest.raises(ConfigError, match=r"^config.local_crops.size=12: must be a multiple of "):
     dino.check_config(config, 50_000)
   config = load_config("dino_cifar10", "runlocal,local_crops=4")
-  config.model.position_embedding = "learned"
-  with pytest.raises(ConfigError, match=r"^config.model.position_embedding='learned': must be"):
-    dino.check_config(config, 50_000)
-  config = load_config("dino_cifar10", "runlocal,local_crops=4")
   config.on_device_data = True
   with pytest.raises(ConfigError, match=r"^config.on_device_data=True: must be False"):
     dino.check_config(config, 50_000)
@@ -622,7 +617,6 @@ def test_multi_crop_run_resumes_bit_for_bit_across_an_epoch_boundary(tmp_path, m
   config.duration = "6 steps"
   config.checkpoint_every = "3 steps"
   config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
-  config.model.position_embedding = "sincos"
   config.local_crops = dict(number=2, size=16, area_min=0.05, area_max=0.4)
   config.augment.local = dict(color_jitter_prob=0.0)
   straight, _ = runner.run(pretrain, config, str(tmp_path / "straight"))

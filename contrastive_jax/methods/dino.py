@@ -27,8 +27,9 @@ views of one size of the global batch (every BN global over the data axis, as
 the reference's SyncBatchNorm). (The reference runs its head once on the
 features of all sizes together; here each size's pass runs the head too, which
 differs only for a head with BN, off by default.) A ViT sees the local views on
-their own grid of patches with its sin-cos position embedding; the learned
-embedding would need the reference's interpolation, not implemented.
+their own grid of patches: its learned position embedding interpolated to it as
+the reference's interpolate_pos_encoding (models/vit.py), or the sin-cos table
+of that grid.
 
 Health scalars (the paper's Sec. 5.3 and Fig. 7 analysis of collapse):
 'teacher_entropy', the mean entropy of P_t (log out_dim at uniform collapse, 0
@@ -172,13 +173,6 @@ def check_config(config, num_train_examples: int):
       )
     if "local" not in config.augment:
       raise ConfigError("augment.local", None, "the local views' augmentation (local_crops)")
-    if config.model.get("position_embedding") == "learned":
-      raise ConfigError(
-        "model.position_embedding",
-        "learned",
-        "'sincos' with local_crops (the learned embedding's interpolation to the local "
-        "views' grid is not implemented)",
-      )
     patch = config.model.get("patch_size")
     if patch and local.size % patch:
       raise ConfigError("local_crops.size", local.size, f"a multiple of model.patch_size ({patch})")
