@@ -65,36 +65,18 @@ def get_config(arg: str = ""):
   config.method = "dino"
   config.batch_size = 512
   config.duration = "100 epochs"
-  config.dino = dict(
-    out_dim=65536,
-    hidden_dim=2048,
-    bottleneck_dim=256,
-    num_layers=3,
-    use_bn_in_head=False,
-    norm_last_layer=True,
-    momentum_teacher=0.996,
-    student_temp=0.1,
-    warmup_teacher_temp=0.04,
-    teacher_temp=0.04,
-    warmup_teacher_temp_epochs=0,
-    center_momentum=0.9,
-  )
+  config.dino = recipes.dino()
   config.crop = recipes.crop("torchvision", 0.14, "pil_bicubic")
   config.augment = recipes.mocov3_views()
   config.evaluators.knn.k = 20
   config.evaluators.knn.temperature = 0.07
-  dino_schedules = dict(final_lr=1e-6, clip_per_tensor=3.0, freeze_last_layer_epochs=1.0)
   if args.model == "vit_tiny":
     config.model = recipes.vit_model("vit_tiny", 4, "float32", random_patch_projection=False)
     config.model.position_embedding = "learned"
-    config.optimizer = recipes.optimizer(
-      "adamw", base_lr=0.0005, weight_decay=0.04, weight_decay_end=0.4, **dino_schedules
-    )
+    config.optimizer = recipes.dino_optimizer("adamw", 0.0005, 0.04, 0.4)
   else:
     config.model = recipes.model("resnet18", "cifar", "float32", "torchvision")
-    config.optimizer = recipes.optimizer(
-      "sgd", base_lr=0.03, weight_decay=1e-4, weight_decay_end=None, **dino_schedules
-    )
+    config.optimizer = recipes.dino_optimizer("sgd", 0.03, 1e-4, None)
   if args.runlocal:
     recipes.runlocal(config)
     config.duration = "800 steps"
@@ -112,11 +94,11 @@ def get_config(arg: str = ""):
       del config.model.stem  # recipes.runlocal's ResNet stem.
       config.model.update(width=0.5, depth=4, patch_size=8)
   if args.local_crops:
-    # Multi-crop as the reference's default command: global views at scale 0.4-1, local
-    # views at 0.05-0.4, 16 px here (96 / 224 of 32 px is 13.7; 16 divides into the
-    # ViT's patches), blurred with p 0.5, neither solarised.
-    config.crop.area_min = 0.4
-    config.local_crops = dict(number=args.local_crops, size=16, area_min=0.05, area_max=0.4)
-    config.augment.local = dict(config.augment.view1, blur_prob=0.5)
+    # Multi-crop as the reference's default command (global views at scale 0.4-1, local
+    # views at 0.05-0.4), the local views of 16 px here (96 / 224 of 32 px is 13.7; 16
+    # divides into the ViT's patches).
+    recipes.dino_multi_crop(
+      config, number=args.local_crops, size=16, global_scale=0.4, local_scale=(0.05, 0.4)
+    )
   config.model.dtype = args.dtype
   return config
