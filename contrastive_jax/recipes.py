@@ -349,6 +349,60 @@ def mocov3_views() -> dict:
   return views
 
 
+def dino(**overrides) -> dict:
+  """config.dino at main_dino.py's argparse defaults (facebookresearch/dino), overrides applied:
+  head of 65536 outputs (hidden 2048, bottleneck 256, 3 layers, no BN, weight-normalised last
+  layer), teacher momentum 0.996 -> 1, student temperature 0.1, teacher temperature 0.04
+  without warm-up, centre momentum 0.9."""
+  return dict(
+    dict(
+      out_dim=65536,
+      hidden_dim=2048,
+      bottleneck_dim=256,
+      num_layers=3,
+      use_bn_in_head=False,
+      norm_last_layer=True,
+      momentum_teacher=0.996,
+      student_temp=0.1,
+      warmup_teacher_temp=0.04,
+      teacher_temp=0.04,
+      warmup_teacher_temp_epochs=0,
+      center_momentum=0.9,
+    ),
+    **overrides,
+  )
+
+
+def dino_optimizer(name: str, base_lr: float, weight_decay: float, weight_decay_end) -> dict:
+  """DINO's optimizer (main_dino.py): `name` ('adamw' or 'sgd', momentum 0.9) at base_lr x
+  B/256 after 10 linear warm-up epochs, cosine to --min_lr 1e-6; weight decay from
+  weight_decay to weight_decay_end by a cosine (None: constant), on kernels only
+  (get_params_groups: none on biases and norms); each gradient tensor clipped at norm
+  --clip_grad 3.0; the last layer held for --freeze_last_layer 1 epoch."""
+  return optimizer(
+    name,
+    base_lr=base_lr,
+    weight_decay=weight_decay,
+    weight_decay_end=weight_decay_end,
+    final_lr=1e-6,
+    clip_per_tensor=3.0,
+    freeze_last_layer_epochs=1.0,
+  )
+
+
+def dino_multi_crop(config, *, number: int, size: int, global_scale: float, local_scale):
+  """Multi-crop as DINO's DataAugmentationDINO: the global views' crop area from global_scale
+  to 1, `number` local views of `size` pixels at area local_scale = (min, max), each as
+  the global views' view 1 (flip, jitter, grayscale) but blurred with p 0.5 and never
+  solarised. Sets config.crop.area_min, config.local_crops and config.augment.local."""
+  config.crop.area_min = global_scale
+  config.local_crops = dict(
+    number=number, size=size, area_min=local_scale[0], area_max=local_scale[1]
+  )
+  config.augment.local = dict(config.augment.view1, blur_prob=0.5)
+  return config
+
+
 def crop(sampler: str, area_min: float, resize: str) -> dict:
   """config.crop, the training views' random resized crop (crop_spec.CropSpec): a crop_spec.SAMPLERS
   sampler, the smallest crop area as a fraction of the image, a crop_spec.RESIZES resize (the
@@ -556,6 +610,18 @@ LINEAR_PROBE_PRESETS = {
     crop=crop("torchvision", 0.08, "pil_bilinear"),
     head=dict(standardize=False, init="normal_0.01"),
     optimizer=optimizer("sgd", 0.1, 0.0, warmup_epochs=0, weight_decay_mask="all"),
+  ),
+  # DINO eval_linear.py as its README runs it (8 GPUs x --batch_size_per_gpu 128): SGD
+  # momentum 0.9, lr 0.001 x B/256, no weight decay, batch 1024, 100 epochs, cosine to 0
+  # without warm-up (CosineAnnealingLR), RandomResizedCrop(224) (scale 0.08-1, bilinear)
+  # and flip, fc weights normal(0, 0.01), bias 0. (Its ViTs' probe reads the class tokens
+  # of the last 4 blocks; this preset reads h, the last one.)
+  "dino": dict(
+    batch_size=1024,
+    duration="100 epochs",
+    crop=crop("torchvision", 0.08, "pil_bilinear"),
+    head=dict(standardize=False, init="normal_0.01"),
+    optimizer=optimizer("sgd", 0.001, 0.0, warmup_epochs=0, weight_decay_mask="all"),
   ),
   # This project's own probe, no reference's: h standardised by an
   # affine-free BN (a fixed per-feature affine map, so the classifier stays

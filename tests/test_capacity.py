@@ -103,3 +103,29 @@ def test_mocov3_imagenet_configs_pass_their_checks_and_build_their_state(variant
   frozen = nbytes(params["encoder"].get("frozen_patch_embed", {}))
   moments = 2 * (nbytes(params) - frozen) if variant.startswith("vit") else nbytes(params)
   assert 0 <= nbytes(state.opt_state) - moments <= 64  # Step counters.
+
+
+@pytest.mark.parametrize("variant", ["vit_small", "vit_small_300ep", "resnet50"])
+def test_dino_imagenet_configs_pass_their_checks_and_build_their_state(variant):
+  config = load_config("dino_imagenet", variant)
+  pretrain.check_config(config, 8)
+  get_method(config.method).check_config(config, capacity.KNOWN_DATASETS["imagenet2012"][0])
+  mesh = jax.make_mesh((8,), ("data",))
+  state = jax.eval_shape(pretraining.setup(config, mesh, 312, 100 * 312, num_classes=1000).init)
+  nbytes = capacity.per_device_bytes
+  count = lambda tree: sum(math.prod(leaf.shape) for leaf in jax.tree.leaves(tree))
+  params = state.params
+  # DINO's vit_small (timm's vit_small_patch16_224, 22,050,664 parameters, less its
+  # 1000-class head: its learned position embedding included) and torchvision's resnet50
+  # less its fc.
+  assert count(params["encoder"]) == {"vit": 21_665_664, "res": 23_508_032}[variant[:3]]
+  # DINOHead: Linear(D, 2048), Linear(2048, 2048), Linear(2048, 256) with biases, then the
+  # last layer's weight_v [65536, 256], and its weight_g [65536] trained only without
+  # norm_last_layer.
+  d = {"vit": 384, "res": 2048}[variant[:3]]
+  mlp = d * 2048 + 2048 + 2048 * 2048 + 2048 + 2048 * 256 + 256
+  g = 0 if config.dino.norm_last_layer else 65536
+  assert count(params["projector"]) == mlp + 256 * 65536 + g
+  # The teacher is a copy of the student (encoder and head, with their BN statistics),
+  # the centre one float32 of each output.
+  assert nbytes(state.extra) == nbytes(params) + nbytes(state.batch_stats) + 65536 * 4

@@ -536,7 +536,7 @@ def test_unlabeled_folder_pretrains_and_refuses_label_evaluators(tmp_path):
   np.testing.assert_array_equal(batch["label"], -1)
 
 
-@pytest.mark.parametrize("name", ["simclr_images", "moco_v2_images", "byol_images"])
+@pytest.mark.parametrize("name", ["simclr_images", "moco_v2_images", "byol_images", "dino_images"])
 def test_image_folder_configs_pass_their_checks(name):
   for variant in ("", "runlocal"):
     config = load_config(name, variant)

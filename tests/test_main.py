@@ -24,10 +24,12 @@ SIMCLR = os.path.join(CONFIG_DIR, "simclr_cifar10.py")
 MOCOV3 = os.path.join(CONFIG_DIR, "mocov3_cifar10.py")
 CONFIG_FILES = sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py")))
 # The config fields that count things (or are pixels, seeds, steps, the saved format's
-# version): the only int fields.
+# version, DINO's teacher-temperature warm-up, whole epochs as main_dino.py's int
+# --warmup_teacher_temp_epochs): the only int fields.
 INTEGER_FIELDS = {
   "batch_size",
   "bn_group_size",
+  "bottleneck_dim",
   "cell",
   "chunk_size",
   "clusters",
@@ -40,6 +42,7 @@ INTEGER_FIELDS = {
   "eval_batch_size",
   "eval_every",
   "format_version",
+  "hidden_dim",
   "hidden_dims",
   "hnsw_m",
   "image_size",
@@ -52,6 +55,9 @@ INTEGER_FIELDS = {
   "n_neighbors",
   "nlist",
   "nprobe",
+  "num_heads",
+  "num_layers",
+  "number",
   "out_dim",
   "patch_size",
   "pca_dims",
@@ -64,6 +70,7 @@ INTEGER_FIELDS = {
   "size",
   "threads",
   "thumbnail",
+  "warmup_teacher_temp_epochs",
 }
 
 

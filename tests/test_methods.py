@@ -21,7 +21,13 @@ from contrastive_jax.models import heads
 
 # Method -> tiny config.
 # MoCo v3 runs its ViT variant: its compile is a fraction of the ResNet's.
-CONFIGS = {"simclr": "simclr", "moco": "moco_v2", "mocov3": "mocov3:runlocal_vit", "byol": "byol"}
+CONFIGS = {
+  "simclr": "simclr",
+  "moco": "moco_v2",
+  "mocov3": "mocov3:runlocal_vit",
+  "byol": "byol",
+  "dino": "dino",
+}
 
 
 def _batches(config, n, seed=0):

@@ -13,6 +13,7 @@ from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.methods import common
 from contrastive_jax.methods import get_method
+from contrastive_jax.models import vit
 
 # Each model's dimension of h, from its paper: the last stage's channels of a ResNet (He et
 # al. 2016, Table 1), the token width D of a ViT (DeiT-Ti, ViT-S and ViT-B).
@@ -132,3 +133,65 @@ def test_bfloat16_compute_keeps_float32_params_and_outputs():
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
   out = model.apply({"params": params, "batch_stats": stats}, jnp.ones((2, 8, 8, 3)), train=False)
   assert out.dtype == jnp.float32
+
+
+def reference_bicubic(image, scale):
+  """torch's F.interpolate(image, scale_factor=scale, mode='bicubic', align_corners=False) in
+  float64, pixel by pixel as its upsample_bicubic2d: image [H, W, C] -> [floor(H scale),
+  floor(W scale), C]; A = -0.75; source x = (o + 0.5) / scale - 0.5; taps clamped."""
+
+  def kernel(x):  # Keys' cubic convolution with A = -0.75, by |x|.
+    a, x = -0.75, abs(x)
+    if x <= 1:
+      return (a + 2) * x**3 - (a + 3) * x**2 + 1
+    if x < 2:
+      return a * x**3 - 5 * a * x**2 + 8 * a * x - 4 * a
+    return 0.0
+
+  h, w = image.shape[:2]
+  out = np.zeros((int(h * scale), int(w * scale), image.shape[2]))
+  for oy in range(out.shape[0]):
+    for ox in range(out.shape[1]):
+      ry, rx = (oy + 0.5) / scale - 0.5, (ox + 0.5) / scale - 0.5
+      iy, ix = int(np.floor(ry)), int(np.floor(rx))
+      for dy in range(-1, 3):
+        for dx in range(-1, 3):
+          tap = image[min(max(iy + dy, 0), h - 1), min(max(ix + dx, 0), w - 1)]
+          out[oy, ox] += kernel(ry - (iy + dy)) * kernel(rx - (ix + dx)) * tap
+  return out
+
+
+@pytest.mark.parametrize("trained,grid", [(4, 2), (14, 6), (4, 7)])
+def test_position_embedding_interpolates_as_dinos_interpolate_pos_encoding(trained, grid):
+  # ViT-S/16's 224 px grid to the 96 px local views' (14 -> 6), runlocal's (4 -> 2) and an
+  # upsampling (4 -> 7, where the border taps are clamped).
+  d = 8
+  pos = np.random.default_rng(0).normal(size=(1, 1 + trained * trained, d)).astype(np.float32)
+  out = np.asarray(vit.interpolate_position_embedding(jnp.asarray(pos), grid))
+  assert out.shape == (1, 1 + grid * grid, d)
+  np.testing.assert_array_equal(out[0, 0], pos[0, 0])  # The class token's row is kept.
+  patches = pos[0, 1:].reshape(trained, trained, d).astype(np.float64)
+  want = reference_bicubic(patches, (grid + 0.1) / trained)
+  np.testing.assert_allclose(out[0, 1:].reshape(grid, grid, d), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_array_equal(vit.interpolate_position_embedding(jnp.asarray(pos), trained), pos)
+
+
+def test_learned_position_embedding_vit_takes_another_grid_with_it_interpolated():
+  # Initialised on 32 px (grid 4 at patch 8), applied to 16 px views (grid 2): the same
+  # as a ViT whose embedding is the interpolated one, applied at its own grid.
+  cfg = ml_collections.ConfigDict(
+    recipes.vit_model("vit_tiny", 8, "float32", random_patch_projection=False)
+  )
+  cfg.update(width=0.0625, depth=1, position_embedding="learned")
+  vit_model = models.build_encoder(cfg)
+  params, _ = common.init_variables(vit_model, jax.random.PRNGKey(0), 32)
+  assert params["pos_embed"].shape == (1, 17, 12)
+  x = jax.random.uniform(jax.random.PRNGKey(1), (2, 16, 16, 3))
+  h = vit_model.apply({"params": params}, x, train=False)
+  small = dict(params, pos_embed=vit.interpolate_position_embedding(params["pos_embed"], 2))
+  assert small["pos_embed"].shape == (1, 5, 12)
+  small_model = models.build_encoder(cfg)
+  np.testing.assert_allclose(h, small_model.apply({"params": small}, x, train=False), rtol=1e-6)
+  # The embedding matters: the un-interpolated rows of a 2 x 2 grid give another h.
+  cut = dict(params, pos_embed=params["pos_embed"][:, :5])
+  assert np.abs(h - small_model.apply({"params": cut}, x, train=False)).max() > 1e-4

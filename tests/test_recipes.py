@@ -7,7 +7,8 @@ formulas; blur against SimCLR's depthwise convolution; heads, weight-decay
 masks and initialisations per method; the optimizers' update rules against
 numpy transcriptions of SimCLR's, BYOL's and solo-learn's LARS. The old variant
 names' recipes pinned; one crop spec (config.crop) in every config and preset, and
-older saved configs' flat crop fields upgraded.
+older saved configs' flat crop fields upgraded; DINO's configs against main_dino.py's
+arguments of the README command each names.
 """
 
 import glob
@@ -638,3 +639,164 @@ def test_probe_presets_fill_the_crop_and_a_given_field_wins():
   filled.crop.sampler = "tensorflw"
   with pytest.raises(ConfigError, match=r"^config.crop.sampler='tensorflw': must be one of "):
     crop_spec.check_config(filled)
+
+
+# --- DINO's configs against the reference README's commands ----------------------------------
+
+# main_dino.py's argparse defaults (facebookresearch/dino), the arguments its commands change.
+MAIN_DINO_DEFAULTS = dict(
+  arch="vit_small",
+  patch_size=16,
+  out_dim=65536,
+  norm_last_layer=True,
+  momentum_teacher=0.996,
+  use_bn_in_head=False,
+  warmup_teacher_temp=0.04,
+  teacher_temp=0.04,
+  warmup_teacher_temp_epochs=0,
+  weight_decay=0.04,
+  weight_decay_end=0.4,
+  clip_grad=3.0,
+  batch_size_per_gpu=64,
+  epochs=100,
+  freeze_last_layer=1,
+  lr=0.0005,
+  warmup_epochs=10,
+  min_lr=1e-6,
+  optimizer="adamw",
+  global_crops_scale=(0.4, 1.0),
+  local_crops_number=8,
+  local_crops_scale=(0.05, 0.4),
+)
+# (config, variant) -> (GPUs, the README's command line, its published (kNN, linear) or None).
+DINO_COMMANDS = {
+  ("dino_imagenet", "vit_small"): (8, "--arch vit_small", (69.3, 74.0)),
+  ("dino_imagenet", "vit_small_300ep"): (
+    16,  # run_with_submitit.py's --nodes 2 --ngpus 8.
+    "--arch vit_small --epochs 300 --teacher_temp 0.07 --warmup_teacher_temp_epochs 30 "
+    "--norm_last_layer false",
+    (73.3, 76.0),
+  ),
+  ("dino_imagenet", "resnet50"): (
+    8,
+    "--arch resnet50 --optimizer sgd --lr 0.03 --weight_decay 1e-4 --weight_decay_end 1e-4 "
+    "--global_crops_scale 0.14 1 --local_crops_scale 0.05 0.14",
+    None,
+  ),
+  ("dino_images", ""): (
+    8,
+    "--arch resnet50 --optimizer sgd --lr 0.03 --weight_decay 1e-4 --weight_decay_end 1e-4 "
+    "--global_crops_scale 0.14 1 --local_crops_scale 0.05 0.14",
+    None,
+  ),
+}
+
+
+def parse_main_dino(command: str) -> dict:
+  """main_dino.py's arguments of a command line: its defaults, the command's values parsed
+  as the defaults' types (nargs '+' for the crop scales, bool_flag's 'false'/'true')."""
+  args, tokens = dict(MAIN_DINO_DEFAULTS), command.split()
+  while tokens:
+    key = tokens.pop(0)[2:]
+    values = []
+    while tokens and not tokens[0].startswith("--"):
+      values.append(tokens.pop(0))
+    default = MAIN_DINO_DEFAULTS[key]
+    if isinstance(default, tuple):
+      args[key] = tuple(float(v) for v in values)
+    elif isinstance(default, bool):
+      args[key] = values[0] == "true"
+    else:
+      args[key] = type(default)(values[0])
+  return args
+
+
+@pytest.mark.parametrize("name,variant", sorted(DINO_COMMANDS))
+def test_dino_configs_pin_the_reference_readme_commands(name, variant):
+  gpus, command, targets = DINO_COMMANDS[name, variant]
+  ref = parse_main_dino(command)
+  config = load_config(name, variant)
+  if name == "dino_images":  # Its stated departures: the other image-folder configs' scale.
+    assert (config.model.name, config.batch_size, config.duration) == (
+      "resnet18",
+      256,
+      "200 epochs",
+    )
+    assert config.image_size == 224 and config.evaluators.knn.k == 20
+  else:
+    assert config.model.name == ref["arch"]
+    assert config.batch_size == gpus * ref["batch_size_per_gpu"]
+    assert config.duration == f"{ref['epochs']} epochs"
+    assert (config.dataset, config.image_size) == ("imagenet2012", 224)
+  if ref["arch"] == "vit_small":
+    # DINO's vit_small: patch 16, D 384, 6 heads, a learned position embedding.
+    m = config.model
+    assert (m.patch_size, models.encoder_width(m), m.num_heads) == (ref["patch_size"], 384, 6)
+    assert m.position_embedding == "learned" and not m.random_patch_projection
+  else:
+    # torchvision's resnet50() as main_dino.py builds it: He-normal (fan-out) init, last BN
+    # scale 1.
+    assert (config.model.conv_init, config.model.zero_init_residual) == ("he_normal", False)
+  assert config.dino.to_dict() == dict(
+    out_dim=ref["out_dim"],
+    hidden_dim=2048,  # DINOHead's defaults.
+    bottleneck_dim=256,
+    num_layers=3,
+    use_bn_in_head=ref["use_bn_in_head"],
+    norm_last_layer=ref["norm_last_layer"],
+    momentum_teacher=ref["momentum_teacher"],
+    student_temp=0.1,  # DINOLoss's defaults.
+    warmup_teacher_temp=ref["warmup_teacher_temp"],
+    teacher_temp=ref["teacher_temp"],
+    warmup_teacher_temp_epochs=ref["warmup_teacher_temp_epochs"],
+    center_momentum=0.9,
+  )
+  o = config.optimizer
+  assert (o.name, o.base_lr, o.lr_scaling, o.momentum) == (
+    ref["optimizer"],
+    ref["lr"],
+    "linear",
+    0.9,
+  )
+  assert (o.warmup_epochs, o.schedule, o.final_lr) == (
+    ref["warmup_epochs"],
+    "cosine",
+    ref["min_lr"],
+  )
+  assert o.weight_decay == ref["weight_decay"] and o.weight_decay_mask == "kernels"
+  # A constant weight decay (start == end) is written without an end.
+  assert (o.weight_decay_end or o.weight_decay) == ref["weight_decay_end"]
+  assert (o.clip_per_tensor, o.freeze_last_layer_epochs) == (
+    ref["clip_grad"],
+    ref["freeze_last_layer"],
+  )
+  assert config.crop.to_dict() == dict(
+    sampler="torchvision", area_min=ref["global_crops_scale"][0], resize="pil_bicubic"
+  )
+  assert ref["global_crops_scale"][1] == 1.0
+  assert config.local_crops.to_dict() == dict(
+    number=ref["local_crops_number"],
+    size=96,
+    area_min=ref["local_crops_scale"][0],
+    area_max=ref["local_crops_scale"][1],
+  )
+  views = [
+    augment.ViewAugment.from_config(config.augment[v], v) for v in ("view1", "view2", "local")
+  ]
+  assert [(v.blur_prob, v.solarize_prob) for v in views] == [(1.0, 0.0), (0.1, 0.2), (0.5, 0.0)]
+  for v in views:
+    assert (v.brightness, v.contrast, v.saturation, v.hue) == (0.4, 0.4, 0.2, 0.1)
+    assert (v.color_jitter_prob, v.grayscale_prob) == (0.8, 0.2)
+  assert (config.evaluators.knn.k, config.evaluators.knn.temperature) == (20, 0.07)
+  with open(os.path.join(CONFIG_DIR, name + ".py")) as f:
+    doc = f.read()
+  assert command.split("--arch")[1].split()[0] in doc
+  if targets:
+    assert f"kNN {targets[0]}%, linear {targets[1]}%" in doc
+  for arg in ("", "runlocal"):
+    try:
+      checked = load_config(name, arg)
+    except VariantError:
+      continue
+    optim.check_optimizer_config(checked.optimizer)
+    crop_spec.check_local_crops(checked)

@@ -45,3 +45,36 @@ def check_config(config):
     raise ConfigError("crop.resize", config.crop.resize, f"one of {sorted(RESIZES)}")
   if not 0 < config.crop.area_min <= 1:
     raise ConfigError("crop.area_min", config.crop.area_min, "in (0, 1]")
+
+
+class LocalCrops(NamedTuple):
+  """A job's config.local_crops: multi-crop's small views (Caron et al. 2020, SwAV Sec. 3.2;
+  DINO main_dino.py DataAugmentationDINO's local_transfo).
+
+  number: N local views per image (DINO's --local_crops_number); size: their side in
+  pixels (96 in DINO at 224); area_min, area_max: the range of their area fraction
+  (DINO's --local_crops_scale, 0.05 to 0.4). Each is drawn with config.crop's sampler
+  and resize and flipped with p 1/2, as the global views. Built with
+  LocalCrops(**config.local_crops) after check_local_crops.
+  """
+
+  number: int
+  size: int
+  area_min: float
+  area_max: float
+
+
+def check_local_crops(config):
+  """Raises ConfigError for config.local_crops values (LocalCrops' fields) that cannot run;
+  a config without local_crops passes."""
+  local = config.get("local_crops")
+  if local is None:
+    return
+  if not isinstance(local.number, int) or local.number <= 0:
+    raise ConfigError("local_crops.number", local.number, "an integer > 0")
+  if not isinstance(local.size, int) or local.size <= 0:
+    raise ConfigError("local_crops.size", local.size, "an integer > 0 (pixels)")
+  if not 0 < local.area_min < local.area_max <= 1:
+    raise ConfigError(
+      "local_crops.area_min", local.area_min, f"in (0, local_crops.area_max={local.area_max})"
+    )

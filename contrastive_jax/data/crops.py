@@ -50,24 +50,24 @@ def _rounded(x):
   return tf.cast(tf.round(x), tf.int32)
 
 
-def _tensorflow_window(height, width, seed, area_min):
+def _tensorflow_window(height, width, seed, area_min, area_max):
   begin, size, _ = tf.image.stateless_sample_distorted_bounding_box(
     tf.stack([height, width, 3]),
     bounding_boxes=tf.constant([[[0.0, 0.0, 1.0, 1.0]]]),
     seed=seed,
     min_object_covered=SIMCLR_MIN_OBJECT_COVERED,
     aspect_ratio_range=ASPECT_RANGE,
-    area_range=(area_min, 1.0),
+    area_range=(area_min, area_max),
     max_attempts=SIMCLR_MAX_ATTEMPTS,
     use_image_if_no_bounding_boxes=True,
   )
   return begin[0], begin[1], size[0], size[1]
 
 
-def _area_and_ratio(shape, seed, area_min, area):
-  """Area fraction U[area_min, 1) times `area`, aspect ratio exp(U[log 3/4, log 4/3))."""
+def _area_and_ratio(shape, seed, area_min, area_max, area):
+  """Area fraction U[area_min, area_max) times `area`, aspect ratio exp(U[log 3/4, log 4/3))."""
   u = tf.random.stateless_uniform(shape + [2], seed)
-  target = area * (area_min + (1.0 - area_min) * u[..., 0])
+  target = area * (area_min + (area_max - area_min) * u[..., 0])
   log_lo, log_hi = math.log(ASPECT_RANGE[0]), math.log(ASPECT_RANGE[1])
   return target, tf.exp(log_lo + (log_hi - log_lo) * u[..., 1])
 
@@ -80,11 +80,11 @@ def _offsets(seed, height, width, h, w):
   return top, left
 
 
-def _torchvision_window(height, width, seed, area_min):
+def _torchvision_window(height, width, seed, area_min, area_max):
   draw_seed, offset_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
   h_f, w_f = tf.cast(height, tf.float32), tf.cast(width, tf.float32)
   # All attempts drawn at once; the first one that fits wins, as in the loop.
-  target, ratio = _area_and_ratio([TORCHVISION_ATTEMPTS], draw_seed, area_min, h_f * w_f)
+  target, ratio = _area_and_ratio([TORCHVISION_ATTEMPTS], draw_seed, area_min, area_max, h_f * w_f)
   ws, hs = _rounded(tf.sqrt(target * ratio)), _rounded(tf.sqrt(target / ratio))
   fits = (ws > 0) & (ws <= width) & (hs > 0) & (hs <= height)
   first = tf.argmax(tf.cast(fits, tf.int32))
@@ -101,10 +101,10 @@ def _torchvision_window(height, width, seed, area_min):
   return top, left, h, w
 
 
-def _byol_window(height, width, seed, area_min):
+def _byol_window(height, width, seed, area_min, area_max):
   draw_seed, offset_seed = tf.unstack(tf.random.experimental.stateless_split(seed, 2))
   area = tf.cast(height * width, tf.float32)
-  target, ratio = _area_and_ratio([], draw_seed, area_min, area)
+  target, ratio = _area_and_ratio([], draw_seed, area_min, area_max, area)
   # At least one pixel: a tiny image (the prepare job never upscales) would round to an
   # empty window, which cannot be resized.
   w = tf.clip_by_value(_rounded(tf.sqrt(target * ratio)), 1, width)
@@ -120,14 +120,16 @@ _WINDOWS = {
 }
 
 
-def crop_window(height, width, seed, sampler: str, area_min: float):
+def crop_window(height, width, seed, sampler: str, area_min: float, area_max: float = 1.0):
   """(top, left, crop height, crop width), int32 scalars, of `sampler`'s crop of an image.
 
   height, width: int32 scalar tensors, the image's size; seed: int32/int64
-  [2], a stateless-op seed; area_min: the smallest area fraction drawn (the
-  references' scale[0] / area_range[0]).
+  [2], a stateless-op seed; area_min, area_max: the range of the area fraction
+  drawn (the references' scale / area_range; area_max < 1 for DINO's local crops).
   """
-  return _WINDOWS[sampler](tf.cast(height, tf.int32), tf.cast(width, tf.int32), seed, area_min)
+  return _WINDOWS[sampler](
+    tf.cast(height, tf.int32), tf.cast(width, tf.int32), seed, area_min, area_max
+  )
 
 
 def _split(seed):
@@ -151,7 +153,9 @@ def resize_and_flip(crop, flip_seed, size: int, resize: str):
   )
 
 
-def random_resized_crop(image, seed, size: int, sampler: str, area_min: float, resize: str):
+def random_resized_crop(
+  image, seed, size: int, sampler: str, area_min: float, resize: str, area_max: float = 1.0
+):
   """A random crop of uint8 image [H, W, 3], resized to [size, size] and flipped with p 1/2.
 
   The crop window is crop_window's; the resize is RESIZES[resize]. Returns
@@ -159,7 +163,7 @@ def random_resized_crop(image, seed, size: int, sampler: str, area_min: float, r
   """
   crop_seed, flip_seed = _split(seed)
   shape = tf.shape(image)
-  top, left, h, w = crop_window(shape[0], shape[1], crop_seed, sampler, area_min)
+  top, left, h, w = crop_window(shape[0], shape[1], crop_seed, sampler, area_min, area_max)
   return resize_and_flip(image[top : top + h, left : left + w], flip_seed, size, resize)
 
 
@@ -172,7 +176,7 @@ JPEG_MARGIN = 8
 
 
 def decode_random_resized_crops(
-  encoded, seeds, size: int, sampler: str, area_min: float, resize: str
+  encoded, seeds, size: int, sampler: str, area_min: float, resize: str, area_max: float = 1.0
 ):
   """random_resized_crop of an encoded image with each of seeds [V, 2]: uint8 [V, size, size, 3].
 
@@ -187,7 +191,7 @@ def decode_random_resized_crops(
   def windows(shape):  # [V, 4] int32: top, left, height, width.
     return tf.stack(
       [
-        tf.stack(crop_window(shape[0], shape[1], crop_seed, sampler, area_min))
+        tf.stack(crop_window(shape[0], shape[1], crop_seed, sampler, area_min, area_max))
         for crop_seed, _ in split
       ]
     )

@@ -218,14 +218,20 @@ def train_dataset(
   shuffle_buffer: int,
   threads: int,
   num_views: int = 2,
+  local_crops: Optional[crop_spec.LocalCrops] = None,
 ) -> tf.data.Dataset:
   """Infinite dataset of this process's batches from step `start_step` on.
 
   Each element is {'image': uint8 [local_batch, num_views, S, S, 3], 'label':
   int32 [local_batch]}: num_views independent random-resized-crop-and-flip views
   of the same image in axis 1 (crops.random_resized_crop with crop's sampler,
-  area_min and resize, to S = image_size). The stream is never padded: batches
-  run across epoch boundaries as after repeat() and batch(drop_remainder=True).
+  area_min and resize, to S = image_size). With local_crops (multi-crop), also
+  'local_image': uint8 [local_batch, N, s, s, 3], N = local_crops.number views of
+  s = local_crops.size pixels with area fractions in [area_min, area_max), each
+  with its own seed (the global views' seeds unchanged); a JPEG is then decoded
+  twice, over the union of the global windows and of the local ones. The stream is
+  never padded: batches run across epoch boundaries as after repeat() and
+  batch(drop_remainder=True).
   Steps per epoch for schedules: split size // global batch.
 
   A source with random_access is read by index in epoch_order (cache and
@@ -249,23 +255,34 @@ def train_dataset(
   positions = tf.data.Dataset.range(first, np.iinfo(np.int64).max)
   process = jax.process_index()
 
-  def views(example, position):
-    image, label = example
-    seeds = tf.random.experimental.stateless_split(_seed_pair(seed, process, position), num_views)
+  def cropped(image, seeds, size, area_min, area_max):
     if decoded:
-      image = tf.stack(
+      return tf.stack(
         [
           crops.random_resized_crop(
-            image, seeds[v], image_size, crop.sampler, crop.area_min, crop.resize
+            image, seeds[v], size, crop.sampler, area_min, crop.resize, area_max
           )
-          for v in range(num_views)
+          for v in range(seeds.shape[0])
         ]
       )
-    else:
-      image = crops.decode_random_resized_crops(
-        image, seeds, image_size, crop.sampler, crop.area_min, crop.resize
+    return crops.decode_random_resized_crops(
+      image, seeds, size, crop.sampler, area_min, crop.resize, area_max
+    )
+
+  def views(example, position):
+    image, label = example
+    pair = _seed_pair(seed, process, position)
+    seeds = tf.random.experimental.stateless_split(pair, num_views)
+    out = {"image": cropped(image, seeds, image_size, crop.area_min, 1.0), "label": label}
+    if local_crops is not None:
+      # The local views' seeds: a split of the pair's own (the global views' stay as
+      # without multi-crop).
+      local_pair = tf.random.experimental.stateless_split(pair, num_views + 1)[num_views]
+      local_seeds = tf.random.experimental.stateless_split(local_pair, local_crops.number)
+      out["local_image"] = cropped(
+        image, local_seeds, local_crops.size, local_crops.area_min, local_crops.area_max
       )
-    return {"image": image, "label": label}
+    return out
 
   ds = tf.data.Dataset.zip(ds, positions).map(views, num_parallel_calls=threads)
   ds = ds.batch(local_batch, drop_remainder=True).prefetch(2)
@@ -379,6 +396,9 @@ def train_batches(source, config, sharding, *, image_size: int, num_views: int =
           shuffle_buffer=config.shuffle_buffer,
           threads=config.data_threads,
           num_views=num_views,
+          local_crops=(
+            crop_spec.LocalCrops(**config.local_crops) if config.get("local_crops") else None
+          ),
         )
       ),
       sharding,

@@ -1,11 +1,12 @@
-"""The pretraining job (config.job='pretrain'): SimCLR, MoCo v1/v2, MoCo v3 or BYOL.
+"""The pretraining job (config.job='pretrain'): SimCLR, MoCo v1/v2, MoCo v3, BYOL or DINO.
 
 Builds what runner.run() steps: the method's model, optimizer, state and
 train step, the host input pipeline (or, with config.on_device_data, the
 train split held and cropped on the device: data/device_data.py) and the
-evaluators' view of the model (the kNN monitor on h, the online probe's
-classifier). Every random draw is a function of (seed, step), so a resumed run
-continues bit for bit. With config.init_from=FILE (a torchvision / timm / MoCo
+evaluators' view of the model (the kNN monitor on the h of
+methods.monitored_encoder, DINO's teacher; the online probe's classifier).
+Every random draw is a function of (seed, step), so a resumed run continues
+bit for bit. With config.init_from=FILE (a torchvision / timm / MoCo
 weights file) every network starts from that file's encoder; the heads start
 from the method's initialisation.
 """
@@ -28,6 +29,7 @@ from contrastive_jax.data import sources
 from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import get_method
+from contrastive_jax.methods import monitored_encoder
 from contrastive_jax.methods import optim
 from contrastive_jax.methods import pretraining
 from contrastive_jax.models import state_dicts
@@ -46,6 +48,15 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int):
   if config.image_size <= 0:
     raise ConfigError("image_size", config.image_size, "> 0")
   crop_spec.check_config(config)
+  crop_spec.check_local_crops(config)
+  if config.get("local_crops") is not None and not getattr(
+    get_method(config.method), "LOCAL_CROPS", False
+  ):
+    raise ConfigError(
+      "local_crops",
+      config.local_crops.to_dict(),
+      f"absent for method {config.method!r}, which trains on two views",
+    )
   if not 0 < config.eval_crop_fraction <= 1:
     raise ConfigError("eval_crop_fraction", config.eval_crop_fraction, "in (0, 1]")
   if not config.online_probe.learning_rate > 0:
@@ -84,17 +95,21 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   )
 
   encoder = run.model.encoder
+  monitored = monitored_encoder(config.method)
 
   def logits(variables, images):
     h = models.encode(encoder, variables["encoder"], images)
     return run.probe.head.apply({"params": variables["probe"]}, h)
 
+  # The kNN monitor's features are the method's monitored encoder's (DINO's teacher);
+  # the online probe's logits, the encoder it was trained on.
   eval_model = evaluators.EvalModel(
     variables=lambda state: {
       "encoder": encoder_variables(state),
+      "monitored": monitored(state),
       "probe": state.probe.get("params"),
     },
-    features=lambda variables, images: models.encode(encoder, variables["encoder"], images),
+    features=lambda variables, images: models.encode(encoder, variables["monitored"], images),
     logits=logits if run.probe else None,
     dataset=input_pipeline.eval_datasets(
       source,

@@ -12,15 +12,26 @@ The method contract: a module registered in METHODS provides
       The state at step 0: params and batch_stats from model.init, the
       optimizer state, rng as the run's base key, and the method's own
       state in `extra` (MoCo's key encoder and queue, MoCo v3's momentum
-      encoder, BYOL's target network).
-  make_train_step(config, model, tx, views, mesh, num_steps, probe=None)
+      encoder, BYOL's target network, DINO's teacher and centre).
+  make_train_step(config, model, tx, views, mesh, num_steps, probe=None,
+                  steps_per_epoch=None)
       -> train_step(state, batch) -> (state, metrics), built with
       common.build_train_step (so every method gets the health
       scalars, the online probe, the augmentation keys and the sharding of
       the others); batch holds 'image' uint8 [B, 2, S, S, 3] and 'label'
-      int32 [B]; metrics are float32 scalars including 'loss'.
+      int32 [B]; metrics are float32 scalars including 'loss'. A module
+      with LOCAL_CROPS = True (DINO) also takes config.local_crops and then
+      batch['local_image'] uint8 [B, N, s, s, 3] (multi-crop); the
+      pretraining job refuses local_crops for the others.
+      steps_per_epoch: optimizer steps an epoch, for a method with a
+      schedule in epochs (DINO's teacher temperature).
 
-and keeps the encoder that downstream jobs use at state.params['encoder'] and
+A module may also provide monitored_encoder_variables(state) -> the encoder's
+{'params', 'batch_stats'} that the kNN monitor evaluates, when its paper
+evaluates another network than state.params['encoder'] (DINO: the teacher);
+monitored_encoder() picks it.
+
+Every module keeps the encoder that downstream jobs use at state.params['encoder'] and
 state.batch_stats['encoder'] (encoder_variables; absent for an encoder without
 BN, a ViT), which is what their partial checkpoint restore reads.
 tests/test_methods.py checks every registered method against this contract.
@@ -31,11 +42,12 @@ import optax
 
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.methods import byol
+from contrastive_jax.methods import dino
 from contrastive_jax.methods import moco
 from contrastive_jax.methods import mocov3
 from contrastive_jax.methods import simclr
 
-METHODS = {"byol": byol, "moco": moco, "mocov3": mocov3, "simclr": simclr}
+METHODS = {"byol": byol, "dino": dino, "moco": moco, "mocov3": mocov3, "simclr": simclr}
 ENCODER = "encoder"
 
 
@@ -61,6 +73,22 @@ def encoder_variables(tree):
     "params": get("params")[ENCODER],
     "batch_stats": (get("batch_stats") or {}).get(ENCODER, {}),
   }
+
+
+def monitored_encoder(name: str):
+  """state -> the encoder's {'params', 'batch_stats'} that method `name`'s kNN monitor evaluates.
+
+  The method module's monitored_encoder_variables when it has one (DINO's teacher,
+  which the DINO paper evaluates, Sec. 4 and eval_knn.py's --checkpoint_key
+  teacher), else encoder_variables: the network each other paper evaluates
+  (SimCLR's encoder, MoCo's query encoder, MoCo v3's base encoder, BYOL's online
+  encoder). The online probe is trained on, and evaluated with, the student's
+  h, encoder_variables, whatever the method.
+
+  Raises:
+    ConfigError: unknown method name.
+  """
+  return getattr(get_method(name), "monitored_encoder_variables", encoder_variables)
 
 
 def with_encoder(state, variables):

@@ -94,12 +94,13 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   )
 
 
-def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
+def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps_per_epoch=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
   The target EMA uses tau_k of the step k just taken (common.ema_momentum,
   'cosine' over num_steps) and the online parameters after the update.
   """
+  del steps_per_epoch  # No schedule of this method counts epochs.
   target_model = model.clone(predictor=None)
 
   def per_device(state, images):

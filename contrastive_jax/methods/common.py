@@ -90,6 +90,22 @@ def augmented_views(images, rng, step, views):
   )
 
 
+def augmented_local_views(images, rng, step, view):
+  """Augments multi-crop's local views of a per-device batch, inside shard_map.
+
+  images: uint8 [b, N, s, s, 3]; view: their ViewAugment. Returns float32
+  [N, b, s, s, 3]; local view i draws with view_key's view index 2 + i, so its
+  keys differ from the global views' and from each other's.
+  """
+  device = jax.lax.axis_index(DATA_AXIS)
+  return jnp.stack(
+    [
+      augment.augment_batch(images[:, i], view_key(rng, step, device, 2 + i), view)
+      for i in range(images.shape[1])
+    ]
+  )
+
+
 # Independent random streams of a step: fold_in(fold_in(rng, step), stream).
 _VIEW_STREAM, _SHUFFLE_STREAM = 0, 1
 
@@ -184,14 +200,18 @@ class OnlineProbe(NamedTuple):
     return {"params": optax.apply_updates(probe_state["params"], updates), "opt_state": opt_state}
 
 
-def build_train_step(per_device, tx, mesh, after_update=None, probe: OnlineProbe = None):
+def build_train_step(
+  per_device, tx, mesh, after_update=None, probe: OnlineProbe = None, local_views: bool = False
+):
   """A method's train_step(state, batch) -> (state, metrics), to be jitted.
 
   Args:
     per_device: (state, images) -> (grads, batch_stats, extra, metrics,
       outputs), run inside shard_map on every device with the state
       replicated and images = this device's rows of batch['image'] (uint8
-      [b, 2, H, W, 3]). Its grads, batch_stats, extra and metrics must be the
+      [b, 2, H, W, 3]); with local_views, (state, images, local_images), the
+      latter this device's rows of batch['local_image'] (uint8 [b, N, s, s, 3],
+      multi-crop's local views). Its grads, batch_stats, extra and metrics must be the
       same on every device (psum/pmean inside); outputs holds this device's
       train-mode 'h' [b, D] and projection 'z' [b, d] of view 1.
     tx: the optimizer applied to the gradients, outside shard_map.
@@ -204,8 +224,11 @@ def build_train_step(per_device, tx, mesh, after_update=None, probe: OnlineProbe
     'online_probe_train_top1' to the method's.
   """
 
-  def sharded_part(state, images, labels=None):
-    grads, batch_stats, extra, metrics, outputs = per_device(state, images)
+  num_images = 2 if local_views else 1
+
+  def sharded_part(state, *arrays):
+    grads, batch_stats, extra, metrics, outputs = per_device(state, *arrays[:num_images])
+    labels = arrays[num_images] if probe is not None else None
     metrics = dict(metrics, projection_std=projection_std(outputs["z"], DATA_AXIS))
     probe_grads = None
     if probe is not None:
@@ -216,7 +239,7 @@ def build_train_step(per_device, tx, mesh, after_update=None, probe: OnlineProbe
     return grads, batch_stats, extra, metrics, probe_grads
 
   # Labels are an input only with a probe: the methods themselves never see them.
-  inputs = ("image",) if probe is None else ("image", "label")
+  inputs = ("image", "local_image")[:num_images] + (() if probe is None else ("label",))
   sharded = jax.shard_map(
     sharded_part,
     mesh=mesh,

@@ -183,13 +183,14 @@ def unshuffle_rows(y, perm):
   return gathered[jnp.argsort(perm)]
 
 
-def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
+def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps_per_epoch=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
   Per step: EMA of the key encoder from the current query encoder (MoCo
   Algorithm 1), keys under stop-gradient with shuffle BN, InfoNCE against the
   queue, then the global batch of keys is enqueued.
   """
+  del steps_per_epoch  # No schedule of this method counts epochs.
   moco = config.moco
   groups = config.batch_size // moco.bn_group_size
 

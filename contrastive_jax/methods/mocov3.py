@@ -117,7 +117,7 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   )
 
 
-def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
+def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps_per_epoch=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
   Per step k: momentum m_k (common.ema_momentum over num_steps), the momentum
@@ -125,6 +125,7 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
   stop-gradient, then the symmetrised contrastive_loss. Metrics add 'loss',
   'contrastive_top1' (the mean over both directions) and 'key_momentum'.
   """
+  del steps_per_epoch  # No schedule of this method counts epochs.
   key_model = model.clone(predictor=None)
 
   def per_device(state, images):

@@ -9,6 +9,14 @@ lr_before_momentum scales each step by the learning rate before it enters the
 momentum (SimCLR's LARS
 and optax.lars) instead of scaling the momentum (BYOL's LARS, PyTorch's and
 TensorFlow's momentum SGD); nesterov as in those optimizers.
+
+DINO's recipe (facebookresearch/dino main_dino.py, utils.py) adds four optional
+fields, absent (off) in the other configs: final_lr, the cosine's end
+(cosine_scheduler's min_lr); weight_decay_end, a cosine schedule of the weight
+decay from weight_decay to it (its wd_schedule); clip_per_tensor, each
+gradient tensor's L2 norm clipped on its own (utils.clip_gradients); and
+freeze_last_layer_epochs, the epochs during which a module named 'last_layer'
+(heads.DINOHead's) is held still (utils.cancel_gradients_last_layer).
 """
 
 import math
@@ -48,6 +56,20 @@ def check_optimizer_config(cfg):
     raise ConfigError("optimizer.decay_factor", cfg.decay_factor, "in (0, 1]")
   if cfg.warmup_epochs < 0:
     raise ConfigError("optimizer.warmup_epochs", cfg.warmup_epochs, ">= 0")
+  if cfg.get("final_lr", 0.0) < 0:
+    raise ConfigError("optimizer.final_lr", cfg.final_lr, ">= 0")
+  if cfg.get("weight_decay_end") is not None and cfg.weight_decay_end < 0:
+    raise ConfigError("optimizer.weight_decay_end", cfg.weight_decay_end, ">= 0, or None")
+  if cfg.get("weight_decay_end") is not None and cfg.name != "adamw":
+    raise ConfigError(
+      "optimizer.weight_decay_end",
+      cfg.weight_decay_end,
+      f"None for optimizer.name={cfg.name!r} (a weight-decay schedule is AdamW's only)",
+    )
+  if cfg.get("clip_per_tensor", 0.0) < 0:
+    raise ConfigError("optimizer.clip_per_tensor", cfg.clip_per_tensor, ">= 0 (0: no clipping)")
+  if cfg.get("freeze_last_layer_epochs", 0.0) < 0:
+    raise ConfigError("optimizer.freeze_last_layer_epochs", cfg.freeze_last_layer_epochs, ">= 0")
   epochs = list(cfg.decay_epochs)
   if epochs != sorted(set(epochs)) or (epochs and epochs[0] <= cfg.warmup_epochs):
     raise ConfigError(
@@ -96,9 +118,9 @@ def peak_learning_rate(cfg, global_batch: int) -> float:
 
 
 def learning_rate_schedule(cfg, global_batch: int, steps_per_epoch: int, total_steps: int):
-  """Linear warm-up from 0 over warmup_epochs, then cosine decay to 0 at total_steps
-  ('cosine'), or a constant lr times decay_factor at each of decay_epochs ('step',
-  MoCo v1's schedule).
+  """Linear warm-up from 0 over warmup_epochs, then cosine decay to final_lr (0 when
+  absent) at total_steps ('cosine'), or a constant lr times decay_factor at each of
+  decay_epochs ('step', MoCo v1's schedule).
 
   A config with the optional fields warmup_fraction (float) and decay_fractions
   (floats) set places the warm-up's end and the step decays at those fractions
@@ -124,7 +146,8 @@ def learning_rate_schedule(cfg, global_batch: int, steps_per_epoch: int, total_s
       peak, {step - warmup: cfg.decay_factor for step in decays}
     )
   else:
-    decay = optax.cosine_decay_schedule(peak, max(total_steps - warmup, 1), alpha=0.0)
+    alpha = cfg.get("final_lr", 0.0) / peak
+    decay = optax.cosine_decay_schedule(peak, max(total_steps - warmup, 1), alpha=alpha)
   if not warmup:  # No warm-up: the decay from step 0 (optax logs a line for a 0-step ramp).
     return decay
   return optax.join_schedules([optax.linear_schedule(0.0, peak, warmup), decay], [warmup])
@@ -181,6 +204,9 @@ def scale_by_clipped_trust_ratio(
   return optax.GradientTransformation(init, update)
 
 
+LAST_LAYER = "last_layer"  # heads.DINOHead's weight-normalised layer.
+
+
 def frozen_labels(params):
   """'frozen' for the leaves under a module whose name starts with vit.FROZEN_PREFIX
   (a ViT's random patch projection), 'train' for the others."""
@@ -192,7 +218,64 @@ def frozen_labels(params):
   return jax.tree_util.tree_map_with_path(label, params)
 
 
-def build_optimizer(cfg, schedule, freeze: bool = False) -> optax.GradientTransformation:
+def _labels(params, freeze: bool, hold: bool):
+  """frozen_labels (with freeze), and 'held' for the leaves under a LAST_LAYER module
+  (with hold)."""
+  frozen = frozen_labels(params) if freeze else jax.tree.map(lambda _: "train", params)
+
+  def label(path, frozen_label):
+    held = hold and any(getattr(k, "key", None) == LAST_LAYER for k in path)
+    return "held" if held and frozen_label == "train" else frozen_label
+
+  return jax.tree_util.tree_map_with_path(label, frozen)
+
+
+def weight_decay_schedule(cfg, total_steps: int):
+  """The weight decay at step k: cfg.weight_decay, or with weight_decay_end set, DINO's
+  cosine (utils.cosine_scheduler without warm-up, as main_dino.py's wd_schedule):
+    wd_k = end + (start - end) (1 + cos(pi k / K)) / 2,  K = total_steps.
+  Returns step -> float32."""
+  start, end = cfg.weight_decay, cfg.get("weight_decay_end")
+  if end is None:
+    return lambda step: jnp.float32(start)
+  return lambda step: end + 0.5 * (start - end) * (1 + jnp.cos(jnp.pi * step / total_steps))
+
+
+def clip_per_tensor(max_norm: float) -> optax.GradientTransformation:
+  """Each gradient tensor g scaled by min(1, max_norm / (||g|| + 1e-6)) on its own (DINO's
+  utils.clip_gradients: torch.nn.utils.clip_grad_norm_ per parameter, not over all)."""
+
+  def update(grads, state, params=None):
+    del params
+
+    def one(g):
+      coef = max_norm / (jnp.linalg.norm(g) + 1e-6)
+      return jnp.where(coef < 1, g * coef, g)
+
+    return jax.tree.map(one, grads), state
+
+  return optax.GradientTransformation(lambda params: optax.EmptyState(), update)
+
+
+def add_scheduled_decayed_weights(schedule, mask) -> optax.GradientTransformation:
+  """updates + schedule(k) * params on the leaves of mask, k counting the steps
+  (optax.add_decayed_weights with a weight decay that changes per step)."""
+
+  def init(params):
+    del params
+    return optax.ScaleByScheduleState(count=jnp.zeros((), jnp.int32))
+
+  def update(updates, state, params):
+    wd = schedule(state.count)
+    updates = jax.tree.map(lambda u, p, m: u + wd * p if m else u, updates, params, mask(params))
+    return updates, optax.ScaleByScheduleState(count=optax.safe_increment(state.count))
+
+  return optax.GradientTransformation(init, update)
+
+
+def build_optimizer(
+  cfg, schedule, freeze: bool = False, steps_per_epoch: int = 0, total_steps: int = 0
+) -> optax.GradientTransformation:
   """LARS (You et al. 2017), LARC, SGD with momentum or AdamW (see the module docstring).
 
   lars: weight decay, then the trust ratio trust_coefficient ||w|| / ||update||
@@ -203,29 +286,68 @@ def build_optimizer(cfg, schedule, freeze: bool = False) -> optax.GradientTransf
   (Loshchilov and Hutter 2019; decoupled decay w <- w - lr wd w on the leaves
   of decay_mask, as torch.optim.AdamW), b1 = momentum, b2 = 0.999 and eps 1e-8
   (PyTorch's defaults, which MoCo v3 keeps); nesterov, lr_before_momentum and
-  trust_coefficient are unused.
+  trust_coefficient are unused; with weight_decay_end the decay follows
+  weight_decay_schedule. clip_per_tensor > 0 clips each gradient tensor first.
 
   freeze: the leaves frozen_labels marks get a zero update (no step, no
   decay), as PyTorch leaves a parameter with requires_grad False alone (MoCo
   v3's stop-grad patch projection). It changes the optimizer state's
   structure, so it is set only for models with frozen leaves.
+
+  freeze_last_layer_epochs > 0: for its first round(epochs x steps_per_epoch)
+  steps the leaves under a LAST_LAYER module get a zero update and their own
+  copy of the optimizer keeps its state (no decay, no moment, no count), as
+  torch's optimizers skip a parameter whose gradient DINO set to None; from
+  then on that copy steps with the schedules at the global step, its Adam
+  count starting at 0 as torch's per-parameter state does.
+
+  total_steps: the run's steps, needed by weight_decay_end.
+
+  Raises:
+    ValueError: weight_decay_end without total_steps, freeze_last_layer_epochs
+      without steps_per_epoch.
   """
-  tx = _optimizer(cfg, schedule)
-  if freeze:
-    tx = optax.multi_transform({"train": tx, "frozen": optax.set_to_zero()}, frozen_labels)
-  return tx
+  hold_steps = 0
+  if cfg.get("freeze_last_layer_epochs", 0.0) > 0:
+    if steps_per_epoch <= 0:
+      raise ValueError("freeze_last_layer_epochs needs steps_per_epoch")
+    hold_steps = int(round(cfg.freeze_last_layer_epochs * steps_per_epoch))
+  if cfg.get("weight_decay_end") is not None and total_steps <= 0:
+    raise ValueError("weight_decay_end needs total_steps")
+  tx = _optimizer(cfg, schedule, total_steps)
+  if not freeze and not hold_steps:
+    return tx
+  transforms = {"train": tx, "frozen": optax.set_to_zero()}
+  if hold_steps:
+    shifted = _optimizer(cfg, lambda step: schedule(step + hold_steps), total_steps, hold_steps)
+    transforms["held"] = optax.transforms.conditionally_mask(
+      shifted, lambda count: count >= hold_steps
+    )
+  return optax.multi_transform(transforms, lambda params: _labels(params, freeze, hold_steps > 0))
 
 
-def _optimizer(cfg, schedule):
+def _optimizer(cfg, schedule, total_steps: int = 0, offset: int = 0):
+  """The optimizer of cfg; its weight-decay schedule starts at step `offset`."""
   mask = lambda params: decay_mask(params, cfg.weight_decay_mask)
+  steps = [clip_per_tensor(cfg.clip_per_tensor)] if cfg.get("clip_per_tensor", 0.0) > 0 else []
   if cfg.name == "adamw":
-    return optax.adamw(
-      schedule, b1=cfg.momentum, b2=0.999, eps=1e-8, weight_decay=cfg.weight_decay, mask=mask
+    if cfg.get("weight_decay_end") is None and not steps:
+      return optax.adamw(
+        schedule, b1=cfg.momentum, b2=0.999, eps=1e-8, weight_decay=cfg.weight_decay, mask=mask
+      )
+    wd = weight_decay_schedule(cfg, total_steps)
+    return optax.chain(
+      *steps,
+      optax.scale_by_adam(b1=cfg.momentum, b2=0.999, eps=1e-8),
+      add_scheduled_decayed_weights(lambda step: wd(step + offset), mask),
+      optax.scale_by_learning_rate(schedule),
     )
   if cfg.name == "larc":
-    steps = [scale_by_clipped_trust_ratio(schedule, cfg.trust_coefficient, cfg.weight_decay, mask)]
+    steps.append(
+      scale_by_clipped_trust_ratio(schedule, cfg.trust_coefficient, cfg.weight_decay, mask)
+    )
   else:
-    steps = [optax.add_decayed_weights(cfg.weight_decay, mask=mask)]
+    steps.append(optax.add_decayed_weights(cfg.weight_decay, mask=mask))
     if cfg.name == "lars":
       steps.append(
         optax.masked(optax.scale_by_trust_ratio(trust_coefficient=cfg.trust_coefficient), mask)

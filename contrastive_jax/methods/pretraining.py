@@ -73,7 +73,11 @@ def setup(
     config.optimizer, config.batch_size, steps_per_epoch, num_steps
   )
   tx = optim.build_optimizer(
-    config.optimizer, schedule, freeze=config.model.get("random_patch_projection", False)
+    config.optimizer,
+    schedule,
+    freeze=config.model.get("random_patch_projection", False),
+    steps_per_epoch=steps_per_epoch,
+    total_steps=num_steps,
   )
   model = method.build_model(config)
   probe = online_probe(config, num_classes) if num_classes > 0 else None
@@ -92,7 +96,9 @@ def setup(
     replace = jax.jit(with_encoder, out_shardings=replicated, donate_argnums=0)
     init_state = lambda: replace(drawn(), encoder_variables_at_start)
   train_step = jax.jit(
-    method.make_train_step(config, model, tx, views(config), mesh, num_steps, probe),
+    method.make_train_step(
+      config, model, tx, views(config), mesh, num_steps, probe, steps_per_epoch=steps_per_epoch
+    ),
     donate_argnums=0,
   )
   return Run(model, schedule, init_state, train_step, probe)

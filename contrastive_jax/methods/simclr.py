@@ -97,13 +97,14 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   )
 
 
-def make_train_step(config, model, tx, views, mesh, num_steps, probe=None):
+def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps_per_epoch=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
   batch['image'] is uint8 [B, 2, H, W, 3] sharded over the data axis; metrics
   add float32 scalars 'loss' and 'contrastive_top1' to common.build_train_step's.
   num_steps is unused (SimCLR has no schedule of its own besides the lr).
   """
+  del steps_per_epoch  # No schedule of this method counts epochs.
   del num_steps
 
   def per_device(state, images):

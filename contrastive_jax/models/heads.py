@@ -114,3 +114,71 @@ class ContrastiveModel(nn.Module):
     if self.predictor is None:
       return h, z
     return h, z, self.predictor(z, train=train)
+
+
+class WeightNormDense(nn.Module):
+  """Dense layer without bias, weight-normalised (Salimans and Kingma 2016): W = g v / ||v||.
+
+  DINO's last layer (Caron et al. 2021, Sec. 3.1; dino vision_transformer.py DINOHead:
+  nn.utils.weight_norm of an nn.Linear without bias, weight_g filled with 1). Each
+  output unit's kernel column v[:, j] is divided by its L2 norm and multiplied by g_j.
+  learn_scale False (the reference's norm_last_layer True) fixes g = 1, so every
+  column has unit norm; True makes g [out_dim] a parameter (initialised to 1), named
+  'g' so that the 'kernels' weight-decay mask decays it, as the reference's
+  get_params_groups decays its 2-D weight_g. v is initialised as PyTorch's
+  nn.Linear (U(+-1/sqrt(fan_in))), as the reference creates the layer after its
+  head's trunc_normal initialisation. Maps float [N, D] to float32 [N, out_dim].
+  """
+
+  out_dim: int
+  learn_scale: bool = False
+
+  @nn.compact
+  def __call__(self, x):
+    kernel_init, _ = _dense_inits("torch", x.shape[-1])
+    v = self.param("kernel", kernel_init, (x.shape[-1], self.out_dim), jnp.float32)
+    w = v / jnp.linalg.norm(v, axis=0, keepdims=True)
+    if self.learn_scale:
+      w = w * self.param("g", nn.initializers.ones, (self.out_dim,), jnp.float32)
+    return jnp.matmul(x.astype(jnp.float32), w, precision=jax.lax.Precision.HIGHEST)
+
+
+class DINOHead(nn.Module):
+  """DINO's projection head: MLP, L2 normalisation, weight-normalised last layer.
+
+  Caron et al. 2021 (Sec. 3.1 and Appendix; dino vision_transformer.py DINOHead):
+  num_layers Dense layers, hidden_dim wide, each but the last followed by [BN ->]
+  GELU (exact), the last to bottleneck_dim; the bottleneck L2-normalised; then
+  WeightNormDense to out_dim (named 'last_layer', which optim's
+  freeze_last_layer_epochs holds still). Dense kernels normal(0, 0.02) (the
+  reference's trunc_normal_ at +-2, i.e. +-100 std), biases zero; BN (use_bn,
+  the reference's use_bn_in_head) global over bn_axis_name. Maps [N, D_in] to
+  float32 [N, out_dim], the logits the DINO loss sharpens.
+  """
+
+  out_dim: int
+  hidden_dim: int = 2048
+  bottleneck_dim: int = 256
+  num_layers: int = 3
+  use_bn: bool = False
+  norm_last_layer: bool = True
+  dtype: Any = jnp.float32
+  bn_axis_name: Optional[str] = None
+
+  @nn.compact
+  def __call__(self, x, train: bool):
+    dense = functools.partial(nn.Dense, dtype=self.dtype, kernel_init=nn.initializers.normal(0.02))
+    for _ in range(self.num_layers - 1):
+      x = dense(self.hidden_dim)(x)
+      if self.use_bn:
+        x = nn.BatchNorm(
+          use_running_average=not train,
+          momentum=0.9,
+          epsilon=1e-5,
+          dtype=self.dtype,
+          axis_name=self.bn_axis_name if train else None,
+        )(x)
+      x = nn.gelu(x, approximate=False)
+    x = dense(self.bottleneck_dim)(x).astype(jnp.float32)
+    x = x / jnp.maximum(jnp.linalg.norm(x, axis=-1, keepdims=True), 1e-12)
+    return WeightNormDense(self.out_dim, not self.norm_last_layer, name="last_layer")(x)

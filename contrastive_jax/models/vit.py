@@ -53,7 +53,8 @@ SPECS = {
 }
 # 'sincos': MoCo v3's fixed 2-D sine-cosine embedding, none on the class token (vits.py);
 # 'learned': a learned [1 + grid^2, D] embedding added to the class token and the patches
-# (timm's VisionTransformer, pos_embed, truncated normal std 0.02 there).
+# (timm's VisionTransformer, pos_embed, truncated normal std 0.02 there), resized to other
+# grids as DINO's interpolate_pos_encoding.
 POSITION_EMBEDDINGS = ("sincos", "learned")
 FROZEN_PREFIX = "frozen_"  # Modules named so get no optimizer update (methods/optim.py).
 LN_EPSILON = 1e-6
@@ -85,6 +86,63 @@ def sincos_position_embedding(grid: int, dim: int, temperature: float = 10000.0)
   return np.concatenate(
     [np.sin(out_r), np.cos(out_r), np.sin(out_c), np.cos(out_c)], axis=1
   ).astype(np.float32)
+
+
+def _cubic_weights(t: float, a: float = -0.75) -> np.ndarray:
+  """The 4 weights of cubic convolution (Keys 1981) at fraction t in [0, 1] for the inputs
+  at offsets -1, 0, 1, 2, with a = -0.75 as torch's bicubic interpolation."""
+
+  def near(x):  # |x| <= 1
+    return ((a + 2) * x - (a + 3)) * x * x + 1
+
+  def far(x):  # 1 < |x| < 2
+    return ((a * x - 5 * a) * x + 8 * a) * x - 4 * a
+
+  return np.array([far(t + 1), near(t), near(1 - t), far(2 - t)])
+
+
+def bicubic_resize_matrix(in_size: int, out_size: int, scale: float) -> np.ndarray:
+  """float64 [out_size, in_size]: 1-D bicubic interpolation as a matrix, as torch's
+  F.interpolate(mode='bicubic', align_corners=False, scale_factor=scale) computes it.
+
+  Output i samples the input at x = (i + 0.5) / scale - 0.5 with the cubic
+  convolution weights of _cubic_weights at t = x - floor(x) on floor(x) - 1 ...
+  floor(x) + 2, indices clamped to [0, in_size - 1] (the border repeated), as
+  torch's upsample_bicubic2d.
+  """
+  out = np.zeros((out_size, in_size))
+  for i in range(out_size):
+    x = (i + 0.5) / scale - 0.5
+    x0 = int(np.floor(x))
+    weights = _cubic_weights(x - x0)
+    for offset, w in zip(range(-1, 3), weights):
+      out[i, min(max(x0 + offset, 0), in_size - 1)] += w
+  return out
+
+
+def interpolate_position_embedding(pos_embed, grid: int):
+  """The learned position embedding of a G x G patch grid resized to grid x grid.
+
+  As DINO's interpolate_pos_encoding (facebookresearch/dino vision_transformer.py):
+  the class token's row kept, the patch rows as a G x G x D image resized by
+  bicubic interpolation with scale factor (grid + 0.1) / G on both axes (the
+  reference's +0.1 against floating point error, which also sets the sampling
+  positions: bicubic_resize_matrix), the same embedding when grid == G.
+
+  Args:
+    pos_embed: float [1, 1 + G^2, D].
+    grid: patches a side of the images it is for.
+  Returns:
+    [1, 1 + grid^2, D], pos_embed's dtype.
+  """
+  n, d = pos_embed.shape[1] - 1, pos_embed.shape[2]
+  trained = int(round(n**0.5))
+  if grid == trained:
+    return pos_embed
+  w = jnp.asarray(bicubic_resize_matrix(trained, grid, (grid + 0.1) / trained), pos_embed.dtype)
+  patches = pos_embed[0, 1:].reshape(trained, trained, d)
+  patches = jnp.einsum("iy,jx,yxd->ijd", w, w, patches, precision=jax.lax.Precision.HIGHEST)
+  return jnp.concatenate([pos_embed[:, :1], patches.reshape(1, grid * grid, d)], axis=1)
 
 
 def _uniform(bound: float):
@@ -149,8 +207,9 @@ class ViT(nn.Module):
     patch_size: p; the image size must be a multiple of it.
     dtype: compute dtype.
     random_patch_projection: freeze the patch projection (MoCo v3 Sec. 4.2).
-    position_embedding: a POSITION_EMBEDDINGS name; 'learned' fixes the image size
-      the parameters are for.
+    position_embedding: a POSITION_EMBEDDINGS name; 'learned' is a parameter for
+      the patch grid of the images the model is initialised on, interpolated to
+      any other grid (interpolate_position_embedding).
     input_mean, input_std: per-channel (R, G, B) standardisation of the [0, 1] input.
   """
 
@@ -194,9 +253,15 @@ class ViT(nn.Module):
     # a batch-sharded x under explicit sharding).
     x = jnp.concatenate([jnp.zeros_like(x[:, :1]) + cls.astype(self.dtype), x], axis=1)
     if self.position_embedding == "learned":
-      x = x + self.param(
-        "pos_embed", nn.initializers.normal(0.02), (1, 1 + grid * grid, d), jnp.float32
-      ).astype(self.dtype)
+      # Created for the grid of the images the model is initialised on; other grids
+      # (multi-crop's local views, another resolution) get it interpolated.
+      if self.has_variable("params", "pos_embed"):
+        pos_embed = self.get_variable("params", "pos_embed")
+      else:
+        pos_embed = self.param(
+          "pos_embed", nn.initializers.normal(0.02), (1, 1 + grid * grid, d), jnp.float32
+        )
+      x = x + interpolate_position_embedding(pos_embed, grid).astype(self.dtype)
     for i in range(self.depth):
       x = Block(self.num_heads, dtype=self.dtype, name=f"block{i}")(x)
     x = nn.LayerNorm(epsilon=LN_EPSILON, dtype=self.dtype, name="norm")(x)

@@ -1,0 +1,631 @@
+"""DINO: loss, centre and gradients against numpy transcriptions of the reference
+(facebookresearch/dino main_dino.py DINOLoss, utils.py cosine_scheduler and
+clip_gradients), 8 devices against one, the schedules, the weight-normalised last
+layer, the optimizer's DINO options, one train step's loss, centre, teacher EMA and
+frozen last layer; multi-crop: the local crops' distribution against torchvision's,
+the host pipeline's local views, the step over all views, its bad input."""
+
+from helpers import TFDS_DIR
+from helpers import load_config
+from helpers import sigterm_after_first_train_batch
+from helpers import tiny_config
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+import pytest
+from scipy import stats
+import tensorflow as tf
+import tensorflow_datasets as tfds
+from test_runner import read_metrics
+
+from contrastive_jax import methods
+from contrastive_jax import models
+from contrastive_jax import recipes
+from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.data import crop_spec
+from contrastive_jax.data import crops
+from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import sources
+from contrastive_jax.jobs import pretrain
+from contrastive_jax.methods import common
+from contrastive_jax.methods import dino
+from contrastive_jax.methods import optim
+from contrastive_jax.methods import pretraining
+from contrastive_jax.models import heads
+from contrastive_jax.training import runner
+
+# --- numpy transcriptions of the reference ------------------------------------------------
+
+
+def _log_softmax(x):
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+def reference_loss(student_output, teacher_output, center, ncrops, student_temp, temp):
+  """DINOLoss.forward in float64: student_output [ncrops * b, K] (views stacked as
+  MultiCropWrapper concatenates them), teacher_output [2 * b, K], center [K]."""
+  student_out = np.split(student_output / student_temp, ncrops)
+  teacher_out = np.split(np.exp(_log_softmax((teacher_output - center) / temp)), 2)
+  total_loss, n_loss_terms = 0.0, 0
+  for iq, q in enumerate(teacher_out):
+    for v in range(len(student_out)):
+      if v == iq:
+        continue
+      total_loss += np.mean(np.sum(-q * _log_softmax(student_out[v]), axis=-1))
+      n_loss_terms += 1
+  return total_loss / n_loss_terms
+
+
+def reference_center(center, teacher_output, momentum):
+  """DINOLoss.update_center (one process: the all-reduce is the identity)."""
+  batch_center = np.sum(teacher_output, axis=0) / len(teacher_output)
+  return center * momentum + batch_center * (1 - momentum)
+
+
+def reference_grad(student_output, teacher_output, center, ncrops, student_temp, temp):
+  """d loss / d student_output from the paper's formula: for view v,
+  sum over teacher views a != v of (softmax(s_v / tau_s) - P_t(a)) / (tau_s b |pairs|)."""
+  b = len(teacher_output) // 2
+  s = np.split(student_output, ncrops)
+  q = np.split(np.exp(_log_softmax((teacher_output - center) / temp)), 2)
+  n_pairs = 2 * (ncrops - 1)
+  grads = []
+  for v in range(ncrops):
+    p = np.exp(_log_softmax(s[v] / student_temp))
+    grads.append(sum(p - q[a] for a in range(2) if a != v) / (student_temp * b * n_pairs))
+  return np.concatenate(grads)
+
+
+def _case(ncrops, b=4, k=7, seed=0):
+  rng = np.random.default_rng(seed)
+  student = rng.normal(size=(ncrops * b, k)) * 3
+  teacher = rng.normal(size=(2 * b, k)) * 3
+  center = rng.normal(size=(k,))
+  return student, teacher, center
+
+
+def _jax_loss(student, teacher, center, ncrops, temp, axis_name=None):
+  b = len(teacher) // 2
+  return dino.dino_loss(
+    jnp.asarray(student, jnp.float32).reshape(ncrops, b, -1),
+    jnp.asarray(teacher, jnp.float32).reshape(2, b, -1),
+    jnp.asarray(center, jnp.float32),
+    0.1,
+    temp,
+    axis_name,
+  )
+
+
+@pytest.mark.parametrize("ncrops", [2, 4])
+def test_loss_and_centre_equal_the_reference_and_its_pairing(ncrops):
+  student, teacher, center = _case(ncrops)
+  for temp in (0.04, 0.07):
+    loss, entropy = _jax_loss(student, teacher, center, ncrops, temp)
+    expected = reference_loss(student, teacher, center, ncrops, 0.1, temp)
+    np.testing.assert_allclose(loss, expected, rtol=1e-6)
+    q = np.exp(_log_softmax((teacher - center) / temp))
+    np.testing.assert_allclose(entropy, -np.mean(np.sum(q * np.log(q), -1)), atol=1e-6)
+  # The pairing matters: with the same-view pairs too, the value differs.
+  all_pairs = np.mean(
+    [
+      np.mean(np.sum(-qa * _log_softmax(sv / 0.1), -1))
+      for qa in np.split(np.exp(_log_softmax((teacher - center) / 0.04)), 2)
+      for sv in np.split(student, ncrops)
+    ]
+  )
+  assert abs(all_pairs - reference_loss(student, teacher, center, ncrops, 0.1, 0.04)) > 1e-3
+  b = len(teacher) // 2
+  new = dino.update_center(
+    jnp.asarray(center, jnp.float32), jnp.asarray(teacher, jnp.float32).reshape(2, b, -1), 0.9
+  )
+  np.testing.assert_allclose(new, reference_center(center, teacher, 0.9), rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("ncrops", [2, 4])
+def test_gradient_equals_the_papers_formula_and_spares_the_teacher(ncrops):
+  student, teacher, center = _case(ncrops, seed=1)
+  grad_s, grad_t = jax.grad(lambda s, t: _jax_loss(s, t, center, ncrops, 0.04)[0], argnums=(0, 1))(
+    jnp.asarray(student, jnp.float32), jnp.asarray(teacher, jnp.float32)
+  )
+  expected = reference_grad(student, teacher, center, ncrops, 0.1, 0.04)
+  np.testing.assert_allclose(grad_s, expected, atol=1e-6)
+  assert not np.any(grad_t)  # No gradient reaches the teacher.
+  # ... and the formula is the reference's derivative (central differences in float64).
+  eps, i, j = 1e-6, 3, 2
+  bumped = [student.copy(), student.copy()]
+  bumped[0][i, j] += eps
+  bumped[1][i, j] -= eps
+  numeric = (
+    reference_loss(bumped[0], teacher, center, ncrops, 0.1, 0.04)
+    - reference_loss(bumped[1], teacher, center, ncrops, 0.1, 0.04)
+  ) / (2 * eps)
+  np.testing.assert_allclose(expected[i, j], numeric, rtol=1e-5)
+
+
+def test_eight_devices_equal_one_over_the_global_batch():
+  ncrops, b = 3, 16  # 16 rows per view: 2 per device.
+  student, teacher, center = _case(ncrops, b=b, seed=2)
+  s = jnp.asarray(student, jnp.float32).reshape(ncrops, b, -1)
+  t = jnp.asarray(teacher, jnp.float32).reshape(2, b, -1)
+  c = jnp.asarray(center, jnp.float32)
+  mesh = mesh_lib.make_mesh()
+  axis = mesh_lib.DATA_AXIS
+
+  def per_device(s, t):
+    loss, entropy = dino.dino_loss(s, t, c, 0.1, 0.05, axis)
+    return loss, entropy, dino.update_center(c, t, 0.9, axis)
+
+  sharded = jax.jit(
+    jax.shard_map(
+      per_device, mesh=mesh, in_specs=(jax.P(None, axis), jax.P(None, axis)), out_specs=jax.P()
+    )
+  )
+  sharding = jax.NamedSharding(mesh, jax.P(None, axis))
+  loss8, entropy8, center8 = sharded(jax.device_put(s, sharding), jax.device_put(t, sharding))
+  loss1, entropy1 = dino.dino_loss(s, t, c, 0.1, 0.05)
+  np.testing.assert_allclose(loss8, loss1, rtol=1e-6)
+  np.testing.assert_allclose(entropy8, entropy1, rtol=1e-6)
+  np.testing.assert_allclose(center8, dino.update_center(c, t, 0.9), rtol=1e-6, atol=1e-7)
+  np.testing.assert_allclose(loss1, reference_loss(student, teacher, center, 3, 0.1, 0.05), 1e-6)
+
+
+# --- Schedules ------------------------------------------------------------------------------
+
+
+def reference_cosine_scheduler(base, final, epochs, niter_per_ep, warmup_epochs=0):
+  """utils.cosine_scheduler."""
+  warmup = np.linspace(0, base, warmup_epochs * niter_per_ep) if warmup_epochs else np.array([])
+  iters = np.arange(epochs * niter_per_ep - warmup_epochs * niter_per_ep)
+  return np.concatenate(
+    [warmup, final + 0.5 * (base - final) * (1 + np.cos(np.pi * iters / len(iters)))]
+  )
+
+
+def test_teacher_momentum_and_temperature_follow_the_reference_schedules():
+  epochs, niter = 10, 7
+  momentum = reference_cosine_scheduler(0.996, 1, epochs, niter)
+  steps = np.arange(epochs * niter)
+  ours = np.array([float(common.ema_momentum(0.996, k, epochs * niter, "cosine")) for k in steps])
+  np.testing.assert_allclose(ours, momentum, atol=1e-7)
+  assert ours[0] == pytest.approx(0.996) and ours[-1] < 1
+  for warmup in (0, 1, 4):
+    cfg = ml_collections.ConfigDict(
+      dict(warmup_teacher_temp=0.04, teacher_temp=0.07, warmup_teacher_temp_epochs=warmup)
+    )
+    schedule = np.concatenate(
+      (np.linspace(0.04, 0.07, warmup), np.ones(epochs - warmup) * 0.07)
+    )  # DINOLoss.teacher_temp_schedule, indexed by epoch.
+    temps = [float(dino.teacher_temperature(cfg, k, niter)) for k in steps]
+    np.testing.assert_allclose(temps, schedule[steps // niter], rtol=1e-6)
+
+
+def test_weight_decay_and_learning_rate_schedules_follow_the_reference():
+  cfg = ml_collections.ConfigDict(
+    recipes.optimizer("adamw", 0.0005, 0.04, weight_decay_end=0.4, final_lr=1e-6, warmup_epochs=2)
+  )
+  epochs, niter, batch = 10, 7, 512
+  wd = optim.weight_decay_schedule(cfg, epochs * niter)
+  steps = np.arange(epochs * niter)
+  np.testing.assert_allclose(
+    [float(wd(k)) for k in steps],
+    reference_cosine_scheduler(0.04, 0.4, epochs, niter),
+    rtol=1e-6,
+  )
+  lr = optim.learning_rate_schedule(cfg, batch, niter, epochs * niter)
+  expected = reference_cosine_scheduler(0.0005 * batch / 256, 1e-6, epochs, niter, warmup_epochs=2)
+  after = steps >= 2 * niter  # The cosine part equals; the warm-up ramps to the peak one
+  np.testing.assert_allclose([float(lr(k)) for k in steps[after]], expected[after], rtol=1e-5)
+  # step later (optax's linear_schedule reaches it at step W, np.linspace at W - 1).
+  np.testing.assert_allclose(
+    [float(lr(k)) for k in steps[~after]], steps[~after] * 0.001 / (2 * niter), rtol=1e-5
+  )
+
+
+# --- The weight-normalised last layer -------------------------------------------------------
+
+
+def test_weight_normalised_last_layer():
+  x = jax.random.normal(jax.random.PRNGKey(0), (5, 6))
+  for norm_last_layer in (True, False):
+    layer = heads.WeightNormDense(4, learn_scale=not norm_last_layer)
+    params = layer.init(jax.random.PRNGKey(1), x)["params"]
+    assert set(params) == ({"kernel"} if norm_last_layer else {"kernel", "g"})
+    v = np.asarray(params["kernel"])
+    assert np.abs(v).max() <= 1 / np.sqrt(6)  # nn.Linear's U(+-1/sqrt(fan_in)).
+    # y = x (g v / ||v||), the norm of each output unit's column.
+    np.testing.assert_allclose(
+      layer.apply({"params": params}, x), x @ (v / np.linalg.norm(v, axis=0)), rtol=1e-5, atol=1e-6
+    )
+    # Scaling v changes nothing; its gradient is orthogonal to each column.
+    scaled = dict(params, kernel=params["kernel"] * 7.0)
+    np.testing.assert_allclose(
+      layer.apply({"params": scaled}, x), layer.apply({"params": params}, x), rtol=1e-5, atol=1e-6
+    )
+    grad = jax.grad(lambda p: jnp.sum(layer.apply({"params": p}, x) ** 3))(params)["kernel"]
+    np.testing.assert_allclose(np.sum(grad * v, axis=0), 0, atol=1e-5)
+    if not norm_last_layer:
+      np.testing.assert_array_equal(params["g"], 1.0)
+      g = jnp.arange(1.0, 5.0)
+      np.testing.assert_allclose(
+        layer.apply({"params": dict(params, g=g)}, x),
+        layer.apply({"params": params}, x) * g,
+        rtol=1e-5,
+      )
+  # In the head: the bottleneck is L2-normalised, the last layer named for the freeze.
+  head = heads.DINOHead(16, hidden_dim=8, bottleneck_dim=4)
+  params = head.init(jax.random.PRNGKey(2), x, train=False)["params"]
+  assert sorted(params) == ["Dense_0", "Dense_1", "Dense_2", "last_layer"]
+  with_bn = heads.DINOHead(16, hidden_dim=8, bottleneck_dim=4, use_bn=True)
+  variables = with_bn.init(jax.random.PRNGKey(2), x, train=False)
+  assert sorted(variables["batch_stats"]) == ["BatchNorm_0", "BatchNorm_1"]  # After each hidden.
+  bottleneck = x
+  for i in range(3):
+    d = params[f"Dense_{i}"]
+    bottleneck = bottleneck @ d["kernel"] + d["bias"]
+    if i < 2:
+      bottleneck = jax.nn.gelu(bottleneck, approximate=False)
+  bottleneck = bottleneck / np.linalg.norm(bottleneck, axis=1, keepdims=True)
+  v = params["last_layer"]["kernel"]
+  np.testing.assert_allclose(
+    head.apply({"params": params}, x, train=False),
+    bottleneck @ (v / np.linalg.norm(v, axis=0)),
+    rtol=1e-5,
+    atol=1e-6,
+  )
+
+
+# --- The optimizer's DINO options -----------------------------------------------------------
+
+
+def test_per_tensor_clipping_and_the_held_last_layer():
+  rng = np.random.default_rng(3)
+  params = {
+    "projector": {
+      "Dense_0": {"kernel": jnp.asarray(rng.normal(size=(3, 4)), jnp.float32)},
+      "last_layer": {"kernel": jnp.asarray(rng.normal(size=(4, 5)), jnp.float32)},
+    }
+  }
+  grads = [
+    jax.tree.map(lambda p: jnp.asarray(rng.normal(size=p.shape) * s, jnp.float32), params)
+    for s in (10.0, 0.1, 5.0, 1.0)
+  ]
+  # utils.clip_gradients: each tensor on its own.
+  clipped, _ = optim.clip_per_tensor(3.0).update(grads[0], optax.EmptyState())
+  for got, g in zip(jax.tree.leaves(clipped), jax.tree.leaves(grads[0])):
+    g = np.asarray(g)
+    np.testing.assert_allclose(got, g * min(1, 3.0 / (np.linalg.norm(g) + 1e-6)), rtol=1e-6)
+  small, _ = optim.clip_per_tensor(3.0).update(grads[1], optax.EmptyState())
+  jax.tree.map(np.testing.assert_array_equal, small, grads[1])
+
+  # Held for 2 steps: the last layer stays; then it steps as a fresh AdamW would at the
+  # global step's lr and weight decay (torch's per-parameter state starts at its first
+  # gradient), the other leaves as one AdamW all along.
+  cfg = ml_collections.ConfigDict(
+    recipes.optimizer("adamw", 1.0, 0.04, weight_decay_end=0.4, freeze_last_layer_epochs=1.0)
+  )
+  lrs = jnp.asarray([0.1, 0.2, 0.3, 0.4])
+  schedule = lambda k: lrs[k]
+  tx = optim.build_optimizer(cfg, schedule, steps_per_epoch=2, total_steps=4)
+  state, p = tx.init(params), params
+  history = []
+  for g in grads:
+    updates, state = tx.update(g, state, p)
+    p = optax.apply_updates(p, updates)
+    history.append(p)
+  last = lambda tree: np.asarray(tree["projector"]["last_layer"]["kernel"])
+  dense = lambda tree: np.asarray(tree["projector"]["Dense_0"]["kernel"])
+  np.testing.assert_array_equal(last(history[1]), last(params))
+  assert np.all(dense(history[0]) != dense(params))
+
+  def adamw(w, gs, first_step):
+    m, v = np.zeros_like(w), np.zeros_like(w)
+    wd = optim.weight_decay_schedule(cfg, 4)
+    for t, g in enumerate(gs, 1):
+      k = first_step + t - 1
+      m = 0.9 * m + 0.1 * g
+      v = 0.999 * v + 0.001 * g * g
+      update = (m / (1 - 0.9**t)) / (np.sqrt(v / (1 - 0.999**t)) + 1e-8)
+      w = w - float(lrs[k]) * (update + float(wd(k)) * w)
+    return w
+
+  # atol: optax's bias corrections are float32 (1 - 0.999 is 1.3e-5 off there).
+  np.testing.assert_allclose(
+    last(history[3]), adamw(last(params), [last(g) for g in grads[2:]], 2), atol=2e-5
+  )
+  np.testing.assert_allclose(
+    dense(history[3]), adamw(dense(params), [dense(g) for g in grads], 0), atol=2e-5
+  )
+  # An Adam that had counted the held steps (zero gradients) would land elsewhere.
+  zeros = [np.zeros_like(last(params))] * 2
+  counted = adamw(last(params), zeros + [last(g) for g in grads[2:]], 0)
+  assert np.abs(counted - last(history[3])).max() > 1e-2
+
+
+# --- Config and one train step --------------------------------------------------------------
+
+
+def test_config_pins_the_reference_command():
+  config = load_config("dino_cifar10")
+  assert config.dino.to_dict() == dict(
+    out_dim=65536,
+    hidden_dim=2048,
+    bottleneck_dim=256,
+    num_layers=3,
+    use_bn_in_head=False,
+    norm_last_layer=True,
+    momentum_teacher=0.996,
+    student_temp=0.1,
+    warmup_teacher_temp=0.04,
+    teacher_temp=0.04,
+    warmup_teacher_temp_epochs=0,
+    center_momentum=0.9,
+  )
+  o = config.optimizer
+  assert (config.batch_size, config.duration) == (512, "100 epochs")
+  assert (o.name, o.base_lr, o.lr_scaling, o.warmup_epochs, o.final_lr, o.momentum) == (
+    "adamw",
+    0.0005,
+    "linear",
+    10.0,
+    1e-6,
+    0.9,
+  )
+  assert (o.weight_decay, o.weight_decay_end, o.weight_decay_mask) == (0.04, 0.4, "kernels")
+  assert (o.clip_per_tensor, o.freeze_last_layer_epochs) == (3.0, 1.0)
+  assert config.crop.to_dict() == dict(sampler="torchvision", area_min=0.14, resize="pil_bicubic")
+  v1, v2 = pretraining.views(config)
+  assert (v1.blur_prob, v1.solarize_prob, v2.blur_prob, v2.solarize_prob) == (1.0, 0.0, 0.1, 0.2)
+  assert (v1.brightness, v1.contrast, v1.saturation, v1.hue, v1.color_jitter_prob) == (
+    0.4,
+    0.4,
+    0.2,
+    0.1,
+    0.8,
+  )
+  assert (config.evaluators.knn.k, config.evaluators.knn.temperature) == (20, 0.07)
+  resnet = load_config("dino_cifar10", "model=resnet18").optimizer
+  assert (resnet.name, resnet.base_lr, resnet.weight_decay, resnet.momentum) == (
+    "sgd",
+    0.03,
+    1e-4,
+    0.9,
+  )
+  for variant in ("runlocal", "runlocal_resnet"):
+    local = load_config("dino_cifar10", variant)
+    dino.check_config(local, 50_000)
+    optim.check_optimizer_config(local.optimizer)
+  bad = load_config("dino_cifar10")
+  bad.dino.teacher_temp = 0.0
+  with pytest.raises(ConfigError, match=r"^config.dino.teacher_temp=0.0: must be > 0"):
+    dino.check_config(bad, 50_000)
+
+
+def test_one_step_on_8_devices_loss_centre_teacher_ema_and_frozen_last_layer():
+  config = tiny_config("dino", "runlocal")
+  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
+  config.optimizer.warmup_epochs = 0.0  # A step with a learning rate above 0.
+  mesh = mesh_lib.make_mesh()
+  run = pretraining.setup(config, mesh, steps_per_epoch=4, num_steps=10)
+  state = run.init()
+  before = jax.device_get(state)
+  jax.tree.map(np.testing.assert_array_equal, before.extra["teacher_params"], before.params)
+  rng = np.random.default_rng(0)
+  batch = {"image": rng.integers(0, 256, (16, 2, 32, 32, 3), np.uint8)}
+  state, metrics = run.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
+  after = jax.device_get(state)
+  m = 0.99  # tau_0 of the cosine: the base momentum of the runlocal config.
+  jax.tree.map(
+    lambda t, s0, s1: np.testing.assert_allclose(t, m * s0 + (1 - m) * s1, rtol=1e-6, atol=1e-7),
+    after.extra["teacher_params"],
+    before.params,
+    after.params,
+  )
+  np.testing.assert_array_equal(
+    after.params["projector"]["last_layer"]["kernel"],
+    before.params["projector"]["last_layer"]["kernel"],
+  )
+  assert np.any(
+    after.params["encoder"]["norm"]["scale"] != before.params["encoder"]["norm"]["scale"]
+  )
+  # The step's loss and centre, on 8 devices, equal the reference's on the whole batch
+  # in one piece: the tiny ViT has no BN and no colour augmentation, so each view is
+  # its uint8 crop / 255, and at step 0 student and teacher are the same network.
+  x = np.concatenate([batch["image"][:, 0], batch["image"][:, 1]]).astype(np.float32) / 255
+  _, out = run.model.apply({"params": before.params}, jnp.asarray(x), train=True)
+  out = np.asarray(out, np.float64)
+  np.testing.assert_allclose(
+    after.extra["center"], reference_center(np.zeros(32), out, 0.9), rtol=1e-5, atol=1e-7
+  )
+  np.testing.assert_allclose(
+    metrics["loss"], reference_loss(out, out, np.zeros(32), 2, 0.1, 0.04), rtol=1e-5
+  )
+  assert float(metrics["teacher_temp"]) == pytest.approx(0.04)
+  assert float(metrics["teacher_momentum"]) == pytest.approx(m)
+  np.testing.assert_allclose(metrics["center_norm"], np.linalg.norm(after.extra["center"]), 1e-6)
+  assert 0 < float(metrics["teacher_entropy"]) <= np.log(32) + 1e-5
+  np.testing.assert_allclose(
+    metrics["teacher_student_kl"], metrics["loss"] - metrics["teacher_entropy"], rtol=1e-6
+  )
+
+
+def test_knn_monitor_evaluates_the_teacher_and_the_online_probe_the_student(tmp_path):
+  config = tiny_config("dino", "runlocal")
+  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8, momentum_teacher=0.5)
+  config.optimizer.warmup_epochs = 0.0  # Steps with a learning rate above 0.
+  mesh = mesh_lib.make_mesh()
+  task = pretrain.build(config, mesh, None, str(tmp_path))
+  state = task.init()
+  rng = np.random.default_rng(0)
+  for _ in range(2):
+    batch = {
+      "image": rng.integers(0, 256, (16, 2, 32, 32, 3), np.uint8),
+      "label": rng.integers(0, 10, 16).astype(np.int32),
+    }
+    state, _ = task.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
+  state = jax.device_get(state)
+  assert methods.monitored_encoder("dino") is dino.monitored_encoder_variables
+  assert methods.monitored_encoder("byol") is methods.encoder_variables
+  encoder = dino.build_model(config).encoder
+  images = rng.integers(0, 256, (8, 32, 32, 3), np.uint8)
+  teacher = {"params": state.extra["teacher_params"]["encoder"], "batch_stats": {}}
+  student = {"params": state.params["encoder"], "batch_stats": {}}
+  variables = task.eval_model.variables(state)
+  features = np.asarray(task.eval_model.features(variables, images))
+  np.testing.assert_allclose(features, models.encode(encoder, teacher, images), rtol=1e-6)
+  # After two steps the teacher (momentum 0.5) is apart from the student.
+  assert np.abs(features - np.asarray(models.encode(encoder, student, images))).max() > 1e-4
+  probe = pretraining.online_probe(config, 10).head
+  np.testing.assert_allclose(
+    task.eval_model.logits(variables, images),
+    probe.apply({"params": state.probe["params"]}, models.encode(encoder, student, images)),
+    rtol=1e-6,
+    atol=1e-7,
+  )
+
+
+# --- Multi-crop -----------------------------------------------------------------------------
+
+
+def torchvision_crop(h, w, scale, rng):
+  """torchvision.transforms.RandomResizedCrop.get_params with scale (lo, hi), ratio (3/4, 4/3)."""
+  for _ in range(10):
+    target = h * w * rng.uniform(*scale)
+    ratio = np.exp(rng.uniform(np.log(3 / 4), np.log(4 / 3)))
+    cw, ch = int(round(np.sqrt(target * ratio))), int(round(np.sqrt(target / ratio)))
+    if 0 < cw <= w and 0 < ch <= h:
+      return ch, cw
+  return h, w  # Square images: the fallback is the whole image.
+
+
+def test_local_crops_keep_torchvisions_distribution_and_the_global_views():
+  # Two-sample Kolmogorov-Smirnov on 3000 windows of a 96 x 96 image at DINO's local scale
+  # (0.05, 0.4): the critical distance at alpha 1e-3 is 1.95 sqrt(2 / 3000) = 0.050; the
+  # global scale's areas are far away.
+  n, critical = 3000, 1.95 * np.sqrt(2 / 3000)
+  rng = np.random.default_rng(0)
+  reference = np.array([torchvision_crop(96, 96, (0.05, 0.4), rng) for _ in range(n)])
+  draw = tf.function(
+    lambda seeds: tf.map_fn(
+      lambda s: tf.stack(crops.crop_window(96, 96, s, "torchvision", 0.05, 0.4)),
+      seeds,
+      fn_output_signature=tf.int32,
+    )
+  )
+  windows = draw(tf.stack([tf.zeros([n], tf.int64), tf.range(n, dtype=tf.int64)], 1)).numpy()
+  area = windows[:, 2] * windows[:, 3] / 96**2
+  ref_area = reference[:, 0] * reference[:, 1] / 96**2
+  assert stats.ks_2samp(area, ref_area).statistic < critical
+  assert (
+    stats.ks_2samp(windows[:, 3] / windows[:, 2], reference[:, 1] / reference[:, 0]).statistic
+    < critical
+  )
+  assert area.max() < 0.45 and area.min() > 0.03
+  global_ref = np.array([torchvision_crop(96, 96, (0.4, 1.0), rng) for _ in range(n)])
+  assert stats.ks_2samp(area, global_ref[:, 0] * global_ref[:, 1] / 96**2).statistic > 0.5
+
+  # The host pipeline: local views beside the global ones, which stay bitwise as without.
+  config = ml_collections.ConfigDict(dict(data_source="tfds", dataset="cifar10", data_dir=TFDS_DIR))
+  source = sources.get_source(config, {"train_split": "train"})
+  args = dict(
+    local_batch=4,
+    image_size=32,
+    crop=crop_spec.CropSpec("torchvision", 0.4, "pil_bicubic"),
+    seed=3,
+    start_step=1,
+    cache=True,
+    shuffle_buffer=16,
+    threads=1,
+  )
+  plain = next(iter(tfds.as_numpy(input_pipeline.train_dataset(source, "train[:16]", **args))))
+  local = crop_spec.LocalCrops(number=3, size=16, area_min=0.05, area_max=0.4)
+  multi = next(
+    iter(
+      tfds.as_numpy(input_pipeline.train_dataset(source, "train[:16]", local_crops=local, **args))
+    )
+  )
+  np.testing.assert_array_equal(multi["image"], plain["image"])
+  np.testing.assert_array_equal(multi["label"], plain["label"])
+  assert multi["local_image"].shape == (4, 3, 16, 16, 3) and multi["local_image"].dtype == np.uint8
+  flat = multi["local_image"].reshape(12, -1)
+  assert len({row.tobytes() for row in flat}) == 12  # Each local view its own draw.
+
+
+def test_multi_crop_step_on_8_devices_equals_the_reference_over_all_views():
+  config = tiny_config("dino", "runlocal")
+  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
+  config.local_crops = dict(number=3, size=16, area_min=0.05, area_max=0.4)
+  config.augment.local = dict(color_jitter_prob=0.0)  # Identity, as tiny_config's views.
+  dino.check_config(config, 50_000)
+  mesh = mesh_lib.make_mesh()
+  run = pretraining.setup(config, mesh, steps_per_epoch=4, num_steps=10)
+  state = run.init()
+  params = jax.device_get(state).params
+  rng = np.random.default_rng(1)
+  batch = {
+    "image": rng.integers(0, 256, (16, 2, 32, 32, 3), np.uint8),
+    "local_image": rng.integers(0, 256, (16, 3, 16, 16, 3), np.uint8),
+  }
+  state, metrics = run.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
+  apply = lambda x: np.asarray(
+    run.model.apply({"params": params}, jnp.asarray(x, jnp.float32) / 255, train=True)[1],
+    np.float64,
+  )
+  teacher = apply(np.concatenate([batch["image"][:, v] for v in range(2)]))
+  local = apply(np.concatenate([batch["local_image"][:, v] for v in range(3)]))
+  student = np.concatenate([teacher, local])  # Student = teacher at step 0.
+  np.testing.assert_allclose(
+    metrics["loss"], reference_loss(student, teacher, np.zeros(32), 5, 0.1, 0.04), rtol=1e-5
+  )
+  # The centre averages the teacher's global views only.
+  np.testing.assert_allclose(
+    jax.device_get(state).extra["center"],
+    reference_center(np.zeros(32), teacher, 0.9),
+    rtol=1e-5,
+    atol=1e-7,
+  )
+
+
+def test_multi_crop_bad_input_is_one_line_before_any_compute():
+  config = load_config("dino_cifar10", "runlocal,local_crops=4")
+  dino.check_config(config, 50_000)
+  config.local_crops.size = 12
+  with pytest.raises(ConfigError, match=r"^config.local_crops.size=12: must be a multiple of "):
+    dino.check_config(config, 50_000)
+  config = load_config("dino_cifar10", "runlocal,local_crops=4")
+  config.on_device_data = True
+  with pytest.raises(ConfigError, match=r"^config.on_device_data=True: must be False"):
+    dino.check_config(config, 50_000)
+  config.local_crops.area_min = 0.5
+  with pytest.raises(ConfigError, match=r"^config.local_crops.area_min=0.5: must be in"):
+    crop_spec.check_local_crops(config)
+  simclr = load_config("simclr_cifar10", "runlocal")
+  simclr.local_crops = dict(number=2, size=16, area_min=0.05, area_max=0.4)
+  with pytest.raises(ConfigError, match=r"^config.local_crops=.*absent for method 'simclr'"):
+    pretrain.check_config(simclr, 8)
+
+
+def test_multi_crop_run_resumes_bit_for_bit_across_an_epoch_boundary(tmp_path, monkeypatch):
+  # 48 images at batch 16: 3 steps an epoch. Stopped after step 2, the resumed run crosses
+  # into epoch 1 at step 3, where the last layer's hold ends and the teacher temperature
+  # steps up; its local views, teacher, centre and held optimizer state must match.
+  config = tiny_config("dino", "runlocal")
+  config.train_split = "train[:48]"
+  config.duration = "6 steps"
+  config.checkpoint_every = "3 steps"
+  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
+  config.local_crops = dict(number=2, size=16, area_min=0.05, area_max=0.4)
+  config.augment.local = dict(color_jitter_prob=0.0)
+  straight, _ = runner.run(pretrain, config, str(tmp_path / "straight"))
+  with monkeypatch.context() as m:
+    sigterm_after_first_train_batch(m)
+    stopped, _ = runner.run(pretrain, config, str(tmp_path / "resumed"))
+  assert int(stopped.step) == 2
+  resumed, _ = runner.run(pretrain, config, str(tmp_path / "resumed"))
+  assert int(resumed.step) == 6
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(straight))
+  temps = [r.get("teacher_temp") for r in read_metrics(tmp_path / "resumed")[1:]]
+  np.testing.assert_allclose(temps, [0.04] * 3 + [0.07] * 3, rtol=1e-6)
