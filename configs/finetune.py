@@ -52,7 +52,7 @@ def get_config(arg: str = ""):
     "sgd", base_lr=0.05, weight_decay=0.0, warmup_epochs=0, nesterov=True
   )
   # The encoder's rates: backbone_lr_multiplier x layer_decay^(blocks after it + 1)
-  # (jobs/finetune.learning_rate_multipliers); 1 and 1: the head's rate, SimCLR's recipe.
+  # (training/downstream.learning_rate_multipliers); 1 and 1: the head's rate, SimCLR's recipe.
   config.backbone_lr_multiplier = 1.0
   config.layer_decay = 1.0
   config.log_every = "100 steps"

@@ -80,7 +80,7 @@ def get_config(arg: str = ""):
       "sgd", base_lr=0.05, weight_decay=0.0, warmup_epochs=0, nesterov=True, **FRACTIONS
     ),
     backbone_lr_multiplier=1.0,  # The encoder's rate / the head's.
-    layer_decay=1.0,  # Layer-wise learning-rate decay (jobs/finetune.learning_rate_multipliers).
+    layer_decay=1.0,  # Layer-wise decay (training/downstream.learning_rate_multipliers).
   )
   config.evaluators = {}  # The job scores its cells itself (validation, then test).
   if args.runlocal:

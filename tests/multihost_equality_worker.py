@@ -34,6 +34,7 @@ from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import get_method
 from contrastive_jax.methods import optim
 from contrastive_jax.models import resnet
+from contrastive_jax.training import downstream
 from contrastive_jax.training import evaluators
 
 NUM_DEVICES = 4
@@ -147,7 +148,7 @@ def probe_run(mesh, pretrained, out: dict):
   # The 'standardised' preset: its head has a BN, whose statistics must agree too.
   config = recipes.fill_probe_preset(load_config("linear_probe", "runlocal"), "standardised")
   config.batch_size = 16
-  head = linear_probe.LinearHead(10)
+  head = downstream.LinearHead(10)
   tx = optim.build_optimizer(
     config.optimizer, optim.learning_rate_schedule(config.optimizer, config.batch_size, 16, 100)
   )

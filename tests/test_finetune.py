@@ -25,6 +25,7 @@ from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import finetune
 from contrastive_jax.jobs import linear_probe
+from contrastive_jax.training import downstream
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
 
@@ -337,7 +338,7 @@ def test_learning_rate_multipliers_decay_layer_by_layer():
     "block1": {"norm1": {"scale": leaf}},
     "norm": {"scale": leaf},
   }
-  got = finetune.learning_rate_multipliers(
+  got = downstream.learning_rate_multipliers(
     {"encoder": vit, "head": {"kernel": leaf}}, backbone=0.5, layer_decay=0.1
   )
   assert got == {
@@ -352,7 +353,7 @@ def test_learning_rate_multipliers_decay_layer_by_layer():
   }
   # A ResNet's stem precedes its blocks, numbered BasicBlock_0...
   resnet = {"stem_conv": {"kernel": leaf}, "BasicBlock_0": {"Conv_0": {"kernel": leaf}}}
-  got = finetune.learning_rate_multipliers(
+  got = downstream.learning_rate_multipliers(
     {"encoder": resnet, "head": {"bias": leaf}}, backbone=1.0, layer_decay=0.5
   )
   assert got["encoder"] == {

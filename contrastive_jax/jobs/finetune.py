@@ -23,7 +23,6 @@ away as the weights change.
 import csv
 import functools
 import io
-import re
 
 import flax.linen as nn
 import jax
@@ -41,7 +40,6 @@ from contrastive_jax.data import sources
 from contrastive_jax.methods import ENCODER
 from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
-from contrastive_jax.methods import optim
 from contrastive_jax.training import downstream
 from contrastive_jax.training import evaluators
 from contrastive_jax.training import restore
@@ -61,96 +59,7 @@ def check_config(config, num_devices: int):
     )
   if config.label_seed < 0:
     raise ConfigError("label_seed", config.label_seed, "an integer >= 0")
-  check_multipliers(config, "")
-
-
-def check_multipliers(config, prefix: str):
-  """Raises ConfigError for a backbone_lr_multiplier not > 0 or a layer_decay not in (0, 1]
-  (fields of config, named with prefix, e.g. 'finetune.')."""
-  if not config.backbone_lr_multiplier > 0:
-    raise ConfigError(
-      f"{prefix}backbone_lr_multiplier", config.backbone_lr_multiplier, "> 0 (1: the head's rate)"
-    )
-  if not 0 < config.layer_decay <= 1:
-    raise ConfigError(f"{prefix}layer_decay", config.layer_decay, "in (0, 1] (1: no decay)")
-
-
-def build_optimizer(config, schedule, freeze: bool):
-  """optim.build_optimizer of config.optimizer, with the per-leaf rates of
-  learning_rate_multipliers when backbone_lr_multiplier or layer_decay is not 1 (only
-  then: the wrapper changes the optimizer state's structure, as freeze does)."""
-  tx = optim.build_optimizer(config.optimizer, schedule, freeze=freeze)
-  if config.backbone_lr_multiplier == 1 and config.layer_decay == 1:
-    return tx
-  return optim.scale_learning_rates(
-    tx,
-    functools.partial(
-      learning_rate_multipliers,
-      backbone=config.backbone_lr_multiplier,
-      layer_decay=config.layer_decay,
-    ),
-  )
-
-
-def make_train_step(encoder, head, tx):
-  """Jitted (state, batch) -> (state, metrics), state donated; encoder and head both train.
-
-  downstream.make_classifier_step with state.params = {'encoder', 'head'},
-  state.batch_stats = {'encoder'}: BN in train mode over the global batch,
-  running statistics updated.
-  """
-
-  def inputs(images):
-    return images.astype(jnp.float32) / 255.0  # Scaled as models.encode does.
-
-  def forward(params, batch_stats, images):
-    h, updates = encoder.apply(
-      {"params": params[ENCODER], "batch_stats": batch_stats[ENCODER]},
-      images,
-      train=True,
-      mutable=["batch_stats"],
-    )
-    logits = head.apply({"params": params["head"]}, h)
-    return logits, {ENCODER: updates.get("batch_stats", {})}  # {}: a ViT has no BN.
-
-  return downstream.make_classifier_step(inputs, forward, tx)
-
-
-# A residual block's or transformer block's module name (ResNet's BasicBlock_k or
-# BottleneckBlock_k, ViT's block{k}); k is its position, 0 first.
-_BLOCK = re.compile(r"(?:BasicBlock_|BottleneckBlock_|block)(\d+)")
-
-
-def learning_rate_multipliers(params, backbone: float, layer_decay: float):
-  """The learning-rate multiplier of each leaf of params = {'encoder', 'head'} (floats).
-
-  The head's leaves: 1. An encoder leaf at depth d of L blocks: backbone x
-  layer_decay^(L + 1 - d), d = 0 before the first block (a ResNet's stem, a
-  ViT's patch embedding and class token), k + 1 in block k, L + 1 after the
-  last (a ViT's final LayerNorm): layer-wise learning-rate decay as BEiT's
-  fine-tuning assigns it (Bao et al. 2022, Sec. 3 and its layer ids), times a
-  lower rate for the whole pretrained backbone. 1 and 1 leave every rate as it is.
-  """
-
-  def block(path):
-    found = [_BLOCK.fullmatch(str(getattr(k, "key", ""))) for k in path]
-    return next((int(m.group(1)) for m in found if m), None)
-
-  blocks = [block(path) for path, _ in jax.tree_util.tree_leaves_with_path(params[ENCODER])]
-  num_blocks = max((b for b in blocks if b is not None), default=-1) + 1
-
-  def depth(path):
-    k = block(path)
-    if k is not None:
-      return k + 1
-    # Before the first block: the modules whose names precede it (stem_*, patch_embed, cls_token).
-    first = str(getattr(path[0], "key", ""))
-    return num_blocks + 1 if first == "norm" else 0
-
-  encoder = jax.tree_util.tree_map_with_path(
-    lambda path, _: backbone * layer_decay ** (num_blocks + 1 - depth(path)), params[ENCODER]
-  )
-  return {ENCODER: encoder, "head": jax.tree.map(lambda _: 1.0, params["head"])}
+  downstream.check_multipliers(config, "")
 
 
 def subset_csv(subset: sources.LabelledSubset) -> str:
@@ -223,7 +132,7 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
 
   def make_trainer(schedule):
     # A random patch projection stays frozen, as the encoder was pretrained.
-    tx = build_optimizer(
+    tx = downstream.build_finetune_optimizer(
       config, schedule, freeze=encoder.pretrained.model.get("random_patch_projection", False)
     )
 
@@ -257,7 +166,9 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
       jax.jit(init_state, out_shardings=mesh_lib.replicated(mesh)), encoder.variables
     )
     return downstream.Trainer(
-      init=init, train_step=make_train_step(encoder.module, head, tx), eval_model=eval_model
+      init=init,
+      train_step=downstream.make_finetune_step(encoder.module, head, tx),
+      eval_model=eval_model,
     )
 
   return downstream.build_task(

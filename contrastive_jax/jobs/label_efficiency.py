@@ -16,11 +16,11 @@ then, at the cell's end only, the model so chosen scores test_split: top-1,
 balanced accuracy and (config.auroc) AUROC.
 
 Protocols: 'knn', the weighted kNN of the frozen encoder's h (evaluators.knn_scores;
-bank: the train part); 'linear_probe', linear_probe.LinearHead trained on the
+bank: the train part); 'linear_probe', downstream.LinearHead trained on the
 frozen encoder's h of the train part's images, centre-cropped as for evaluation
 (no augmentation: the features are computed once per cell); 'finetune', the
 encoder and a zero-initialised linear head trained together on random crops
-(finetune.make_train_step, BN in train mode); 'lp_ft', LP-FT (Kumar et al. 2022):
+(downstream.make_finetune_step, BN in train mode); 'lp_ft', LP-FT (Kumar et al. 2022):
 that fine-tuning with the head of a linear probe (not standardised) of the frozen h.
 
 Each finished cell is written as WORKDIR/cells/INIT-PROTOCOL-LABELS-SEED.json;
@@ -54,8 +54,6 @@ from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.data import crop_spec
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
-from contrastive_jax.jobs import finetune
-from contrastive_jax.jobs import linear_probe
 from contrastive_jax.methods import ENCODER
 from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
@@ -120,7 +118,7 @@ def check_config(config, num_devices: int):
       if part[field] < 1:
         raise ConfigError(f"{name}.{field}", part[field], "an integer >= 1")
   crop_spec.check_config(config.finetune)  # Named as crop.*: the fine-tuning's crop.
-  finetune.check_multipliers(config.finetune, "finetune.")
+  downstream.check_multipliers(config.finetune, "finetune.")
   if config.finetune.batch_size % num_devices:
     raise ConfigError(
       "finetune.batch_size", config.finetune.batch_size, f"a multiple of {num_devices}"
@@ -412,7 +410,7 @@ class _Cells:
     return self._final(test_scores, test_labels, val_top1[best], f"k={ks[best]}")
 
   def _linear_probe(self, parts, seed: int) -> dict:
-    """linear_probe.LinearHead (standardised) on frozen h: _probe."""
+    """downstream.LinearHead (standardised) on frozen h: _probe."""
     best_val, variables, epoch, predict = self._probe(parts, seed, standardize=True)
     test, test_labels = self._test()
     return self._final(
@@ -427,12 +425,12 @@ class _Cells:
 
   def _probe_program(self, standardize: bool, batch: int, steps_per_epoch: int):
     """(head, tx, jitted train step, jitted (variables, h) -> class probabilities) of a
-    linear_probe.LinearHead on frozen h; built once per (standardize, batch, steps per
+    downstream.LinearHead on frozen h; built once per (standardize, batch, steps per
     epoch), so that the seeds and counts of a size share its compilation."""
     key = ("probe", standardize, batch, steps_per_epoch)
     if key not in self._programs:
       cfg = self._config.linear_probe
-      head = linear_probe.LinearHead(self._source.num_classes, standardize, dense_init="zeros")
+      head = downstream.LinearHead(self._source.num_classes, standardize, dense_init="zeros")
       schedule = optim.learning_rate_schedule(
         cfg.optimizer, batch, steps_per_epoch, cfg.epochs * steps_per_epoch
       )
@@ -450,7 +448,7 @@ class _Cells:
     return self._programs[key]
 
   def _probe(self, parts, seed: int, standardize: bool):
-    """A linear_probe.LinearHead trained on frozen h by downstream.make_classifier_step,
+    """A downstream.LinearHead trained on frozen h by downstream.make_classifier_step,
     minibatches of the train part in a fresh order each epoch (numpy, seeded).
 
     Returns:
@@ -486,7 +484,7 @@ class _Cells:
 
   def _finetune_program(self, batch: int, steps_per_epoch: int):
     """(jitted (encoder variables, head params, seed) -> state at step 0, jitted train step
-    (finetune.make_train_step), jitted (variables, images) -> class probabilities), built
+    (downstream.make_finetune_step), jitted (variables, images) -> class probabilities), built
     once per (batch, steps per epoch), so that cells of a size share their compilation."""
     key = ("finetune", batch, steps_per_epoch)
     if key not in self._programs:
@@ -495,7 +493,7 @@ class _Cells:
         cfg.optimizer, batch, steps_per_epoch, cfg.epochs * steps_per_epoch
       )
       # A random patch projection stays frozen, as the encoder was pretrained.
-      tx = finetune.build_optimizer(
+      tx = downstream.build_finetune_optimizer(
         cfg, schedule, freeze=encoder.pretrained.model.get("random_patch_projection", False)
       )
 
@@ -515,13 +513,13 @@ class _Cells:
 
       self._programs[key] = (
         jax.jit(init, out_shardings=mesh_lib.replicated(self._mesh)),
-        finetune.make_train_step(encoder.module, self._head, tx),
+        downstream.make_finetune_step(encoder.module, self._head, tx),
         jax.jit(predict),
       )
     return self._programs[key]
 
   def _finetune(self, parts, seed: int, head=None, probed: int = 0) -> dict:
-    """Encoder and a linear head on h, finetune.make_train_step on random crops.
+    """Encoder and a linear head on h, downstream.make_finetune_step on random crops.
 
     The head starts at zero, or at `head` ({'kernel', 'bias'}: LP-FT's probe, trained for
     `probed` epochs, which the choice names).

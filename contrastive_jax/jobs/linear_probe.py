@@ -15,7 +15,6 @@ encoder, the random baseline included); accuracy on every test image once
 (the config's 'classifier' evaluator).
 """
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -34,30 +33,6 @@ from contrastive_jax.training import runner
 # 'auto' runs the preset named as the checkpoint's method: every key of methods.METHODS
 # has one (tests/test_linear_probe.py).
 PRESETS = ("auto",) + tuple(recipes.LINEAR_PROBE_PRESETS)
-# name -> (kernel init, bias init) of the linear layer.
-HEAD_INITS = {
-  "zeros": (nn.initializers.zeros, nn.initializers.zeros),
-  "normal_0.01": (nn.initializers.normal(0.01), nn.initializers.zeros),
-  "lecun_normal": (nn.initializers.lecun_normal(), nn.initializers.zeros),
-}
-
-
-class LinearHead(nn.Module):
-  """[N, D] float32 features -> [N, num_classes] logits: a Dense, after an affine-free BN
-  with standardize (the 'standardised' preset); dense_init a HEAD_INITS name."""
-
-  num_classes: int
-  standardize: bool = True
-  dense_init: str = "zeros"
-
-  @nn.compact
-  def __call__(self, h, train: bool):
-    if self.standardize:
-      h = nn.BatchNorm(
-        use_running_average=not train, use_scale=False, use_bias=False, momentum=0.9, epsilon=1e-6
-      )(h)
-    kernel_init, bias_init = HEAD_INITS[self.dense_init]
-    return nn.Dense(self.num_classes, kernel_init=kernel_init, bias_init=bias_init)(h)
 
 
 def check_config(config, num_devices: int):
@@ -71,8 +46,8 @@ def check_config(config, num_devices: int):
   for name in methods.METHODS if config.preset == "auto" else (config.preset,):
     filled = recipes.fill_probe_preset(config, name)
     downstream.check_config(filled, num_devices)
-    if filled.head.init not in HEAD_INITS:
-      raise ConfigError("head.init", filled.head.init, f"one of {sorted(HEAD_INITS)}")
+    if filled.head.init not in downstream.HEAD_INITS:
+      raise ConfigError("head.init", filled.head.init, f"one of {sorted(downstream.HEAD_INITS)}")
 
 
 def make_train_step(encoder, head, tx):
@@ -114,7 +89,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   preset = encoder.pretrained.method if config.preset == "auto" else config.preset
   config = recipes.fill_probe_preset(config, preset)
   config.preset = preset
-  head = LinearHead(source.num_classes, config.head.standardize, config.head.init)
+  head = downstream.LinearHead(source.num_classes, config.head.standardize, config.head.init)
 
   def make_trainer(schedule):
     tx = optim.build_optimizer(config.optimizer, schedule)
