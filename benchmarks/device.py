@@ -93,7 +93,7 @@ from contrastive_jax.core import files  # noqa: E402
 from contrastive_jax.core import mesh as mesh_lib  # noqa: E402
 from contrastive_jax.core.errors import ConfigError  # noqa: E402
 from contrastive_jax.data import device_data  # noqa: E402
-from contrastive_jax.methods import monitored_encoder  # noqa: E402
+from contrastive_jax.methods import evaluated_encoder  # noqa: E402
 from contrastive_jax.methods import pretraining  # noqa: E402
 from contrastive_jax.training import evaluators  # noqa: E402
 
@@ -382,7 +382,7 @@ def pretraining_run(tiny: bool, mesh, seconds_per_step: float) -> dict:
   encoder = run.model.encoder
   data = {"train": (train_images, train_labels), "test": (test_images, test_labels)}
   eval_model = evaluators.EvalModel(
-    variables=monitored_encoder(config.method),
+    variables=evaluated_encoder(config.method),
     features=lambda variables, images: models.encode(encoder, variables, images),
     logits=None,
     dataset=lambda split, local_batch: numpy_batches(*data[split], local_batch)(),

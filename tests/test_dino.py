@@ -35,6 +35,7 @@ from contrastive_jax.methods import dino
 from contrastive_jax.methods import optim
 from contrastive_jax.methods import pretraining
 from contrastive_jax.models import heads
+from contrastive_jax.training import restore
 from contrastive_jax.training import runner
 
 # --- numpy transcriptions of the reference ------------------------------------------------
@@ -467,8 +468,8 @@ def test_knn_monitor_evaluates_the_teacher_and_the_online_probe_the_student(tmp_
     }
     state, _ = task.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
   state = jax.device_get(state)
-  assert methods.monitored_encoder("dino") is dino.monitored_encoder_variables
-  assert methods.monitored_encoder("byol") is methods.encoder_variables
+  assert methods.evaluated_encoder_paths("dino") == dino.EVALUATED_ENCODER
+  assert methods.evaluated_encoder_paths("byol") == methods.STUDENT_ENCODER
   encoder = dino.build_model(config).encoder
   images = rng.integers(0, 256, (8, 32, 32, 3), np.uint8)
   teacher = {"params": state.extra["teacher_params"]["encoder"], "batch_stats": {}}
@@ -499,6 +500,26 @@ def torchvision_crop(h, w, scale, rng):
     if 0 < cw <= w and 0 < ch <= h:
       return ch, cw
   return h, w  # Square images: the fallback is the whole image.
+
+
+def test_downstream_jobs_restore_the_teacher_of_a_dino_checkpoint(tmp_path):
+  config = tiny_config("dino", "runlocal_resnet")
+  config.train_split = "train[:32]"
+  config.duration = "2 steps"
+  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8, momentum_teacher=0.5)
+  config.optimizer.warmup_epochs = 0.0
+  state, _ = runner.run(pretrain, config, str(tmp_path))
+  state = jax.device_get(state)
+  probe = load_config("linear_probe", "runlocal")
+  probe.pretrain_workdir = str(tmp_path)
+  restored = jax.device_get(restore.restore_encoder(probe, mesh_lib.make_mesh()).variables)
+  teacher = {
+    "params": state.extra["teacher_params"]["encoder"],
+    "batch_stats": state.extra["teacher_batch_stats"]["encoder"],
+  }
+  jax.tree.map(np.testing.assert_array_equal, restored, teacher)
+  moved = jax.tree.map(lambda a, b: np.abs(a - b).max(), teacher["params"], state.params["encoder"])
+  assert max(jax.tree.leaves(moved)) > 1e-4  # The student is another network by now.
 
 
 def test_local_crops_keep_torchvisions_distribution_and_the_global_views():

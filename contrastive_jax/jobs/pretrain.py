@@ -4,7 +4,7 @@ Builds what runner.run() steps: the method's model, optimizer, state and
 train step, the host input pipeline (or, with config.on_device_data, the
 train split held and cropped on the device: data/device_data.py) and the
 evaluators' view of the model (the kNN monitor on the h of
-methods.monitored_encoder, DINO's teacher; the online probe's classifier).
+methods.evaluated_encoder, DINO's teacher; the online probe's classifier).
 Every random draw is a function of (seed, step), so a resumed run continues
 bit for bit. With config.init_from=FILE (a torchvision / timm / MoCo
 weights file) every network starts from that file's encoder; the heads start
@@ -28,8 +28,8 @@ from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
+from contrastive_jax.methods import evaluated_encoder
 from contrastive_jax.methods import get_method
-from contrastive_jax.methods import monitored_encoder
 from contrastive_jax.methods import optim
 from contrastive_jax.methods import pretraining
 from contrastive_jax.models import state_dicts
@@ -95,7 +95,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   )
 
   encoder = run.model.encoder
-  monitored = monitored_encoder(config.method)
+  monitored = evaluated_encoder(config.method)
 
   def logits(variables, images):
     h = models.encode(encoder, variables["encoder"], images)

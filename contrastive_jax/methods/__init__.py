@@ -26,14 +26,13 @@ The method contract: a module registered in METHODS provides
       steps_per_epoch: optimizer steps an epoch, for a method with a
       schedule in epochs (DINO's teacher temperature).
 
-A module may also provide monitored_encoder_variables(state) -> the encoder's
-{'params', 'batch_stats'} that the kNN monitor evaluates, when its paper
-evaluates another network than state.params['encoder'] (DINO: the teacher);
-monitored_encoder() picks it.
-
-Every module keeps the encoder that downstream jobs use at state.params['encoder'] and
-state.batch_stats['encoder'] (encoder_variables; absent for an encoder without
-BN, a ViT), which is what their partial checkpoint restore reads.
+Every module keeps the student or online encoder at state.params['encoder'] and
+state.batch_stats['encoder'] (encoder_variables; absent for an encoder without BN, a
+ViT): the online probe's. A module whose paper evaluates another network sets
+EVALUATED_ENCODER, the (params, batch_stats) key paths of that network's encoder in the
+TrainState (DINO: the teacher's); evaluated_encoder_paths() gives them, and the kNN
+monitor (evaluated_encoder) and the downstream jobs' partial restore read the encoder
+there.
 tests/test_methods.py checks every registered method against this contract.
 """
 
@@ -75,20 +74,45 @@ def encoder_variables(tree):
   }
 
 
-def monitored_encoder(name: str):
-  """state -> the encoder's {'params', 'batch_stats'} that method `name`'s kNN monitor evaluates.
+# Where the encoder lives in a TrainState: (params path, batch_stats path).
+STUDENT_ENCODER = (("params", ENCODER), ("batch_stats", ENCODER))
 
-  The method module's monitored_encoder_variables when it has one (DINO's teacher,
-  which the DINO paper evaluates, Sec. 4 and eval_knn.py's --checkpoint_key
-  teacher), else encoder_variables: the network each other paper evaluates
-  (SimCLR's encoder, MoCo's query encoder, MoCo v3's base encoder, BYOL's online
-  encoder). The online probe is trained on, and evaluated with, the student's
-  h, encoder_variables, whatever the method.
+
+def evaluated_encoder_paths(name: str):
+  """(params path, batch_stats path): the key paths in method `name`'s TrainState of the
+  encoder its paper evaluates, which the kNN monitor and the downstream jobs read.
+
+  The module's EVALUATED_ENCODER when it has one (DINO's teacher, which the DINO paper
+  evaluates: Sec. 4, and eval_knn.py's and eval_linear.py's --checkpoint_key teacher),
+  else STUDENT_ENCODER: the network each other paper evaluates (SimCLR's encoder, MoCo's
+  query encoder, MoCo v3's base encoder, BYOL's online encoder).
 
   Raises:
     ConfigError: unknown method name.
   """
-  return getattr(get_method(name), "monitored_encoder_variables", encoder_variables)
+  return getattr(get_method(name), "EVALUATED_ENCODER", STUDENT_ENCODER)
+
+
+def evaluated_encoder(name: str):
+  """state -> {'params', 'batch_stats'} of the encoder at evaluated_encoder_paths(name);
+  'batch_stats' {} where the state has none (a ViT). The online probe is trained on, and
+  evaluated with, the student's h (encoder_variables), whatever the method.
+
+  Raises:
+    ConfigError: unknown method name.
+  """
+  paths = evaluated_encoder_paths(name)
+
+  def variables(state):
+    found = []
+    for path in paths:
+      node = state
+      for key in path:
+        node = (node.get(key) if isinstance(node, dict) else getattr(node, key, None)) or {}
+      found.append(node)
+    return {"params": found[0], "batch_stats": found[1]}
+
+  return variables
 
 
 def with_encoder(state, variables):

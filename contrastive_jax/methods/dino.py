@@ -221,14 +221,12 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   )
 
 
-def monitored_encoder_variables(state):
-  """The teacher's encoder {'params', 'batch_stats'} ({} for a ViT): what the kNN monitor
-  evaluates, as the DINO paper evaluates the teacher (Sec. 4; eval_knn.py's default
-  --checkpoint_key teacher). The methods' contract: methods.monitored_encoder."""
-  return {
-    "params": state.extra["teacher_params"]["encoder"],
-    "batch_stats": state.extra["teacher_batch_stats"].get("encoder", {}),
-  }
+# The teacher's encoder: what the DINO paper evaluates (Sec. 4; eval_knn.py's and
+# eval_linear.py's default --checkpoint_key teacher). The contract: methods.EVALUATED_ENCODER.
+EVALUATED_ENCODER = (
+  ("extra", "teacher_params", "encoder"),
+  ("extra", "teacher_batch_stats", "encoder"),
+)
 
 
 def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps_per_epoch=None):

@@ -1,7 +1,8 @@
 """Restoring a pretrained encoder: from a pretraining workdir's Orbax checkpoint or a weights file.
 
-Only the encoder (params and BN statistics; MoCo's query encoder, BYOL's online
-encoder) is read from a checkpoint, with a partial restore onto however many
+Only the encoder (params and BN statistics) that the method's paper evaluates
+(methods.evaluated_encoder_paths: MoCo's query encoder, BYOL's online encoder, DINO's
+teacher's encoder) is read from a checkpoint, with a partial restore onto however many
 devices the job has, and rebuilt from the config saved with the checkpoint; or,
 with config.random_init, the pretraining run's own initialisation of it (the
 baseline); or a weights file (docs/weights.md) is read as the model of
@@ -29,8 +30,8 @@ from contrastive_jax.core import tensor_files
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import ForeignCheckpointError
 from contrastive_jax.data import input_pipeline
-from contrastive_jax.methods import ENCODER
 from contrastive_jax.methods import common
+from contrastive_jax.methods import evaluated_encoder_paths
 from contrastive_jax.methods import get_method
 from contrastive_jax.methods import initial_encoder_variables
 from contrastive_jax.models import state_dicts
@@ -116,7 +117,9 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
       )()
     else:
       x = jnp.zeros((1, saved.image_size, saved.image_size, 3), jnp.float32)
-      variables = _restore_submodule(ckpt, step, encoder, x, ENCODER, mesh)
+      variables = _restore_submodule(
+        ckpt, step, encoder, x, evaluated_encoder_paths(saved.method), mesh
+      )
   finally:
     ckpt.close()
   dim = jax.eval_shape(
@@ -126,27 +129,37 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
   return Encoder(encoder, variables, saved, step, dim)
 
 
-def _restore_submodule(ckpt, step: int, module, example, name: str, mesh) -> dict:
-  """{'params', 'batch_stats'} of the method model's submodule `name` (its 'encoder' or
-  'projector') at checkpoint step `step`, replicated on the mesh: a partial restore that reads
-  nothing else. 'batch_stats' is {} for a module without BN (a ViT: nothing of it is saved,
-  so nothing is asked for).
+def _restore_submodule(ckpt, step: int, module, example, paths, mesh) -> dict:
+  """{'params', 'batch_stats'} of a submodule of the method's state at checkpoint step `step`
+  (its encoder, DINO's teacher's encoder, its projection head), replicated on the mesh: a
+  partial restore that reads nothing else. 'batch_stats' is {} for a module without BN (a
+  ViT: nothing of it is saved, so nothing is asked for).
 
   Args:
     ckpt: the pretraining run's checkpointing.Checkpointer.
     module: the submodule, built as the pretraining run built it.
     example: an input of the module's shape and dtype (batch 1), for its variables' shapes.
+    paths: the (params, batch_stats) key paths of the submodule's variables in the saved
+      TrainState, e.g. methods.evaluated_encoder_paths(method).
   """
   shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), example, train=False))
-  abstract = checkpointing.abstract_like(
-    {kind: {name: shapes[kind]} for kind in ("params", "batch_stats") if kind in shapes},
-    mesh_lib.replicated(mesh),
+  wanted = {}
+  for kind, path in zip(("params", "batch_stats"), paths):
+    if kind in shapes:
+      node = wanted
+      for key in path[:-1]:
+        node = node.setdefault(key, {})
+      node[path[-1]] = shapes[kind]
+  restored = ckpt.restore_partial(
+    checkpointing.abstract_like(wanted, mesh_lib.replicated(mesh)), step
   )
-  restored = ckpt.restore_partial(abstract, step)
-  return {
-    "params": restored["params"][name],
-    "batch_stats": restored.get("batch_stats", {}).get(name, {}),
-  }
+  found = []
+  for path in paths:
+    node = restored
+    for key in path:
+      node = node.get(key, {})
+    found.append(node)
+  return {"params": found[0], "batch_stats": found[1]}
 
 
 def restore_projector(config, encoder: Encoder, mesh):
@@ -158,7 +171,12 @@ def restore_projector(config, encoder: Encoder, mesh):
   )
   try:
     variables = _restore_submodule(
-      ckpt, encoder.step, module, jnp.zeros((1, encoder.dim), jnp.float32), PROJECTOR, mesh
+      ckpt,
+      encoder.step,
+      module,
+      jnp.zeros((1, encoder.dim), jnp.float32),
+      (("params", PROJECTOR), ("batch_stats", PROJECTOR)),
+      mesh,
     )
   finally:
     ckpt.close()
