@@ -57,7 +57,8 @@ setuptools.setup(
     "search": ["faiss-cpu==1.15.1"],
     # The map job (configs/map.py): UMAP, and scikit-learn's t-SNE, PCA and k-means.
     "map": ["scikit-learn==1.9.1", "umap-learn==0.5.12"],
-    # Reading and writing .pth weights, the live reference tests (docs/weights.md).
-    "torch": ["torch", "torchvision", "timm"],
+    # Reading and writing .pth weights (torch.serialization.safe_globals: torch 2.5), the
+    # live reference tests (docs/weights.md).
+    "torch": ["torch>=2.5", "torchvision", "timm"],
   },
 )

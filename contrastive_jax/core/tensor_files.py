@@ -9,6 +9,7 @@ buffer, each tensor C-ordered and little-endian. Parsing it here keeps the
 torch (the `torch` extra), imported only when one is read or written.
 """
 
+import argparse
 import io
 import json
 import struct
@@ -63,9 +64,9 @@ def kind(path: str) -> str:
 def read(path: str) -> Dict[str, np.ndarray]:
   """The named tensors of a safetensors or PyTorch file (local or gs://), as numpy arrays.
 
-  A PyTorch checkpoint that holds its weights under 'state_dict' or 'model'
-  (MoCo's and MoCo v3's .pth.tar, timm's training checkpoints) is unwrapped;
-  non-tensor entries (an epoch, an optimizer state) are dropped.
+  A PyTorch checkpoint that holds its weights under one of STATE_DICT_KEYS (MoCo's and
+  MoCo v3's .pth.tar, timm's training checkpoints, DINO's teacher) is unwrapped
+  (checkpoint_state_dict); non-tensor entries (an epoch, an optimizer state) are dropped.
 
   Raises:
     WeightsError: a missing file, a suffix neither names, a file that is not
@@ -116,6 +117,22 @@ def _parse_safetensors(path: str, content: bytes) -> Dict[str, np.ndarray]:
   return tensors
 
 
+# Where PyTorch checkpoints keep their state dict, tried in this order: MoCo's and MoCo
+# v3's .pth.tar and timm's training checkpoints ('state_dict'), others' ('model'), DINO's
+# main_dino.py checkpoint ('teacher': its evaluations' default --checkpoint_key).
+STATE_DICT_KEYS = ("state_dict", "model", "teacher")
+
+
+def checkpoint_state_dict(loaded):
+  """The state dict of a loaded PyTorch checkpoint: loaded[key] for the first of
+  STATE_DICT_KEYS that holds a dict, else loaded itself (a bare state dict)."""
+  if isinstance(loaded, dict):
+    for key in STATE_DICT_KEYS:
+      if isinstance(loaded.get(key), dict):
+        return loaded[key]
+  return loaded
+
+
 def _read_torch(path: str, content: bytes) -> Dict[str, np.ndarray]:
   try:
     import torch  # pylint: disable=import-outside-toplevel
@@ -126,15 +143,14 @@ def _read_torch(path: str, content: bytes) -> Dict[str, np.ndarray]:
       "'contrastive_jax[torch]', or convert it to .safetensors",
     ) from None
   try:
-    loaded = torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
+    # DINO's checkpoints hold its argparse.Namespace of arguments, a plain attribute
+    # holder: allowed beside the tensors, nothing else is unpickled.
+    with torch.serialization.safe_globals([argparse.Namespace]):
+      loaded = torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
   except Exception as e:  # pylint: disable=broad-except
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     raise WeightsError(path, f"not a PyTorch checkpoint torch can read safely ({first})") from None
-  if isinstance(loaded, dict):
-    for key in ("state_dict", "model"):
-      if isinstance(loaded.get(key), dict):
-        loaded = loaded[key]
-        break
+  loaded = checkpoint_state_dict(loaded)
   if not isinstance(loaded, dict):
     raise WeightsError(path, f"a PyTorch file holding a {type(loaded).__name__}, not a state dict")
   tensors = {

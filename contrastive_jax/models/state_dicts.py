@@ -30,13 +30,16 @@ from contrastive_jax.models import resnet
 from contrastive_jax.models import vit
 
 # Prefixes under which checkpoints keep their encoder, tried in this order: MoCo v3
-# (builder.py: base_encoder, momentum_encoder), MoCo v1/v2 (encoder_q, encoder_k), both
-# saved from DistributedDataParallel ('module.'), then any DataParallel or bare one.
+# (builder.py: base_encoder, momentum_encoder), MoCo v1/v2 (encoder_q, encoder_k), DINO
+# (main_dino.py's MultiCropWrapper: backbone, head), each saved from
+# DistributedDataParallel ('module.') or not, then any DataParallel or bare one.
 ENCODER_PREFIXES = (
   "module.base_encoder.",
   "module.encoder_q.",
+  "module.backbone.",
   "base_encoder.",
   "encoder_q.",
+  "backbone.",
   "module.",
   "",
 )
