@@ -288,6 +288,13 @@ def plan(config, num_devices: int, *, num_train: int = 0, num_classes: int = -1)
     ),
     "label": jax.ShapeDtypeStruct((config.batch_size,), jnp.int32, sharding=batch_sharding),
   }
+  if config.get("local_crops") is not None:  # DINO's multi-crop: N local views of s px.
+    local = config.local_crops
+    batch["local_image"] = jax.ShapeDtypeStruct(
+      (config.batch_size, local.number, local.size, local.size, 3),
+      jnp.uint8,
+      sharding=batch_sharding,
+    )
   start = time.perf_counter()
   compiled = run.train_step.lower(state, batch).compile()
   compile_seconds = time.perf_counter() - start

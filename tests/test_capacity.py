@@ -129,3 +129,19 @@ def test_dino_imagenet_configs_pass_their_checks_and_build_their_state(variant):
   # The teacher is a copy of the student (encoder and head, with their BN statistics),
   # the centre one float32 of each output.
   assert nbytes(state.extra) == nbytes(params) + nbytes(state.batch_stats) + 65536 * 4
+
+
+def test_dino_multi_crop_plan_compiles_with_its_local_views_in_the_batch():
+  config = load_config("dino_cifar10", "runlocal_resnet,local_crops=2")
+  config.model.width = 0.0625
+  config.batch_size = 16
+  config.dino.update(out_dim=64, hidden_dim=32, bottleneck_dim=16)
+  plan = capacity.plan(config, DEVICES)
+  per_device = 16 // DEVICES
+  views = 2 * 32 * 32 * 3 + 2 * 16 * 16 * 3  # Two global views of 32 px, two local of 16 px.
+  assert plan.batch_bytes == per_device * views + per_device * 4
+  assert plan.memory["argument"] == plan.state_bytes["total"] + plan.batch_bytes
+  # The teacher (encoder and head) and the centre: the method's state.
+  assert plan.extra_bytes["center"] == 64 * 4
+  assert plan.extra_bytes["teacher_params"] == plan.state_bytes["params"]
+  assert plan.flops > 0

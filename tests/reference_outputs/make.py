@@ -14,8 +14,9 @@ vit.py; DINO's vit_small at 224 px, whose forward with its position-embedding
 interpolation is written out in _dino_vit_h, and its resnet50, torchvision's),
 and run in eval mode on the case's images (images()); h goes to CASE.npz, a few
 KB (DINO's ViT also h_other, at a local view's 96 px). dino_checkpoint puts a
-case's weights in a main_dino.py checkpoint as its teacher. Committing the outputs rather than the weights (ResNet-50's
-are 100 MB) keeps the repository small and the test free of torch.
+case's weights in a main_dino.py checkpoint as its teacher. Committing the
+outputs rather than the weights (ResNet-50's are 100 MB) keeps the repository
+small and the test free of torch.
 """
 
 import argparse
