@@ -9,7 +9,7 @@ it stays frozen in eval mode. config.preset chooses the recipe
 (recipes.LINEAR_PROBE_PRESETS): 'auto' (the default) runs the linear
 evaluation of the reference of the checkpoint's method ('simclr': SimCLR
 README's, Nesterov SGD lr 0.1 x B/256, batch 512, 100 epochs, cosine; 'moco':
-main_lincls.py's, SGD lr 30, batch 256, 100 epochs, x0.1 at 60 and 80;
+main_lincls.py's, SGD lr 30, batch 256, 100 epochs, x0.1 at 60% and 80% of the run;
 'byol': BYOL's, Nesterov SGD lr 0.2 x B/256, batch 1024, 80 epochs, cosine;
 each with its reference's crop and head initialisation, no weight decay);
 'standardised' runs this project's own probe (h standardised by an affine-free
@@ -21,8 +21,8 @@ checkpoints. Top-1 and top-5 on the whole test split at the end (and every
 10 epochs).
 
 Argument `runlocal` (--config=configs/linear_probe.py:runlocal): 1000 steps at batch
-256 (about 5 epochs) of the preset's recipe, sized for a 2-core CPU; step schedules
-beyond the run's end (MoCo's decays at 60 and 80 epochs) are not reached.
+256 (about 5 epochs) of the preset's recipe, sized for a 2-core CPU; every preset's
+schedule keeps its shape (cosine to the run's end; MoCo's decays at 60% and 80% of it).
 """
 
 import ml_collections
@@ -53,6 +53,7 @@ def get_config(arg: str = ""):
     key: config_dict.placeholder(type(value))
     for key, value in recipes.optimizer("sgd", 0.1, 0.0).items()
   }
+  config.optimizer.decay_fractions = config_dict.placeholder(tuple)  # MoCo's preset's.
   config.log_every = "100 steps"
   config.checkpoint_every = "1000 steps"
   config.keep_checkpoints = 2

@@ -573,7 +573,8 @@ LINEAR_PROBE_PRESETS = {
   # MoCo main_lincls.py (and its CIFAR-10 demo's advice: lr 30, wd 0, 100
   # epochs): SGD momentum 0.9, lr 30 at batch 256, no weight decay, lr x0.1
   # at epochs 60 and 80, RandomResizedCrop(scale 0.08-1) and flip, fc weights
-  # normal(0, 0.01), bias 0.
+  # normal(0, 0.01), bias 0. The decays as fractions of the run (0.6, 0.8): the
+  # same epochs at its 100, and a shorter run (runlocal's) decays too.
   "moco": dict(
     batch_size=256,
     duration="100 epochs",
@@ -585,7 +586,7 @@ LINEAR_PROBE_PRESETS = {
       0.0,
       warmup_epochs=0,
       schedule="step",
-      decay_epochs=(60, 80),
+      decay_fractions=(0.6, 0.8),
       weight_decay_mask="all",
     ),
   ),

@@ -25,6 +25,7 @@ from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import NonFiniteError
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
+from contrastive_jax.methods import optim
 from contrastive_jax.methods import pretraining
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
@@ -215,7 +216,8 @@ def test_checkpoints_of_another_tool_end_in_one_line_naming_pretrain_workdir(tmp
 
 # Each reference's linear evaluation, from its own code (recipes.LINEAR_PROBE_PRESETS
 # cites them): batch, duration, base lr (x B/256), Nesterov, weight decay, schedule,
-# decay epochs, crop sampler, smallest crop area, head init, standardised features.
+# decay epochs (at the reference's duration), crop sampler, smallest crop area, head init,
+# standardised features.
 PROBE_REFERENCES = {
   "simclr": (512, "100 epochs", 0.1, True, 0.0, "cosine", (), "tensorflow", 0.08, "zeros", False),
   "moco": (
@@ -291,6 +293,12 @@ def test_probe_presets_resolve_to_their_references_recipes(pretrained):
     linear_probe.check_config(config, jax.device_count())
     return linear_probe.build(config, mesh_lib.make_mesh(), None, None).config
 
+  def decay_epochs(c):
+    fractions = c.optimizer.decay_fractions
+    if fractions is None:
+      return tuple(c.optimizer.decay_epochs)
+    return tuple(round(f * int(c.duration.split()[0])) for f in fractions)
+
   for preset, expected in PROBE_REFERENCES.items():
     c = resolved(preset=preset)
     o = c.optimizer
@@ -301,13 +309,17 @@ def test_probe_presets_resolve_to_their_references_recipes(pretrained):
       o.nesterov,
       o.weight_decay,
       o.schedule,
-      tuple(o.decay_epochs),
+      decay_epochs(c),
       c.crop.sampler,
       c.crop.area_min,
       c.head.init,
       c.head.standardize,
     ) == expected, preset
     assert (c.preset, o.name, o.momentum, o.warmup_epochs) == (preset, "sgd", 0.9, 0)
+  # Cut to runlocal's 1000 steps, MoCo's probe still decays x0.1 at 60% and 80% of its run.
+  c = resolved(preset="moco", batch_size=256, duration="1000 steps")
+  lr = optim.learning_rate_schedule(c.optimizer, 256, 195, 1000)
+  np.testing.assert_allclose([lr(599), lr(600), lr(799), lr(800)], [30, 3, 3, 0.3], rtol=1e-6)
   # 'auto' runs the checkpoint's method's (SimCLR here); a value given wins over the preset's.
   c = resolved(batch_size=64)
   assert (c.preset, c.batch_size, c.duration) == ("simclr", 64, "100 epochs")
