@@ -638,6 +638,7 @@ def test_multi_crop_run_resumes_bit_for_bit_across_an_epoch_boundary(tmp_path, m
   config.duration = "6 steps"
   config.checkpoint_every = "3 steps"
   config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
+  config.dino.update(teacher_temp=0.07, warmup_teacher_temp_epochs=2)  # 0.04, then 0.07.
   config.local_crops = dict(number=2, size=16, area_min=0.05, area_max=0.4)
   config.augment.local = dict(color_jitter_prob=0.0)
   straight, _ = runner.run(pretrain, config, str(tmp_path / "straight"))
