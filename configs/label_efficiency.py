@@ -22,7 +22,9 @@ whole encoder and a linear head with SimCLR's semi-supervised recipe
 SimCLR's crop and flip, batch 64, 60 epochs); and, if listed ('lp_ft', not by
 default), LP-FT (Kumar et al. 2022): that fine-tuning from a linear probe's head (the
 probe without its standardising BN). Probe and fine-tune keep the epoch, of those
-evaluated every eval_every epochs, of best validation top-1. Their warm-up and step
+evaluated every eval_every epochs, of best validation top-1; with an lr_grid of several
+multipliers of their base rate (e.g. linear_probe.lr_grid='0.3,1,3'), each rate is
+fitted and validation picks the rate and the epoch. Their warm-up and step
 decays are fractions of their run (optimizer.warmup_fraction, decay_fractions);
 fine-tuning can train the encoder at a lower rate than the head
 (finetune.backbone_lr_multiplier, e.g. 0.1) and decay it layer by layer
@@ -63,10 +65,12 @@ def get_config(arg: str = ""):
   config.curve_metric = "top1"  # curve.png's: 'top1', 'balanced_accuracy' or 'auroc'.
   config.eval_batch_size = 1000
   config.knn = dict(k="10,20,50", temperature=0.07)
+  # lr_grid: multipliers of optimizer.base_lr, each fitted; validation picks one ('1': none).
   config.linear_probe = dict(
     epochs=100,
     eval_every=10,
     batch_size=256,
+    lr_grid="1",
     optimizer=recipes.optimizer(
       "sgd", base_lr=0.1, weight_decay=0.0, warmup_epochs=0, nesterov=True, **FRACTIONS
     ),
@@ -75,6 +79,7 @@ def get_config(arg: str = ""):
     epochs=60,
     eval_every=10,
     batch_size=64,
+    lr_grid="1",
     crop=recipes.crop("tensorflow", 0.08, "tf_bicubic"),
     optimizer=recipes.optimizer(
       "sgd", base_lr=0.05, weight_decay=0.0, warmup_epochs=0, nesterov=True, **FRACTIONS

@@ -271,6 +271,8 @@ def test_choices_are_made_without_the_test_split(curve, pretrained, tmp_path):
       dict(linear_probe=dict(optimizer=dict(decay_fractions=(1.5,)))),
       r"config.optimizer.decay_fractions=\(1.5,\)",
     ),
+    (dict(finetune=dict(lr_grid="1,-3")), r"config.finetune.lr_grid='1,-3': must be distinct"),
+    (dict(linear_probe=dict(lr_grid="1,x")), r"config.linear_probe.lr_grid='1,x': must be"),
   ],
 )
 def test_bad_input_stops_before_any_compute(pretrained, tmp_path, overrides, message):
@@ -301,6 +303,31 @@ def test_lp_ft_fine_tunes_from_a_probe(pretrained, tmp_path):
   assert row["protocol"] == "lp_ft" and 0 <= float(row["top1"]) <= 1
   assert re.fullmatch(r"probe epoch=[12], epoch=[12]", row["choice"])
   assert summary["labels"]["20"]["best"]["pretrained"]["protocol"] == "lp_ft"
+
+
+def test_an_lr_grid_keeps_the_rate_validation_picks(pretrained, tmp_path):
+  """With lr_grid '0.5,1' each protocol's cell is the single-rate cell of higher validation
+  top-1 (the first of equal ones), and its choice names that rate."""
+
+  def cell(grid):
+    config = tiny_config(
+      pretrained, labels="20", seeds=1, inits="pretrained", protocols="linear_probe,finetune"
+    )
+    config.linear_probe.lr_grid = config.finetune.lr_grid = grid
+    main.run_job(config, str(tmp_path / grid))
+    with open(tmp_path / grid / "curve.csv") as f:
+      return {r["protocol"]: r for r in csv.DictReader(f)}
+
+  half, whole, grid = cell("0.5"), cell("1"), cell("0.5,1")
+  base = {"linear_probe": 0.1, "finetune": 0.05}  # configs/label_efficiency.py's rates.
+  for protocol, row in grid.items():
+    single = (
+      half if float(half[protocol]["val_top1"]) >= float(whole[protocol]["val_top1"]) else whole
+    )
+    chosen = base[protocol] * (0.5 if single is half else 1)
+    assert row["choice"] == f"lr={chosen:.4g}, {single[protocol]['choice']}"
+    for metric in ("top1", "auroc", "val_top1"):
+      assert row[metric] == single[protocol][metric], (protocol, metric)
 
 
 def _weights_file(tmp_path, model_name: str, variables=None):

@@ -114,6 +114,16 @@ def check_config(config, num_devices: int):
   for name in ("linear_probe", "finetune"):
     part = config[name]
     optim.check_optimizer_config(part.optimizer)
+    try:
+      scales = _grid(part.lr_grid)
+    except ValueError:
+      scales = []
+    if not scales or any(not scale > 0 for scale in scales) or len(set(scales)) < len(scales):
+      raise ConfigError(
+        f"{name}.lr_grid",
+        part.lr_grid,
+        "distinct comma-separated numbers > 0, multipliers of optimizer.base_lr (e.g. '0.3,1,3')",
+      )
     for field in ("epochs", "eval_every", "batch_size"):
       if part[field] < 1:
         raise ConfigError(f"{name}.{field}", part[field], "an integer >= 1")
@@ -296,6 +306,8 @@ def _resume(config, workdir: str, mesh):
   if saved is None:
     files.write_atomic(path, json.dumps(config.to_dict(), indent=1, sort_keys=True))
     return config, encoders
+  for part in ("linear_probe", "finetune"):  # Saved before lr_grid: the base rate alone.
+    saved.get(part, {}).setdefault("lr_grid", "1")
   differences = checkpointing.config_differences(saved, config, MAY_CHANGE_ON_RESUME)
   if differences:
     raise ResumeError(workdir, differences, MAY_CHANGE_ON_RESUME)
@@ -411,30 +423,30 @@ class _Cells:
 
   def _linear_probe(self, parts, seed: int) -> dict:
     """downstream.LinearHead (standardised) on frozen h: _probe."""
-    best_val, variables, epoch, predict = self._probe(parts, seed, standardize=True)
+    best_val, variables, choice, predict = self._probe(parts, seed, standardize=True)
     test, test_labels = self._test()
-    return self._final(
-      np.asarray(predict(variables, test)), test_labels, best_val, f"epoch={epoch}"
-    )
+    return self._final(np.asarray(predict(variables, test)), test_labels, best_val, choice)
 
   def _lp_ft(self, parts, seed: int) -> dict:
     """LP-FT (Kumar et al. 2022): fine-tuning whose head starts as a linear probe's (_probe,
     not standardised: a plain linear layer on h, the fine-tuning head)."""
-    _, variables, epoch, _ = self._probe(parts, seed, standardize=False)
-    return self._finetune(parts, seed, head=variables["params"]["Dense_0"], probed=epoch)
+    _, variables, choice, _ = self._probe(parts, seed, standardize=False)
+    return self._finetune(parts, seed, head=variables["params"]["Dense_0"], probed=choice)
 
-  def _probe_program(self, standardize: bool, batch: int, steps_per_epoch: int):
+  def _probe_program(self, standardize: bool, batch: int, steps_per_epoch: int, scale: float):
     """(head, tx, jitted train step, jitted (variables, h) -> class probabilities) of a
-    downstream.LinearHead on frozen h; built once per (standardize, batch, steps per
-    epoch), so that the seeds and counts of a size share its compilation."""
-    key = ("probe", standardize, batch, steps_per_epoch)
+    downstream.LinearHead on frozen h at `scale` x the optimizer's rate; built once per
+    (standardize, batch, steps per epoch, scale), so that the seeds and counts of a size
+    share its compilation."""
+    key = ("probe", standardize, batch, steps_per_epoch, scale)
     if key not in self._programs:
       cfg = self._config.linear_probe
       head = downstream.LinearHead(self._source.num_classes, standardize, dense_init="zeros")
+      optimizer = _scaled(cfg.optimizer, scale)
       schedule = optim.learning_rate_schedule(
-        cfg.optimizer, batch, steps_per_epoch, cfg.epochs * steps_per_epoch
+        optimizer, batch, steps_per_epoch, cfg.epochs * steps_per_epoch
       )
-      tx = optim.build_optimizer(cfg.optimizer, schedule)
+      tx = optim.build_optimizer(optimizer, schedule)
 
       def forward(params, batch_stats, x):
         logits, updates = head.apply(
@@ -448,8 +460,24 @@ class _Cells:
     return self._programs[key]
 
   def _probe(self, parts, seed: int, standardize: bool):
-    """A downstream.LinearHead trained on frozen h by downstream.make_classifier_step,
-    minibatches of the train part in a fresh order each epoch (numpy, seeded).
+    """The best by validation top-1 of _probe_at each of linear_probe.lr_grid's scales.
+
+    Returns:
+      (its validation top-1, the head's variables then, on the host, the choice: 'epoch=E',
+      with a grid 'lr=R, epoch=E', jitted (variables, h) -> class probabilities).
+    """
+    scales = _grid(self._config.linear_probe.lr_grid)
+    best = max(
+      (self._probe_at(parts, seed, standardize, scale) + (scale,) for scale in scales),
+      key=lambda result: result[0],  # The first of equal ones: max keeps it.
+    )
+    val_top1, variables, epoch, predict, scale = best
+    return val_top1, variables, _choice(self._config.linear_probe, scale, epoch), predict
+
+  def _probe_at(self, parts, seed: int, standardize: bool, scale: float):
+    """A downstream.LinearHead trained on frozen h by downstream.make_classifier_step at
+    `scale` x the optimizer's rate, minibatches of the train part in a fresh order each
+    epoch (numpy, seeded).
 
     Returns:
       (best validation top-1, the head's variables then, on the host, that epoch,
@@ -459,7 +487,7 @@ class _Cells:
     (h, y), (val, val_labels) = self._frozen_parts(parts)
     batch = min(cfg.batch_size, len(h))
     spe = len(h) // batch
-    head, tx, step, predict = self._probe_program(standardize, batch, spe)
+    head, tx, step, predict = self._probe_program(standardize, batch, spe, scale)
     variables = head.init(jax.random.PRNGKey(seed), jnp.zeros((1, h.shape[1])), train=False)
     state = common.TrainState(
       step=jnp.zeros((), jnp.int32),
@@ -482,13 +510,15 @@ class _Cells:
           best = (val_top1, jax.device_get(variables), epoch)
     return best + (predict,)
 
-  def _finetune_program(self, batch: int, steps_per_epoch: int):
+  def _finetune_program(self, batch: int, steps_per_epoch: int, scale: float):
     """(jitted (encoder variables, head params, seed) -> state at step 0, jitted train step
-    (downstream.make_finetune_step), jitted (variables, images) -> class probabilities), built
-    once per (batch, steps per epoch), so that cells of a size share their compilation."""
-    key = ("finetune", batch, steps_per_epoch)
+    (downstream.make_finetune_step), jitted (variables, images) -> class probabilities) at
+    `scale` x the optimizer's rate, built once per (batch, steps per epoch, scale), so that
+    cells of a size share their compilation."""
+    key = ("finetune", batch, steps_per_epoch, scale)
     if key not in self._programs:
       cfg, encoder = self._config.finetune, self._encoder
+      cfg = ml_collections.ConfigDict(dict(cfg.to_dict(), optimizer=_scaled(cfg.optimizer, scale)))
       schedule = optim.learning_rate_schedule(
         cfg.optimizer, batch, steps_per_epoch, cfg.epochs * steps_per_epoch
       )
@@ -518,18 +548,39 @@ class _Cells:
       )
     return self._programs[key]
 
-  def _finetune(self, parts, seed: int, head=None, probed: int = 0) -> dict:
-    """Encoder and a linear head on h, downstream.make_finetune_step on random crops.
+  def _finetune(self, parts, seed: int, head=None, probed: str = "") -> dict:
+    """The best by validation top-1 of _finetune_at each of finetune.lr_grid's scales,
+    scored on test_split.
 
-    The head starts at zero, or at `head` ({'kernel', 'bias'}: LP-FT's probe, trained for
-    `probed` epochs, which the choice names).
+    The head starts at zero, or at `head` ({'kernel', 'bias'}: LP-FT's probe, whose
+    choice `probed` the cell's choice names).
+    """
+    cfg = self._config.finetune
+    best = max(
+      (self._finetune_at(parts, seed, head, scale) + (scale,) for scale in _grid(cfg.lr_grid)),
+      key=lambda result: result[0],  # The first of equal ones: max keeps it.
+    )
+    val_top1, variables, epoch, predict, scale = best
+    test, test_labels = self._outputs(predict, variables, self._source, self._config.test_split)
+    choice = _choice(cfg, scale, epoch)
+    return self._final(
+      test, test_labels, val_top1, f"probe {probed}, {choice}" if probed else choice
+    )
+
+  def _finetune_at(self, parts, seed: int, head, scale: float):
+    """Encoder and a linear head on h, downstream.make_finetune_step on random crops at
+    `scale` x the optimizer's rate; the head from zero or `head`.
+
+    Returns:
+      (best validation top-1, the variables then, on the host, that epoch, jitted
+      (variables, images) -> class probabilities).
     """
     cfg, encoder, mesh = self._config.finetune, self._encoder, self._mesh
     train, validation = parts
     size = train.num_examples("", "")
     batch = min(cfg.batch_size, size // jax.device_count() * jax.device_count())
     spe = size // batch
-    init, step, predict = self._finetune_program(batch, spe)
+    init, step, predict = self._finetune_program(batch, spe, scale)
     if head is None:
       head = self._head.init(jax.random.PRNGKey(seed), jnp.zeros((1, encoder.dim)))["params"]
     # Copies: the train step donates its state, and the encoder's variables serve every cell.
@@ -562,9 +613,25 @@ class _Cells:
         val_top1 = le.top1(val, val_labels)
         if val_top1 > best[0]:
           best = (val_top1, jax.device_get(variables), epoch)
-    test, test_labels = self._outputs(predict, best[1], self._source, self._config.test_split)
-    choice = f"epoch={best[2]}" if not probed else f"probe epoch={probed}, epoch={best[2]}"
-    return self._final(test, test_labels, best[0], choice)
+    return best + (predict,)
+
+
+def _grid(lr_grid: str) -> list:
+  """The scales of an lr_grid field ('0.3,1,3'), floats in its order."""
+  return [float(scale) for scale in _listed(lr_grid)]
+
+
+def _scaled(optimizer, scale: float):
+  """A copy of an optimizer config with base_lr x scale."""
+  return ml_collections.ConfigDict(dict(optimizer.to_dict(), base_lr=optimizer.base_lr * scale))
+
+
+def _choice(part, scale: float, epoch: int) -> str:
+  """What validation chose: 'epoch=E', with a grid of several scales 'lr=R, epoch=E' (R
+  the base rate chosen, before the batch scaling)."""
+  if len(_grid(part.lr_grid)) == 1:
+    return f"epoch={epoch}"
+  return f"lr={part.optimizer.base_lr * scale:.4g}, epoch={epoch}"
 
 
 def read_rows(workdir: str) -> list:
