@@ -654,6 +654,10 @@ def fill_probe_preset(config, name: str) -> ml_collections.ConfigDict:
     **{f"head.{k}": v for k, v in preset["head"].items()},
     **{f"optimizer.{k}": v for k, v in preset["optimizer"].items()},
   }
+  # A preset's step decays as fractions of the run give way to decay epochs the config set
+  # (the two are one choice: methods/optim.py refuses both).
+  if config.optimizer.get("decay_epochs") is not None:
+    flat.pop("optimizer.decay_fractions", None)
   for path, value in flat.items():
     *parents, leaf = path.split(".")
     node = config

@@ -512,16 +512,20 @@ def test_downstream_jobs_restore_the_teacher_of_a_dino_checkpoint(tmp_path):
     "params": jax.tree.map(lambda x: x + 1.0, state.extra["teacher_params"]["encoder"]),
     "batch_stats": jax.tree.map(lambda x: x * 2.0, state.extra["teacher_batch_stats"]["encoder"]),
   }
+  head = jax.tree.map(lambda x: x - 1.0, state.extra["teacher_params"]["projector"])
   extra = dict(state.extra)
-  extra["teacher_params"] = dict(extra["teacher_params"], encoder=teacher["params"])
+  extra["teacher_params"] = dict(extra["teacher_params"], encoder=teacher["params"], projector=head)
   extra["teacher_batch_stats"] = dict(extra["teacher_batch_stats"], encoder=teacher["batch_stats"])
   ckpt = checkpointing.Checkpointer(str(tmp_path / "checkpoints"))
   ckpt.save(1, state.replace(extra=extra), config)
   ckpt.close()
   probe = load_config("linear_probe", "runlocal")
   probe.pretrain_workdir = str(tmp_path)
-  restored = jax.device_get(restore.restore_encoder(probe, mesh_lib.make_mesh()).variables)
-  jax.tree.map(np.testing.assert_array_equal, restored, teacher)
+  encoder = restore.restore_encoder(probe, mesh_lib.make_mesh())
+  jax.tree.map(np.testing.assert_array_equal, jax.device_get(encoder.variables), teacher)
+  # The export's projection head is the teacher's too, not the student's.
+  _, projector = restore.restore_projector(probe, encoder, mesh_lib.make_mesh())
+  jax.tree.map(np.testing.assert_array_equal, projector["params"], head)
 
 
 def test_local_crops_keep_torchvisions_distribution_and_the_global_views():

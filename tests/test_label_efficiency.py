@@ -273,6 +273,7 @@ def test_choices_are_made_without_the_test_split(curve, pretrained, tmp_path):
     ),
     (dict(finetune=dict(lr_grid="1,-3")), r"config.finetune.lr_grid='1,-3': must be distinct"),
     (dict(linear_probe=dict(lr_grid="1,x")), r"config.linear_probe.lr_grid='1,x': must be"),
+    (dict(linear_probe=dict(lr_grid="1,inf")), r"config.linear_probe.lr_grid='1,inf': must"),
   ],
 )
 def test_bad_input_stops_before_any_compute(pretrained, tmp_path, overrides, message):

@@ -320,6 +320,13 @@ def test_probe_presets_resolve_to_their_references_recipes(pretrained):
   c = resolved(preset="moco", batch_size=256, duration="1000 steps")
   lr = optim.learning_rate_schedule(c.optimizer, 256, 195, 1000)
   np.testing.assert_allclose([lr(599), lr(600), lr(799), lr(800)], [30, 3, 3, 0.3], rtol=1e-6)
+  # Decay epochs given win over the preset's fractions (one choice, not both).
+  config = load_config("linear_probe")
+  config.update(dict(pretrain_workdir=pretrained, data_dir=TFDS_DIR, preset="moco"))
+  config.optimizer.decay_epochs = (30, 40)
+  linear_probe.check_config(config, jax.device_count())
+  o = recipes.fill_probe_preset(config, "moco").optimizer
+  assert (tuple(o.decay_epochs), o.decay_fractions) == ((30, 40), None)
   # 'auto' runs the checkpoint's method's (SimCLR here); a value given wins over the preset's.
   c = resolved(batch_size=64)
   assert (c.preset, c.batch_size, c.duration) == ("simclr", 64, "100 epochs")

@@ -35,6 +35,7 @@ axis, a line per init and protocol, the seeds' range shaded). Single-process onl
 import csv
 import io
 import json
+import math
 
 from absl import logging
 import flax.linen as nn
@@ -118,7 +119,11 @@ def check_config(config, num_devices: int):
       scales = _grid(part.lr_grid)
     except ValueError:
       scales = []
-    if not scales or any(not scale > 0 for scale in scales) or len(set(scales)) < len(scales):
+    if (
+      not scales
+      or any(not (scale > 0 and math.isfinite(scale)) for scale in scales)
+      or len(set(scales)) < len(scales)
+    ):
       raise ConfigError(
         f"{name}.lr_grid",
         part.lr_grid,

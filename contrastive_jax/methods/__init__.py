@@ -100,19 +100,24 @@ def evaluated_encoder(name: str):
 
   Raises:
     ConfigError: unknown method name.
+    KeyError (from the function, on a state): no params at the method's path.
   """
-  paths = evaluated_encoder_paths(name)
+  params_path, stats_path = evaluated_encoder_paths(name)
 
-  def variables(state):
-    found = []
-    for path in paths:
-      node = state
-      for key in path:
-        node = (node.get(key) if isinstance(node, dict) else getattr(node, key, None)) or {}
-      found.append(node)
-    return {"params": found[0], "batch_stats": found[1]}
+  def at(state, path, required: bool):
+    node = state
+    for key in path:
+      node = node.get(key) if isinstance(node, dict) else getattr(node, key, None)
+      if node is None:
+        if required:
+          raise KeyError(f"method {name!r}: no {'.'.join(path)} in its state")
+        return {}
+    return node
 
-  return variables
+  return lambda state: {
+    "params": at(state, params_path, True),
+    "batch_stats": at(state, stats_path, False),
+  }
 
 
 def with_encoder(state, variables):

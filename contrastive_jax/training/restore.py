@@ -164,7 +164,8 @@ def _restore_submodule(ckpt, step: int, module, example, paths, mesh) -> dict:
 
 def restore_projector(config, encoder: Encoder, mesh):
   """(module, {'params', 'batch_stats'} on the host) of the projection head saved with the
-  checkpoint of config.pretrain_workdir that `encoder` comes from."""
+  checkpoint of config.pretrain_workdir that `encoder` comes from: the head of the same
+  network (DINO's teacher's head for its teacher's encoder)."""
   module = get_method(encoder.pretrained.method).build_model(encoder.pretrained).projector
   ckpt = checkpointing.Checkpointer(
     f"{files.resolve_dir(config.pretrain_workdir)}/checkpoints", read_only=True
@@ -175,7 +176,8 @@ def restore_projector(config, encoder: Encoder, mesh):
       encoder.step,
       module,
       jnp.zeros((1, encoder.dim), jnp.float32),
-      (("params", PROJECTOR), ("batch_stats", PROJECTOR)),
+      # The head of the network the encoder comes from (DINO's teacher's).
+      tuple(p[:-1] + (PROJECTOR,) for p in evaluated_encoder_paths(encoder.pretrained.method)),
       mesh,
     )
   finally:
