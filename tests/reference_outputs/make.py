@@ -33,6 +33,22 @@ from contrastive_jax.models import state_dicts
 
 # name -> (model config fields, image size, seed). ImageNet standardisation as MoCo's.
 _IMAGENET = dict(input_mean=(0.485, 0.456, 0.406), input_std=(0.229, 0.224, 0.225))
+# torchvision's resnet50 (DINO's too), and timm's vit_small_patch16_224 (DINO's vit_small:
+# 6 heads, learned pos_embed).
+_RESNET50 = dict(
+  name="resnet50", width=1.0, stem="imagenet", dtype="float32", padding="torchvision", **_IMAGENET
+)
+_VIT_SMALL_LEARNED = dict(
+  name="vit_small",
+  width=1.0,
+  depth=12,
+  patch_size=16,
+  num_heads=6,
+  dtype="float32",
+  random_patch_projection=False,
+  position_embedding="learned",
+  **_IMAGENET,
+)
 CASES = {
   "torchvision_resnet18": (
     dict(
@@ -47,59 +63,25 @@ CASES = {
     18,
   ),
   "torchvision_resnet50": (
-    dict(
-      name="resnet50",
-      width=1.0,
-      stem="imagenet",
-      dtype="float32",
-      padding="torchvision",
-      **_IMAGENET,
-    ),
+    _RESNET50,
     64,
     50,
   ),
   "timm_vit_small": (
-    dict(
-      name="vit_small",
-      width=1.0,
-      depth=12,
-      patch_size=16,
-      num_heads=6,
-      dtype="float32",
-      random_patch_projection=False,
-      position_embedding="learned",
-      **_IMAGENET,
-    ),
+    _VIT_SMALL_LEARNED,
     32,
     6,
   ),
   # DINO's vit_small (vision_transformer.py: patch 16, D 384, depth 12, 6 heads, MLP 4x,
   # qkv bias, LayerNorm eps 1e-6, learned pos_embed, the class token's h) at its 224 px.
   "dino_vit_small": (
-    dict(
-      name="vit_small",
-      width=1.0,
-      depth=12,
-      patch_size=16,
-      num_heads=6,
-      dtype="float32",
-      random_patch_projection=False,
-      position_embedding="learned",
-      **_IMAGENET,
-    ),
+    _VIT_SMALL_LEARNED,
     224,
     16,
   ),
   # DINO's resnet50: torchvision's, fc = Identity (main_dino.py).
   "dino_resnet50": (
-    dict(
-      name="resnet50",
-      width=1.0,
-      stem="imagenet",
-      dtype="float32",
-      padding="torchvision",
-      **_IMAGENET,
-    ),
+    _RESNET50,
     64,
     22,
   ),
