@@ -22,7 +22,10 @@ Options beyond SimCLR's recipe: backbone_lr_multiplier (a lower rate for the
 pretrained encoder than for the head, e.g. 0.1) and layer_decay (layer-wise
 learning-rate decay as BEiT's fine-tuning, e.g. 0.75: each block's rate that of
 the block after it times layer_decay); 1 and 1 (the defaults) train every layer
-at one rate.
+at one rate. projector_layers (e.g. 1) keeps that many of the projection head's
+hidden layers (Dense -> BN -> ReLU) between h and the linear head, as SimCLR v2
+fine-tunes from its 3-layer head's first layer (Chen et al. 2020b, Sec. 2); 0
+(the default) fine-tunes from h.
 
 Argument `runlocal` (--config=configs/finetune.py:runlocal): the same recipe with
 fewer evaluations and more frequent logs and checkpoints, for the 2-core CPU: 1% of
@@ -55,6 +58,9 @@ def get_config(arg: str = ""):
   # (training/downstream.learning_rate_multipliers); 1 and 1: the head's rate, SimCLR's recipe.
   config.backbone_lr_multiplier = 1.0
   config.layer_decay = 1.0
+  # Hidden layers of the projection head kept under the linear head: 0 fine-tunes from h
+  # (SimCLR v1's B.5), 1 from the head's first layer (SimCLR v2, Chen et al. 2020b, Sec. 2).
+  config.projector_layers = 0
   config.log_every = "100 steps"
   config.checkpoint_every = "1000 steps"
   config.keep_checkpoints = 2

@@ -86,6 +86,7 @@ def get_config(arg: str = ""):
     ),
     backbone_lr_multiplier=1.0,  # The encoder's rate / the head's.
     layer_decay=1.0,  # Layer-wise decay (training/downstream.learning_rate_multipliers).
+    projector_layers=0,  # Head layers fine-tuned from (1: SimCLR v2's); 0: from h.
   )
   config.evaluators = {}  # The job scores its cells itself (validation, then test).
   if args.runlocal:

@@ -112,7 +112,8 @@ def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDic
   flat fields crop_sampler, crop_area_min and crop_resize; format 1 holds them
   in config.crop (crop()). A pretraining config without on_device_data (written
   before the field existed) read its data on the host: False. A fine-tuning config without
-  backbone_lr_multiplier and layer_decay trained every layer at one rate: 1 and 1.
+  backbone_lr_multiplier and layer_decay trained every layer at one rate: 1 and 1; one
+  without projector_layers fine-tuned from h: 0.
 
   Raises:
     ConfigError: a format_version above FORMAT_VERSION (written by a newer version of
@@ -139,6 +140,7 @@ def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDic
   if fields.get("job") == "finetune":  # Older fine-tuning configs trained at one rate.
     fields.setdefault("backbone_lr_multiplier", 1.0)
     fields.setdefault("layer_decay", 1.0)
+    fields.setdefault("projector_layers", 0)
   fields["format_version"] = FORMAT_VERSION
   return ml_collections.ConfigDict(fields)
 

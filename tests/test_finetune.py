@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from contrastive_jax import methods
 from contrastive_jax import models
 from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
@@ -152,19 +153,20 @@ def test_each_process_reads_its_part_and_together_the_subset(cifar, monkeypatch)
 
 
 @pytest.fixture(scope="module")
-def pretrained(tmp_path_factory):
-  """A pretraining workdir with what downstream jobs read of it: the tiny SimCLR config
-  and, at step 1, an encoder of its shapes (a real run's checkpoint holds more, which
-  the partial restore never reads; tests/test_linear_probe.py restores from one).
+def pretrained_state(tmp_path_factory):
+  """(a pretraining workdir with what downstream jobs read of it, that state on the host):
+  the tiny SimCLR config and, at step 1, an encoder and a projection head of its shapes
+  (a real run's checkpoint holds more, which the partial restore never reads;
+  tests/test_linear_probe.py restores from one).
 
   The values are drawn on the host: compiling the ResNet's initialisers would take
   longer than the whole fine-tune.
   """
   workdir = tmp_path_factory.mktemp("pretrain")
   config = tiny_config()
-  encoder = models.build_encoder(config.model)
+  model = methods.get_method(config.method).build_model(config)
   shapes = jax.eval_shape(
-    lambda: encoder.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)
+    lambda: model.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)
   )
   rng = np.random.default_rng(0)
 
@@ -178,13 +180,21 @@ def pretrained(tmp_path_factory):
     ).astype(np.float32)
 
   state = {
-    name: {"encoder": jax.tree_util.tree_map_with_path(draw, shapes[name])}
+    name: {
+      part: jax.tree_util.tree_map_with_path(draw, shapes[name][part])
+      for part in ("encoder", "projector")
+    }
     for name in ("params", "batch_stats")
   }
   ckpt = checkpointing.Checkpointer(str(workdir / "checkpoints"))
   ckpt.save(1, state, config)
   ckpt.close()
-  return str(workdir)
+  return str(workdir), state
+
+
+@pytest.fixture(scope="module")
+def pretrained(pretrained_state):
+  return pretrained_state[0]
 
 
 def finetune_config(pretrain_workdir, **overrides):
@@ -390,6 +400,89 @@ def test_bad_multipliers_stop_before_any_compute(field, value, message, tmp_path
 
 def test_an_older_finetune_config_trained_at_one_rate():
   saved = load_config("finetune")
-  del saved["backbone_lr_multiplier"], saved["layer_decay"]
+  del saved["backbone_lr_multiplier"], saved["layer_decay"], saved["projector_layers"]
   upgraded = recipes.upgrade_config(saved)
   assert (upgraded.backbone_lr_multiplier, upgraded.layer_decay) == (1.0, 1.0)
+  assert upgraded.projector_layers == 0  # It fine-tuned from h.
+
+
+def test_the_head_layer_network_is_the_encoder_then_the_heads_first_layer(pretrained_state):
+  """projector_layers=1 (SimCLR v2's fine-tuning): the restored network's h is, in eval
+  mode, ReLU(BN(h @ W)) of the checkpoint's own projection head's first layer (numpy)."""
+  workdir, state = pretrained_state
+  config = finetune_config(workdir, projector_layers=1)
+  mesh = mesh_lib.make_mesh()
+  encoder = restore.restore_encoder(config, mesh)
+  tuned = restore.with_head_layers(config, encoder, 1, "projector_layers", mesh)
+  images = np.random.default_rng(1).integers(0, 256, (4, 32, 32, 3), np.uint8)
+  h = np.asarray(models.encode(encoder.module, encoder.variables, images), np.float64)
+  params, stats = state["params"]["projector"], state["batch_stats"]["projector"]
+  x = h @ params["Dense_0"]["kernel"]
+  bn, moments = params["BatchNorm_0"], stats["BatchNorm_0"]
+  want = np.maximum(
+    (x - moments["mean"]) / np.sqrt(moments["var"] + 1e-5) * bn["scale"] + bn["bias"], 0
+  )
+  got = models.encode(tuned.module, tuned.variables, images)
+  assert tuned.dim == want.shape[1] == got.shape[1]
+  np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)
+  assert "Dense_1" not in tuned.variables["params"]["projector"]  # Only the first layer.
+
+
+def test_finetune_from_the_heads_first_layer_trains_it_and_resumes(pretrained_state, tmp_path):
+  workdir, state = pretrained_state
+  config = finetune_config(workdir, projector_layers=1)
+  final, result = runner.run(finetune, config, str(tmp_path))
+  head_layer = jax.device_get(final.params["encoder"]["projector"]["Dense_0"]["kernel"])
+  assert not np.array_equal(head_layer, state["params"]["projector"]["Dense_0"]["kernel"])
+  assert final.params["head"]["kernel"].shape[0] == head_layer.shape[1]
+  assert set(final.batch_stats["encoder"]) == {"encoder", "projector"}
+  again, result_again = runner.run(finetune, config, str(tmp_path))  # Finished: restored.
+  assert int(again.step) == int(final.step) and result_again == result
+
+
+def test_random_init_head_layers_are_the_runs_initialisation(pretrained):
+  config = finetune_config(pretrained, projector_layers=1, random_init=True)
+  mesh = mesh_lib.make_mesh()
+  tuned = restore.with_head_layers(
+    config, restore.restore_encoder(config, mesh), 1, "projector_layers", mesh
+  )
+  saved = tiny_config()
+  model = methods.get_method(saved.method).build_model(saved)
+  init_rng, _ = methods.run_keys(saved.seed)
+  x = jnp.zeros((1, 32, 32, 3))
+  drawn = jax.jit(lambda: model.init(init_rng, x, train=False))()
+  np.testing.assert_array_equal(
+    tuned.variables["params"]["projector"]["Dense_0"]["kernel"],
+    drawn["params"]["projector"]["Dense_0"]["kernel"],
+  )
+
+
+@pytest.mark.parametrize(
+  "layers, message",
+  [
+    (
+      2,
+      r"projector_layers=2: must be an integer in \[0, 1\]: simclr's projection head \(MLP\) has 1",
+    ),
+    (-1, r"config.projector_layers=-1: must be an integer >= 0"),
+  ],
+)
+def test_head_layers_the_head_lacks_stop_before_any_compute(pretrained, layers, message, tmp_path):
+  with pytest.raises(ConfigError, match=message):
+    runner.run(finetune, finetune_config(pretrained, projector_layers=layers), str(tmp_path))
+  assert not list(tmp_path.glob("checkpoints/*"))
+
+
+def test_multipliers_put_the_head_layers_after_the_last_block():
+  leaf = jnp.zeros(2)
+  wrapped = {
+    "encoder": {"stem_conv": {"kernel": leaf}, "BasicBlock_0": {"Conv_0": {"kernel": leaf}}},
+    "projector": {"Dense_0": {"kernel": leaf}},
+  }
+  got = downstream.learning_rate_multipliers(
+    {"encoder": wrapped, "head": {"bias": leaf}}, backbone=0.5, layer_decay=0.5
+  )
+  assert got["encoder"] == {
+    "encoder": {"stem_conv": {"kernel": 0.125}, "BasicBlock_0": {"Conv_0": {"kernel": 0.25}}},
+    "projector": {"Dense_0": {"kernel": 0.5}},
+  }

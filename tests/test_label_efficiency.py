@@ -16,6 +16,7 @@ import numpy as np
 from PIL import Image
 import pytest
 from test_finetune import pretrained  # noqa: F401  # The fixture: a tiny SimCLR checkpoint.
+from test_finetune import pretrained_state  # noqa: F401  # What `pretrained` is made from.
 
 from contrastive_jax import main
 from contrastive_jax import models
@@ -268,6 +269,14 @@ def test_choices_are_made_without_the_test_split(curve, pretrained, tmp_path):
     (dict(test_split="test[:5]"), r"config.auroc=True: .* class \d has 0 of the 5 images"),
     (dict(finetune=dict(layer_decay=0.0)), r"config.finetune.layer_decay=0.0: must be in \(0, 1\]"),
     (
+      dict(protocols="finetune,lp_ft", finetune=dict(projector_layers=1)),
+      r"config.finetune.projector_layers=1: must be 0 with 'lp_ft' in protocols",
+    ),
+    (
+      dict(finetune=dict(projector_layers=2)),
+      r"config.finetune.projector_layers=2: must be an integer in \[0, 1\]",
+    ),
+    (
       dict(linear_probe=dict(optimizer=dict(decay_fractions=(1.5,)))),
       r"config.optimizer.decay_fractions=\(1.5,\)",
     ),
@@ -304,6 +313,21 @@ def test_lp_ft_fine_tunes_from_a_probe(pretrained, tmp_path):
   assert row["protocol"] == "lp_ft" and 0 <= float(row["top1"]) <= 1
   assert re.fullmatch(r"probe epoch=[12], epoch=[12]", row["choice"])
   assert summary["labels"]["20"]["best"]["pretrained"]["protocol"] == "lp_ft"
+
+
+def test_finetune_cells_from_the_heads_first_layer(pretrained, tmp_path):
+  """finetune.projector_layers=1: the cell fine-tunes the encoder with the head's first layer
+  (SimCLR v2) and scores differently from fine-tuning from h on the same subset."""
+  scores = {}
+  for layers in (0, 1):
+    config = tiny_config(pretrained, labels="20", seeds=1, inits="pretrained", protocols="finetune")
+    config.finetune.projector_layers = layers
+    main.run_job(config, str(tmp_path / str(layers)))
+    with open(tmp_path / str(layers) / "curve.csv") as f:
+      (row,) = csv.DictReader(f)
+    scores[layers] = row
+  assert 0 <= float(scores[1]["top1"]) <= 1
+  assert scores[0]["auroc"] != scores[1]["auroc"]
 
 
 def test_an_lr_grid_keeps_the_rate_validation_picks(pretrained, tmp_path):
@@ -365,6 +389,12 @@ def test_a_weights_file_init_is_read_as_its_config_says(pretrained, tmp_path):
     rows = {r["init"]: r for r in csv.DictReader(f)}
   for field in ("top1", "auroc", "balanced_accuracy", "val_top1", "choice"):
     assert rows["weights"][field] == rows["pretrained"][field], field
+  config.update(protocols="finetune", finetune=dict(projector_layers=1))
+  with pytest.raises(
+    ConfigError, match=r"config.finetune.projector_layers=1: must be 0: a weights file holds no"
+  ):
+    main.run_job(config, str(tmp_path / "head"))
+  config.update(protocols="knn", finetune=dict(projector_layers=0))
   other, other_file = _weights_file(tmp_path, "resnet34")
   config.update(weights=other, weights_config=other_file)
   with pytest.raises(

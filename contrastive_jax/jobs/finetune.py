@@ -5,8 +5,10 @@
 
 The semi-supervised protocol of SimCLR (Chen et al. 2020, Sec. 6 and Appendix
 B.5): the encoder of a pretraining checkpoint (or, with random_init, the
-pretraining run's initialisation of it: the baseline; training/restore.py) and a
-zero-initialised linear head on h are trained together, by cross-entropy, on
+pretraining run's initialisation of it: the baseline; training/restore.py), with
+config.projector_layers of its projection head's hidden layers after it (SimCLR v2's
+fine-tuning from the head's first layer: restore.with_head_layers), and a
+zero-initialised linear head on its output h are trained together, by cross-entropy, on
 a class-balanced subset of the train split's labels (sources.select_labelled:
 label_fraction of each class, chosen by label_seed alone, so that every run,
 seed and process count trains on the same images); top-1 and top-5 on every
@@ -59,6 +61,13 @@ def check_config(config, num_devices: int):
     )
   if config.label_seed < 0:
     raise ConfigError("label_seed", config.label_seed, "an integer >= 0")
+  if not isinstance(config.projector_layers, int) or config.projector_layers < 0:
+    raise ConfigError(
+      "projector_layers",
+      config.projector_layers,
+      "an integer >= 0: how many of the projection head's hidden layers to fine-tune from "
+      "(0: from h)",
+    )
   downstream.check_multipliers(config, "")
 
 
@@ -118,7 +127,13 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
       f"at most the labelled subset's size ({size} images: label_fraction "
       f"{config.label_fraction} of split {config.train_split!r})",
     )
-  encoder = restore.restore_encoder(config, mesh, saved_config)
+  encoder = restore.with_head_layers(
+    config,
+    restore.restore_encoder(config, mesh, saved_config),
+    config.projector_layers,
+    "projector_layers",
+    mesh,
+  )
   if saved_config is not None:  # Named as changed fields, before the subset file is compared.
     differences = [
       d

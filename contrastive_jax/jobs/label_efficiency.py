@@ -20,7 +20,9 @@ bank: the train part); 'linear_probe', downstream.LinearHead trained on the
 frozen encoder's h of the train part's images, centre-cropped as for evaluation
 (no augmentation: the features are computed once per cell); 'finetune', the
 encoder and a zero-initialised linear head trained together on random crops
-(downstream.make_finetune_step, BN in train mode); 'lp_ft', LP-FT (Kumar et al. 2022):
+(downstream.make_finetune_step, BN in train mode), from h or, with
+finetune.projector_layers, from that many of its projection head's hidden layers (SimCLR
+v2's fine-tuning); 'lp_ft', LP-FT (Kumar et al. 2022):
 that fine-tuning with the head of a linear probe (not standardised) of the frozen h.
 
 Each finished cell is written as WORKDIR/cells/INIT-PROTOCOL-LABELS-SEED.json;
@@ -134,6 +136,17 @@ def check_config(config, num_devices: int):
         raise ConfigError(f"{name}.{field}", part[field], "an integer >= 1")
   crop_spec.check_config(config.finetune)  # Named as crop.*: the fine-tuning's crop.
   downstream.check_multipliers(config.finetune, "finetune.")
+  layers = config.finetune.projector_layers
+  if not isinstance(layers, int) or layers < 0:
+    raise ConfigError(
+      "finetune.projector_layers", layers, "an integer >= 0 (0: fine-tuning from h)"
+    )
+  if layers and "lp_ft" in protocols:
+    raise ConfigError(
+      "finetune.projector_layers",
+      layers,
+      "0 with 'lp_ft' in protocols: LP-FT's probe is fitted on h, not on the head's layers",
+    )
   if config.finetune.batch_size % num_devices:
     raise ConfigError(
       "finetune.batch_size", config.finetune.batch_size, f"a multiple of {num_devices}"
@@ -164,10 +177,12 @@ def run(config, workdir: str) -> dict:
     _check_finetune_sizes(config, counts, source.num_classes)
   with files.workdir_lock(workdir):
     mesh = mesh_lib.make_mesh()
-    config, encoders = _resume(config, workdir, mesh)
+    config, encoders, tuned = _resume(config, workdir, mesh)
     files.makedirs(f"{workdir}/{CELLS}")
     done = set(files.listdir(f"{workdir}/{CELLS}"))
-    cells = {init: _Cells(config, mesh, source, encoder) for init, encoder in encoders.items()}
+    cells = {
+      init: _Cells(config, mesh, source, encoder, tuned[init]) for init, encoder in encoders.items()
+    }
     for count in counts:
       for seed in range(config.seeds):
         todo = [
@@ -289,7 +304,8 @@ def _check_auroc(config, source):
 
 
 def _resume(config, workdir: str, mesh):
-  """(config with pretrain_step resolved, {init: restore.Encoder}); writes or checks config.json.
+  """(config with pretrain_step resolved, then _restore_inits' two dicts); writes or checks
+  config.json.
 
   A fresh job saves its config with the checkpoint step it restored; a job
   started again on the workdir restores that step (when pretrain_step is -1,
@@ -306,27 +322,29 @@ def _resume(config, workdir: str, mesh):
       saved = json.load(f)
     if config.pretrain_step < 0:
       config.pretrain_step = saved.get("pretrain_step", -1)
-  encoders = _restore_inits(config, mesh)
+  encoders, tuned = _restore_inits(config, mesh)
   config.pretrain_step = next((e.step for i, e in encoders.items() if i != "weights"), -1)
   if saved is None:
     files.write_atomic(path, json.dumps(config.to_dict(), indent=1, sort_keys=True))
-    return config, encoders
+    return config, encoders, tuned
   for part in ("linear_probe", "finetune"):  # Saved before lr_grid: the base rate alone.
     saved.get(part, {}).setdefault("lr_grid", "1")
+  saved.get("finetune", {}).setdefault("projector_layers", 0)  # Saved before it: from h.
   differences = checkpointing.config_differences(saved, config, MAY_CHANGE_ON_RESUME)
   if differences:
     raise ResumeError(workdir, differences, MAY_CHANGE_ON_RESUME)
-  return config, encoders
+  return config, encoders, tuned
 
 
-def _restore_inits(config, mesh) -> dict:
-  """{init: restore.Encoder} in config.inits order.
+def _restore_inits(config, mesh):
+  """({init: restore.Encoder} in config.inits order, {init: the encoder fine-tuning trains}:
+  the same, or with finetune.projector_layers of its projection head after it).
 
   Raises:
-    ConfigError: see restore.restore_encoder; a weights file whose model is not the
-      checkpoint's (when 'pretrained' or 'random' is also an init).
+    ConfigError: see restore.restore_encoder and restore.with_head_layers; a weights file
+      whose model is not the checkpoint's (when 'pretrained' or 'random' is also an init).
   """
-  encoders = {}
+  encoders, tuned = {}, {}
   for init in _listed(config.inits):
     view = config.copy_and_resolve_references()
     with view.unlocked():
@@ -334,6 +352,9 @@ def _restore_inits(config, mesh) -> dict:
       if init == "weights":
         view.pretrain_workdir, view.pretrain_config = config.weights, config.weights_config
     encoders[init] = restore.restore_encoder(view, mesh)
+    tuned[init] = restore.with_head_layers(
+      view, encoders[init], config.finetune.projector_layers, "finetune.projector_layers", mesh
+    )
   names = {init: e.pretrained.model.name for init, e in encoders.items()}
   if "weights" in names and len(set(names.values())) > 1:
     checkpoint = names.get("pretrained", names.get("random"))
@@ -342,14 +363,16 @@ def _restore_inits(config, mesh) -> dict:
       config.weights,
       f"a weights file of the checkpoint's model {checkpoint!r}, not {names['weights']!r}",
     )
-  return encoders
+  return encoders, tuned
 
 
 class _Cells:
-  """The cells of one init: its subsets, their features, the protocols."""
+  """The cells of one init: its subsets, their features, the protocols. encoder: what kNN and
+  the probes read; tuned: what fine-tuning trains (_restore_inits)."""
 
-  def __init__(self, config, mesh, source, encoder: restore.Encoder):
+  def __init__(self, config, mesh, source, encoder: restore.Encoder, tuned: restore.Encoder):
     self._config, self._mesh, self._source, self._encoder = config, mesh, source, encoder
+    self._tuned = tuned
     self._eval_crop = input_pipeline.EvalCrop.of(encoder.pretrained)
     self._features = jax.jit(lambda v, x: models.encode(encoder.module, v, x))
     self._test_features = None  # h of test_split, computed at the end of the first cell.
@@ -522,7 +545,7 @@ class _Cells:
     cells of a size share their compilation."""
     key = ("finetune", batch, steps_per_epoch, scale)
     if key not in self._programs:
-      cfg, encoder = self._config.finetune, self._encoder
+      cfg, encoder = self._config.finetune, self._tuned
       cfg = ml_collections.ConfigDict(dict(cfg.to_dict(), optimizer=_scaled(cfg.optimizer, scale)))
       schedule = optim.learning_rate_schedule(
         cfg.optimizer, batch, steps_per_epoch, cfg.epochs * steps_per_epoch
@@ -580,7 +603,7 @@ class _Cells:
       (best validation top-1, the variables then, on the host, that epoch, jitted
       (variables, images) -> class probabilities).
     """
-    cfg, encoder, mesh = self._config.finetune, self._encoder, self._mesh
+    cfg, encoder, mesh = self._config.finetune, self._tuned, self._mesh
     train, validation = parts
     size = train.num_examples("", "")
     batch = min(cfg.batch_size, size // jax.device_count() * jax.device_count())

@@ -168,9 +168,11 @@ def run_keys(seed: int):
   return tuple(jax.random.split(jax.random.PRNGKey(seed)))
 
 
-def initial_encoder_variables(config):
-  """The encoder's {'params', 'batch_stats'} at step 0 of the pretraining run `config`
-  describes, drawn exactly as that run drew them; builds no optimizer or train step.
+def initial_variables(config, submodule: str = ENCODER):
+  """The student's `submodule` ('encoder', or 'projector': the projection head)
+  {'params', 'batch_stats'} at step 0 of the pretraining run `config` describes, drawn
+  exactly as that run drew them; builds no optimizer or train step. 'batch_stats' is {}
+  for a submodule without BN.
 
   The baseline of the downstream jobs (config.random_init). Call it under jax.jit.
 
@@ -180,6 +182,8 @@ def initial_encoder_variables(config):
   method = get_method(config.method)
   init_rng, rng = run_keys(config.seed)
   # The optimizer state is dropped: any optimizer gives the same parameters.
-  return encoder_variables(
-    method.init_state(config, method.build_model(config), optax.identity(), init_rng, rng)
-  )
+  state = method.init_state(config, method.build_model(config), optax.identity(), init_rng, rng)
+  return {
+    "params": state.params[submodule],
+    "batch_stats": (state.batch_stats or {}).get(submodule, {}),
+  }

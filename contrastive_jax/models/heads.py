@@ -47,11 +47,13 @@ class MLP(nn.Module):
   parameters, final_bn_scale=False; the predictor's last Dense without bias,
   final_bias=False) all have this shape. Dense layers followed by a BN have
   no bias (the BN's mean subtraction cancels it). dense_init: a DENSE_INITS
-  name. Maps [N, D_in] to [N, out_dim] float32.
+  name. Maps [N, D_in] to [N, out_dim] float32; out_dim None stops after the
+  hidden layers ([N, hidden_dims[-1]]): the first layers of a pretrained head,
+  named as the whole head names them (EncoderWithHeadLayers).
   """
 
   hidden_dims: Sequence[int]
-  out_dim: int
+  out_dim: Optional[int]
   use_bn: bool = True
   final_bn: bool = False
   final_bn_scale: bool = True
@@ -82,6 +84,8 @@ class MLP(nn.Module):
       if self.use_bn:
         x = norm()(x)
       x = nn.relu(x)
+    if self.out_dim is None:
+      return x.astype(jnp.float32)
     kernel_init, bias_init = _dense_inits(self.dense_init, x.shape[-1])
     x = nn.Dense(
       self.out_dim,
@@ -114,6 +118,23 @@ class ContrastiveModel(nn.Module):
     if self.predictor is None:
       return h, z
     return h, z, self.predictor(z, train=train)
+
+
+class EncoderWithHeadLayers(nn.Module):
+  """An encoder followed by the first hidden layers of its projection head (each Dense ->
+  [BN ->] ReLU): the network SimCLR v2 fine-tunes (Chen et al. 2020b, Sec. 2: fine-tuning
+  from the first layer of the projection head instead of from h).
+
+  encoder: the ResNet or ViT; projector: an MLP with out_dim None. Named 'encoder' and
+  'projector' as in ContrastiveModel, so that a pretraining run's variables of both load
+  by name. Maps images [N, S, S, 3] to float32 [N, projector.hidden_dims[-1]].
+  """
+
+  encoder: nn.Module
+  projector: nn.Module
+
+  def __call__(self, x, train: bool):
+    return self.projector(self.encoder(x, train=train), train=train)
 
 
 class WeightNormDense(nn.Module):

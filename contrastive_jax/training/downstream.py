@@ -256,7 +256,8 @@ def learning_rate_multipliers(params, backbone: float, layer_decay: float):
   The head's leaves: 1. An encoder leaf at depth d of L blocks: backbone x
   layer_decay^(L + 1 - d), d = 0 before the first block (a ResNet's stem, a
   ViT's patch embedding and class token), k + 1 in block k, L + 1 after the
-  last (a ViT's final LayerNorm): layer-wise learning-rate decay as BEiT's
+  last (a ViT's final LayerNorm, the projection head's layers of
+  heads.EncoderWithHeadLayers): layer-wise learning-rate decay as BEiT's
   fine-tuning assigns it (Bao et al. 2022, Sec. 3 and its layer ids), times a
   lower rate for the whole pretrained backbone. 1 and 1 leave every rate as it is.
   """
@@ -272,9 +273,12 @@ def learning_rate_multipliers(params, backbone: float, layer_decay: float):
     k = block(path)
     if k is not None:
       return k + 1
+    names = [str(getattr(key, "key", "")) for key in path]
+    if names[0] == "projector":  # EncoderWithHeadLayers' head layers: after the last block.
+      return num_blocks + 1
+    top = names[1] if names[0] == "encoder" else names[0]  # Its encoder, or a bare one.
     # Before the first block: the modules whose names precede it (stem_*, patch_embed, cls_token).
-    first = str(getattr(path[0], "key", ""))
-    return num_blocks + 1 if first == "norm" else 0
+    return num_blocks + 1 if top == "norm" else 0
 
   encoder = jax.tree_util.tree_map_with_path(
     lambda path, _: backbone * layer_decay ** (num_blocks + 1 - depth(path)), params[ENCODER]

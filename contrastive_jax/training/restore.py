@@ -33,7 +33,8 @@ from contrastive_jax.data import input_pipeline
 from contrastive_jax.methods import common
 from contrastive_jax.methods import evaluated_encoder_paths
 from contrastive_jax.methods import get_method
-from contrastive_jax.methods import initial_encoder_variables
+from contrastive_jax.methods import initial_variables
+from contrastive_jax.models import heads
 from contrastive_jax.models import state_dicts
 
 PROJECTOR = "projector"  # The projection head's name in a method's model (heads.ContrastiveModel).
@@ -113,7 +114,7 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
     encoder = models.build_encoder(saved.model)
     if config.random_init:  # The pretraining run's own initialisation, as it drew it.
       variables = jax.jit(
-        lambda: initial_encoder_variables(saved), out_shardings=mesh_lib.replicated(mesh)
+        lambda: initial_variables(saved), out_shardings=mesh_lib.replicated(mesh)
       )()
     else:
       x = jnp.zeros((1, saved.image_size, saved.image_size, 3), jnp.float32)
@@ -183,6 +184,55 @@ def restore_projector(config, encoder: Encoder, mesh):
   finally:
     ckpt.close()
   return module, jax.device_get(variables)
+
+
+def with_head_layers(config, encoder: Encoder, layers: int, field: str, mesh) -> Encoder:
+  """`encoder` followed by the first `layers` hidden layers of its projection head, restored
+  from the same checkpoint step (or, with config.random_init, at the run's initialisation):
+  heads.EncoderWithHeadLayers, whose output is the new h (SimCLR v2's fine-tuning from the
+  head's first layer: Chen et al. 2020b, Sec. 2). layers 0 returns `encoder` itself.
+
+  Raises:
+    ConfigError (named `field`): layers below 0, or more than the hidden layers of the
+      method's projection head (none for a DINO head, a MoCo v1 linear head or a weights
+      file, which holds no head).
+  """
+  if layers == 0:
+    return encoder
+  pretrained = encoder.pretrained
+  projector = get_method(pretrained.method).build_model(pretrained).projector
+  name = f"{pretrained.method}'s projection head ({type(projector).__name__})"
+  if tensor_files.is_weights_file(config.pretrain_workdir or ""):
+    hidden, allowed = 0, "0: a weights file holds no projection head"
+  elif not isinstance(projector, heads.MLP):
+    hidden, allowed = 0, f"0: {name} has no Dense -> BN -> ReLU layers to fine-tune from"
+  else:
+    hidden = len(projector.hidden_dims)
+    plural = "s" if hidden != 1 else ""
+    allowed = f"an integer in [0, {hidden}]: {name} has {hidden} hidden layer{plural}"
+  if not 0 <= layers <= hidden:
+    raise ConfigError(field, layers, allowed)
+  # BN over the whole batch of the job's jitted step, as the restored encoder's (no named axis).
+  trunk = projector.clone(
+    hidden_dims=tuple(projector.hidden_dims[:layers]), out_dim=None, bn_axis_name=None
+  )
+  if config.random_init:
+    variables = jax.device_get(jax.jit(lambda: initial_variables(pretrained, PROJECTOR))())
+  else:
+    _, variables = restore_projector(config, encoder, mesh)
+  kept = {
+    kind: {k: v for k, v in tree.items() if int(k.rsplit("_", 1)[1]) < layers}
+    for kind, tree in variables.items()
+  }
+  module = heads.EncoderWithHeadLayers(encoder.module, trunk)
+  combined = {
+    kind: {
+      k: v for k, v in (("encoder", encoder.variables.get(kind)), (PROJECTOR, kept.get(kind))) if v
+    }
+    for kind in ("params", "batch_stats")
+  }
+  combined = jax.device_put(combined, mesh_lib.replicated(mesh))
+  return encoder._replace(module=module, variables=combined, dim=projector.hidden_dims[layers - 1])
 
 
 def _imported_encoder(config, mesh) -> Encoder:
