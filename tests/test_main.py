@@ -63,6 +63,7 @@ INTEGER_FIELDS = {
   "pca_dims",
   "picture_pairs",
   "pretrain_step",
+  "projector_layers",
   "queue_size",
   "seed",
   "seeds",
