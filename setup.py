@@ -38,9 +38,11 @@ setuptools.setup(
     # The prepare job runs on Apache Beam (reading prepared datasets does not).
     "beam": ["apache-beam==2.77.0"],
     # tests/gcs_emulator.py patches gaps of this emulator version; cryptography makes its
-    # TLS certificate; ruff formats and lints (ruff.toml, .ci/run).
+    # TLS certificate; ruff formats and lints (ruff.toml, .ci/run); pytest-xdist runs the
+    # test files in one worker per core (the README's test command).
     "test": [
       "pytest",
+      "pytest-xdist==3.8.0",
       "ruff==0.17.6",
       "gcp-storage-emulator==2026.7.19",
       "cryptography",

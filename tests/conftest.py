@@ -1,5 +1,11 @@
 """Test setup: 8 simulated CPU devices, set before JAX starts, and a compilation cache.
 
+The README's command runs the tests in pytest-xdist workers, one per core, each test
+file in one worker (--dist loadfile: a file's module fixtures are made once): on a
+2-core machine compiling, single-threaded, is most of the time, so two workers take
+two thirds of one's time. Each worker is a pytest session of its own, with its own
+8 simulated devices and compilation cache.
+
 Many tests run the same small programs again (a run, its killed twin, its resume;
 the multi-host workers): JAX's persistent compilation cache, in a fresh directory
 per session, compiles each of them once. The environment variables carry the
@@ -18,9 +24,9 @@ import tempfile
 
 import pytest
 
-os.environ["XLA_FLAGS"] = " ".join(
-  filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"])
-)
+_LEVEL_0 = "--xla_backend_optimization_level=0"
+if _LEVEL_0 not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist's workers inherit it.
+  os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), _LEVEL_0]))
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CACHE = tempfile.mkdtemp(prefix="contrastive_jax_test_cache_")
