@@ -25,7 +25,8 @@ the block after it times layer_decay); 1 and 1 (the defaults) train every layer
 at one rate. projector_layers (e.g. 1) keeps that many of the projection head's
 hidden layers (Dense -> BN -> ReLU) between h and the linear head, as SimCLR v2
 fine-tunes from its 3-layer head's first layer (Chen et al. 2020b, Sec. 2); 0
-(the default) fine-tunes from h.
+(the default) fine-tunes from h. On the `runlocal` encoders these defaults validated
+best, or as well (docs/label_efficiency.md, "Fine-tuning's options").
 
 Argument `runlocal` (--config=configs/finetune.py:runlocal): the same recipe with
 fewer evaluations and more frequent logs and checkpoints, for the 2-core CPU: 1% of

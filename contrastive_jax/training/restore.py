@@ -206,6 +206,8 @@ def with_head_layers(config, encoder: Encoder, layers: int, field: str, mesh) ->
     hidden, allowed = 0, "0: a weights file holds no projection head"
   elif not isinstance(projector, heads.MLP):
     hidden, allowed = 0, f"0: {name} has no Dense -> BN -> ReLU layers to fine-tune from"
+  elif not projector.hidden_dims:
+    hidden, allowed = 0, f"0: {name} is linear, with no hidden layers"
   else:
     hidden = len(projector.hidden_dims)
     plural = "s" if hidden != 1 else ""
