@@ -24,9 +24,10 @@ import tempfile
 
 import pytest
 
-_LEVEL_0 = "--xla_backend_optimization_level=0"
-if _LEVEL_0 not in os.environ.get("XLA_FLAGS", ""):  # pytest-xdist's workers inherit it.
-  os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), _LEVEL_0]))
+# Once, though pytest-xdist's workers inherit it from the session that starts them.
+os.environ["XLA_FLAGS"] = " ".join(
+  dict.fromkeys([*os.environ.get("XLA_FLAGS", "").split(), "--xla_backend_optimization_level=0"])
+)
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 _CACHE = tempfile.mkdtemp(prefix="contrastive_jax_test_cache_")
