@@ -5,6 +5,9 @@ layer, the optimizer's DINO options, one train step's loss, centre, teacher EMA 
 frozen last layer; multi-crop: the local crops' distribution against torchvision's,
 the host pipeline's local views, the step over all views, its bad input."""
 
+import argparse
+
+import flax
 from helpers import TFDS_DIR
 from helpers import load_config
 from helpers import sigterm_after_first_train_batch
@@ -15,6 +18,7 @@ import ml_collections
 import numpy as np
 import optax
 import pytest
+from scipy import special
 from scipy import stats
 import tensorflow as tf
 import tensorflow_datasets as tfds
@@ -26,6 +30,7 @@ from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import WeightsError
 from contrastive_jax.data import crop_spec
 from contrastive_jax.data import crops
 from contrastive_jax.data import input_pipeline
@@ -36,6 +41,7 @@ from contrastive_jax.methods import dino
 from contrastive_jax.methods import optim
 from contrastive_jax.methods import pretraining
 from contrastive_jax.models import heads
+from contrastive_jax.models import state_dicts
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
 
@@ -657,3 +663,187 @@ def test_multi_crop_run_resumes_bit_for_bit_across_an_epoch_boundary(tmp_path, m
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(straight))
   temps = [r.get("teacher_temp") for r in read_metrics(tmp_path / "resumed")[1:]]
   np.testing.assert_allclose(temps, [0.04] * 3 + [0.07] * 3, rtol=1e-6)
+
+
+# --- continuing DINO's own checkpoints ----------------------------------------------------
+
+
+def _reference_head(tensors, prefix, x, use_bn, eps=1e-5):
+  """dino vision_transformer.py DINOHead.forward in eval mode, float64 numpy, from its
+  state dict: mlp (Linear, [BN,] GELU, ..., Linear), L2 normalisation, then
+  last_layer = weight_norm(Linear): weight_g * weight_v / ||weight_v|| (rows)."""
+  mlp = prefix + "mlp."
+  layers = sorted({int(k[len(mlp) :].split(".")[0]) for k in tensors if k.startswith(mlp)})
+  for i in layers:
+    name = f"{prefix}mlp.{i}."
+    w = tensors[name + "weight"].astype(np.float64)
+    if w.ndim == 2:  # Linear, then GELU unless it is the last.
+      x = x @ w.T + tensors[name + "bias"]
+      if i != layers[-1] and not use_bn:
+        x = 0.5 * x * (1 + special.erf(x / np.sqrt(2)))
+    else:  # BatchNorm1d with its running statistics, then GELU.
+      x = (x - tensors[name + "running_mean"]) / np.sqrt(tensors[name + "running_var"] + eps)
+      x = x * w + tensors[name + "bias"]
+      x = 0.5 * x * (1 + special.erf(x / np.sqrt(2)))
+  x = x / np.linalg.norm(x, axis=-1, keepdims=True)
+  v = tensors[prefix + "last_layer.weight_v"].astype(np.float64)
+  weight = tensors[prefix + "last_layer.weight_g"] * v / np.linalg.norm(v, axis=1, keepdims=True)
+  return x @ weight.T
+
+
+def _random_encoder(config, rng):
+  """config.model's encoder variables drawn from rng: parameters normal(0, 0.1), BN
+  means U(-0.2, 0.2) and variances U(0.5, 2)."""
+  shapes = state_dicts.variable_shapes(config.model, 32)
+  bounds = {"mean": (-0.2, 0.2), "var": (0.5, 2.0)}
+  stats = flax.traverse_util.flatten_dict(shapes["batch_stats"])
+  return {
+    "params": jax.tree.map(
+      lambda x: rng.normal(0, 0.1, x.shape).astype(np.float32), shapes["params"]
+    ),
+    "batch_stats": flax.traverse_util.unflatten_dict(
+      {k: rng.uniform(*bounds[k[-1]], v.shape).astype(np.float32) for k, v in stats.items()}
+    ),
+  }
+
+
+def _reference_checkpoint(config, rng):
+  """A main_dino.py checkpoint for config's encoder and DINO head, in the reference's names
+  (backbone: state_dicts.to_state_dict, tested against the stock models elsewhere; head:
+  DINOHead's Sequential written out here), numpy: the student under 'module.', the teacher
+  under 'module.' for a ResNet (DistributedDataParallel: it has BN) and bare for a ViT."""
+  cfg, dim = config.dino, models.encoder_width(config.model)
+  head, index, fan_in = {}, 0, dim
+  widths = [cfg.hidden_dim] * (cfg.num_layers - 1) + [cfg.bottleneck_dim]
+  for i, width in enumerate(widths):
+    head[f"head.mlp.{index}.weight"] = rng.normal(0, 0.3, (width, fan_in)).astype(np.float32)
+    head[f"head.mlp.{index}.bias"] = rng.normal(0, 0.1, width).astype(np.float32)
+    if i < len(widths) - 1 and cfg.use_bn_in_head:
+      bn = f"head.mlp.{index + 1}."
+      head[bn + "weight"] = rng.uniform(0.5, 1.5, width).astype(np.float32)
+      head[bn + "bias"] = rng.uniform(-0.2, 0.2, width).astype(np.float32)
+      head[bn + "running_mean"] = rng.uniform(-0.2, 0.2, width).astype(np.float32)
+      head[bn + "running_var"] = rng.uniform(0.5, 2, width).astype(np.float32)
+      head[bn + "num_batches_tracked"] = np.zeros((), np.int64)
+    index += 3 if cfg.use_bn_in_head else 2
+    fan_in = width
+  head["head.last_layer.weight_g"] = np.ones((cfg.out_dim, 1), np.float32)
+  head["head.last_layer.weight_v"] = rng.normal(0, 1, (cfg.out_dim, fan_in)).astype(np.float32)
+  networks = {}
+  for name in ("student", "teacher"):
+    wrapper = "" if name == "teacher" and "depth" in config.model else "module."
+    encoder = state_dicts.to_state_dict(config.model, _random_encoder(config, rng), 32)
+    networks[name] = {wrapper + "backbone." + k: v for k, v in encoder.items()}
+    scale = np.float32(1.1 if name == "teacher" else 1.0)  # The teacher's head apart.
+    networks[name].update(
+      {
+        wrapper + k: v * scale if "weight_g" not in k and v.dtype == np.float32 else v
+        for k, v in head.items()
+      }
+    )
+  center = rng.normal(size=(1, cfg.out_dim)).astype(np.float32)
+  return dict(networks, dino_loss={"center": center})
+
+
+@pytest.mark.parametrize("variant", ["runlocal_resnet", "runlocal"])
+def test_a_dino_training_checkpoint_continues_its_student_teacher_and_centre(variant):
+  # ResNet: a 2-layer head with BN, its teacher under 'module.'; ViT: 3 layers, bare teacher.
+  config = tiny_config("dino", variant)
+  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
+  checkpoint = _reference_checkpoint(config, np.random.default_rng(0))
+  imported = dino.imported_state(checkpoint, "f.pth", config)
+  mesh = mesh_lib.make_mesh()
+  run = pretraining.setup(config, mesh, 10, 20, 10, (dino.with_imported, imported))
+  state = jax.device_get(run.init())
+  for name, params, network_stats in (
+    ("student", state.params, state.batch_stats),
+    ("teacher", state.extra["teacher_params"], state.extra["teacher_batch_stats"]),
+  ):
+    tensors = checkpoint[name]
+    wrapper = next(p for p in ("module.", "") if p + "head.last_layer.weight_v" in tensors)
+    # The encoder: exactly the file's backbone (the state dict round trip is bit for bit).
+    backbone = state_dicts.to_state_dict(
+      config.model,
+      {"params": params["encoder"], "batch_stats": network_stats.get("encoder", {})},
+      32,
+    )
+    for k, v in backbone.items():
+      np.testing.assert_array_equal(v, tensors[wrapper + "backbone." + k], err_msg=k)
+    # The head: its outputs those of the reference's DINOHead on the same features.
+    x = np.random.default_rng(1).normal(size=(5, models.encoder_width(config.model)))
+    variables = {"params": params["projector"]}
+    if "projector" in network_stats:
+      variables["batch_stats"] = network_stats["projector"]
+    ours = run.model.projector.apply(variables, x.astype(np.float32), train=False)
+    want = _reference_head(tensors, wrapper + "head.", x, config.dino.use_bn_in_head)
+    np.testing.assert_allclose(ours, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(state.extra["center"], checkpoint["dino_loss"]["center"][0])
+  # The continued run trains from there.
+  batch = {
+    "image": np.random.default_rng(2).integers(0, 256, (16, 2, 32, 32, 3), dtype=np.uint8),
+    "label": np.zeros(16, np.int32),
+  }
+  _, metrics = run.train_step(run.init(), jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
+  assert np.isfinite(float(metrics["loss"]))
+
+
+def test_a_dino_checkpoint_of_another_head_is_refused_in_one_line():
+  config = tiny_config("dino", "runlocal_resnet")
+  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
+  checkpoint = _reference_checkpoint(config, np.random.default_rng(0))
+  # Not DINO's training checkpoint (a backbone file): the encoder import's, not this.
+  assert dino.imported_state({"": checkpoint["teacher"]}, "f.pth", config) is None
+  other = config.copy_and_resolve_references()
+  other.dino.hidden_dim = 24
+  with pytest.raises(
+    WeightsError,
+    match=r"^f.pth \(student\): tensor module.head.mlp.0.weight has shape \[16, 32\] where "
+    r"the run's head needs \[24, 32\]: config.dino \(out_dim 32, hidden_dim 24,",
+  ):
+    dino.imported_state(checkpoint, "f.pth", other)
+  other = config.copy_and_resolve_references()
+  other.dino.use_bn_in_head = False
+  with pytest.raises(WeightsError, match=r"has no tensor 'module.head.mlp.2.weight' of the run's"):
+    dino.imported_state(checkpoint, "f.pth", other)
+  learned = dict(checkpoint, student=dict(checkpoint["student"]))
+  learned["student"]["module.head.last_layer.weight_g"] = np.full((32, 1), 2.0, np.float32)
+  with pytest.raises(WeightsError, match=r"weight_g is not 1 .*norm_last_layer=False$"):
+    dino.imported_state(learned, "f.pth", config)
+  # With norm_last_layer False the file's weight_g is the run's learned scale g.
+  config.dino.norm_last_layer = False
+  imported = dino.imported_state(learned, "f.pth", config)
+  np.testing.assert_array_equal(imported["student"]["params"]["projector"]["last_layer"]["g"], 2.0)
+  config.dino.out_dim = 64
+  with pytest.raises(WeightsError, match=r"^f.pth \(student\): tensor module.head.last_layer"):
+    dino.imported_state(checkpoint, "f.pth", config)
+  config.dino.out_dim = 32
+  with pytest.raises(WeightsError, match=r"^f.pth: dino_loss.center: none where"):
+    dino.imported_state(dict(checkpoint, dino_loss={}), "f.pth", config)
+
+
+def test_init_from_a_main_dino_pth_continues_it_and_a_backbone_file_starts_every_network(
+  tmp_path,
+):
+  torch = pytest.importorskip("torch")
+  config = tiny_config("dino", "runlocal_resnet")
+  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
+  checkpoint = _reference_checkpoint(config, np.random.default_rng(0))
+  saved = {
+    k: {n: torch.from_numpy(np.asarray(v)) for n, v in d.items()} for k, d in checkpoint.items()
+  }
+  config.init_from = str(tmp_path / "checkpoint.pth")
+  torch.save(dict(saved, epoch=3, args=argparse.Namespace(arch="resnet18")), config.init_from)
+  replace, imported = pretrain.imported_start(config)
+  assert replace is dino.with_imported
+  want = dino.imported_state(checkpoint, config.init_from, config)
+  jax.tree.map(np.testing.assert_array_equal, imported, want)
+  # The teacher's backbone alone (DINO's published *_pretrain.pth layout): every network.
+  torch.save(saved["teacher"], config.init_from)
+  replace, imported = pretrain.imported_start(config)
+  assert replace is methods.with_encoder
+  teacher = want["teacher"]
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    imported,
+    {"params": teacher["params"]["encoder"], "batch_stats": teacher["batch_stats"]["encoder"]},
+  )

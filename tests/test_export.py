@@ -124,7 +124,7 @@ def test_pretraining_from_an_imported_file_starts_every_network_from_it(
   config = tiny_config(method)
   config.model.stage_projection = True  # The exported SimCLR ResNet's shortcuts.
   config.init_from = path
-  imported = pretrain.imported_encoder(config)
+  _, imported = pretrain.imported_start(config)
   task = pretrain.build(config, mesh_lib.make_mesh(), None, str(tmp_path / "run"))
   state = jax.device_get(task.init())
   check = lambda tree: jax.tree.map(np.testing.assert_array_equal, tree, imported["params"])

@@ -66,18 +66,51 @@ def read(path: str) -> Dict[str, np.ndarray]:
 
   A PyTorch checkpoint that holds its weights under one of STATE_DICT_KEYS (MoCo's and
   MoCo v3's .pth.tar, timm's training checkpoints, DINO's teacher) is unwrapped
-  (checkpoint_state_dict); non-tensor entries (an epoch, an optimizer state) are dropped.
+  (state_dict); non-tensor entries (an epoch, an optimizer state) are dropped.
 
   Raises:
     WeightsError: a missing file, a suffix neither names, a file that is not
-      in the format its suffix says, a .pth without torch installed.
+      in the format its suffix says, a .pth without torch installed, a
+      checkpoint with no state dict (see state_dict).
   """
+  return state_dict(read_entries(path), path)
+
+
+def read_entries(path: str) -> Dict[str, Dict[str, np.ndarray]]:
+  """Every state dict of a weights file: {entry: {name: numpy array}}.
+
+  A PyTorch checkpoint's top-level entries that hold tensors, each by its key (a DINO
+  main_dino.py checkpoint: 'student', 'teacher', 'dino_loss'), and its own top-level
+  tensors, if any, under ''; a safetensors file's tensors under ''. Entries without
+  tensors (an epoch, an optimizer's nested state, arguments) are left out.
+
+  Raises:
+    WeightsError: as read; a file with no tensors.
+  """
+  which, loaded = _load(path)
+  if which == "safetensors":
+    entries = {"": loaded}
+  elif not isinstance(loaded, dict):
+    raise WeightsError(path, f"a PyTorch file holding a {type(loaded).__name__}, not a state dict")
+  else:
+    entries = {k: _torch_tensors(v) for k, v in loaded.items() if isinstance(v, dict)}
+    entries[""] = _torch_tensors(loaded)
+  entries = {k: v for k, v in entries.items() if v}
+  if not entries:
+    raise WeightsError(path, "a file with no tensors")
+  return entries
+
+
+def _load(path: str):
+  """(kind(path), content): a safetensors file's {name: array}, or what torch.load gives."""
   which = kind(path)
   if not files.exists(path):
     raise WeightsError(path, "no such file")
   with files.open_file(path, "rb") as f:
     content = f.read()
-  return _parse_safetensors(path, content) if which == "safetensors" else _read_torch(path, content)
+  if which == "safetensors":
+    return which, _parse_safetensors(path, content)
+  return which, _load_torch(path, content)
 
 
 def _parse_safetensors(path: str, content: bytes) -> Dict[str, np.ndarray]:
@@ -123,17 +156,24 @@ def _parse_safetensors(path: str, content: bytes) -> Dict[str, np.ndarray]:
 STATE_DICT_KEYS = ("state_dict", "model", "teacher")
 
 
-def checkpoint_state_dict(loaded):
-  """The state dict of a loaded PyTorch checkpoint: loaded[key] for the first of
-  STATE_DICT_KEYS that holds a dict, else loaded itself (a bare state dict)."""
-  if isinstance(loaded, dict):
-    for key in STATE_DICT_KEYS:
-      if isinstance(loaded.get(key), dict):
-        return loaded[key]
-  return loaded
+def state_dict(entries: Dict[str, Dict[str, np.ndarray]], path: str) -> Dict[str, np.ndarray]:
+  """The state dict of a file's entries (read_entries): the first of STATE_DICT_KEYS it
+  holds, else its top-level tensors.
+
+  Raises:
+    WeightsError: neither (naming the entries it holds).
+  """
+  for key in STATE_DICT_KEYS + ("",):
+    if key in entries:
+      return entries[key]
+  raise WeightsError(
+    path,
+    f"no state dict: it holds {sorted(entries)}, and neither tensors at its top level nor "
+    f"one of {list(STATE_DICT_KEYS)}",
+  )
 
 
-def _read_torch(path: str, content: bytes) -> Dict[str, np.ndarray]:
+def _load_torch(path: str, content: bytes):
   try:
     import torch  # pylint: disable=import-outside-toplevel
   except ImportError:
@@ -146,23 +186,23 @@ def _read_torch(path: str, content: bytes) -> Dict[str, np.ndarray]:
     # DINO's checkpoints hold its argparse.Namespace of arguments, a plain attribute
     # holder: allowed beside the tensors, nothing else is unpickled.
     with torch.serialization.safe_globals([argparse.Namespace]):
-      loaded = torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
+      return torch.load(io.BytesIO(content), map_location="cpu", weights_only=True)
   except Exception as e:  # pylint: disable=broad-except
     first = (str(e).strip().splitlines() or [type(e).__name__])[0]
     raise WeightsError(path, f"not a PyTorch checkpoint torch can read safely ({first})") from None
-  loaded = checkpoint_state_dict(loaded)
-  if not isinstance(loaded, dict):
-    raise WeightsError(path, f"a PyTorch file holding a {type(loaded).__name__}, not a state dict")
-  tensors = {
+
+
+def _torch_tensors(state: dict) -> Dict[str, np.ndarray]:
+  """The torch tensors of a dict as numpy arrays (floating ones as float32), others dropped."""
+  import torch  # pylint: disable=import-outside-toplevel
+
+  return {
     name: value.detach().cpu().float().numpy()
     if value.is_floating_point()
     else value.detach().cpu().numpy()
-    for name, value in loaded.items()
+    for name, value in state.items()
     if isinstance(value, torch.Tensor)
   }
-  if not tensors:
-    raise WeightsError(path, "a PyTorch file with no tensors")
-  return tensors
 
 
 def safetensors_bytes(tensors: Dict[str, np.ndarray], metadata: Dict[str, str] = None) -> bytes:

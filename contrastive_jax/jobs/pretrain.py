@@ -6,9 +6,10 @@ train split held and cropped on the device: data/device_data.py) and the
 evaluators' view of the model (the kNN monitor on the h of
 methods.evaluated_encoder, DINO's teacher; the online probe's classifier).
 Every random draw is a function of (seed, step), so a resumed run continues
-bit for bit. With config.init_from=FILE (a torchvision / timm / MoCo
-weights file) every network starts from that file's encoder; the heads start
-from the method's initialisation.
+bit for bit. With config.init_from=FILE (a torchvision / timm / MoCo / DINO
+weights file) every network starts from that file's encoder and the heads
+from the method's initialisation; a DINO run from DINO's own training
+checkpoint starts its student, teacher (encoders and heads) and centre from it.
 """
 
 import jax
@@ -32,6 +33,7 @@ from contrastive_jax.methods import evaluated_encoder
 from contrastive_jax.methods import get_method
 from contrastive_jax.methods import optim
 from contrastive_jax.methods import pretraining
+from contrastive_jax.methods import with_encoder
 from contrastive_jax.models import state_dicts
 from contrastive_jax.training import evaluators
 from contrastive_jax.training import runner
@@ -77,7 +79,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   del workdir
   method = get_method(config.method)
   # Read before any compute, and only when starting: a resumed run restores its state.
-  imported = imported_encoder(config) if config.get("init_from") and saved_config is None else None
+  start = imported_start(config) if config.get("init_from") and saved_config is None else None
   source = sources.get_source(config, {"train_split": config.train_split})
   evaluators.check_config(config.evaluators, source, jax.device_count())
   steps_per_epoch = runner.steps_per_epoch(source, config)
@@ -90,9 +92,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
       source, config, mesh_lib.batch_sharded(mesh), image_size=config.image_size
     )
   )
-  run = pretraining.setup(
-    config, mesh, steps_per_epoch, num_steps, source.num_classes or 0, imported
-  )
+  run = pretraining.setup(config, mesh, steps_per_epoch, num_steps, source.num_classes or 0, start)
 
   encoder = run.model.encoder
   monitored = evaluated_encoder(config.method)
@@ -148,16 +148,24 @@ def on_device_batches(config, source, mesh, num_steps: int):
   )
 
 
-def imported_encoder(config) -> dict:
-  """The encoder variables of config.init_from (a torchvision / timm / MoCo weights file,
-  tensor_files.read and state_dicts.from_state_dict) for config.model at config.image_size.
+def imported_start(config):
+  """(replace, variables) of config.init_from for pretraining.setup's start: a DINO run
+  from DINO's own main_dino.py checkpoint continues its student, teacher and centre
+  (dino.imported_state); otherwise every network starts from the file's encoder
+  (methods.with_encoder of state_dicts.from_state_dict: a torchvision / timm / MoCo / DINO
+  weights file), for config.model at config.image_size.
 
   Raises:
     WeightsError: a file that cannot be read or does not fit config.model (one line).
   """
-  return state_dicts.from_state_dict(
-    tensor_files.read(config.init_from), config.init_from, config.model, config.image_size
-  )
+  path, method = config.init_from, get_method(config.method)
+  entries = tensor_files.read_entries(path)
+  own = getattr(method, "imported_state", None)
+  imported = own(entries, path, config) if own else None
+  if imported is not None:
+    return method.with_imported, imported
+  tensors = tensor_files.state_dict(entries, path)
+  return with_encoder, state_dicts.from_state_dict(tensors, path, config.model, config.image_size)
 
 
 def views_picture(view_settings, mesh, count: int = 16):

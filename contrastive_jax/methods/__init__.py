@@ -26,6 +26,12 @@ The method contract: a module registered in METHODS provides
       steps_per_epoch: optimizer steps an epoch, for a method with a
       schedule in epochs (DINO's teacher temperature).
 
+A module whose reference saves checkpoints that this package can continue (DINO's
+main_dino.py) also provides imported_state(entries, path, config) -> variables or None
+(None: not such a checkpoint; entries as tensor_files.read_entries gives them) and
+with_imported(state, variables) -> state, which config.init_from uses in place of
+with_encoder.
+
 Every module keeps the student or online encoder at state.params['encoder'] and
 state.batch_stats['encoder'] (encoder_variables; absent for an encoder without BN, a
 ViT): the online probe's. A module whose paper evaluates another network sets

@@ -44,11 +44,12 @@ import jax.numpy as jnp
 from contrastive_jax import models
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import WeightsError
 from contrastive_jax.data import augment
 from contrastive_jax.methods import common
 from contrastive_jax.models import heads
+from contrastive_jax.models import state_dicts
 
-_TEACHER_PARTS = ("encoder", "projector")
 _DINO_FIELDS = (
   "out_dim",
   "hidden_dim",
@@ -187,19 +188,23 @@ def check_config(config, num_train_examples: int):
 
 def build_model(config) -> heads.ContrastiveModel:
   """The student: the encoder and heads.DINOHead (config.dino), every BN global."""
-  cfg = config.dino
   return heads.ContrastiveModel(
     encoder=models.build_encoder(config.model, bn_axis_name=mesh_lib.DATA_AXIS),
-    projector=heads.DINOHead(
-      cfg.out_dim,
-      hidden_dim=cfg.hidden_dim,
-      bottleneck_dim=cfg.bottleneck_dim,
-      num_layers=cfg.num_layers,
-      use_bn=cfg.use_bn_in_head,
-      norm_last_layer=cfg.norm_last_layer,
-      dtype=models.common.DTYPES[config.model.dtype],
-      bn_axis_name=mesh_lib.DATA_AXIS,
-    ),
+    projector=_head(config),
+  )
+
+
+def _head(config) -> heads.DINOHead:
+  cfg = config.dino
+  return heads.DINOHead(
+    cfg.out_dim,
+    hidden_dim=cfg.hidden_dim,
+    bottleneck_dim=cfg.bottleneck_dim,
+    num_layers=cfg.num_layers,
+    use_bn=cfg.use_bn_in_head,
+    norm_last_layer=cfg.norm_last_layer,
+    dtype=models.common.DTYPES[config.model.dtype],
+    bn_axis_name=mesh_lib.DATA_AXIS,
   )
 
 
@@ -219,6 +224,61 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
     rng=rng,
     extra=extra,
   )
+
+
+def imported_state(entries, path: str, config):
+  """What a run continued from DINO's own checkpoint starts from, or None for a file
+  that is not one.
+
+  entries: tensor_files.read_entries of the file. A main_dino.py checkpoint holds
+  'student' and 'teacher' (MultiCropWrapper state dicts: backbone and DINO head) and
+  'dino_loss' (the centre, [1, out_dim]); the run then starts its student and teacher,
+  encoders and heads, from them, and its centre from the file's (with_imported). Its
+  optimizer state, epoch and schedules are not read: the run's own start afresh.
+
+  Returns:
+    None (no 'student' and 'teacher' entries), or {'student', 'teacher'}: each
+    {'params', 'batch_stats'} of {'encoder', 'projector'}, and 'center' float32
+    [out_dim], numpy.
+  Raises:
+    WeightsError: a network that does not fit config.model and config.dino
+      (state_dicts.dino_network_from_state_dict), no centre or one of another size.
+  """
+  if "student" not in entries or "teacher" not in entries:
+    return None
+  head = _head(config)
+  networks = {
+    name: state_dicts.dino_network_from_state_dict(
+      entries[name], f"{path} ({name})", config.model, head, config.image_size
+    )
+    for name in ("student", "teacher")
+  }
+  center = entries.get("dino_loss", {}).get("center")
+  if center is None or center.size != config.dino.out_dim:
+    shape = "none" if center is None else f"shape {list(center.shape)}"
+    raise WeightsError(
+      path, f"dino_loss.center: {shape} where config.dino.out_dim needs [1, {config.dino.out_dim}]"
+    )
+  return dict(networks, center=center.reshape(-1).astype("float32"))
+
+
+def with_imported(state, imported):
+  """state with its student, teacher and centre those of imported_state.
+
+  Raises:
+    ValueError: imported not shaped like the state.
+  """
+  student, teacher = imported["student"], imported["teacher"]
+  extra = dict(
+    state.extra,
+    teacher_params=teacher["params"],
+    teacher_batch_stats=teacher["batch_stats"],
+    center=imported["center"],
+  )
+  new = state.replace(params=student["params"], batch_stats=student["batch_stats"], extra=extra)
+  if jax.tree.structure(new) != jax.tree.structure(state):
+    raise ValueError("the imported networks are not shaped like the state's")
+  return new
 
 
 # The teacher's encoder: what the DINO paper evaluates (Sec. 4; eval_knn.py's and

@@ -18,7 +18,6 @@ from contrastive_jax.methods import common
 from contrastive_jax.methods import get_method
 from contrastive_jax.methods import optim
 from contrastive_jax.methods import run_keys
-from contrastive_jax.methods import with_encoder
 
 
 def views(config):
@@ -60,13 +59,15 @@ def setup(
   steps_per_epoch: int,
   num_steps: int,
   num_classes: int = 0,
-  encoder_variables_at_start=None,
+  start=None,
 ) -> Run:
   """Builds the method's model, optimizer, state initialiser and train step.
 
   num_classes > 0 (a labelled dataset) adds the online probe; 0, none.
-  encoder_variables_at_start: None, or the encoder's {'params', 'batch_stats'}
-  (numpy) that every network of the state starts from (methods.with_encoder).
+  start: None, or (replace, variables): step 0's state is replace(drawn state,
+  variables), e.g. (methods.with_encoder, an encoder's {'params', 'batch_stats'}
+  that every network of the state starts from) or (dino.with_imported, a DINO
+  checkpoint's networks and centre).
   """
   method = get_method(config.method)
   schedule = optim.learning_rate_schedule(
@@ -91,10 +92,10 @@ def setup(
 
   replicated = mesh_lib.replicated(mesh)
   init_state = jax.jit(init, out_shardings=replicated)
-  if encoder_variables_at_start is not None:
-    drawn = init_state
-    replace = jax.jit(with_encoder, out_shardings=replicated, donate_argnums=0)
-    init_state = lambda: replace(drawn(), encoder_variables_at_start)
+  if start is not None:
+    drawn, (replace, variables) = init_state, start
+    replace = jax.jit(replace, out_shardings=replicated, donate_argnums=0)
+    init_state = lambda: replace(drawn(), variables)
   train_step = jax.jit(
     method.make_train_step(
       config, model, tx, views(config), mesh, num_steps, probe, steps_per_epoch=steps_per_epoch

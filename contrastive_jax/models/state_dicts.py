@@ -343,3 +343,115 @@ def from_state_dict(
       )
     flat[entry.collection][entry.path] = _from_torch(value, entry.layout)
   return {c: flax.traverse_util.unflatten_dict(flat[c]) for c in flat}
+
+
+def _dino_head_entries(head) -> List[Entry]:
+  """The tensors of DINO's DINOHead (dino vision_transformer.py) as `head` (a
+  heads.DINOHead) holds them, in the reference's names under 'head.': mlp, a bare Linear
+  for one layer, else a Sequential of Linear [BN] GELU ... Linear; last_layer, the
+  weight-normalised Linear (weight_v, and weight_g [out, 1], fixed at 1 with
+  norm_last_layer, when it is not a parameter here: layout 'unit')."""
+  linear = lambda name, i: [
+    Entry(f"{name}.weight", "params", (f"Dense_{i}", "kernel"), "dense"),
+    Entry(f"{name}.bias", "params", (f"Dense_{i}", "bias"), "same"),
+  ]
+  if head.num_layers == 1:
+    out = linear("head.mlp", 0)
+  else:
+    out, index = [], 0
+    for i in range(head.num_layers - 1):
+      out += linear(f"head.mlp.{index}", i)
+      if head.use_bn:
+        out += _bn(f"head.mlp.{index + 1}", (f"BatchNorm_{i}",))
+      index += 3 if head.use_bn else 2
+    out += linear(f"head.mlp.{index}", head.num_layers - 1)
+  out.append(Entry("head.last_layer.weight_v", "params", ("last_layer", "kernel"), "dense"))
+  if head.norm_last_layer:
+    out.append(Entry("head.last_layer.weight_g", "", (), "unit"))
+  else:
+    out.append(Entry("head.last_layer.weight_g", "params", ("last_layer", "g"), "column"))
+  return out
+
+
+def dino_network_from_state_dict(
+  tensors: Dict[str, np.ndarray], path: str, model_config, head, image_size: int
+) -> dict:
+  """One network of a DINO main_dino.py checkpoint (its 'student' or 'teacher', a
+  MultiCropWrapper's state dict: backbone.*, head.*, under 'module.' when it was
+  DistributedDataParallel) as {'params', 'batch_stats'}, each {'encoder', 'projector'}
+  (float32 numpy; batch_stats only for modules with BN).
+
+  model_config: the encoder's config; head: the heads.DINOHead the run builds
+  (config.dino), whose input is the encoder's width.
+
+  Raises:
+    WeightsError: the backbone, as from_state_dict; no head (naming the prefixes
+      tried); a head tensor the run's head lacks or has and the file lacks, or of
+      another shape (naming config.dino's fields to set); a last layer whose
+      weight_g is not 1 where config.dino.norm_last_layer holds it at 1.
+  """
+  encoder = from_state_dict(tensors, path, model_config, image_size)
+  wrapper = next((p for p in ("module.", "") if p + "head.last_layer.weight_v" in tensors), None)
+  if wrapper is None:
+    raise WeightsError(
+      path, "has no DINO head (no 'head.last_layer.weight_v' under 'module.' or none)"
+    )
+  found = {
+    name[len(wrapper) :]: value
+    for name, value in tensors.items()
+    if name.startswith(wrapper + "head.") and not name.endswith("num_batches_tracked")
+  }
+  x = jax.ShapeDtypeStruct((2, models.encoder_width(model_config)), jnp.float32)
+  shapes = jax.eval_shape(lambda x: head.init(jax.random.PRNGKey(0), x, train=False), x)
+  shapes = {
+    c: flax.traverse_util.flatten_dict(shapes.get(c, {})) for c in ("params", "batch_stats")
+  }
+  expected = [e for e in _dino_head_entries(head) if e.layout != "counter"]
+  config_fields = (
+    f"config.dino (out_dim {head.out_dim}, hidden_dim {head.hidden_dim}, bottleneck_dim "
+    f"{head.bottleneck_dim}, num_layers {head.num_layers}, use_bn_in_head {head.use_bn}, "
+    f"norm_last_layer {head.norm_last_layer}) must describe the checkpoint's head"
+  )
+  names = {e.name for e in expected}
+  missing = [e.name for e in expected if e.name not in found]
+  unexpected = sorted(name for name in found if name not in names)
+  if missing:
+    raise WeightsError(
+      path, f"has no tensor '{wrapper}{missing[0]}' of the run's DINO head: {config_fields}"
+    )
+  if unexpected:
+    raise WeightsError(
+      path,
+      f"has a tensor '{wrapper}{unexpected[0]}' that the run's DINO head does not have: "
+      + config_fields,
+    )
+  flat = {"params": {}, "batch_stats": {}}
+  for entry in expected:
+    value = np.asarray(found[entry.name], np.float32)
+    if entry.layout == "unit":
+      if value.shape != (head.out_dim, 1) or not np.all(value == 1):
+        raise WeightsError(
+          path,
+          f"{entry.name} is not 1 (a last layer trained with norm_last_layer False): "
+          "--config.dino.norm_last_layer=False",
+        )
+      continue
+    want = shapes[entry.collection][entry.path].shape
+    want = (want[0], 1) if entry.layout == "column" else _torch_shape(want, entry.layout)
+    if value.shape != want:
+      raise WeightsError(
+        path,
+        f"tensor {wrapper}{entry.name} has shape {list(value.shape)} where the run's head "
+        f"needs {list(want)}: {config_fields}",
+      )
+    value = value[:, 0] if entry.layout == "column" else _from_torch(value, entry.layout)
+    flat[entry.collection][entry.path] = value
+  projector = {c: flax.traverse_util.unflatten_dict(flat[c]) for c in flat}
+  return {
+    c: {
+      name: tree
+      for name, tree in (("encoder", encoder[c]), ("projector", projector[c]))
+      if tree or c == "params"
+    }
+    for c in ("params", "batch_stats")
+  }
