@@ -13,7 +13,8 @@ benchmarks/make_device_data.py (CIFAR-10's train and test splits). Sections:
   steps        for each row of ROWS, its config's pretraining step
                (methods.pretraining.setup: jitted, state donated, the online probe
                of 10 classes) on a fixed uint8 batch after compilation: ms per
-               step, images/s (an image and its two views count once), model TFLOP
+               step, images/s (an image and its views count once: two, or DINO's
+               2 global and 8 local crops of multi-crop), model TFLOP
                per step (benchmarks/flops.py: dots and convolutions, one device's
                share), MFU = those FLOPs /
                step time / peak, and the bytes the compiled program holds (XLA's
@@ -137,6 +138,13 @@ ROWS = (
     "model=vit_small,dtype=bfloat16",
     {"batch_size": 256},
   ),
+  ("DINO ResNet-18 CIFAR bf16", "dino_cifar10", "model=resnet18,dtype=bfloat16", {}),
+  (
+    "DINO ViT-S/16 224 2+8 crops bf16",
+    "dino_imagenet",
+    "model=vit_small,dtype=bfloat16",
+    {"batch_size": 256},
+  ),
 )
 SUPERVISED = "supervised ResNet-50 224 bf16"
 SECTIONS = ("steps", "supervised", "pretraining")
@@ -178,6 +186,8 @@ def shrink(config):
     config.model.width = 0.125
   if "queue_size" in config.get("moco", {}):
     config.moco.queue_size = 4 * TINY_BATCH
+  if config.get("local_crops"):  # DINO's local views: one patch of 16 px.
+    config.local_crops.size = 16
   return config
 
 
@@ -240,12 +250,17 @@ def time_steps(step, state, batch, steps: int):
 
 
 def random_batch(config, mesh, num_views: int = 2):
-  """A fixed uint8 batch [B, num_views, S, S, 3] with zero labels, sharded as the jobs shard."""
-  size = config.image_size
-  images = np.random.default_rng(0).integers(
-    0, 256, (config.batch_size, num_views, size, size, 3), np.uint8
-  )
-  batch = {"image": images, "label": np.zeros(config.batch_size, np.int32)}
+  """A fixed uint8 batch [B, num_views, S, S, 3] with zero labels, and with DINO's
+  config.local_crops its local views [B, N, s, s, 3], sharded as the jobs shard."""
+  rng, size, b = np.random.default_rng(0), config.image_size, config.batch_size
+  batch = {
+    "image": rng.integers(0, 256, (b, num_views, size, size, 3), np.uint8),
+    "label": np.zeros(b, np.int32),
+  }
+  local = config.get("local_crops")
+  if local:
+    shape = (b, local.number, local.size, local.size, 3)
+    batch["local_image"] = rng.integers(0, 256, shape, np.uint8)
   return jax.device_put(batch, mesh_lib.batch_sharded(mesh))
 
 

@@ -47,7 +47,8 @@ def test_tiny_run_without_tensorflow_prints_and_writes_every_section(tmp_path):
   data = str(tmp_path / "cifar10.npz")
   _cifar_npz(data, train=2048, test=256)
   out = tmp_path / "out"
-  rows = ["SimCLR ResNet-18 CIFAR bf16", "MoCo v3 ViT-S/16 224 bf16"]
+  # The ViT row is DINO's: multi-crop's local views in the batch too.
+  rows = ["SimCLR ResNet-18 CIFAR bf16", "DINO ViT-S/16 224 2+8 crops bf16"]
   done = _run(
     "--tiny", f"--data={data}", f"--out={out}", f"--rows={','.join(rows)}", "--steps=1",
     "--train_seconds=3",
