@@ -41,7 +41,7 @@ def get_config(arg: str = ""):
     recipes.base_config(), batch_size=256, num_epochs=200, reference="torchvision"
   )
   config.method = "dino"
-  config.dino = recipes.dino()
+  config.dino = recipes.dino(drop_path_rate=0.0)  # The reference's is its ViTs' only.
   config.augment = recipes.mocov3_views()
   config.crop = recipes.crop("torchvision", 0.14, "pil_bicubic")
   config.evaluators.knn.temperature = 0.07

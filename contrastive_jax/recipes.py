@@ -106,18 +106,19 @@ FORMAT_VERSION = 1
 def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A copy of a saved job config in the format this code writes (FORMAT_VERSION).
 
-  Call it on every config read back from a file: a checkpoint's
-  (checkpointing.Checkpointer.saved_config) and the pretraining config an export
-  recorded. Format 0 (no format_version field) holds the host crop in three
-  flat fields crop_sampler, crop_area_min and crop_resize; format 1 holds them
-  in config.crop (crop()). A pretraining config without on_device_data (written
-  before the field existed) read its data on the host: False. A fine-tuning config without
-  backbone_lr_multiplier and layer_decay trained every layer at one rate: 1 and 1; one
-  without projector_layers fine-tuned from h: 0.
+    Call it on every config read back from a file: a checkpoint's
+    (checkpointing.Checkpointer.saved_config) and the pretraining config an export
+    recorded. Format 0 (no format_version field) holds the host crop in three
+    flat fields crop_sampler, crop_area_min and crop_resize; format 1 holds them
+    in config.crop (crop()). A pretraining config without on_device_data (written
+    before the field existed) read its data on the host: False; a DINO one without
+  dino.drop_path_rate trained without stochastic depth: 0. A fine-tuning config without
+    backbone_lr_multiplier and layer_decay trained every layer at one rate: 1 and 1; one
+    without projector_layers fine-tuned from h: 0.
 
-  Raises:
-    ConfigError: a format_version above FORMAT_VERSION (written by a newer version of
-      this project).
+    Raises:
+      ConfigError: a format_version above FORMAT_VERSION (written by a newer version of
+        this project).
   """
   fields = saved.to_dict()
   version = fields.get("format_version", 0)
@@ -137,6 +138,8 @@ def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDic
       fields["crop"] = flat
   if fields.get("job", "pretrain") == "pretrain":
     fields.setdefault("on_device_data", False)  # Older pretraining configs read on the host.
+    if "dino" in fields:  # Older DINO configs trained without stochastic depth.
+      fields["dino"].setdefault("drop_path_rate", 0.0)
   if fields.get("job") == "finetune":  # Older fine-tuning configs trained at one rate.
     fields.setdefault("backbone_lr_multiplier", 1.0)
     fields.setdefault("layer_decay", 1.0)
@@ -355,7 +358,7 @@ def dino(**overrides) -> dict:
   """config.dino at main_dino.py's argparse defaults (facebookresearch/dino), overrides applied:
   head of 65536 outputs (hidden 2048, bottleneck 256, 3 layers, no BN, weight-normalised last
   layer), teacher momentum 0.996 -> 1, student temperature 0.1, teacher temperature 0.04
-  without warm-up, centre momentum 0.9."""
+  without warm-up, centre momentum 0.9, stochastic depth 0.1 in a ViT student."""
   return dict(
     dict(
       out_dim=65536,
@@ -370,6 +373,7 @@ def dino(**overrides) -> dict:
       teacher_temp=0.04,
       warmup_teacher_temp_epochs=0,
       center_momentum=0.9,
+      drop_path_rate=0.1,
     ),
     **overrides,
   )

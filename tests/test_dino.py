@@ -371,6 +371,7 @@ def test_config_pins_the_reference_command():
     teacher_temp=0.04,
     warmup_teacher_temp_epochs=0,
     center_momentum=0.9,
+    drop_path_rate=0.1,
   )
   o = config.optimizer
   assert (config.batch_size, config.duration) == (512, "100 epochs")
@@ -395,6 +396,8 @@ def test_config_pins_the_reference_command():
     0.8,
   )
   assert (config.evaluators.knn.k, config.evaluators.knn.temperature) == (20, 0.07)
+  # --drop_path_rate reaches the reference's ViTs only (vits.__dict__[arch](..., drop_path_rate)).
+  assert load_config("dino_cifar10", "model=resnet18").dino.drop_path_rate == 0.0
   resnet = load_config("dino_cifar10", "model=resnet18").optimizer
   assert (resnet.name, resnet.base_lr, resnet.weight_decay, resnet.momentum) == (
     "sgd",
@@ -410,6 +413,62 @@ def test_config_pins_the_reference_command():
   bad.dino.teacher_temp = 0.0
   with pytest.raises(ConfigError, match=r"^config.dino.teacher_temp=0.0: must be > 0"):
     dino.check_config(bad, 50_000)
+  bad = load_config("dino_cifar10")
+  bad.dino.drop_path_rate = 1.0
+  with pytest.raises(ConfigError, match=r"^config.dino.drop_path_rate=1.0: must be a float in"):
+    dino.check_config(bad, 50_000)
+  bad = load_config("dino_cifar10", "model=resnet18")
+  bad.dino.drop_path_rate = 0.1
+  with pytest.raises(ConfigError, match=r"drop_path_rate=0.1: must be 0.0 for a resnet18: "):
+    dino.check_config(bad, 50_000)
+
+
+def test_stochastic_depth_drops_whole_samples_at_the_references_rates_and_spares_the_teacher():
+  # drop_path: each sample's branch zeroed with probability p, else scaled by 1 / (1 - p).
+  x = jnp.ones((20000, 2, 3))
+  y = np.asarray(models.vit.drop_path(x, 0.3, jax.random.PRNGKey(0)))
+  assert np.all(y == y[:, :1, :1]) and set(np.unique(y)) == {0.0, np.float32(1 / 0.7)}
+  assert abs(np.mean(y[:, 0, 0] == 0) - 0.3) < 4 * np.sqrt(0.21 / 20000)
+  # Block i's rate is drop_path_rate * i / (depth - 1): of 2 blocks at 0.9, block 0 never
+  # drops and block 1 drops both branches of a sample with probability 0.81, which then
+  # leaves the 1-block network's h exactly.
+  vit = models.vit.ViT(16, 2, 2, 8, drop_path_rate=0.9)
+  images = jnp.asarray(np.random.default_rng(0).uniform(size=(400, 16, 16, 3)), jnp.float32)
+  params = vit.init(jax.random.PRNGKey(1), images[:1], train=False)["params"]
+  h = np.asarray(vit.apply({"params": params}, images, True, rngs={"drop_path": jax.random.key(2)}))
+  one_block = {k: v for k, v in params.items() if k != "block1"}
+  h1 = np.asarray(vit.clone(depth=1).apply({"params": one_block}, images, False))
+  same = np.all(np.abs(h - h1) < 1e-6, axis=1)
+  assert abs(same.mean() - 0.81) < 4 * np.sqrt(0.81 * 0.19 / 400)
+  # Not training: no drops, the network without stochastic depth.
+  np.testing.assert_array_equal(
+    vit.apply({"params": params}, images, False),
+    vit.clone(drop_path_rate=0.0).apply({"params": params}, images, False),
+  )
+  # In DINO's step the student drops (its loss leaves the undropped one) and the teacher
+  # does not: the centre is the mean of the undropped network's outputs (see
+  # test_one_step_on_8_devices_loss_centre_teacher_ema_and_frozen_last_layer).
+  config = tiny_config("dino", "runlocal")
+  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8, drop_path_rate=0.5)
+  config.model.depth = 2
+  mesh = mesh_lib.make_mesh()
+  run = pretraining.setup(config, mesh, steps_per_epoch=4, num_steps=10)
+  state = run.init()
+  before = jax.device_get(state)
+  batch = {"image": np.random.default_rng(0).integers(0, 256, (16, 2, 32, 32, 3), np.uint8)}
+  state, metrics = run.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
+  x = np.concatenate([batch["image"][:, 0], batch["image"][:, 1]]).astype(np.float32) / 255
+  teacher = run.model.clone(encoder=run.model.encoder.clone(drop_path_rate=0.0))
+  _, out = teacher.apply({"params": before.params}, jnp.asarray(x), train=True)
+  out = np.asarray(out, np.float64)
+  np.testing.assert_allclose(
+    jax.device_get(state.extra["center"]),
+    reference_center(np.zeros(32), out, 0.9),
+    rtol=1e-5,
+    atol=1e-7,
+  )
+  undropped = reference_loss(out, out, np.zeros(32), 2, 0.1, 0.04)
+  assert abs(float(metrics["loss"]) - undropped) > 1e-3
 
 
 def test_one_step_on_8_devices_loss_centre_teacher_ema_and_frozen_last_layer():

@@ -800,3 +800,12 @@ def test_dino_configs_pin_the_reference_readme_commands(name, variant):
       continue
     optim.check_optimizer_config(checked.optimizer)
     crop_spec.check_local_crops(checked)
+
+
+def test_upgrade_config_gives_an_older_dino_config_no_stochastic_depth():
+  current = load_config("dino_cifar10", "runlocal")
+  old = current.to_dict()
+  del old["dino"]["drop_path_rate"]
+  upgraded = recipes.upgrade_config(ml_collections.ConfigDict(old))
+  assert upgraded.dino.drop_path_rate == 0.0
+  assert upgraded.to_dict() == current.to_dict()  # The runlocal trains without it too.

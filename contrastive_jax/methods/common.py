@@ -107,7 +107,7 @@ def augmented_local_views(images, rng, step, view):
 
 
 # Independent random streams of a step: fold_in(fold_in(rng, step), stream).
-_VIEW_STREAM, _SHUFFLE_STREAM = 0, 1
+_VIEW_STREAM, _SHUFFLE_STREAM, _DROP_PATH_STREAM = 0, 1, 2
 
 
 def view_key(rng, step, device_index, view_index):
@@ -118,6 +118,15 @@ def view_key(rng, step, device_index, view_index):
   """
   key = jax.random.fold_in(jax.random.fold_in(rng, step), _VIEW_STREAM)
   return jax.random.fold_in(jax.random.fold_in(key, device_index), view_index)
+
+
+def drop_path_key(rng, step, pass_index):
+  """The PRNG key of a network's stochastic depth in one forward pass of a step, inside
+  shard_map: a pure function of (rng, step, device, pass), so that a resumed run drops the
+  same branches and each device draws its own samples' drops."""
+  key = jax.random.fold_in(jax.random.fold_in(rng, step), _DROP_PATH_STREAM)
+  device = jax.lax.axis_index(DATA_AXIS)
+  return jax.random.fold_in(jax.random.fold_in(key, device), pass_index)
 
 
 def shuffle_key(rng, step):

@@ -31,6 +31,11 @@ their own grid of patches: its learned position embedding interpolated to it as
 the reference's interpolate_pos_encoding (models/vit.py), or the sin-cos table
 of that grid.
 
+Stochastic depth (dino.drop_path_rate, the reference's --drop_path_rate 0.1): a ViT
+student's residual branches are dropped per sample in training (models/vit.py
+drop_path, block i at rate * i / (depth - 1)), with keys of common.drop_path_key; the
+teacher never drops, as the reference builds it without.
+
 Health scalars (the paper's Sec. 5.3 and Fig. 7 analysis of collapse):
 'teacher_entropy', the mean entropy of P_t (log out_dim at uniform collapse, 0
 at one-hot collapse); 'teacher_student_kl', the mean KL(P_t || P_s) over the
@@ -63,6 +68,7 @@ _DINO_FIELDS = (
   "teacher_temp",
   "warmup_teacher_temp_epochs",
   "center_momentum",
+  "drop_path_rate",
 )
 # Multi-crop's local views are this method's: the pretraining job refuses them for others.
 LOCAL_CROPS = True
@@ -162,6 +168,14 @@ def check_config(config, num_train_examples: int):
   for field in ("momentum_teacher", "center_momentum"):
     if not 0.0 <= cfg[field] <= 1.0:
       raise ConfigError(f"dino.{field}", cfg[field], "in [0, 1]")
+  if not isinstance(cfg.drop_path_rate, float) or not 0.0 <= cfg.drop_path_rate < 1.0:
+    raise ConfigError("dino.drop_path_rate", cfg.drop_path_rate, "a float in [0, 1)")
+  if cfg.drop_path_rate and models.family(config.model) != "vit":
+    raise ConfigError(
+      "dino.drop_path_rate",
+      cfg.drop_path_rate,
+      f"0.0 for a {config.model.name}: stochastic depth drops a ViT's residual branches",
+    )
   if not isinstance(cfg.warmup_teacher_temp_epochs, int) or cfg.warmup_teacher_temp_epochs < 0:
     raise ConfigError(
       "dino.warmup_teacher_temp_epochs", cfg.warmup_teacher_temp_epochs, "an integer >= 0"
@@ -187,11 +201,17 @@ def check_config(config, num_train_examples: int):
 
 
 def build_model(config) -> heads.ContrastiveModel:
-  """The student: the encoder and heads.DINOHead (config.dino), every BN global."""
-  return heads.ContrastiveModel(
-    encoder=models.build_encoder(config.model, bn_axis_name=mesh_lib.DATA_AXIS),
-    projector=_head(config),
-  )
+  """The student: the encoder and heads.DINOHead (config.dino), every BN global; a ViT
+  with stochastic depth dino.drop_path_rate (its apply in training then needs a
+  'drop_path' rng)."""
+  return _network(config, config.dino.drop_path_rate)
+
+
+def _network(config, drop_path_rate: float) -> heads.ContrastiveModel:
+  encoder = models.build_encoder(config.model, bn_axis_name=mesh_lib.DATA_AXIS)
+  if drop_path_rate:
+    encoder = encoder.clone(drop_path_rate=drop_path_rate)
+  return heads.ContrastiveModel(encoder=encoder, projector=_head(config))
 
 
 def _head(config) -> heads.DINOHead:
@@ -312,9 +332,16 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps
     augment.ViewAugment.from_config(config.augment.local, "augment.local") if multi_crop else None
   )
 
-  def forward(network_params, batch_stats, x):
-    (h, out), updates = model.apply(
-      {"params": network_params, "batch_stats": batch_stats}, x, train=True, mutable=["batch_stats"]
+  # The reference's teacher has no stochastic depth (built without --drop_path_rate).
+  teacher_model = _network(config, 0.0)
+
+  def forward(network, network_params, batch_stats, x, drop_path_key=None):
+    (h, out), updates = network.apply(
+      {"params": network_params, "batch_stats": batch_stats},
+      x,
+      train=True,
+      mutable=["batch_stats"],
+      rngs=None if drop_path_key is None else {"drop_path": drop_path_key},
     )
     return h, out, updates["batch_stats"]
 
@@ -327,15 +354,20 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps
       local = local.reshape((-1,) + local.shape[2:])  # [N b, s, s, 3], view-major.
     extra = state.extra
     _, teacher_out, teacher_stats = forward(
-      extra["teacher_params"], extra["teacher_batch_stats"], x
+      teacher_model, extra["teacher_params"], extra["teacher_batch_stats"], x
     )
     teacher_out = jax.lax.stop_gradient(teacher_out).reshape(2, b, -1)
     temp = teacher_temperature(cfg, state.step, steps_per_epoch)
 
+    drop_keys = [
+      common.drop_path_key(state.rng, state.step, i) if cfg.drop_path_rate else None
+      for i in range(2)
+    ]
+
     def loss_fn(params):
-      h, student_out, stats = forward(params, state.batch_stats, x)
+      h, student_out, stats = forward(model, params, state.batch_stats, x, drop_keys[0])
       if multi_crop:
-        _, local_out, stats = forward(params, stats, local)
+        _, local_out, stats = forward(model, params, stats, local, drop_keys[1])
         student_out = jnp.concatenate([student_out, local_out])
       student_out = student_out.reshape(-1, b, student_out.shape[-1])
       loss, entropy = dino_loss(

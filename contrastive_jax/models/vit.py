@@ -7,7 +7,8 @@ class token prepended, a fixed 2-D sine-cosine position embedding added (none
 on the class token), L pre-norm blocks x + MHSA(LN(x)), x + MLP(LN(x)) (MLP
 ratio 4, exact GELU, LayerNorm eps 1e-6, qkv with bias), a final LayerNorm;
 the representation h is the class token after it. No dropout, no BatchNorm, so
-the encoder has no batch_stats.
+the encoder has no batch_stats; stochastic depth (drop_path_rate, off by default)
+is DINO's student's.
 
 Initialisation as vits.py: dense kernels Xavier-uniform (qkv's bound computed
 as if q, k and v were three separate D x D matrices), biases zero, the patch
@@ -178,23 +179,38 @@ class SelfAttention(nn.Module):
     )
 
 
+def drop_path(x, rate: float, key):
+  """Stochastic depth of a residual branch (Huang et al. 2016; DINO's vision_transformer.py
+  drop_path): each sample's branch x[n] is zeroed with probability rate, else divided by
+  1 - rate, so its expectation is x. x: [N, ...]; key: a PRNG key; rate in [0, 1)."""
+  keep = jax.random.bernoulli(key, 1.0 - rate, (x.shape[0],) + (1,) * (x.ndim - 1))
+  return x * (keep.astype(x.dtype) / jnp.asarray(1.0 - rate, x.dtype))
+
+
 class Block(nn.Module):
-  """Pre-norm Transformer block: x + MHSA(LN(x)), then x + MLP(LN(x))."""
+  """Pre-norm Transformer block: x + MHSA(LN(x)), then x + MLP(LN(x)); in training with
+  drop_rate > 0 each branch goes through drop_path, with keys of the 'drop_path' rng."""
 
   num_heads: int
   mlp_ratio: int = 4
   dtype: Any = jnp.float32
+  drop_rate: float = 0.0
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, train: bool = False):
     d = x.shape[-1]
     norm = lambda name: nn.LayerNorm(epsilon=LN_EPSILON, dtype=self.dtype, name=name)
     dense = lambda width, name: nn.Dense(
       width, dtype=self.dtype, name=name, kernel_init=nn.initializers.xavier_uniform()
     )
-    x = x + SelfAttention(self.num_heads, self.dtype, name="attn")(norm("norm1")(x))
+    dropped = lambda y: (
+      drop_path(y, self.drop_rate, self.make_rng("drop_path"))
+      if train and self.drop_rate > 0
+      else y
+    )
+    x = x + dropped(SelfAttention(self.num_heads, self.dtype, name="attn")(norm("norm1")(x)))
     y = dense(self.mlp_ratio * d, "fc1")(norm("norm2")(x))
-    return x + dense(d, "fc2")(nn.gelu(y, approximate=False))
+    return x + dropped(dense(d, "fc2")(nn.gelu(y, approximate=False)))
 
 
 class ViT(nn.Module):
@@ -211,6 +227,10 @@ class ViT(nn.Module):
       the patch grid of the images the model is initialised on, interpolated to
       any other grid (interpolate_position_embedding).
     input_mean, input_std: per-channel (R, G, B) standardisation of the [0, 1] input.
+    drop_path_rate: stochastic depth in training, block i's branches dropped with
+      probability drop_path_rate * i / (depth - 1) (DINO's vision_transformer.py: a
+      linspace from 0); > 0 needs a 'drop_path' rng in apply. Not a config field: DINO's
+      student sets it (config.dino.drop_path_rate), every other network is built without.
   """
 
   width: int
@@ -222,14 +242,14 @@ class ViT(nn.Module):
   position_embedding: str = "sincos"
   input_mean: Sequence[float] = (0.0, 0.0, 0.0)
   input_std: Sequence[float] = (1.0, 1.0, 1.0)
+  drop_path_rate: float = 0.0
 
   @nn.compact
   def __call__(self, x, train: bool):
     """Maps images [N, S, S, 3] (float, values in [0, 1]) to h [N, width] float32.
 
-    train is accepted for the encoder interface; the ViT has no train-mode layers.
+    train: stochastic depth on (drop_path_rate > 0); nothing else differs in training.
     """
-    del train
     p, d = self.patch_size, self.width
     x = (x - jnp.asarray(self.input_mean, jnp.float32)) / jnp.asarray(self.input_std, jnp.float32)
     name = (FROZEN_PREFIX if self.random_patch_projection else "") + "patch_embed"
@@ -262,8 +282,11 @@ class ViT(nn.Module):
           "pos_embed", nn.initializers.normal(0.02), (1, 1 + grid * grid, d), jnp.float32
         )
       x = x + interpolate_position_embedding(pos_embed, grid).astype(self.dtype)
+    rates = np.linspace(0.0, self.drop_path_rate, self.depth)
     for i in range(self.depth):
-      x = Block(self.num_heads, dtype=self.dtype, name=f"block{i}")(x)
+      x = Block(self.num_heads, dtype=self.dtype, drop_rate=float(rates[i]), name=f"block{i}")(
+        x, train
+      )
     x = nn.LayerNorm(epsilon=LN_EPSILON, dtype=self.dtype, name="norm")(x)
     return x[:, 0].astype(jnp.float32)
 
