@@ -667,6 +667,7 @@ MAIN_DINO_DEFAULTS = dict(
   global_crops_scale=(0.4, 1.0),
   local_crops_number=8,
   local_crops_scale=(0.05, 0.4),
+  drop_path_rate=0.1,
 )
 # (config, variant) -> (GPUs, the README's command line, its published (kNN, linear) or None).
 DINO_COMMANDS = {
@@ -750,6 +751,8 @@ def test_dino_configs_pin_the_reference_readme_commands(name, variant):
     teacher_temp=ref["teacher_temp"],
     warmup_teacher_temp_epochs=ref["warmup_teacher_temp_epochs"],
     center_momentum=0.9,
+    # main_dino.py passes --drop_path_rate to its ViTs only (vits.__dict__[arch](...)).
+    drop_path_rate=ref["drop_path_rate"] if ref["arch"].startswith("vit") else 0.0,
   )
   o = config.optimizer
   assert (o.name, o.base_lr, o.lr_scaling, o.momentum) == (
