@@ -124,20 +124,10 @@ def receive_ctrl_c():
   signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
-def subprocess_env(fast_compile: bool = False, **extra) -> dict:
-  """This environment for a test's Python subprocess, importing this checkout's package.
-
-  It carries conftest's XLA flags and compilation cache. fast_compile: XLA's
-  CPU fusion emitters off too, which halves the compilation of the tiny
-  models on this machine (a BYOL train step: 20 s -> 11 s of CPU); the
-  programs are the same, their machine code less fused.
-  """
-  env = dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.path.dirname(TESTS)]), **extra)
-  if fast_compile:
-    env["XLA_FLAGS"] = " ".join(
-      filter(None, [env.get("XLA_FLAGS"), "--xla_cpu_use_fusion_emitters=false"])
-    )
-  return env
+def subprocess_env(**extra) -> dict:
+  """This environment for a test's Python subprocess, importing this checkout's package:
+  it carries conftest's XLA flags and compilation cache."""
+  return dict(os.environ, PYTHONPATH=os.pathsep.join([TESTS, os.path.dirname(TESTS)]), **extra)
 
 
 def checkpoints_are_finite(directory):

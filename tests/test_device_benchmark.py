@@ -38,9 +38,7 @@ def _cifar_npz(path, train: int, test: int):
 
 def _run(*args):
   command = [sys.executable, "-c", BLOCKED_RUN.format(tests=TESTS, script=SCRIPT), *args]
-  return subprocess.run(
-    command, env=subprocess_env(fast_compile=True), capture_output=True, text=True, timeout=900
-  )
+  return subprocess.run(command, env=subprocess_env(), capture_output=True, text=True, timeout=900)
 
 
 def test_tiny_run_without_tensorflow_prints_and_writes_every_section(tmp_path):

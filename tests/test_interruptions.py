@@ -48,7 +48,7 @@ def start(args, log):
       args,
       stdout=subprocess.DEVNULL,
       stderr=f,
-      env=subprocess_env(fast_compile=True),
+      env=subprocess_env(),
       preexec_fn=receive_ctrl_c,
     )
 
@@ -86,7 +86,7 @@ def test_second_job_is_refused_and_ctrl_c_checkpoints_and_stops(tmp_path):
       capture_output=True,
       text=True,
       timeout=300,
-      env=subprocess_env(fast_compile=True),
+      env=subprocess_env(),
     )
     assert second.returncode == 1
     assert last_line(second.stderr).startswith(
@@ -154,7 +154,7 @@ def test_full_disk_ends_in_one_line_and_the_same_command_resumes(small_disk):
     "--config.checkpoint_every=1 steps",
     "--config.keep_checkpoints=20",
   )
-  env = subprocess_env(fast_compile=True)
+  env = subprocess_env()
   full = subprocess.run(args, capture_output=True, text=True, timeout=300, env=env)
   assert full.returncode == 1, full.stderr[-3000:]
   directory = f"{workdir}/checkpoints"
@@ -203,7 +203,7 @@ def test_a_damaged_dataset_file_ends_in_one_line_naming_it(array_record_cifar, t
     capture_output=True,
     text=True,
     timeout=300,
-    env=subprocess_env(fast_compile=True),
+    env=subprocess_env(),
   )
   assert job.returncode == 1, job.stderr[-3000:]
   directory = f"{workdir}/checkpoints"

@@ -60,6 +60,16 @@ def test_method_meets_the_contract_and_its_online_probe_leaves_the_encoder_uncha
   for fn in ("check_config", "build_model", "init_state", "make_train_step"):
     assert callable(getattr(method, fn)), fn
   config = tiny_config(*CONFIGS[name].split(":"))
+  if config.optimizer.name == "adamw":
+    # SGD instead (the ViTs' recipes use AdamW): Adam's division by sqrt(v) turns gradients
+    # that are float32 rounding noise into full steps, which the comparison with and
+    # without the probe below could not tell from a change in the training.
+    config.optimizer.name, config.optimizer.weight_decay_end = "sgd", None
+  # The full learning rate from the first step, so that two steps move every parameter,
+  # and no clipping (DINO's), which would hide a change in the gradients' size.
+  config.optimizer.warmup_epochs = 0.0
+  if config.optimizer.get("clip_per_tensor"):
+    config.optimizer.clip_per_tensor = 0.0
   method.check_config(config, 50_000)
   model = method.build_model(config)
   assert isinstance(model, heads.ContrastiveModel)
@@ -88,13 +98,22 @@ def test_method_meets_the_contract_and_its_online_probe_leaves_the_encoder_uncha
   )
   np.testing.assert_allclose(metrics["param_norm"], param_norm, rtol=1e-5)
 
-  # The same steps without the online probe: the encoder's training is bitwise the same.
+  # The same steps without the online probe: the encoder's training is the same, to
+  # float32 rounding. XLA fuses the two programs differently, so leaves that the loss
+  # barely depends on differ in their last bits; the tolerance is relative to each tree's
+  # largest entry. A probe that changed the training (a gradient, a BN statistic, a
+  # random draw) would change parameters by far more.
   without, metrics0 = _run(config, mesh_lib.make_mesh(), batches, num_classes=0)
   assert state.probe and not without.probe
-  jax.tree.map(np.testing.assert_array_equal, state.params, without.params)
-  jax.tree.map(np.testing.assert_array_equal, state.batch_stats, without.batch_stats)
-  jax.tree.map(np.testing.assert_array_equal, state.extra, without.extra)
-  assert metrics["loss"] == metrics0["loss"]
+  for tree, other in (
+    (state.params, without.params),
+    (state.batch_stats, without.batch_stats),
+    (state.extra, without.extra),
+  ):
+    scale = max((float(np.max(np.abs(x), initial=0)) for x in jax.tree.leaves(other)), default=0)
+    same = lambda a, b, scale=scale: np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6 * scale)
+    jax.tree.map(same, tree, other)
+  np.testing.assert_allclose(metrics["loss"], metrics0["loss"], rtol=1e-6)
   # ... while the probe learned (its zero-initialised kernel moved).
   assert np.any(state.probe["params"]["kernel"] != 0)
 

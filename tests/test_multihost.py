@@ -30,7 +30,7 @@ def _start(workdir, job, *extra):
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
-      env=subprocess_env(fast_compile=True),
+      env=subprocess_env(),
     )
     for i in range(2)
   ]
@@ -130,9 +130,7 @@ def test_a_killed_worker_stops_the_other(pretrained, tmp_path):
     "--num_processes=2",
     f"--heartbeat_timeout={heartbeat_timeout}",
   ]
-  env = subprocess_env(
-    fast_compile=True, JAX_NUM_CPU_DEVICES="2", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo"
-  )
+  env = subprocess_env(JAX_NUM_CPU_DEVICES="2", JAX_CPU_COLLECTIVES_IMPLEMENTATION="gloo")
   logs = [tmp_path / f"process_{i}.log" for i in range(2)]
   procs = []
   for i, log in enumerate(logs):

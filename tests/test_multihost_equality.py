@@ -63,7 +63,7 @@ def runs(tmp_path_factory):
             [sys.executable, WORKER, str(num_processes), str(process_id), str(port), out / setup],
             stdout=f,
             stderr=subprocess.STDOUT,
-            env=subprocess_env(fast_compile=True),
+            env=subprocess_env(),
           ),
           log,
         )

@@ -16,7 +16,7 @@ ROOT = os.path.dirname(TESTS)
 
 
 def _run(*methods, pythonpath=ROOT):
-  env = subprocess_env(fast_compile=True)
+  env = subprocess_env()
   env["PYTHONPATH"] = os.pathsep.join([TESTS, pythonpath])
   return subprocess.run(
     [sys.executable, WORKER, *methods], env=env, capture_output=True, text=True, timeout=900
