@@ -3,10 +3,10 @@
 The baseline of every approximate search (ann.py) and what an index below
 ann.EXACT_BELOW rows is searched with.
 
-A bank of at most RESIDENT_BYTES goes to the device once and each block of
-queries is searched over all of it in one jitted call (lax.scan over its
-chunks); a larger one (a memory-mapped index) is streamed through the device
-chunk by chunk. Each chunk's top-k is exact and found in two steps: the
+A bank of at most RESIDENT_BYTES goes to the device once and every block of
+queries is searched over all of it in one jitted call (lax.map over the blocks,
+lax.scan over the bank's chunks); a larger one (a memory-mapped index) is
+streamed through the device chunk by chunk. Each chunk's top-k is exact and found in two steps: the
 maximum of each group of GROUP columns, the k best groups, then the top-k
 of those k x GROUP scores (the k best scores lie in the k groups with the
 best maxima), which costs far less than lax.top_k over the whole chunk.
@@ -75,18 +75,28 @@ def _empty(queries: int, k: int):
 
 
 @functools.partial(jax.jit, static_argnames=("k", "chunk"))
-def _search_resident(queries, bank, *, k: int, chunk: int):
-  """The top-k of queries [Q, D] over all of bank [N, D] (on the device): one call."""
+def _search_resident(query_blocks, bank, *, k: int, chunk: int):
+  """The top-k of each block of query_blocks [B, Q, D] over all of bank [N, D] (on the
+  device), one block after the other in one call: the call's scores buffer
+  (Q x chunk) is allocated, and its pages first touched, once for all blocks."""
   full = bank.shape[0] // chunk
 
-  def step(best, i):
-    part = lax.dynamic_slice_in_dim(bank, i * chunk, chunk)
-    return _merge(*best, queries, part, i * chunk, None, k), None
+  def search(queries):
+    def step(best, i):
+      part = lax.dynamic_slice_in_dim(bank, i * chunk, chunk)
+      return _merge(*best, queries, part, i * chunk, None, k), None
 
-  best, _ = lax.scan(step, _empty(queries.shape[0], k), jnp.arange(full, dtype=jnp.int32))
-  if bank.shape[0] % chunk:  # The rest: a chunk of its own size, no padding.
-    best = _merge(*best, queries, bank[full * chunk :], full * chunk, None, k)
-  return best
+    best, _ = lax.scan(step, _empty(queries.shape[0], k), jnp.arange(full, dtype=jnp.int32))
+    # The rest, no padding: its whole groups of GROUP rows, then the last < GROUP rows
+    # (columns not a multiple of GROUP would take lax.top_k over all of them).
+    rest = full * chunk
+    for end in (bank.shape[0] - bank.shape[0] % GROUP, bank.shape[0]):
+      if end > rest:
+        best = _merge(*best, queries, bank[rest:end], rest, None, k)
+        rest = end
+    return best
+
+  return lax.map(search, query_blocks)
 
 
 @functools.partial(jax.jit, static_argnames="k")
@@ -99,8 +109,9 @@ def top_k_cosine(queries, bank, k: int, *, chunk_size: int, query_batch: int = Q
 
   With L2-normalised rows the dot product is the cosine similarity. Exact:
   float32 products (Precision.HIGHEST on every backend). A bank of at most
-  RESIDENT_BYTES is copied to the device once and each block of query_batch
-  queries searched over it in one call; a larger one goes to the device
+  RESIDENT_BYTES is copied to the device once and all blocks of query_batch
+  queries searched over it in one call (one compile for each number of
+  blocks); a larger one goes to the device
   chunk_size rows at a time (only the last chunk padded), each chunk's top-k
   merged into the running top-k of every query, so the device then holds one
   chunk and Q x (query_batch / Q x chunk_size + 2k) scores.
@@ -124,16 +135,18 @@ def top_k_cosine(queries, bank, k: int, *, chunk_size: int, query_batch: int = Q
   if queries.shape[1] != dim:
     raise ValueError(f"queries have dimension {queries.shape[1]}: must be the bank's, {dim}")
   chunk = min(chunk_size, num_rows)
-  block = min(query_batch, len(queries))
-  blocks = []
-  for q0 in range(0, len(queries), block):
-    q = np.zeros((block, dim), np.float32)  # The last block padded: one compiled shape.
-    q[: len(queries[q0 : q0 + block])] = queries[q0 : q0 + block]
-    blocks.append(jnp.asarray(q))
+  if chunk > GROUP:  # Whole groups of columns: the two-step top-k (_chunk_top_k).
+    chunk -= chunk % GROUP
+  count = len(queries)
+  block = min(query_batch, count)
+  # The last block padded: one compiled shape.
+  blocks = np.zeros((-(-count // block), block, dim), np.float32)
+  blocks.reshape(-1, dim)[:count] = queries
   if num_rows * dim * 4 <= RESIDENT_BYTES:
     on_device = jnp.asarray(np.asarray(bank, np.float32))
-    found = [_search_resident(q, on_device, k=k, chunk=chunk) for q in blocks]
+    scores, rows = _search_resident(jnp.asarray(blocks), on_device, k=k, chunk=chunk)
   else:
+    blocks = [jnp.asarray(q) for q in blocks]
     found = [_empty(block, k) for _ in blocks]
     for start in range(0, num_rows, chunk):
       part = np.asarray(bank[start : start + chunk], np.float32)
@@ -145,7 +158,5 @@ def top_k_cosine(queries, bank, k: int, *, chunk_size: int, query_batch: int = Q
         _merge_chunk(*best, q, part, np.int32(start), np.int32(valid), k=k)
         for best, q in zip(found, blocks)
       ]
-  count = len(queries)
-  scores = np.concatenate([np.asarray(s) for s, _ in found])[:count]
-  rows = np.concatenate([np.asarray(r) for _, r in found])[:count]
-  return scores, rows
+    scores, rows = (np.stack([np.asarray(b[i]) for b in found]) for i in (0, 1))
+  return np.asarray(scores).reshape(-1, k)[:count], np.asarray(rows).reshape(-1, k)[:count]
