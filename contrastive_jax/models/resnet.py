@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.models import common
+from contrastive_jax.models import conv as conv_lib
 
 # name -> (block type, blocks per stage); He et al. 2016, Table 1.
 SPECS = {
@@ -182,6 +183,7 @@ class ResNet(nn.Module):
         use_bias=False,
         dtype=self.dtype,
         kernel_init=CONV_INITS[self.conv_init],
+        conv_general_dilated=conv_lib.conv_general_dilated,
         **kwargs,
       )
 

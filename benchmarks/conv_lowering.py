@@ -1,0 +1,89 @@
+"""Times convolutions forward and backward as XLA lowers them and as patches times kernel.
+
+  python benchmarks/conv_lowering.py
+
+For each shape of the ResNets' CIFAR-sized runs (batch 512 = 256 images x 2 views),
+the seconds of one jitted gradient of sum(conv(x, w)^2) with respect to x and w:
+lax.conv_general_dilated against models/conv.py's patches_conv, their ratio, and
+which one models/conv.py's rule (uses_patches) picks on the CPU. Prints a table.
+"""
+
+import os
+import sys
+import time
+
+# Time the package this script sits in, not another installed copy of it.
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # pylint: disable=g-import-not-at-top
+from jax import lax
+import jax.numpy as jnp
+import numpy as np
+
+from contrastive_jax.models import conv
+
+# (batch, map side, channels in, channels out, kernel, stride, padding).
+SHAPES = (
+  (512, 32, 3, 16, 7, 2, ((3, 3), (3, 3))),  # runlocal's ImageNet stem at width 0.25.
+  (512, 8, 16, 16, 3, 1, "SAME"),
+  (512, 8, 16, 32, 3, 2, ((1, 1), (1, 1))),
+  (512, 8, 16, 32, 1, 2, ((0, 0), (0, 0))),
+  (512, 4, 32, 32, 3, 1, "SAME"),
+  (512, 4, 32, 64, 3, 2, ((1, 1), (1, 1))),
+  (512, 2, 64, 64, 3, 1, "SAME"),
+  (512, 2, 64, 128, 3, 2, ((1, 1), (1, 1))),
+  (512, 1, 128, 128, 3, 1, "SAME"),
+  (512, 32, 3, 64, 3, 1, "SAME"),  # The CIFAR stem at full width.
+  (512, 32, 64, 64, 3, 1, "SAME"),
+  (512, 32, 64, 128, 3, 2, ((1, 1), (1, 1))),
+  (512, 16, 128, 128, 3, 1, "SAME"),
+  (512, 16, 128, 256, 3, 2, ((1, 1), (1, 1))),
+  (512, 4, 512, 512, 3, 1, "SAME"),
+)
+
+
+def _xla(x, w, stride, padding):
+  return lax.conv_general_dilated(
+    x, w, (stride, stride), padding, dimension_numbers=("NHWC", "HWIO", "NHWC")
+  )
+
+
+def _patches(x, w, stride, padding):
+  return conv.patches_conv(x, w, (stride, stride), padding)
+
+
+def seconds(fn, x, w, stride, padding, repeats=5):
+  """The fastest of `repeats` calls of the jitted gradient, after one compiling call."""
+  grad = jax.jit(
+    jax.grad(lambda x, w: jnp.sum(jnp.square(fn(x, w, stride, padding))), argnums=(0, 1))
+  )
+  jax.block_until_ready(grad(x, w))
+  best = float("inf")
+  for _ in range(repeats):
+    start = time.perf_counter()
+    jax.block_until_ready(grad(x, w))
+    best = min(best, time.perf_counter() - start)
+  return best
+
+
+def main():
+  rng = np.random.default_rng(0)
+  flags = os.environ.get("XLA_FLAGS", "")
+  print(f"JAX {jax.__version__}, {jax.devices()[0].device_kind}, XLA_FLAGS={flags!r}")
+  print("| input | kernel | XLA (ms) | patches (ms) | XLA / patches | rule picks |")
+  print("|---|---|---|---|---|---|")
+  for batch, side, cin, cout, kernel, stride, padding in SHAPES:
+    x = jnp.asarray(rng.standard_normal((batch, side, side, cin), dtype=np.float32))
+    w = jnp.asarray(rng.standard_normal((kernel, kernel, cin, cout), dtype=np.float32) * 0.1)
+    xla = seconds(_xla, x, w, stride, padding)
+    patches = seconds(_patches, x, w, stride, padding)
+    pick = "patches" if conv.uses_patches(x.shape, w.shape, (stride, stride)) else "XLA"
+    print(
+      f"| {batch}x{side}x{side}x{cin} | {kernel}x{kernel}x{cout} stride {stride} "
+      f"| {xla * 1e3:.2f} | {patches * 1e3:.2f} | {xla / patches:.2f} | {pick} |",
+      flush=True,
+    )
+
+
+if __name__ == "__main__":
+  main()

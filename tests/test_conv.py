@@ -1,0 +1,120 @@
+"""models/conv.py: the patches lowering against XLA's convolution, values and gradients,
+and the ResNet with it against the ResNet without."""
+
+import jax
+from jax import lax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import pytest
+
+from contrastive_jax import models
+from contrastive_jax.models import conv
+
+DIMENSIONS = ("NHWC", "HWIO", "NHWC")
+
+
+def _numpy_conv(x, w, stride, pads):
+  """The convolution's definition, sum over (i, j, c) of x_pad[n, s*y+i, s*x+j, c] w[i, j, c, o]."""
+  (top, bottom), (left, right) = pads
+  x = np.pad(x.astype(np.float64), ((0, 0), (top, bottom), (left, right), (0, 0)))
+  kh, kw, _, o = w.shape
+  ho, wo = (x.shape[1] - kh) // stride + 1, (x.shape[2] - kw) // stride + 1
+  out = np.zeros((x.shape[0], ho, wo, o))
+  for i in range(kh):
+    for j in range(kw):
+      window = x[:, i : i + (ho - 1) * stride + 1 : stride, j : j + (wo - 1) * stride + 1 : stride]
+      out += window @ w[i, j].astype(np.float64)
+  return out
+
+
+@pytest.mark.parametrize(
+  "side,cin,cout,kernel,stride,padding",
+  [
+    (5, 3, 4, 3, 1, "SAME"),
+    (6, 3, 4, 3, 2, "SAME"),  # Even input, stride 2: 'SAME' pads after only.
+    (6, 2, 5, 3, 2, ((1, 1), (1, 1))),
+    (7, 2, 3, 7, 2, ((3, 3), (3, 3))),
+    (4, 3, 2, 1, 2, "VALID"),
+    (2, 4, 4, 3, 1, "SAME"),
+    (1, 4, 6, 3, 1, "SAME"),
+  ],
+)
+def test_patches_conv_equals_the_definition_and_xlas_convolution_with_gradients(
+  side, cin, cout, kernel, stride, padding
+):
+  rng = np.random.default_rng(side * 100 + kernel)
+  x = rng.normal(size=(3, side, side, cin)).astype(np.float32)
+  w = rng.normal(size=(kernel, kernel, cin, cout)).astype(np.float32)
+  strides = (stride, stride)
+  pads = padding
+  if isinstance(padding, str):
+    pads = lax.padtype_to_pads((side, side), (kernel, kernel), strides, padding)
+  got = conv.patches_conv(jnp.asarray(x), jnp.asarray(w), strides, padding, lax.Precision.HIGHEST)
+  np.testing.assert_allclose(got, _numpy_conv(x, w, stride, pads), rtol=1e-5, atol=1e-5)
+
+  def loss(fn):
+    return lambda x, w: jnp.sum(jnp.sin(fn(x, w)))
+
+  patches = loss(lambda x, w: conv.patches_conv(x, w, strides, padding, lax.Precision.HIGHEST))
+  xla = loss(
+    lambda x, w: lax.conv_general_dilated(
+      x, w, strides, padding, dimension_numbers=DIMENSIONS, precision=lax.Precision.HIGHEST
+    )
+  )
+  for got, want in zip(
+    jax.grad(patches, argnums=(0, 1))(x, w), jax.grad(xla, argnums=(0, 1))(x, w)
+  ):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
+def test_the_rule_and_what_keeps_xlas_convolution():
+  assert conv.uses_patches((512, 8, 8, 16), (3, 3, 16, 32), (2, 2))
+  assert not conv.uses_patches((512, 32, 32, 3), (7, 7, 3, 64), (2, 2))  # The stem.
+  assert not conv.uses_patches((512, 8, 8, 16), (3, 3, 16, 16), (1, 1))
+  assert conv.uses_patches((512, 2, 2, 64), (3, 3, 64, 64), (1, 1))
+  assert conv.uses_patches((512, 16, 16, 128), (3, 3, 128, 128), (1, 1))
+
+  def primitives(**kwargs):
+    x, w = jnp.zeros((2, 2, 2, 4)), jnp.zeros((3, 3, 4, 4))
+    fn = lambda x, w: conv.conv_general_dilated(
+      x, w, (1, 1), "SAME", dimension_numbers=DIMENSIONS, **kwargs
+    )
+    return {e.primitive.name for e in jax.make_jaxpr(fn)(x, w).jaxpr.eqns}
+
+  assert "conv_general_dilated" not in primitives()
+  assert "conv_general_dilated" in primitives(rhs_dilation=(2, 2))
+  x, w = jnp.zeros((2, 2, 2, 4)), jnp.zeros((3, 3, 2, 4))
+  grouped = jax.make_jaxpr(
+    lambda x, w: conv.conv_general_dilated(
+      x, w, (1, 1), "SAME", dimension_numbers=DIMENSIONS, feature_group_count=2
+    )
+  )(x, w)
+  assert "conv_general_dilated" in {e.primitive.name for e in grouped.jaxpr.eqns}
+
+
+def test_the_resnet_with_the_patches_lowering_equals_it_without(monkeypatch):
+  """ResNet-18 at width 1/16 on 32 px (maps 8 to 1 px: strided, small and wide lowerings)."""
+  config = ml_collections.ConfigDict(
+    dict(name="resnet18", width=0.0625, stem="imagenet", dtype="float32", padding="torchvision")
+  )
+  encoder = models.build_encoder(config)
+  x = jnp.asarray(np.random.default_rng(0).uniform(size=(4, 32, 32, 3)), jnp.float32)
+  variables = encoder.init(jax.random.key(0), x, train=False)
+
+  def features(variables):
+    h, _ = encoder.apply(variables, x, train=True, mutable=["batch_stats"])
+    return h
+
+  def loss(params):
+    return jnp.sum(jnp.square(features({**variables, "params": params})))
+
+  h, grads = features(variables), jax.grad(loss)(variables["params"])
+  monkeypatch.setattr(conv, "conv_general_dilated", lax.conv_general_dilated)
+  want_h, want_grads = features(variables), jax.grad(loss)(variables["params"])
+  np.testing.assert_allclose(h, want_h, rtol=1e-4, atol=1e-5)
+  jax.tree.map(
+    lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4 * float(np.max(np.abs(b)))),
+    grads,
+    want_grads,
+  )
