@@ -6,10 +6,11 @@ ann.EXACT_BELOW rows is searched with.
 A bank of at most RESIDENT_BYTES goes to the device once and every block of
 queries is searched over all of it in one jitted call (lax.map over the blocks,
 lax.scan over the bank's chunks); a larger one (a memory-mapped index) is
-streamed through the device chunk by chunk. Each chunk's top-k is exact and found in two steps: the
-maximum of each group of GROUP columns, the k best groups, then the top-k
-of those k x GROUP scores (the k best scores lie in the k groups with the
-best maxima), which costs far less than lax.top_k over the whole chunk.
+streamed through the device chunk by chunk. Each chunk's top-k is exact and
+found in two steps: the maximum of each group of GROUP columns, the k best
+groups, then the top-k of those k x GROUP scores (the k best scores lie in the
+k groups with the best maxima), which costs far less than lax.top_k over the
+whole chunk.
 """
 
 import functools
@@ -111,10 +112,10 @@ def top_k_cosine(queries, bank, k: int, *, chunk_size: int, query_batch: int = Q
   float32 products (Precision.HIGHEST on every backend). A bank of at most
   RESIDENT_BYTES is copied to the device once and all blocks of query_batch
   queries searched over it in one call (one compile for each number of
-  blocks); a larger one goes to the device
-  chunk_size rows at a time (only the last chunk padded), each chunk's top-k
-  merged into the running top-k of every query, so the device then holds one
-  chunk and Q x (query_batch / Q x chunk_size + 2k) scores.
+  blocks); a larger one goes to the device chunk_size rows at a time (only
+  the last chunk padded), each chunk's top-k merged into the running top-k of
+  every query, so the device then holds one chunk and Q x (query_batch / Q x
+  chunk_size + 2k) scores.
 
   Args:
     queries: float32 [Q, D].
@@ -146,8 +147,8 @@ def top_k_cosine(queries, bank, k: int, *, chunk_size: int, query_batch: int = Q
     on_device = jnp.asarray(np.asarray(bank, np.float32))
     scores, rows = _search_resident(jnp.asarray(blocks), on_device, k=k, chunk=chunk)
   else:
-    blocks = [jnp.asarray(q) for q in blocks]
-    found = [_empty(block, k) for _ in blocks]
+    device_blocks = [jnp.asarray(q) for q in blocks]
+    found = [_empty(block, k) for _ in device_blocks]
     for start in range(0, num_rows, chunk):
       part = np.asarray(bank[start : start + chunk], np.float32)
       valid = len(part)
@@ -156,7 +157,7 @@ def top_k_cosine(queries, bank, k: int, *, chunk_size: int, query_batch: int = Q
       part = jnp.asarray(part)
       found = [
         _merge_chunk(*best, q, part, np.int32(start), np.int32(valid), k=k)
-        for best, q in zip(found, blocks)
+        for best, q in zip(found, device_blocks)
       ]
     scores, rows = (np.stack([np.asarray(b[i]) for b in found]) for i in (0, 1))
   return np.asarray(scores).reshape(-1, k)[:count], np.asarray(rows).reshape(-1, k)[:count]
