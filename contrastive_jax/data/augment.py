@@ -232,8 +232,23 @@ def color_jitter(x, key, view: ViewAugment):
   if not clipped:
     return x
   order = jax.random.permutation(perm_key, len(clipped))
-  for position in range(len(clipped)):
-    x = jax.lax.switch(order[position], clipped, x)
+  if view.hue == 0 or len(clipped) == 1:
+    for position in range(len(clipped)):
+      x = jax.lax.switch(order[position], clipped, x)
+    return x
+  # Batched (vmap), a switch evaluates every branch and selects: the hue shift, the costly
+  # op, would run at every position. So the hue (last in `clipped`) runs once, between the
+  # other ops' positions before it and those after it, each as a switch over the cheap ops.
+  cheap, hue = clipped[:-1], clipped[-1]
+  hue_position = jnp.argmax(order == len(cheap))
+  cheap_order = jnp.where(
+    jnp.arange(len(cheap)) < hue_position, order[:-1], order[1:]
+  )  # `order` without the hue.
+  for k in range(len(cheap)):
+    x = jnp.where(k < hue_position, jax.lax.switch(cheap_order[k], cheap, x), x)
+  x = hue(x)
+  for k in range(len(cheap)):
+    x = jnp.where(k >= hue_position, jax.lax.switch(cheap_order[k], cheap, x), x)
   return x
 
 
