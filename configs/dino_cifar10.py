@@ -40,7 +40,7 @@ Arguments (--config=configs/dino_cifar10.py:ARG,ARG..., e.g. :runlocal,model=res
       96 (width 0.5), 4 blocks, patch 8, a head of hidden 512, bottleneck 128 and 4096
       outputs, no stochastic depth (its measurements in docs/results.md were made
       without). The ResNet-18 at width 0.25 with the ImageNet stem (recipes.runlocal),
-      2400 steps (about 12 epochs; 12 minutes here, where 1200 gained 3.9 kNN points
+      2400 steps (about 12 epochs; 11 minutes here, where 1200 gained 3.9 kNN points
       and 2400 gained 7.6),
       with lightly's CIFAR-10 benchmark recipe for DINO (benchmarks/cifar10: SGD at
       0.06 x B/128, i.e. 0.12 x B/256, weight decay 5e-4; a 2-layer head of hidden 2048
@@ -96,7 +96,7 @@ def get_config(arg: str = ""):
       config.model.update(width=0.5, depth=4, patch_size=8)
       config.dino.update(out_dim=4096, hidden_dim=512, bottleneck_dim=128, drop_path_rate=0.0)
     else:
-      config.duration = "2400 steps"  # 12 minutes on this CPU (docs/results.md).
+      config.duration = "2400 steps"  # 11 minutes on this CPU (docs/results.md).
       config.optimizer.update(base_lr=0.12, weight_decay=5e-4)
       config.dino.update(out_dim=2048, hidden_dim=2048, num_layers=2, use_bn_in_head=True)
   if args.local_crops:
