@@ -26,6 +26,7 @@ import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
 from benchmarks import common
+from contrastive_jax.core.errors import JobError
 from contrastive_jax.data import sources
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base config.")
@@ -67,20 +68,30 @@ def time_step(config):
   return seconds, in_place
 
 
-def time_pipeline(config) -> float:
-  source = sources.get_source(config, {"train_split": config.train_split})
+def time_pipeline(config, source) -> float:
   batches = iter(common.train_pipeline(config, source, shuffle_buffer=1000))
   return common.seconds_per_batch(batches, warmup=1, timed=_PIPELINE_BATCHES.value)
 
 
 def main(_):
+  """Prints the table; a config or dataset that cannot run is one line on stderr, exit 1."""
+  try:
+    run_variants()
+  except JobError as error:
+    sys.exit(f"benchmarks/step_time.py: {error}")
+
+
+def run_variants():
   print(f"{jax.device_count()} {jax.devices()[0].platform} device(s)")
   print("| variant | batch | step (s) | images/s | pipeline (s/batch) | queue in place |")
   print("|---|---|---|---|---|---|")
   for variant in _VARIANTS.value.split(";"):
     config = override(_CONFIG.value, variant)
+    source = None
+    if _PIPELINE_BATCHES.value:  # Opened first: a missing dataset fails before compiling.
+      source = sources.get_source(config, {"train_split": config.train_split})
     step_s, in_place = time_step(config)
-    pipe_s = time_pipeline(config) if _PIPELINE_BATCHES.value else float("nan")
+    pipe_s = time_pipeline(config, source) if source is not None else float("nan")
     print(
       f"| {variant or 'base'} | {config.batch_size} | {step_s:.3f} | "
       f"{config.batch_size / step_s:.0f} | {pipe_s:.3f} | "
