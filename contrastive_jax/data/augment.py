@@ -232,7 +232,7 @@ def color_jitter(x, key, view: ViewAugment):
   if not clipped:
     return x
   order = jax.random.permutation(perm_key, len(clipped))
-  if view.hue == 0 or len(clipped) == 1:
+  if view.hue == 0:
     for position in range(len(clipped)):
       x = jax.lax.switch(order[position], clipped, x)
     return x
