@@ -32,25 +32,28 @@ Arguments (--config=configs/dino_cifar10.py:ARG,ARG..., e.g. :runlocal,model=res
       optimiser (README: --arch resnet50 --optimizer sgd --lr 0.03 --weight_decay
       1e-4 --weight_decay_end 1e-4 --global_crops_scale 0.14 1): SGD momentum 0.9,
       lr 0.03 x B/256, weight decay 1e-4 on kernels, the rest as above.
-  `runlocal`: shrunk for a 2-core CPU: batch 256, 1200 steps (about 6 epochs),
-      evaluators every 400 steps, warm-up of 1 epoch, teacher momentum 0.99 (0.996
-      barely moves the teacher in 1200 steps), the teacher temperature 0.04 throughout
-      as the default command (a warm-up to 0.07 over 2 epochs sent both runlocals'
-      teachers to the uniform distribution at the step, docs/results.md). The ViT at D
-      96 (width 0.5), 4 blocks, patch 8, a head of hidden 512, bottleneck 128 and 4096
-      outputs, no stochastic depth (its measurements in docs/results.md were made
-      without). The ResNet-18 at width 0.25 with the ImageNet stem (recipes.runlocal),
-      2400 steps (about 12 epochs; 11 minutes here, where 1200 gained 3.9 kNN points
-      and 2400 gained 7.6),
+  `runlocal`: shrunk for a 2-core CPU: batch 256, the train split held and cropped
+      on the device (on_device_data: the same crops, drawn there, so the host's
+      bicubic resizes do not share the 2 cores with the step), warm-up of 1 epoch,
+      teacher momentum 0.99 (0.996 barely moves the teacher in a few thousand steps),
+      the teacher temperature 0.04 throughout as the default command (a warm-up to
+      0.07 over 2 epochs sent both runlocals' teachers to the uniform distribution at
+      the step, docs/results.md); each as many steps as 15 minutes here hold with
+      room to spare. The ViT at D 96 (width 0.5), 4 blocks, patch 8, a head of hidden
+      512, bottleneck 128 and 4096 outputs, no stochastic depth (its measurements in
+      docs/results.md were made without), 1800 steps (about 9 epochs), evaluators
+      every 600 steps: 14 minutes, +7.2 kNN points. The ResNet-18 at width 0.25 with
+      the ImageNet stem (recipes.runlocal), 3200 steps (about 16 epochs), evaluators
+      every 800 steps: 12 minutes, +10.2 kNN points,
       with lightly's CIFAR-10 benchmark recipe for DINO (benchmarks/cifar10: SGD at
       0.06 x B/128, i.e. 0.12 x B/256, weight decay 5e-4; a 2-layer head of hidden 2048
       with BN, bottleneck 256, 2048 outputs), which learned where the reference's
       ResNet-50 optimiser and head did not in this budget (docs/results.md).
   `local_crops=0` (the default) or 2, 4, 6, 8, 10: multi-crop with that many local
       views of 16 px (area 0.05-0.4, blur p 0.5), the global views' scale then 0.4-1
-      as the reference's default command; the ViT's learned position embedding is
-      interpolated to the local views' grid (4 x 4 at patch 4, 2 x 2 in runlocal) as the
-      reference's interpolate_pos_encoding.
+      as the reference's default command, cropped on the host; the ViT's learned
+      position embedding is interpolated to the local views' grid (4 x 4 at patch 4,
+      2 x 2 in runlocal) as the reference's interpolate_pos_encoding.
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 Variant `runlocal_resnet`: runlocal,model=resnet18.
 """
@@ -87,18 +90,19 @@ def get_config(arg: str = ""):
     config.optimizer = recipes.dino_optimizer("sgd", 0.03, 1e-4, None)
   if args.runlocal:
     recipes.runlocal(config)
-    config.duration = "1200 steps"
-    for evaluator in config.evaluators.values():
-      evaluator.every = "400 steps"
+    config.on_device_data = True
     config.dino.momentum_teacher = 0.99
     if args.model == "vit_tiny":
       del config.model.stem  # recipes.runlocal's ResNet stem.
       config.model.update(width=0.5, depth=4, patch_size=8)
       config.dino.update(out_dim=4096, hidden_dim=512, bottleneck_dim=128, drop_path_rate=0.0)
+      config.duration, every = "1800 steps", "600 steps"
     else:
-      config.duration = "2400 steps"  # 11 minutes on this CPU (docs/results.md).
       config.optimizer.update(base_lr=0.12, weight_decay=5e-4)
       config.dino.update(out_dim=2048, hidden_dim=2048, num_layers=2, use_bn_in_head=True)
+      config.duration, every = "3200 steps", "800 steps"
+    for evaluator in config.evaluators.values():
+      evaluator.every = every
   if args.local_crops:
     # Multi-crop as the reference's default command (global views at scale 0.4-1, local
     # views at 0.05-0.4), the local views of 16 px here (96 / 224 of 32 px is 13.7; 16

@@ -36,7 +36,8 @@ def load_benchmark(name: str):
 
 def tiny_config(method: str = "simclr", variant: str = "runlocal"):
   """configs/METHOD_cifar10.py:VARIANT shrunk to seconds: 8 devices x 2 images, 4 steps,
-  a ResNet-18 at width 0.0625 or a 1-block ViT of D = 12 (runlocal_vit).
+  a ResNet-18 at width 0.0625 or a 1-block ViT of D = 12 (runlocal_vit), read through the
+  host pipeline.
 
   The ViT's config also leaves out the photometric augmentations (crops and flips
   stay): they would compile to more than the tiny ViT's whole step, and their code is
@@ -48,6 +49,7 @@ def tiny_config(method: str = "simclr", variant: str = "runlocal"):
     config.moco.bn_group_size = 8  # One image of each group per device on 8 devices.
   config.data_dir = TFDS_DIR
   config.train_split = "train[:256]"
+  config.on_device_data = False  # DINO's runlocals hold CIFAR-10 on the device.
   for evaluator in config.evaluators.values():
     evaluator.split = "test[:64]"
     evaluator.batch_size = 64
