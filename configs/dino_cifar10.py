@@ -33,8 +33,10 @@ Arguments (--config=configs/dino_cifar10.py:ARG,ARG..., e.g. :runlocal,model=res
       1e-4 --weight_decay_end 1e-4 --global_crops_scale 0.14 1): SGD momentum 0.9,
       lr 0.03 x B/256, weight decay 1e-4 on kernels, the rest as above.
   `runlocal`: shrunk for a 2-core CPU: batch 256, the train split held and cropped
-      on the device (on_device_data: the same crops, drawn there, so the host's
-      bicubic resizes do not share the 2 cores with the step), warm-up of 1 epoch,
+      on the device (on_device_data: crops of the same distributions drawn there, so
+      the host's bicubic resizes do not share the 2 cores with the step; other draws,
+      so a workdir of a runlocal that read on the host resumes only with
+      --config.on_device_data=False and its own duration), warm-up of 1 epoch,
       teacher momentum 0.99 (0.996 barely moves the teacher in a few thousand steps),
       the teacher temperature 0.04 throughout as the default command (a warm-up to
       0.07 over 2 epochs sent both runlocals' teachers to the uniform distribution at
@@ -51,7 +53,8 @@ Arguments (--config=configs/dino_cifar10.py:ARG,ARG..., e.g. :runlocal,model=res
       ResNet-50 optimiser and head did not in this budget (docs/results.md).
   `local_crops=0` (the default) or 2, 4, 6, 8, 10: multi-crop with that many local
       views of 16 px (area 0.05-0.4, blur p 0.5), the global views' scale then 0.4-1
-      as the reference's default command, cropped on the host; the ViT's learned
+      as the reference's default command, cropped on the host (a runlocal with
+      them keeps its steps and takes longer than 15 minutes); the ViT's learned
       position embedding is interpolated to the local views' grid (4 x 4 at patch 4,
       2 x 2 in runlocal) as the reference's interpolate_pos_encoding.
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.

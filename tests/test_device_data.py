@@ -149,8 +149,14 @@ def test_a_batch_spanning_two_epochs_reads_the_end_of_one_and_the_start_of_the_n
   np.testing.assert_array_equal(labels, want)  # Step 1: places 8-11 of epoch 0, 0-3 of 1.
 
 
-def test_pretraining_on_the_device_trains_with_a_finite_loss(tmp_path):
-  config = tiny_config("simclr")
+@pytest.mark.parametrize(
+  "method, variant",
+  [("simclr", "runlocal"), ("dino", "runlocal_resnet")],  # TF's crops; torchvision's, bicubic.
+)
+def test_pretraining_on_the_device_trains_with_a_finite_loss(tmp_path, method, variant):
+  config = tiny_config(method, variant)
+  if method == "dino":
+    config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
   config.on_device_data = True
   config.duration = "3 steps"
   config.checkpoint_every = "3 steps"
