@@ -48,6 +48,14 @@ from contrastive_jax.training import runner
 # --- numpy transcriptions of the reference ------------------------------------------------
 
 
+def _vit_config():
+  """tiny_config of DINO's ViT runlocal with the reference's head (3 layers, no BN), which
+  these tests transcribe; runlocal_resnet's tests cover the head with BN."""
+  config = tiny_config("dino", "runlocal")
+  config.dino.update(num_layers=3, use_bn_in_head=False)
+  return config
+
+
 def _log_softmax(x):
   x = x - x.max(-1, keepdims=True)
   return x - np.log(np.exp(x).sum(-1, keepdims=True))
@@ -448,7 +456,7 @@ def test_stochastic_depth_drops_whole_samples_at_the_references_rates_and_spares
   # In DINO's step the student drops (its loss leaves the undropped one) and the teacher
   # does not: the centre is the mean of the undropped network's outputs (see
   # test_one_step_on_8_devices_loss_centre_teacher_ema_and_frozen_last_layer).
-  config = tiny_config("dino", "runlocal")
+  config = _vit_config()
   config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8, drop_path_rate=0.5)
   config.model.depth = 2
   mesh = mesh_lib.make_mesh()
@@ -472,7 +480,7 @@ def test_stochastic_depth_drops_whole_samples_at_the_references_rates_and_spares
 
 
 def test_one_step_on_8_devices_loss_centre_teacher_ema_and_frozen_last_layer():
-  config = tiny_config("dino", "runlocal")
+  config = _vit_config()
   config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
   config.optimizer.warmup_epochs = 0.0  # A step with a learning rate above 0.
   mesh = mesh_lib.make_mesh()
@@ -520,7 +528,7 @@ def test_one_step_on_8_devices_loss_centre_teacher_ema_and_frozen_last_layer():
 
 
 def test_knn_monitor_evaluates_the_teacher_and_the_online_probe_the_student(tmp_path):
-  config = tiny_config("dino", "runlocal")
+  config = _vit_config()
   config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8, momentum_teacher=0.5)
   config.optimizer.warmup_epochs = 0.0  # Steps with a learning rate above 0.
   mesh = mesh_lib.make_mesh()
@@ -647,7 +655,7 @@ def test_local_crops_keep_torchvisions_distribution_and_the_global_views():
 
 
 def test_multi_crop_step_on_8_devices_equals_the_reference_over_all_views():
-  config = tiny_config("dino", "runlocal")
+  config = _vit_config()
   config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
   config.local_crops = dict(number=3, size=16, area_min=0.05, area_max=0.4)
   config.augment.local = dict(color_jitter_prob=0.0)  # Identity, as tiny_config's views.
@@ -704,7 +712,7 @@ def test_multi_crop_run_resumes_bit_for_bit_across_an_epoch_boundary(tmp_path, m
   # 48 images at batch 16: 3 steps an epoch. Stopped after step 2, the resumed run crosses
   # into epoch 1 at step 3, where the last layer's hold ends and the teacher temperature
   # steps up; its local views, teacher, centre and held optimizer state must match.
-  config = tiny_config("dino", "runlocal")
+  config = _vit_config()
   config.train_split = "train[:48]"
   config.duration = "6 steps"
   config.checkpoint_every = "3 steps"
