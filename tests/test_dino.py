@@ -45,15 +45,18 @@ from contrastive_jax.models import state_dicts
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
 
-# --- numpy transcriptions of the reference ------------------------------------------------
-
 
 def _vit_config():
-  """tiny_config of DINO's ViT runlocal with the reference's head (3 layers, no BN), which
-  these tests transcribe; runlocal_resnet's tests cover the head with BN."""
+  """tiny_config of DINO's ViT runlocal with the reference's head (3 layers, no BN) and
+  learned position embedding, which these tests transcribe; runlocal_resnet's tests cover
+  the head with BN."""
   config = tiny_config("dino", "runlocal")
   config.dino.update(num_layers=3, use_bn_in_head=False)
+  config.model.position_embedding = "learned"
   return config
+
+
+# --- numpy transcriptions of the reference ------------------------------------------------
 
 
 def _log_softmax(x):
