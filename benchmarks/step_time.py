@@ -1,13 +1,15 @@
-"""Times the pretraining step and the host input pipeline; prints a table.
+"""Times the pretraining step and the job's input pipeline; prints a table.
 
   python benchmarks/step_time.py --config=configs/simclr_cifar10.py:runlocal \
       --variants='model.width=0.25;model.width=0.125'
 
 Each variant is a ';'-separated list of config overrides (field=value, comma
 separated). The step is timed on a fixed uint8 batch after compilation, so it
-excludes the input pipeline; the pipeline is timed alone on real data. For MoCo
-the last column says whether the donated state let XLA write the queue into
-its own buffer (no copy of the K x D queue per step):
+excludes the input pipeline; the pipeline is timed alone on real data: the host's,
+or for a config with on_device_data the device's batch draw, crops and flips (the
+split read onto the device first, untimed). For MoCo the last column says whether
+the donated state let XLA write the queue into its own buffer (no copy of the K x D
+queue per step):
 
   python benchmarks/step_time.py --config=configs/moco_v2_cifar10.py:runlocal \
       --variants='moco.queue_size=4096;moco.queue_size=65536' --pipeline_batches=0
@@ -26,8 +28,10 @@ import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
 from benchmarks import common
+from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.data import sources
+from contrastive_jax.jobs import pretrain
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Base config.")
 _VARIANTS = flags.DEFINE_string("variants", "", "';'-separated override sets.")
@@ -69,7 +73,13 @@ def time_step(config):
 
 
 def time_pipeline(config, source) -> float:
-  batches = iter(common.train_pipeline(config, source, shuffle_buffer=1000))
+  """Seconds per batch of the input the pretrain job reads for config."""
+  if config.get("on_device_data", False):
+    num_steps = _PIPELINE_BATCHES.value + 1
+    batches = pretrain.on_device_batches(config, source, mesh_lib.make_mesh(), num_steps)(0)
+    batches = map(jax.block_until_ready, batches)
+  else:
+    batches = iter(common.train_pipeline(config, source, shuffle_buffer=1000))
   return common.seconds_per_batch(batches, warmup=1, timed=_PIPELINE_BATCHES.value)
 
 
