@@ -35,8 +35,8 @@ Arguments (--config=configs/dino_cifar10.py:ARG,ARG..., e.g. :runlocal,model=res
   `runlocal`: shrunk for a 2-core CPU: batch 256, the train split held and cropped
       on the device (on_device_data: crops of the same distributions drawn there, so
       the host's bicubic resizes do not share the 2 cores with the step; other draws,
-      so a workdir of a runlocal that read on the host resumes only with
-      --config.on_device_data=False and its own duration), warm-up of 1 epoch,
+      so an older runlocal's workdir resumes only with its own config's fields, which
+      the resume check names), warm-up of 1 epoch,
       teacher momentum 0.99 (0.996 barely moves the teacher in a few thousand steps),
       the teacher temperature 0.04 throughout as the default command (a warm-up to
       0.07 over 2 epochs sent both runlocals' teachers to the uniform distribution at
@@ -47,10 +47,11 @@ Arguments (--config=configs/dino_cifar10.py:ARG,ARG..., e.g. :runlocal,model=res
       (docs/results.md). The ViT at D 96 (width 0.5), 4 blocks, patch 8, with MoCo
       v3's fixed sine-cosine position embedding instead of the reference's learned
       one (which starts as noise and has few steps here to learn), a learning rate of
-      1e-3 x B/256 (2x the reference's), no blur (lightly's CIFAR-10 recipe has none;
-      it cost 5% of this step), no stochastic depth, 1800 steps (about 9 epochs),
-      evaluators every 900 steps: 13.5 minutes, +10.2 kNN points (each change's
-      measurements in docs/results.md). The ResNet-18 at width 0.25 with the
+      1e-3 x B/256 (2x the reference's, MoCo v3's ViT runlocal's), no blur on the two
+      global views (the ViT alone: it cost 4% of its step, and the ViT needs the
+      time; local_crops' local views keep p 0.5), no stochastic depth, 1800 steps
+      (about 9 epochs), evaluators every 900 steps: 13 min 34 s, +10.2 kNN points
+      (each change's measurements in docs/results.md). The ResNet-18 at width 0.25 with the
       ImageNet stem (recipes.runlocal), 3200 steps (about 16 epochs), evaluators
       every 800 steps, and lightly's optimiser (SGD at 0.06 x B/128, i.e. 0.12 x
       B/256, weight decay 5e-4): 12 minutes, +10.2 kNN points.
