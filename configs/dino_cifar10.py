@@ -57,8 +57,9 @@ Arguments (--config=configs/dino_cifar10.py:ARG,ARG..., e.g. :runlocal,model=res
       B/256, weight decay 5e-4): 12 minutes, +10.2 kNN points.
   `local_crops=0` (the default) or 2, 4, 6, 8, 10: multi-crop with that many local
       views of 16 px (area 0.05-0.4, blur p 0.5), the global views' scale then 0.4-1
-      as the reference's default command, cropped on the host (a runlocal with
-      them keeps its steps and takes longer than 15 minutes); the ViT's learned
+      as the reference's default command, cropped where the global views are (on
+      the device in runlocal; a runlocal with them keeps its steps, each dearer by
+      the local views' passes through the student); the ViT's learned
       position embedding is interpolated to the local views' grid (4 x 4 at patch 4)
       as the reference's interpolate_pos_encoding, runlocal's sine-cosine one computed
       for theirs (2 x 2).

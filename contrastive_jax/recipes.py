@@ -400,10 +400,8 @@ def dino_multi_crop(config, *, number: int, size: int, global_scale: float, loca
   """Multi-crop as DINO's DataAugmentationDINO: the global views' crop area from global_scale
   to 1, `number` local views of `size` pixels at area local_scale = (min, max), each as
   the global views' view 1 (flip, jitter, grayscale) but blurred with p 0.5 and never
-  solarised. Sets config.crop.area_min, config.local_crops and config.augment.local, and
-  reads on the host (config.on_device_data False: the device path crops views of one size)."""
+  solarised. Sets config.crop.area_min, config.local_crops and config.augment.local."""
   config.crop.area_min = global_scale
-  config.on_device_data = False
   config.local_crops = dict(
     number=number, size=size, area_min=local_scale[0], area_max=local_scale[1]
   )

@@ -25,27 +25,26 @@ from contrastive_jax.jobs import pretrain
 from contrastive_jax.training import runner
 
 
-def device_windows(sampler, h, w, n, area_min=0.08):
+def device_windows(sampler, h, w, n, area_min=0.08, area_max=1.0):
   """n windows (top, left, height, width) of device_data.crop_window with keys 0..n-1."""
-  fn = jax.jit(
-    jax.vmap(
-      lambda i: jnp.stack(device_data.crop_window(jax.random.key(i), h, w, sampler, area_min))
-    )
-  )
+  window = lambda i: device_data.crop_window(jax.random.key(i), h, w, sampler, area_min, area_max)
+  fn = jax.jit(jax.vmap(lambda i: jnp.stack(window(i))))
   return np.asarray(fn(jnp.arange(n)))
 
 
-@pytest.mark.parametrize("h,w", [(32, 32), (168, 224)])
-def test_device_crops_draw_the_host_samplers_distributions(h, w):
+@pytest.mark.parametrize(
+  "h,w,area_range", [(32, 32, (0.08, 1.0)), (168, 224, (0.08, 1.0)), (168, 224, (0.05, 0.4))]
+)  # The last: DINO's local crops.
+def test_device_crops_draw_the_host_samplers_distributions(h, w, area_range):
   # Two-sample Kolmogorov-Smirnov on 4000 crops each, as test_recipes: the critical
   # distance at alpha = 1e-3 is 1.95 sqrt(2 / 4000) = 0.044; the samplers differ
   # from each other by more than 0.06 (checked there), so a swapped sampler fails.
   n, critical = 4000, 1.95 * math.sqrt(2 / 4000)
   for sampler in crop_spec.SAMPLERS:
-    top, left, ch, cw = device_windows(sampler, h, w, n).T
+    top, left, ch, cw = device_windows(sampler, h, w, n, *area_range).T
     assert np.all((top >= 0) & (left >= 0) & (ch > 0) & (cw > 0))
     assert np.all((top + ch <= h) & (left + cw <= w)), sampler
-    _, _, hch, hcw = sampled_windows(sampler, h, w, n).T
+    _, _, hch, hcw = sampled_windows(sampler, h, w, n, *area_range).T
     area, host_area = ch * cw / (h * w), hch * hcw / (h * w)
     assert stats.ks_2samp(area, host_area).statistic < critical, sampler
     assert stats.ks_2samp(cw / ch, hcw / hch).statistic < critical, sampler
@@ -101,16 +100,26 @@ def _config(batch, sampler="torchvision", seed=3):
 def test_views_flip_with_probability_one_half_and_keep_the_hosts_batch_layout():
   # A horizontal ramp stays increasing left to right through any crop and resize;
   # a flipped view decreases. 2000 views: 4 standard deviations of the fraction are
-  # 4 sqrt(0.25 / 2000) = 0.045.
+  # 4 sqrt(0.25 / 2000) = 0.045. Multi-crop's local views likewise (3000 of them).
   ramp = np.broadcast_to((np.arange(32) * 8)[None, :, None], (32, 32, 3)).astype(np.uint8)
   split, mesh = _split(np.stack([ramp] * 8), np.arange(8))
-  batches = device_data.train_batches(split, (_config(200)), mesh, image_size=16)(0)
-  views = np.concatenate([np.asarray(next(batches)["image"]) for _ in range(5)])
+  config = _config(200)
+  config.local_crops = dict(number=3, size=8, area_min=0.05, area_max=0.4)
+  batches = device_data.train_batches(split, config, mesh, image_size=16)(0)
+  batches = [jax.device_get(next(batches)) for _ in range(5)]
+  views = np.concatenate([b["image"] for b in batches])
+  local = np.concatenate([b["local_image"] for b in batches])
   assert views.shape == (1000, 2, 16, 16, 3) and views.dtype == np.uint8
-  columns = views.astype(np.int32).mean(axis=(2, 4))  # [1000, 2, 16]
-  flipped = columns[..., 0] > columns[..., -1]
-  assert abs(flipped.mean() - 0.5) < 0.045
-  assert np.all(columns[..., 0] != columns[..., -1])
+  assert local.shape == (1000, 3, 8, 8, 3) and local.dtype == np.uint8
+  for x in (views, local):
+    columns = x.astype(np.int32).mean(axis=(2, 4))  # [1000, views, size]
+    flipped = columns[..., 0] > columns[..., -1]
+    assert abs(flipped.mean() - 0.5) < 0.045
+    assert np.all(columns[..., 0] != columns[..., -1])
+  # A local window has at most 0.4 of the area at an aspect ratio of at most 4/3, so at
+  # most 23 of the ramp's 32 columns (values 8 apart): its grey levels span at most 176.
+  red = local[..., 0].astype(np.int32)
+  assert (red.max(axis=(2, 3)) - red.min(axis=(2, 3))).max() <= 176
 
 
 def test_each_epoch_reads_every_record_once_in_a_seeded_order_and_a_resume_is_exact():
@@ -151,8 +160,8 @@ def test_a_batch_spanning_two_epochs_reads_the_end_of_one_and_the_start_of_the_n
 
 @pytest.mark.parametrize(
   "method, variant",
-  [("simclr", "runlocal"), ("dino", "runlocal_resnet")],  # TF's crops; torchvision's, bicubic.
-)
+  [("simclr", "runlocal"), ("dino", "runlocal_resnet"), ("dino", "runlocal_resnet,local_crops=2")],
+)  # TF's crops; torchvision's, bicubic; with multi-crop's local views.
 def test_pretraining_on_the_device_trains_with_a_finite_loss(tmp_path, method, variant):
   config = tiny_config(method, variant)
   if method == "dino":

@@ -704,9 +704,6 @@ def test_multi_crop_bad_input_is_one_line_before_any_compute():
   with pytest.raises(ConfigError, match=r"^config.local_crops.size=12: must be a multiple of "):
     dino.check_config(config, 50_000)
   config = load_config("dino_cifar10", "runlocal,local_crops=4")
-  config.on_device_data = True
-  with pytest.raises(ConfigError, match=r"^config.on_device_data=True: must be False"):
-    dino.check_config(config, 50_000)
   config.local_crops.area_min = 0.5
   with pytest.raises(ConfigError, match=r"^config.local_crops.area_min=0.5: must be in"):
     crop_spec.check_local_crops(config)

@@ -105,11 +105,11 @@ def byol_crop(h, w, area_min, rng):
 REFERENCE_CROPS = {"tensorflow": tf_kernel_crop, "torchvision": torchvision_crop, "byol": byol_crop}
 
 
-def sampled_windows(sampler, h, w, n, area_min=0.08):
+def sampled_windows(sampler, h, w, n, area_min=0.08, area_max=1.0):
   """n windows (top, left, height, width) of crops.crop_window with seeds (0, i)."""
   fn = tf.function(
     lambda seeds: tf.map_fn(
-      lambda s: tf.stack(crops.crop_window(h, w, s, sampler, area_min)),
+      lambda s: tf.stack(crops.crop_window(h, w, s, sampler, area_min, area_max)),
       seeds,
       fn_output_signature=tf.int32,
     )

@@ -18,7 +18,9 @@ not), and each train step draws its batch there with one jitted call:
           (crop_window: 'tensorflow', 'torchvision', 'byol'), and resized to
           image_size with crop_spec.RESIZES' kernel (resize_weights), then flipped
           left-right with p 1/2. Views are uint8, rounded and clipped, as the
-          host's.
+          host's. Multi-crop's local views (config.local_crops) are drawn the same
+          way at their own size and area range, as view indices after the global
+          views'.
 
 Everything is a function of (seed, step), so the batches from start_step s equal
 an uninterrupted run's. The draws are not the host's (jax.random, not TF's
@@ -264,16 +266,17 @@ def _offsets(key, height, width, h, w):
   return top, left
 
 
-def _area_and_ratio(key, shape, area_min, area):
-  """Target area U[area_min, 1) x area and aspect ratio exp(U[log 3/4, log 4/3)), float32."""
+def _area_and_ratio(key, shape, area_min, area_max, area):
+  """Target area U[area_min, area_max) x area and aspect ratio exp(U[log 3/4, log 4/3)),
+  float32."""
   u = jax.random.uniform(key, shape + (2,))
   log_lo, log_hi = math.log(crop_spec.ASPECT_RANGE[0]), math.log(crop_spec.ASPECT_RANGE[1])
-  return area * (area_min + (1.0 - area_min) * u[..., 0]), jnp.exp(
+  return area * (area_min + (area_max - area_min) * u[..., 0]), jnp.exp(
     log_lo + (log_hi - log_lo) * u[..., 1]
   )
 
 
-def _tensorflow_window(key, height, width, area_min):
+def _tensorflow_window(key, height, width, area_min, area_max):
   """TF's sample_distorted_bounding_box kernel with SimCLR's arguments (crops.py docstring):
 
   per attempt a ratio uniform in [3/4, 4/3], the height uniform among the
@@ -287,7 +290,7 @@ def _tensorflow_window(key, height, width, area_min):
   lo, hi = crop_spec.ASPECT_RANGE
   ratio = jax.random.uniform(ratio_key, (n,)) * (hi - lo) + lo
   min_area = jnp.float32(area_min * width * height)
-  max_area = jnp.float32(width * height)
+  max_area = jnp.float32(area_max * width * height)
   ch = _lrint(jnp.sqrt(min_area / ratio))
   max_h = _lrint(jnp.sqrt(max_area / ratio))
   too_wide = _lrint(max_h * ratio) > width
@@ -316,11 +319,11 @@ def _tensorflow_window(key, height, width, area_min):
   return top, left, h, w
 
 
-def _torchvision_window(key, height, width, area_min):
+def _torchvision_window(key, height, width, area_min, area_max):
   """torchvision's RandomResizedCrop.get_params, as crops._torchvision_window."""
   draw_key, offset_key = jax.random.split(key)
   target, ratio = _area_and_ratio(
-    draw_key, (crop_spec.TORCHVISION_ATTEMPTS,), area_min, float(height * width)
+    draw_key, (crop_spec.TORCHVISION_ATTEMPTS,), area_min, area_max, float(height * width)
   )
   ws, hs = _lrint(jnp.sqrt(target * ratio)), _lrint(jnp.sqrt(target / ratio))
   fits = (ws > 0) & (ws <= width) & (hs > 0) & (hs <= height)
@@ -343,10 +346,10 @@ def _torchvision_window(key, height, width, area_min):
   return top, left, h, w
 
 
-def _byol_window(key, height, width, area_min):
+def _byol_window(key, height, width, area_min, area_max):
   """BYOL's _decode_and_random_crop: one draw, each side clamped to [1, the image's]."""
   draw_key, offset_key = jax.random.split(key)
-  target, ratio = _area_and_ratio(draw_key, (), area_min, float(height * width))
+  target, ratio = _area_and_ratio(draw_key, (), area_min, area_max, float(height * width))
   w = jnp.clip(_lrint(jnp.sqrt(target * ratio)), 1, width)
   h = jnp.clip(_lrint(jnp.sqrt(target / ratio)), 1, height)
   top, left = _offsets(offset_key, height, width, h, w)
@@ -360,14 +363,14 @@ _WINDOWS = {
 }
 
 
-def crop_window(key, height: int, width: int, sampler: str, area_min: float):
+def crop_window(key, height: int, width: int, sampler: str, area_min: float, area_max: float = 1.0):
   """(top, left, crop height, crop width), int32 scalars: `sampler`'s crop of a height x width
-  image.
+  image, its area fraction drawn from [area_min, area_max).
 
   The device twin of crops.crop_window (same distribution, drawn with
   jax.random from `key`); height and width are static Python ints.
   """
-  return _WINDOWS[sampler](key, height, width, area_min)
+  return _WINDOWS[sampler](key, height, width, area_min, area_max)
 
 
 # --- Resize --------------------------------------------------------------------------------
@@ -433,11 +436,12 @@ def view_key(seed: int, position, view):
   return jax.random.fold_in(jax.random.fold_in(key, position), view)
 
 
-def one_view(image, key, size: int, crop: crop_spec.CropSpec):
+def one_view(image, key, size: int, crop: crop_spec.CropSpec, area_range: tuple):
   """crops.random_resized_crop's view on the device: uint8 [size, size, 3] of uint8 image
-  [H, W, 3], its window drawn from key, flipped left-right with p 1/2."""
+  [H, W, 3], its window (crop's sampler, area fraction in area_range = (min, max)) drawn
+  from key, resized with crop's resize, flipped left-right with p 1/2."""
   crop_key, flip_key = jax.random.split(key)
-  window = crop_window(crop_key, image.shape[0], image.shape[1], crop.sampler, crop.area_min)
+  window = crop_window(crop_key, image.shape[0], image.shape[1], crop.sampler, *area_range)
   view = resized_crop(image, window, size, crop.resize)
   return jnp.where(jax.random.uniform(flip_key) < 0.5, view, view[:, ::-1])
 
@@ -456,6 +460,7 @@ def make_batch_fn(
   crop: crop_spec.CropSpec,
   seed: int,
   mesh,
+  local_crops: Optional[crop_spec.LocalCrops] = None,
 ):
   """The jitted (split, this_epoch, next_epoch, epoch, step) -> global batch of step `step`.
 
@@ -463,21 +468,34 @@ def make_batch_fn(
   permutations (epoch_order_array) of epochs `epoch` and `epoch` + 1, where
   epoch = step batch // num (a batch is at most num long, so it spans at most
   both). Returns {'image': uint8 [batch, num_views, S, S, 3], 'label': int32
-  [batch]}, sharded along the batch over the mesh: what
-  input_pipeline.train_batches yields.
+  [batch]}, and with local_crops (multi-crop) 'local_image': uint8 [batch, N, s, s, 3],
+  N = local_crops.number views of s = local_crops.size pixels at area fractions in
+  [area_min, area_max), drawn as the global views (view indices num_views onwards);
+  sharded along the batch over the mesh: what input_pipeline.train_batches yields.
   """
+
+  def views(images, positions, first: int, count: int, size: int, area_range: tuple):
+    """uint8 [batch, count, size, size, 3]: views first .. first + count - 1 of each image."""
+    indices = jnp.arange(first, first + count)
+    keys = jax.vmap(lambda p: jax.vmap(lambda v: view_key(seed, p, v))(indices))(positions)
+    per_image = jax.vmap(lambda k, image: one_view(image, k, size, crop, area_range), (0, None))
+    return jax.vmap(per_image)(keys, images)
 
   def fn(split, this_epoch, next_epoch, epoch, step):
     positions = batch_positions(step, batch)
     place = positions % num
     index = jnp.where(positions // num == epoch, this_epoch[place], next_epoch[place])
     images = split.images[index]
-    keys = jax.vmap(lambda p: jax.vmap(lambda v: view_key(seed, p, v))(jnp.arange(num_views)))(
-      positions
-    )
-    per_image = jax.vmap(lambda k, image: one_view(image, k, image_size, crop), in_axes=(0, None))
-    views = jax.vmap(per_image)(keys, images)
-    return {"image": views, "label": split.labels[index]}
+    out = {
+      "image": views(images, positions, 0, num_views, image_size, (crop.area_min, 1.0)),
+      "label": split.labels[index],
+    }
+    if local_crops is not None:
+      local_range = (local_crops.area_min, local_crops.area_max)
+      out["local_image"] = views(
+        images, positions, num_views, local_crops.number, local_crops.size, local_range
+      )
+    return out
 
   return jax.jit(fn, out_shardings=mesh_lib.batch_sharded(mesh))
 
@@ -509,12 +527,14 @@ class _Orders:
 def train_batches(split: Split, config, mesh, *, image_size: int, num_views: int = 2):
   """A job's start_step -> iterator of global training batches from the device (module docstring).
 
-  Reads config.batch_size (global), crop (crop_spec.CropSpec's fields) and seed;
+  Reads config.batch_size (global), crop (crop_spec.CropSpec's fields), seed and
+  local_crops (crop_spec.LocalCrops' fields, optional: multi-crop's views);
   batch_size must be at most N (the pretrain job checks it). The iterator
   yields what input_pipeline.train_batches yields.
   """
   num = split.images.shape[0]
   batch = config.batch_size
+  local_crops = config.get("local_crops")
   fn = make_batch_fn(
     num=num,
     batch=batch,
@@ -523,6 +543,7 @@ def train_batches(split: Split, config, mesh, *, image_size: int, num_views: int
     crop=crop_spec.CropSpec(**config.crop),
     seed=config.seed,
     mesh=mesh,
+    local_crops=crop_spec.LocalCrops(**local_crops) if local_crops else None,
   )
   orders = _Orders(num, config.seed, mesh)
 

@@ -182,10 +182,6 @@ def check_config(config, num_train_examples: int):
     )
   local = config.get("local_crops")
   if local is not None:
-    if config.get("on_device_data", False):
-      raise ConfigError(
-        "on_device_data", True, "False with local_crops (multi-crop reads on the host)"
-      )
     if "local" not in config.augment:
       raise ConfigError("augment.local", None, "the local views' augmentation (local_crops)")
     patch = config.model.get("patch_size")
