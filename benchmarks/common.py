@@ -46,8 +46,9 @@ def step_setup(config):
 
   The step is pretraining.setup's (jitted, state donated), with the online probe when
   config's dataset is labelled, as the job runs it. The batch is fixed random uint8
-  images [batch_size, 2, image_size, image_size, 3] and zero labels, placed as the job
-  places its batches (split over the mesh's data axis).
+  images [batch_size, 2, image_size, image_size, 3] (with config.local_crops also
+  'local_image' [batch_size, N, s, s, 3]) and zero labels, placed as the job places its
+  batches (split over the mesh's data axis).
   """
   mesh = mesh_lib.make_mesh()
   num_classes = sources.get_source(config, {}).num_classes or 0
@@ -55,11 +56,16 @@ def step_setup(config):
     config, mesh, steps_per_epoch=100, num_steps=1000, num_classes=num_classes
   )
   size = config.image_size
-  images = np.random.default_rng(0).integers(
-    0, 256, (config.batch_size, 2, size, size, 3), np.uint8
-  )
-  labels = np.zeros(config.batch_size, np.int32)
-  batch = jax.device_put({"image": images, "label": labels}, mesh_lib.batch_sharded(mesh))
+  rng = np.random.default_rng(0)
+  batch = {
+    "image": rng.integers(0, 256, (config.batch_size, 2, size, size, 3), np.uint8),
+    "label": np.zeros(config.batch_size, np.int32),
+  }
+  local = config.get("local_crops")
+  if local:
+    shape = (config.batch_size, local.number, local.size, local.size, 3)
+    batch["local_image"] = rng.integers(0, 256, shape, np.uint8)
+  batch = jax.device_put(batch, mesh_lib.batch_sharded(mesh))
   return run, run.init(), batch
 
 
