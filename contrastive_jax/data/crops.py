@@ -6,7 +6,7 @@ reference algorithm in numpy and compares):
 
   'tensorflow'  SimCLR (google-research/simclr data_util.crop_and_resize):
                 tf.image.sample_distorted_bounding_box with the whole image as
-                the object, min_object_covered 0.1, area in [area_min, 1],
+                the object, min_object_covered 0.1, area in [area_min, area_max],
                 aspect ratio (width / height) uniform in [3/4, 4/3], 100
                 attempts; the kernel draws the crop height uniformly among the
                 integers that fit the area range, so the area is not uniform;
@@ -14,7 +14,7 @@ reference algorithm in numpy and compares):
                 10% of the image never cover 10% of the object, so the
                 effective smallest area is max(area_min, 0.1).
   'torchvision' MoCo (torchvision.transforms.RandomResizedCrop.get_params):
-                area uniform in [area_min, 1] of the image, log aspect ratio
+                area uniform in [area_min, area_max] of the image, log aspect ratio
                 uniform in [log 3/4, log 4/3], width and height rounded, up to
                 10 attempts until the crop fits; else a centre crop of the
                 whole image clamped to the aspect range.

@@ -280,10 +280,11 @@ def _tensorflow_window(key, height, width, area_min, area_max):
   """TF's sample_distorted_bounding_box kernel with SimCLR's arguments (crops.py docstring):
 
   per attempt a ratio uniform in [3/4, 4/3], the height uniform among the
-  integers from the one that gives area_min to the largest that fits, nudged
-  by one to meet the area range; an attempt counts if it fits and covers at
-  least min_object_covered of the image; the first of 100 wins, else the
-  whole image. (tests/test_recipes.py transcribes the kernel in numpy.)
+  integers from the one that gives area_min to the largest that fits within
+  area_max, nudged by one to meet the area range; an attempt counts if it fits
+  and covers at least min_object_covered of the image; the first of 100 wins,
+  else the whole image; the offsets uniform in [0, H - h) and [0, W - w).
+  (tests/test_recipes.py transcribes the kernel in numpy.)
   """
   ratio_key, height_key, offset_key = jax.random.split(key, 3)
   n = crop_spec.SIMCLR_MAX_ATTEMPTS
@@ -315,7 +316,11 @@ def _tensorflow_window(key, height, width, area_min, area_max):
   found = valid[first]
   h = jnp.where(found, ch[first], height)
   w = jnp.where(found, cw[first], width)
-  top, left = _offsets(offset_key, height, width, h, w)
+  # The kernel's offsets are Uniform(H - h) (0 when the crop spans the side): a crop
+  # never touches the bottom or right edge unless it spans that side.
+  top_key, left_key = jax.random.split(offset_key)
+  top = jax.random.randint(top_key, (), 0, jnp.maximum(height - h, 1))
+  left = jax.random.randint(left_key, (), 0, jnp.maximum(width - w, 1))
   return top, left, h, w
 
 
@@ -470,7 +475,8 @@ def make_batch_fn(
   both). Returns {'image': uint8 [batch, num_views, S, S, 3], 'label': int32
   [batch]}, and with local_crops (multi-crop) 'local_image': uint8 [batch, N, s, s, 3],
   N = local_crops.number views of s = local_crops.size pixels at area fractions in
-  [area_min, area_max), drawn as the global views (view indices num_views onwards);
+  [area_min, area_max) (the sampler's own: TF's covers at least 0.1), drawn as the
+  global views (view indices num_views onwards);
   sharded along the batch over the mesh: what input_pipeline.train_batches yields.
   """
 
