@@ -82,8 +82,9 @@ def seconds_per_step(step, state, batch, steps: int):
 def train_pipeline(config, source, *, shuffle_buffer: int):
   """The project's training input pipeline (input_pipeline.train_dataset) for config.
 
-  Uncached, from step 0, with config's batch_size, image_size, crop settings, seed and
-  data_threads: batches {'image': uint8 [B, 2, S, S, 3], 'label': int32 [B]}.
+  Uncached, from step 0, with config's batch_size, image_size, crop settings, seed,
+  data_threads and local_crops: batches {'image': uint8 [B, 2, S, S, 3], 'label': int32
+  [B]}, and 'local_image' uint8 [B, N, s, s, 3] with local_crops.
   """
   return input_pipeline.train_dataset(
     source,
@@ -96,6 +97,7 @@ def train_pipeline(config, source, *, shuffle_buffer: int):
     cache=False,
     shuffle_buffer=shuffle_buffer,
     threads=config.data_threads,
+    local_crops=crop_spec.LocalCrops(**local) if (local := config.get("local_crops")) else None,
   )
 
 
