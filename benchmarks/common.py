@@ -10,8 +10,8 @@ from typing import Iterator
 
 import jax
 from ml_collections import config_flags
-import numpy as np
 
+from benchmarks import batches
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.data import crop_spec
 from contrastive_jax.data import input_pipeline
@@ -55,18 +55,7 @@ def step_setup(config):
   run = pretraining.setup(
     config, mesh, steps_per_epoch=100, num_steps=1000, num_classes=num_classes
   )
-  size = config.image_size
-  rng = np.random.default_rng(0)
-  batch = {
-    "image": rng.integers(0, 256, (config.batch_size, 2, size, size, 3), np.uint8),
-    "label": np.zeros(config.batch_size, np.int32),
-  }
-  local = config.get("local_crops")
-  if local:
-    shape = (config.batch_size, local.number, local.size, local.size, 3)
-    batch["local_image"] = rng.integers(0, 256, shape, np.uint8)
-  batch = jax.device_put(batch, mesh_lib.batch_sharded(mesh))
-  return run, run.init(), batch
+  return run, run.init(), batches.random_batch(config, mesh)
 
 
 def seconds_per_step(step, state, batch, steps: int):

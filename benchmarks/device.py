@@ -88,6 +88,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
+from benchmarks import batches  # noqa: E402
 from benchmarks import flops  # noqa: E402
 from contrastive_jax import models  # noqa: E402
 from contrastive_jax.core import files  # noqa: E402
@@ -249,26 +250,11 @@ def time_steps(step, state, batch, steps: int):
   return (time.perf_counter() - start) / steps, state
 
 
-def random_batch(config, mesh, num_views: int = 2):
-  """A fixed uint8 batch [B, num_views, S, S, 3] with zero labels, and with DINO's
-  config.local_crops its local views [B, N, s, s, 3], sharded as the jobs shard."""
-  rng, size, b = np.random.default_rng(0), config.image_size, config.batch_size
-  batch = {
-    "image": rng.integers(0, 256, (b, num_views, size, size, 3), np.uint8),
-    "label": np.zeros(b, np.int32),
-  }
-  local = config.get("local_crops")
-  if local:
-    shape = (b, local.number, local.size, local.size, 3)
-    batch["local_image"] = rng.integers(0, 256, shape, np.uint8)
-  return jax.device_put(batch, mesh_lib.batch_sharded(mesh))
-
-
 def step_row(label: str, config, mesh, peak) -> dict:
   """The steps section's measurements of one config."""
   start = time.perf_counter()
   run = pretraining.setup(config, mesh, steps_per_epoch=100, num_steps=1000, num_classes=10)
-  state, batch = run.init(), random_batch(config, mesh)
+  state, batch = run.init(), batches.random_batch(config, mesh)
   step, cost = compile_step(run.train_step, state, batch)
   seconds, state = time_steps(step, state, batch, FLAGS.steps)
   del state
@@ -335,7 +321,7 @@ def supervised_row(tiny: bool, mesh, peak) -> dict:
     return (optax.apply_updates(params, updates), batch_stats, opt_state), {"loss": loss}
 
   step = jax.jit(step, donate_argnums=0, out_shardings=(replicated, replicated))
-  batch = random_batch(config, mesh, num_views=1)
+  batch = batches.random_batch(config, mesh, num_views=1)
   step, cost = compile_step(step, state, batch)
   seconds, state = time_steps(step, state, batch, FLAGS.steps)
   del state
