@@ -1,6 +1,7 @@
-"""models/conv.py: the patches lowering against XLA's convolution, values and gradients,
-and the ResNet with it against the ResNet without."""
+"""models/conv.py: the patches lowering against XLA's convolution and the views max-pool
+against flax's, values and gradients, and the ResNet with them against the ResNet without."""
 
+import flax.linen as nn
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -111,6 +112,7 @@ def test_the_resnet_with_the_patches_lowering_equals_it_without(monkeypatch):
 
   h, grads = features(variables), jax.grad(loss)(variables["params"])
   monkeypatch.setattr(conv, "conv_general_dilated", lax.conv_general_dilated)
+  monkeypatch.setattr(conv, "max_pool", lambda x, w, s, p: nn.max_pool(x, w, strides=s, padding=p))
   want_h, want_grads = features(variables), jax.grad(loss)(variables["params"])
   np.testing.assert_allclose(h, want_h, rtol=1e-4, atol=1e-5)
   jax.tree.map(
@@ -118,3 +120,39 @@ def test_the_resnet_with_the_patches_lowering_equals_it_without(monkeypatch):
     grads,
     want_grads,
   )
+
+
+@pytest.mark.parametrize(
+  "shape,padding",
+  [
+    ((3, 9, 9, 2), "SAME"),
+    ((3, 8, 8, 2), "SAME"),  # Even input, stride 2: 'SAME' pads after only.
+    ((2, 8, 7, 3), ((1, 1), (1, 1))),  # torchvision's MaxPool2d(3, 2, padding=1).
+    ((2, 9, 9, 1), "VALID"),
+  ],
+)
+def test_max_pool_equals_flaxs_with_its_gradient_to_each_windows_first_maximum(shape, padding):
+  rng = np.random.default_rng(sum(shape))
+  # Rounded values: ties within windows, whose gradient XLA gives to the first maximum.
+  x = jnp.asarray(np.round(rng.normal(size=shape)), jnp.float32)
+  want = nn.max_pool(x, (3, 3), strides=(2, 2), padding=padding)
+  got = conv.max_pool(x, (3, 3), (2, 2), padding)
+  np.testing.assert_array_equal(got, want)
+  # Integer cotangents: a pixel under several windows sums theirs exactly in any order.
+  g = jnp.asarray(rng.integers(-4, 5, size=want.shape), jnp.float32)
+  grad = lambda pool: jax.grad(lambda x: jnp.sum(pool(x) * g))(x)
+  np.testing.assert_array_equal(
+    grad(lambda x: conv.max_pool(x, (3, 3), (2, 2), padding)),
+    grad(lambda x: nn.max_pool(x, (3, 3), strides=(2, 2), padding=padding)),
+  )
+
+
+def test_max_pool_gradient_by_hand():
+  """A 3x3 window over 3x3 zeros with one 1: all the gradient to the 1; over all zeros:
+  to the first."""
+  one = jnp.zeros((1, 3, 3, 1)).at[0, 2, 1, 0].set(1.0)
+  for x, at in ((one, (2, 1)), (jnp.zeros((1, 3, 3, 1)), (0, 0))):
+    grad = jax.grad(lambda x: 5.0 * jnp.sum(conv.max_pool(x, (3, 3), (2, 2), "VALID")))(x)
+    want = np.zeros((3, 3))
+    want[at] = 5.0
+    np.testing.assert_array_equal(grad[0, :, :, 0], want)

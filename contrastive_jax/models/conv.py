@@ -1,4 +1,4 @@
-"""Convolutions lowered as patches times kernel where XLA's CPU convolution is slow.
+"""Convolutions and the max-pool lowered for the CPU where XLA's own are slow.
 
 XLA:CPU runs a convolution and its two gradients with its own convolution
 kernels, which are several times slower than a matrix product of the same
@@ -12,8 +12,19 @@ channels: 3.8 ms against 16.1 ms). `conv_general_dilated` takes
 lax.conv_general_dilated's arguments and picks the faster lowering by shape on
 the CPU; every other backend gets lax.conv_general_dilated. Both compute the
 same sums, in another order: the results agree to float32 rounding.
+
+XLA:CPU runs a max-pool's gradient (select-and-scatter) as a reduce-window
+over the values and four index arrays, then a scatter: 33 ms for the ResNet
+stem's 3x3 stride-2 pool of batch 512 on 16x16 maps of 16 channels, forward
+and backward, a quarter of the SimCLR runlocal step. `max_pool` takes the
+maximum of the window's strided views instead, and its gradient goes to the
+first maximum of each window as XLA's does, through masks and pads of the same
+views: 4.4 ms (same VM and JAX).
 """
 
+import functools
+
+import flax.linen as nn
 import jax
 from jax import lax
 import jax.numpy as jnp
@@ -39,6 +50,22 @@ def uses_patches(lhs_shape, rhs_shape, window_strides) -> bool:
   return max(lhs_shape[1:3]) <= SMALL_MAP or lhs_shape[3] >= WIDE
 
 
+def _window_views(x, window, strides):
+  """{(i, j): view} for each position (i, j) of a kh x kw window in row-major order: the
+  [N, H', W', C] view x[:, i::s_h, j::s_w, :] of the (padded) NHWC x that the window's
+  (i, j) entry covers as it slides with strides (s_h, s_w), H' = (H - kh) // s_h + 1."""
+  n, h, w, c = x.shape
+  (kh, kw), (sh, sw) = window, strides
+  ho, wo = (h - kh) // sh + 1, (w - kw) // sw + 1
+  return {
+    (i, j): lax.slice(
+      x, (0, i, j, 0), (n, i + (ho - 1) * sh + 1, j + (wo - 1) * sw + 1, c), (1, sh, sw, 1)
+    )
+    for i in range(kh)
+    for j in range(kw)
+  }
+
+
 def patches_conv(lhs, rhs, window_strides, padding, precision=None):
   """lhs [N, H, W, C] (NHWC) convolved with rhs [kh, kw, C, O] (HWIO) as a matrix product.
 
@@ -48,19 +75,12 @@ def patches_conv(lhs, rhs, window_strides, padding, precision=None):
   ((top, bottom), (left, right)); precision: the product's (lax.Precision).
   Returns [N, H', W', O] in lhs's dtype.
   """
-  n, h, w, c = lhs.shape
-  kh, kw, _, o = rhs.shape
+  kh, kw, c, o = rhs.shape
   if isinstance(padding, str):
-    padding = lax.padtype_to_pads((h, w), (kh, kw), window_strides, padding)
+    padding = lax.padtype_to_pads(lhs.shape[1:3], (kh, kw), window_strides, padding)
   (top, bottom), (left, right) = padding
-  sh, sw = window_strides
   x = jnp.pad(lhs, ((0, 0), (top, bottom), (left, right), (0, 0)))
-  ho, wo = (h + top + bottom - kh) // sh + 1, (w + left + right - kw) // sw + 1
-  views = [
-    lax.slice(x, (0, i, j, 0), (n, i + (ho - 1) * sh + 1, j + (wo - 1) * sw + 1, c), (1, sh, sw, 1))
-    for i in range(kh)
-    for j in range(kw)
-  ]
+  views = list(_window_views(x, (kh, kw), window_strides).values())
   patches = views[0] if len(views) == 1 else jnp.concatenate(views, axis=-1)
   return jnp.dot(patches, rhs.reshape(kh * kw * c, o), precision=precision)
 
@@ -104,3 +124,59 @@ def conv_general_dilated(
       precision=precision,
     )
   return patches_conv(lhs, rhs, tuple(window_strides), padding, precision)
+
+
+def max_pool(x, window, strides, padding):
+  """flax.linen.max_pool(x, window, strides, padding) of NHWC x [N, H, W, C] (floating).
+
+  padding: 'SAME', 'VALID' or ((top, bottom), (left, right)), padded with -inf. On the
+  CPU the maximum of the window's strided views, its gradient through
+  _views_max_pool's VJP; every other backend gets flax's (lax.reduce_window). Returns
+  [N, H', W', C] in x's dtype; values equal flax's, gradients to float rounding (a
+  pixel under several windows sums their gradients in another order).
+  """
+  window, strides = tuple(window), tuple(strides)
+  if jax.default_backend() != "cpu":
+    return nn.max_pool(x, window, strides=strides, padding=padding)
+  if isinstance(padding, str):
+    padding = lax.padtype_to_pads(x.shape[1:3], window, strides, padding)
+  return _views_max_pool(x, window, strides, tuple(tuple(p) for p in padding))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _views_max_pool(x, window, strides, padding):
+  return _views_max_pool_forward(x, window, strides, padding)[0]
+
+
+def _views_max_pool_forward(x, window, strides, padding):
+  padded = jnp.pad(x, ((0, 0), *padding, (0, 0)), constant_values=-jnp.inf)
+  out = functools.reduce(jnp.maximum, _window_views(padded, window, strides).values())
+  return out, (padded, out)
+
+
+def _views_max_pool_backward(window, strides, padding, residuals, g):
+  """The gradient of each window's output to the window's first maximum in row-major
+  order, as XLA's select-and-scatter (reduce_window's transpose in JAX) gives it: each
+  view's share masked, then put back in place by a pad with interior padding (the
+  transpose of the strided slice)."""
+  padded, out = residuals
+  _, h, w, _ = padded.shape
+  ho, wo = out.shape[1:3]
+  (sh, sw), zero = strides, jnp.zeros((), g.dtype)
+  taken = jnp.zeros(out.shape, bool)
+  grad = jnp.zeros(padded.shape, g.dtype)
+  for (i, j), view in _window_views(padded, window, strides).items():
+    first = (view == out) & ~taken
+    taken = taken | first
+    placement = (
+      (0, 0, 0),
+      (i, h - i - (ho - 1) * sh - 1, sh - 1),
+      (j, w - j - (wo - 1) * sw - 1, sw - 1),
+      (0, 0, 0),
+    )
+    grad = grad + lax.pad(jnp.where(first, g, zero), zero, placement)
+  (top, bottom), (left, right) = padding
+  return (grad[:, top : h - bottom, left : w - right],)
+
+
+_views_max_pool.defvjp(_views_max_pool_forward, _views_max_pool_backward)

@@ -207,7 +207,7 @@ class ResNet(nn.Module):
     else:
       x = conv(base, 7, 2, stem=True, name="stem_conv")(x)
       x = nn.relu(norm(name="stem_bn")(x))
-      x = nn.max_pool(x, (3, 3), strides=(2, 2), padding=max_pool_padding(self.padding))
+      x = conv_lib.max_pool(x, (3, 3), (2, 2), max_pool_padding(self.padding))
     for i, num_blocks in enumerate(stage_sizes):
       for j in range(num_blocks):
         strides = 2 if i > 0 and j == 0 else 1
