@@ -3,6 +3,7 @@
   python benchmarks/ann.py                       # 1,000,000 random unit vectors, D = 128
   python benchmarks/ann.py --rows=100000 --threads=2
   python benchmarks/ann.py --index_workdir=/tmp/photos_index   # an embed job's embeddings
+  python benchmarks/ann.py --views_file=/tmp/cifar10_views.npz  # benchmarks/view_embeddings.py's
 
 For each index: build time, size on disk (FAISS's serialized index, ScaNN's
 saved folder), recall@k against exact search (the share of the exact k
@@ -67,6 +68,12 @@ def define_flags():
     "index_workdir", None, "An embed job's workdir: its embeddings instead of random vectors."
   )
   flags.DEFINE_string(
+    "views_file",
+    None,
+    "benchmarks/view_embeddings.py's npz instead: the queries one view each of --queries "
+    "images none of whose views are in the indexes.",
+  )
+  flags.DEFINE_string(
     "types",
     "ivf",
     "FAISS index types measured besides the default "
@@ -89,6 +96,17 @@ def unit_rows(rng, n: int, d: int) -> np.ndarray:
   x = rng.standard_normal((n, d), dtype=np.float32)
   x /= np.linalg.norm(x, axis=1, keepdims=True)
   return x
+
+
+def new_images_views(rng, rows: np.ndarray, image: np.ndarray, num: int) -> tuple:
+  """(bank, queries): the rows [N, D] (views of images: image int [N] names each row's)
+  of all but `num` images drawn by rng, and the first row of each of those, in the order of
+  their image numbers: queries [num, D] as new products' photos, none of whose views the
+  bank holds."""
+  new = rng.choice(np.unique(image), num, replace=False)
+  held_out = np.isin(image, new)
+  _, first = np.unique(image[held_out], return_index=True)
+  return rows[~held_out], rows[held_out][first]
 
 
 def recall(found: np.ndarray, exact: np.ndarray) -> float:
@@ -302,6 +320,10 @@ def main(argv):
     held_out[rng.choice(len(rows), min(FLAGS.queries, len(rows) // 2), replace=False)] = True
     bank, queries = rows[~held_out], rows[held_out]
     what = f"{FLAGS.index_workdir}'s embeddings (the queries {len(queries)} others of them)"
+  elif FLAGS.views_file:
+    with np.load(FLAGS.views_file) as saved:
+      bank, queries = new_images_views(rng, saved["embeddings"], saved["image"], FLAGS.queries)
+    what = f"views of images ({FLAGS.views_file}; the queries a view each of {len(queries)} others)"
   else:
     bank = unit_rows(rng, FLAGS.rows, FLAGS.dim)
     queries = unit_rows(rng, FLAGS.queries, FLAGS.dim)

@@ -14,8 +14,8 @@ the folder's files not yet in the index of EMBED_DIR are added to it, with
 the index's checkpoint (pretrain_workdir may be left unset).
 
 ann: the ANN index built beside the embeddings (jobs/ann.py, docs/search.md):
-type 'auto' (exact 'flat' below 100,000 rows, 'ivf' to 1,000,000, 'ivfpq' from there; none, with a
-warning, when FAISS is not installed), 'flat', 'hnsw', 'ivf', 'ivfpq' or 'none'; a
+type 'auto' (exact 'flat' below 100,000 rows, 'ivf' from there; none, with a warning,
+when FAISS is not installed), 'flat', 'hnsw', 'ivf', 'ivfpq' or 'none'; a
 parameter of 0 takes its measured default, but nprobe, which is calibrated: the
 smallest that finds `recall` of the 10 nearest of the index's own rows (a sample,
 against exact search), when the index is built and after each add.

@@ -8,6 +8,7 @@ import types
 import zlib
 
 from helpers import load_benchmark
+import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import pytest
@@ -49,13 +50,19 @@ def _ann_config(**fields):
   return config
 
 
-def test_choose_is_exact_below_the_measured_size_ivf_then_ivfpq_above_unless_told():
+def test_choose_is_exact_below_the_measured_size_then_ivf_unless_told():
   auto = _ann_config()
   assert ann_lib.choose(ann_lib.EXACT_BELOW - 1, 128, auto)["type"] == "flat"
   assert ann_lib.choose(ann_lib.EXACT_BELOW, 128, auto)["type"] == "ivf"
-  assert ann_lib.choose(ann_lib.IVF_FLAT_BELOW - 1, 128, auto)["factory"] == "IVF4096,Flat"
-  assert ann_lib.choose(ann_lib.IVF_FLAT_BELOW, 128, auto)["type"] == "ivfpq"
-  assert ann_lib.choose(1_000_000, 128, auto) == {
+  assert ann_lib.choose(999_999, 128, auto)["factory"] == "IVF4096,Flat"
+  assert ann_lib.choose(10_000_000, 128, auto) == {
+    "type": "ivf",
+    "factory": "IVF16384,Flat",
+    "params": {"nlist": 16384, "nprobe": None},
+    "calibration": {"param": "nprobe", "target": 0.95},
+  }
+  ivfpq = ann_lib.choose(1_000_000, 128, _ann_config(type="ivfpq"))
+  assert ivfpq == {
     "type": "ivfpq",
     "factory": "IVF4096,PQ64x4fs,RFlat",
     "params": {"nlist": 4096, "nprobe": None, "k_factor": ann_lib.IVFPQ_K_FACTOR},
@@ -734,3 +741,27 @@ def test_the_base_install_embeds_without_faiss_and_searches_exactly(
   assert len(embed.run(embed_config(None, dataset=None, folder=folder, add=True), workdir)) == 1
   grown = index_lib.load_index(workdir)
   assert len(grown.rows) == 5 and grown.ann is None
+
+
+def test_the_benchmarks_new_images_have_no_view_in_the_bank():
+  bench = load_benchmark("ann")
+  image = np.tile(np.arange(10), 3)  # 3 views of each of 10 images, view-major.
+  rows = np.stack([image, np.arange(30)], axis=1).astype(np.float32)
+  bank, queries = bench.new_images_views(np.random.default_rng(0), rows, image, 4)
+  new = queries[:, 0]
+  assert len(queries) == 4 and len(set(new)) == 4 and list(new) == sorted(new)
+  np.testing.assert_array_equal(queries[:, 1], new)  # The first view: row = image number.
+  assert len(bank) == 18 and not set(bank[:, 0]) & set(new)
+
+
+def test_the_benchmarks_views_are_a_function_of_seed_image_and_view():
+  make_views = load_benchmark("view_embeddings").views_fn(32, "pil_bilinear", 1.0, seed=0)
+  images = jnp.asarray(np.random.default_rng(0).integers(0, 256, (6, 32, 32, 3)), jnp.uint8)
+  positions = jnp.arange(6, dtype=jnp.int32)
+  views = np.asarray(make_views(images, positions, 0))
+  # The whole image (area 1 to 1), mirrored or not.
+  for image, view in zip(np.asarray(images), views):
+    assert np.array_equal(view, image) or np.array_equal(view, image[:, ::-1])
+  assert not all(np.array_equal(v, i) for v, i in zip(views, np.asarray(images)))
+  np.testing.assert_array_equal(make_views(images, positions, 0), views)
+  assert not np.array_equal(make_views(images, positions, 1), views)

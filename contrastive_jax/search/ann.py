@@ -18,15 +18,16 @@ the index with FAISS alone, without this package:
 
 The type comes from the row count by default (choose): an exact flat index
 below EXACT_BELOW rows, 'ivf' (IVF-Flat: k-means lists of the vectors
-themselves) from there to IVF_FLAT_BELOW, 'ivfpq' from there: an inverted
-file whose lists hold 4-bit product-quantization codes of 2 dimensions each,
-scanned with SIMD lookups (FAISS's "fast scan"), the best k_factor x k
-re-ranked exactly with the stored vectors. Chosen by benchmarks/ann.py's
-measurements (docs/search.md): on image embeddings (50,000 to 100,000 rows)
-IVF-Flat gave the same recall as IVF-PQ at 1.6 to 1.7 times its speed; on
-1,000,000 random unit vectors, the hardest case, IVF-PQ was 11 times as fast
-as IVF-Flat (which was slower than exact search there), and faster than
-FAISS's HNSW and than ScaNN.
+themselves) from there. The other types are built when named: 'ivfpq', an
+inverted file whose lists hold 4-bit product-quantization codes of 2
+dimensions each, scanned with SIMD lookups (FAISS's "fast scan"), the best
+k_factor x k re-ranked exactly with the stored vectors; 'hnsw'. Chosen by
+benchmarks/ann.py's measurements on image embeddings (docs/search.md): from
+50,000 to 100,000 rows IVF-Flat gave IVF-PQ's recall at 1.6 to 1.7 times its
+speed, and at 1,000,000 rows recall@10 0.96 at 27 times exact search's speed,
+where IVF-PQ's re-ranking reached at most 0.92. IVF-PQ is for data without
+clusters: on 1,000,000 random unit vectors it was 11 times as fast as IVF-Flat
+(which was slower than exact search there), and faster than HNSW and ScaNN.
 
 How many lists a query probes (nprobe) decides both recall and speed, and
 the right value depends on the data far more than on its size: random
@@ -75,16 +76,18 @@ TYPES = ("auto", "none", "flat", "hnsw", "ivf", "ivfpq")
 # most about 0.15 ms below 100,000 rows, where the indexes measured were at most
 # about 6 times faster (docs/search.md): not worth the recall they give up.
 EXACT_BELOW = 100_000
-# From EXACT_BELOW rows to this many 'auto' is 'ivf', from here 'ivfpq'. Measured
-# (2 cores, 2026-12-03, b71c4a5; docs/search.md): 50,000 SimCLR runlocal CIFAR-10
-# embeddings, 10,000 held-out queries, nprobe calibrated to recall@10 0.95:
-# IVF-Flat 0.958 at 3.5 times exact search's queries/s, IVF-PQ 0.958 at 2.1 times
-# (and 6.0 against 3.7 times on a 100,000-photo corpus earlier). On 1,000,000
-# random unit vectors IVF-PQ was 2.2 times exact, IVF-Flat 0.2. Memory does not
-# decide it: the 'ivfpq' index keeps every vector for its re-ranking (RFlat), so
-# it is larger than IVF-Flat's (29 MB against 27 MB on those 50,000 rows). Between
-# 100,000 and 1,000,000 rows of real embeddings nothing was measured.
-IVF_FLAT_BELOW = 1_000_000
+# From EXACT_BELOW rows 'auto' is 'ivf'. Measured (2 cores; docs/search.md), nprobe
+# calibrated to recall@10 0.95 on the index's rows, queries held out: 50,000 SimCLR
+# runlocal CIFAR-10 embeddings (2026-12-03, b71c4a5): IVF-Flat 0.958 at 3.5 times
+# exact search's queries/s, IVF-PQ 0.958 at 2.1 times; a 100,000-photo corpus: 6.0
+# against 3.7 times; 1,000,000 embeddings of 20 views of each of 50,000 CIFAR-10
+# images, the queries views of 10,000 others (2026-12-06, 51161d8): IVF-Flat 0.943
+# at 31 times (0.960 at 27 times probing 12 lists rather than the calibrated 10),
+# IVF-PQ 0.78 calibrated and at most 0.92 with twice its re-ranking: ranked by 4-bit
+# codes, its candidates miss a new image's neighbours among many rows of nearly their
+# score. Memory does not decide it: the 'ivfpq' index keeps every vector for its
+# re-ranking (RFlat), so it is larger than IVF-Flat's (556 MB against 522 MB there).
+# On 1,000,000 random unit vectors IVF-PQ was 2.2 times exact, IVF-Flat 0.2.
 # HNSW (not chosen by 'auto'): M 32 and FAISS's own efConstruction 40; efSearch 256
 # found 0.93 of the 10 nearest of 30,000 random unit vectors, at about exact
 # search's speed (docs/search.md): a graph needs structure in the data to skip rows.
@@ -185,8 +188,7 @@ def choose(num_rows: int, dim: int, ann) -> dict:
   """The index type and parameters for num_rows rows of dimension dim: config.ann's, or chosen.
 
   Returns {"type", "factory", "params", "calibration"}, or None for ann.type
-  'none'. 'auto' is 'flat' below EXACT_BELOW rows, 'ivf' below IVF_FLAT_BELOW
-  and 'ivfpq' from there; a
+  'none'. 'auto' is 'flat' below EXACT_BELOW rows and 'ivf' from there; a
   parameter of 0 takes its default (IVF: nlist 4 sqrt(N) rounded to a power
   of two, FAISS's guideline, at most N / MIN_ROWS_PER_LIST; 'ivfpq': dim / 2
   codes of 4 bits, k_factor
@@ -198,7 +200,7 @@ def choose(num_rows: int, dim: int, ann) -> dict:
   if kind == "none":
     return None
   if kind == "auto":
-    kind = "flat" if num_rows < EXACT_BELOW else "ivf" if num_rows < IVF_FLAT_BELOW else "ivfpq"
+    kind = "flat" if num_rows < EXACT_BELOW else "ivf"
   if kind == "flat":
     return {"type": "flat", "factory": "Flat", "params": {}, "calibration": None}
   if kind == "hnsw":
