@@ -60,7 +60,8 @@ def define_flags():
   flags.DEFINE_integer(
     "queries",
     1000,
-    "Queries (random unit vectors, or index rows held out of the indexes with --index_workdir).",
+    "Queries: random unit vectors, index rows held out of the indexes (--index_workdir) "
+    "or views of images none of whose views are in them (--views_file).",
   )
   flags.DEFINE_integer("k", 10, "Neighbours per query (recall@k).")
   flags.DEFINE_integer("threads", 2, "FAISS (OpenMP) threads.")
@@ -100,10 +101,11 @@ def unit_rows(rng, n: int, d: int) -> np.ndarray:
 
 def new_images_views(rng, rows: np.ndarray, image: np.ndarray, num: int) -> tuple:
   """(bank, queries): the rows [N, D] (views of images: image int [N] names each row's)
-  of all but `num` images drawn by rng, and the first row of each of those, in the order of
-  their image numbers: queries [num, D] as new products' photos, none of whose views the
-  bank holds."""
-  new = rng.choice(np.unique(image), num, replace=False)
+  of all but `num` images drawn by rng (at most half of them), and the first row of each
+  of those, in the order of their image numbers: queries [num, D] as new products'
+  photos, none of whose views the bank holds."""
+  images = np.unique(image)
+  new = rng.choice(images, min(num, len(images) // 2), replace=False)
   held_out = np.isin(image, new)
   _, first = np.unique(image[held_out], return_index=True)
   return rows[~held_out], rows[held_out][first]

@@ -44,7 +44,11 @@ FLAGS = flags.FLAGS
 def define_flags():
   """Registers the command-line flags (not at import, so that tests can import this file)."""
   config_flags.DEFINE_config_file(
-    "config", os.path.join(sys.path[0], "configs", "embed.py"), "The embed job's config."
+    "config",
+    os.path.join(
+      os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "configs", "embed.py"
+    ),
+    "The embed job's config.",
   )
   flags.DEFINE_string("out", None, "The npz file written.", required=True)
   flags.DEFINE_integer("views", 17, "Views of each image.")

@@ -145,6 +145,27 @@ def test_max_pool_equals_flaxs_with_its_gradient_to_each_windows_first_maximum(s
     grad(lambda x: conv.max_pool(x, (3, 3), (2, 2), padding)),
     grad(lambda x: nn.max_pool(x, (3, 3), strides=(2, 2), padding=padding)),
   )
+  # Forward mode too: the tangent of each window's first maximum.
+  t = jnp.asarray(rng.integers(-4, 5, size=shape), jnp.float32)
+  jvp = lambda pool: jax.jvp(pool, (x,), (t,))[1]
+  np.testing.assert_array_equal(
+    jvp(lambda x: conv.max_pool(x, (3, 3), (2, 2), padding)),
+    jvp(lambda x: nn.max_pool(x, (3, 3), strides=(2, 2), padding=padding)),
+  )
+
+
+@pytest.mark.parametrize(
+  "shape,window,strides,padding",
+  [
+    ((1, 2, 2, 1), (3, 3), (2, 2), "VALID"),  # A window wider than the input: no output.
+    ((1, 3, 3, 1), (2, 2), (1, 1), ((-1, 0), (0, 0))),  # Negative padding crops.
+    ((2, 5, 6, 2), (2, 3), (1, 2), "SAME"),
+  ],
+)
+def test_max_pool_of_other_windows_and_paddings_equals_flaxs(shape, window, strides, padding):
+  x = jnp.asarray(np.random.default_rng(1).normal(size=shape), jnp.float32)
+  want = nn.max_pool(x, window, strides=strides, padding=padding)
+  np.testing.assert_array_equal(conv.max_pool(x, window, strides, padding), want)
 
 
 def test_max_pool_gradient_by_hand():

@@ -130,53 +130,52 @@ def max_pool(x, window, strides, padding):
   """flax.linen.max_pool(x, window, strides, padding) of NHWC x [N, H, W, C] (floating).
 
   padding: 'SAME', 'VALID' or ((top, bottom), (left, right)), padded with -inf. On the
-  CPU the maximum of the window's strided views, its gradient through
-  _views_max_pool's VJP; every other backend gets flax's (lax.reduce_window). Returns
-  [N, H', W', C] in x's dtype; values equal flax's, gradients to float rounding (a
-  pixel under several windows sums their gradients in another order).
+  CPU the maximum of the window's strided views, differentiated through
+  _views_max_pool's JVP (forward and reverse mode); every other backend, and a
+  padding below 0 or a window wider than the padded input, gets flax's
+  (lax.reduce_window). Returns [N, H', W', C] in x's dtype; values equal flax's,
+  gradients to float rounding (a pixel under several windows sums their gradients
+  in another order), but for a window holding a NaN, which passes none (its output
+  is NaN).
   """
   window, strides = tuple(window), tuple(strides)
-  if jax.default_backend() != "cpu":
-    return nn.max_pool(x, window, strides=strides, padding=padding)
+  pads = padding
   if isinstance(padding, str):
-    padding = lax.padtype_to_pads(x.shape[1:3], window, strides, padding)
-  return _views_max_pool(x, window, strides, tuple(tuple(p) for p in padding))
+    pads = lax.padtype_to_pads(x.shape[1:3], window, strides, padding)
+  pads = tuple((int(lo), int(hi)) for lo, hi in pads)
+  fits = all(
+    lo >= 0 and hi >= 0 and size + lo + hi >= w
+    for size, (lo, hi), w in zip(x.shape[1:3], pads, window)
+  )
+  if jax.default_backend() != "cpu" or not fits:
+    return nn.max_pool(x, window, strides=strides, padding=padding)
+  return _views_max_pool(x, window, strides, pads)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(1, 2, 3))
+def _padded_views(x, window, strides, padding, value):
+  """_window_views of x padded with `value` by padding ((top, bottom), (left, right))."""
+  padded = jnp.pad(x, ((0, 0), *padding, (0, 0)), constant_values=value)
+  return _window_views(padded, window, strides).values()
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2, 3))
 def _views_max_pool(x, window, strides, padding):
-  return _views_max_pool_forward(x, window, strides, padding)[0]
+  return functools.reduce(jnp.maximum, _padded_views(x, window, strides, padding, -jnp.inf))
 
 
-def _views_max_pool_forward(x, window, strides, padding):
-  padded = jnp.pad(x, ((0, 0), *padding, (0, 0)), constant_values=-jnp.inf)
-  out = functools.reduce(jnp.maximum, _window_views(padded, window, strides).values())
-  return out, (padded, out)
-
-
-def _views_max_pool_backward(window, strides, padding, residuals, g):
-  """The gradient of each window's output to the window's first maximum in row-major
-  order, as XLA's select-and-scatter (reduce_window's transpose in JAX) gives it: each
-  view's share masked, then put back in place by a pad with interior padding (the
-  transpose of the strided slice)."""
-  padded, out = residuals
-  _, h, w, _ = padded.shape
-  ho, wo = out.shape[1:3]
-  (sh, sw), zero = strides, jnp.zeros((), g.dtype)
-  taken = jnp.zeros(out.shape, bool)
-  grad = jnp.zeros(padded.shape, g.dtype)
-  for (i, j), view in _window_views(padded, window, strides).items():
+@_views_max_pool.defjvp
+def _views_max_pool_jvp(window, strides, padding, primals, tangents):
+  """Each window's output tangent is the tangent of the window's first maximum in
+  row-major order, the element XLA's select-and-scatter (reduce_window's transpose in
+  JAX) gives the gradient to. Linear in the tangent through masks and strided slices,
+  so JAX transposes it for the gradient: masks and pads with interior padding."""
+  (x,), (tangent,) = primals, tangents
+  views = list(_padded_views(x, window, strides, padding, -jnp.inf))
+  out = functools.reduce(jnp.maximum, views)
+  zero = jnp.zeros((), tangent.dtype)
+  taken, shares = jnp.zeros(out.shape, bool), []
+  for view, view_tangent in zip(views, _padded_views(tangent, window, strides, padding, 0)):
     first = (view == out) & ~taken
     taken = taken | first
-    placement = (
-      (0, 0, 0),
-      (i, h - i - (ho - 1) * sh - 1, sh - 1),
-      (j, w - j - (wo - 1) * sw - 1, sw - 1),
-      (0, 0, 0),
-    )
-    grad = grad + lax.pad(jnp.where(first, g, zero), zero, placement)
-  (top, bottom), (left, right) = padding
-  return (grad[:, top : h - bottom, left : w - right],)
-
-
-_views_max_pool.defvjp(_views_max_pool_forward, _views_max_pool_backward)
+    shares.append(jnp.where(first, view_tangent, zero))
+  return out, functools.reduce(jnp.add, shares)

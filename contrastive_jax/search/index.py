@@ -207,7 +207,7 @@ def append(workdir, index: "Index", ann, h, labels, names, source, num_unreadabl
     new_ann = ann_lib.write(
       workdir, faiss_index, spec, generation=generation, embed_run=meta["run_id"]
     )
-  elif wanted:  # 'auto' crossed into another type (a flat index grown past EXACT_BELOW).
+  elif wanted:  # 'auto' chose another type (grown past EXACT_BELOW, or an old 'ivfpq').
     config = ml_collections.ConfigDict({"ann": ann.to_dict()})
     new_ann = _write_ann(workdir, config, parts, generation=generation, run_id=meta["run_id"])
   else:
