@@ -47,19 +47,22 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
 
 
 # The files that take longest (seconds on the 2-core VM: test_runner about 160, the next
-# 50 to 90), run first: pytest-xdist hands a worker the next file in collection order, so a
+# 50 to 85), run first: pytest-xdist hands a worker the next file in collection order, so a
 # long file collected last would leave the other workers idle at the end.
 _SLOWEST_FIRST = (
   "test_runner.py",
-  "test_methods.py",
-  "test_interruptions.py",
   "test_images.py",
+  "test_interruptions.py",
+  "test_methods.py",
+  "test_weights.py",
   "test_multihost.py",
   "test_label_efficiency.py",
+  "test_multihost_equality.py",
+  "test_dino.py",
+  "test_device_data.py",
+  "test_device_benchmark.py",
   "test_main.py",
   "test_launcher.py",
-  "test_dino.py",
-  "test_multihost_equality.py",
 )
 
 

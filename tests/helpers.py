@@ -36,8 +36,8 @@ def load_benchmark(name: str):
 
 def tiny_config(method: str = "simclr", variant: str = "runlocal"):
   """configs/METHOD_cifar10.py:VARIANT shrunk to seconds: 8 devices x 2 images, 4 steps,
-  a ResNet-18 at width 0.0625 or a 1-block ViT of D = 12 (runlocal_vit), read through the
-  host pipeline.
+  a ResNet-10 (one basic block per stage) at width 0.0625 or a 1-block ViT of D = 12
+  (runlocal_vit), read through the host pipeline.
 
   The ViT's config also leaves out the photometric augmentations (crops and flips
   stay): they would compile to more than the tiny ViT's whole step, and their code is
@@ -64,6 +64,8 @@ def tiny_config(method: str = "simclr", variant: str = "runlocal"):
       config.augment[view] = dict(
         color_jitter_prob=0.0, grayscale_prob=0.0, blur_prob=0.0, solarize_prob=0.0
       )
+  else:
+    config.model.name = "resnet10"
   config.log_every = "1 steps"
   config.checkpoint_every = "2 steps"
   config.shuffle_buffer = 256

@@ -51,7 +51,7 @@ def _copy(source, target, scale=1.0, quality=None):
 def pretrained(tmp_path_factory):
   """A pretraining workdir whose encoder is random, its BN statistics those of real photos.
 
-  The tiny SimCLR ResNet-18 at initialisation (residual branches not zeroed),
+  The tiny SimCLR ResNet-10 at initialisation (residual branches not zeroed),
   its BN running statistics then set to those of 64 clothing photos at 32 px
   (train-mode passes until the running averages settle, as a BN
   recalibration). An untrained encoder's h, BN left at its initial statistics,

@@ -21,7 +21,7 @@ common = load_benchmark("common")
 @pytest.fixture(scope="module")
 def measured(tmp_path_factory):
   """The benchmark's report on train/{hat,shoes} of 6 clothing photos each, stored at full
-  size (400-900 px): a ResNet-18 at width 0.0625, batches of 8 (one per test device) at 64 px."""
+  size (400-900 px): a ResNet-10 at width 0.0625, batches of 8 (one per test device) at 64 px."""
   src = tmp_path_factory.mktemp("photos")
   for cls in ("hat", "shoes"):
     folder = os.path.join(SHARED, "images", "clothing", "train", cls)
@@ -35,7 +35,7 @@ def measured(tmp_path_factory):
   prepare.run(prepare_config, data_dir)
   config = load_config("simclr_images", "runlocal")
   config.dataset, config.data_dir = "photos", data_dir
-  config.model.width = 0.0625
+  config.model.name, config.model.width = "resnet10", 0.0625
   config.batch_size, config.image_size, config.data_threads = 8, 64, 2
   source = sources.get_source(config, {"train_split": config.train_split})
   m = throughput.measure(

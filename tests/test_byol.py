@@ -69,7 +69,7 @@ def test_views_get_their_own_settings():
 def tiny_byol_config():
   config = load_config("byol_cifar10", "runlocal")
   config.batch_size = 16
-  config.model.width = 0.0625
+  config.model.name, config.model.width = "resnet10", 0.0625
   config.projector.hidden_dims = (16,)
   config.predictor.hidden_dims = (16,)
   for view in ("view1", "view2"):  # Identity: augmentation keys depend on the device.

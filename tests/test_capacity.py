@@ -1,5 +1,5 @@
 """benchmarks/capacity.py's plan against independent references, on a tiny SimCLR config
-(ResNet-18 at width 0.0625, 32x32 images) compiled for 2 of the 8 test devices."""
+(ResNet-10 at width 0.0625, 32x32 images) compiled for 2 of the 8 test devices."""
 
 import math
 
@@ -19,7 +19,7 @@ DEVICES = 2
 
 def _config(batch_size):
   config = load_config("simclr_cifar10", "runlocal")
-  config.model.width = 0.0625
+  config.model.name, config.model.width = "resnet10", 0.0625
   config.batch_size = batch_size
   return config
 
@@ -133,7 +133,7 @@ def test_dino_imagenet_configs_pass_their_checks_and_build_their_state(variant):
 
 def test_dino_multi_crop_plan_compiles_with_its_local_views_in_the_batch():
   config = load_config("dino_cifar10", "runlocal_resnet,local_crops=2")
-  config.model.width = 0.0625
+  config.model.name, config.model.width = "resnet10", 0.0625
   config.batch_size = 16
   config.dino.update(out_dim=64, hidden_dim=32, bottleneck_dim=16)
   plan = capacity.plan(config, DEVICES)

@@ -30,7 +30,7 @@ TOLERANCE = 1e-4
 
 @pytest.fixture(scope="module")
 def pretrained(tmp_path_factory):
-  """A 1-step SimCLR run (ResNet-18 at width 0.0625, 32 px); returns its workdir."""
+  """A 1-step SimCLR run (ResNet-10 at width 0.0625, 32 px); returns its workdir."""
   workdir = str(tmp_path_factory.mktemp("pretrain"))
   config = tiny_config()
   config.duration = "1 steps"

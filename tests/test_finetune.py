@@ -241,8 +241,8 @@ def test_finetune_trains_the_whole_encoder_and_reports_the_test_split(finetuned)
     for path, changed in jax.tree_util.tree_leaves_with_path(moved["params"])
     if path[-1].key == "kernel"
   ]
-  # SimCLR's ResNet-18: the stem, 16 in blocks, 4 shortcuts (every stage's first block).
-  assert len(kernels) == 21 and all(kernels)
+  # SimCLR's ResNet-10: the stem, 8 in blocks, 4 shortcuts (every stage's first block).
+  assert len(kernels) == 13 and all(kernels)
   assert np.any(jax.device_get(state.params["head"]["kernel"]))
   with open(workdir / "metrics.jsonl") as f:
     records = [json.loads(line) for line in f]
@@ -382,8 +382,8 @@ def test_a_decayed_encoder_moves_less_the_nearer_its_input(pretrained, tmp_path)
   tuned = jax.device_get(state.params["encoder"])
   stem = restored["params"]["stem_conv"]["kernel"]
   np.testing.assert_array_equal(tuned["stem_conv"]["kernel"], stem)
-  last = restored["params"]["BasicBlock_7"]["Conv_1"]["kernel"]
-  assert not np.array_equal(tuned["BasicBlock_7"]["Conv_1"]["kernel"], last)
+  last = restored["params"]["BasicBlock_3"]["Conv_1"]["kernel"]
+  assert not np.array_equal(tuned["BasicBlock_3"]["Conv_1"]["kernel"], last)
 
 
 @pytest.mark.parametrize(

@@ -32,6 +32,7 @@ def command(workdir, *overrides):
     f"--config.data_dir={TFDS_DIR}",
     "--config.train_split=train[:256]",
     "--config.batch_size=16",
+    "--config.model.name=resnet10",
     "--config.model.width=0.0625",
     "--config.log_every=1 steps",
     "--config.evaluators={}",

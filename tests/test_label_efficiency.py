@@ -382,7 +382,7 @@ def test_a_weights_file_init_is_read_as_its_config_says(pretrained, tmp_path):
   file of another model is refused before any compute."""
   config = tiny_config(pretrained, labels="20", seeds=1, protocols="knn")
   variables = restore.restore_encoder(config, mesh_lib.make_mesh()).variables
-  path, config_file = _weights_file(tmp_path, "resnet18", variables)
+  path, config_file = _weights_file(tmp_path, "resnet10", variables)
   config.update(inits="pretrained,weights", weights=path, weights_config=config_file)
   main.run_job(config, str(tmp_path / "same"))
   with open(tmp_path / "same" / "curve.csv") as f:
@@ -395,10 +395,10 @@ def test_a_weights_file_init_is_read_as_its_config_says(pretrained, tmp_path):
   ):
     main.run_job(config, str(tmp_path / "head"))
   config.update(protocols="knn", finetune=dict(projector_layers=0))
-  other, other_file = _weights_file(tmp_path, "resnet34")
+  other, other_file = _weights_file(tmp_path, "resnet18")
   config.update(weights=other, weights_config=other_file)
   with pytest.raises(
-    ConfigError, match=r"config.weights=.*checkpoint's model 'resnet18', not 'resnet34'"
+    ConfigError, match=r"config.weights=.*checkpoint's model 'resnet10', not 'resnet18'"
   ):
     main.run_job(config, str(tmp_path / "other"))
   assert not os.path.exists(tmp_path / "other" / "cells")

@@ -33,6 +33,7 @@ def job_args(workdir):
     f"--config.data_dir={TFDS_DIR}",
     "--config.train_split=train[:256]",
     "--config.batch_size=16",
+    "--config.model.name=resnet10",
     "--config.model.width=0.0625",
     "--config.duration=100000 steps",
     "--config.log_every=1 steps",

@@ -158,7 +158,7 @@ def test_bad_probe_inputs(pretrained, tmp_path):
     ConfigError, match=r"config.pretrain_step=7: must be one of the saved steps \[1, 2\]"
   ):
     restore.restore_encoder(probe_config(pretrained, pretrain_step=7), mesh_lib.make_mesh())
-  with pytest.raises(ConfigError, match="config.model_name='resnet50': must be 'resnet18'"):
+  with pytest.raises(ConfigError, match="config.model_name='resnet50': must be 'resnet10'"):
     restore.restore_encoder(probe_config(pretrained, model_name="resnet50"), mesh_lib.make_mesh())
   config = probe_config(pretrained)
   config.evaluators.linear_probe.every = "0 steps"

@@ -99,7 +99,7 @@ def test_shuffle_then_unshuffle_is_identity_and_moves_keys_to_other_groups():
 def tiny_moco_config():
   config = load_config("moco_v2_cifar10", "runlocal")
   config.batch_size = 16
-  config.model.width = 0.0625
+  config.model.name, config.model.width = "resnet10", 0.0625
   config.moco.queue_size = 64
   config.moco.bn_group_size = 8  # 2 groups; on 8 devices, one image of each per device.
   for view in ("view1", "view2"):  # Identity: augmentation keys depend on the device.

@@ -18,6 +18,7 @@ from contrastive_jax.models import vit
 # Each model's dimension of h, from its paper: the last stage's channels of a ResNet (He et
 # al. 2016, Table 1), the token width D of a ViT (DeiT-Ti, ViT-S and ViT-B).
 H_DIMS = {
+  "resnet10": 512,
   "resnet18": 512,
   "resnet34": 512,
   "resnet50": 2048,
@@ -58,7 +59,7 @@ def test_every_family_owns_its_names_and_builds_each_model_at_its_width():
   with pytest.raises(
     ConfigError,
     match=r"config.model.name='resnet7': must be one of "
-    r"\['resnet18', 'resnet34', 'resnet50', 'vit_base', 'vit_small', 'vit_tiny'\]",
+    r"\['resnet10', 'resnet18', 'resnet34', 'resnet50', 'vit_base', 'vit_small', 'vit_tiny'\]",
   ):
     models.encoder_width(ml_collections.ConfigDict(dict(name="resnet7")))
 
