@@ -28,11 +28,12 @@ benchmarks/make_device_data.py (CIFAR-10's train and test splits). Sections:
                learning-rate schedule runs to its end), then the kNN monitor
                (evaluators.Knn: k 200, temperature 0.1, test against train).
 
---tiny shrinks every row to seconds on a CPU (batch 16, width 1/8, one ViT block,
-32 px) and trains for 20 s on the first 2,048 training images: a check that every
-row runs, not a measurement. Runs the first row, the supervised row and the pretraining
-section before the other rows, so that a run stopped by its time limit keeps them; prints each
-row as it finishes and rewrites OUT/device.md and OUT/device.json (every figure) after each,
+--tiny shrinks every row to seconds on a CPU (batch 16, width 1/8, one block per
+ResNet-18 stage (ResNet-10), one ViT block, DINO's head to 256 outputs, 32 px) and trains
+for 20 s on the first 2,048 training images: a check that every row runs, not a
+measurement. Runs the first row, the supervised row and the pretraining section before the
+other rows, so that a run stopped by its time limit keeps them; prints each row as it
+finishes and rewrites OUT/device.md and OUT/device.json (every figure) after each,
 then prints the whole table.
 """
 
@@ -177,14 +178,19 @@ def load_config(name: str, arg: str):
 
 
 def shrink(config):
-  """config at --tiny's sizes (batch 16, width 1/8, one ViT block, 32 px); MoCo's BN groups
-  and queue fitted to them."""
+  """config at --tiny's sizes (batch 16, width 1/8, ResNet-10 for ResNet-18, one ViT block,
+  DINO's head of 256 outputs from 64 hidden units, 32 px); MoCo's BN groups and queue fitted
+  to them."""
   config.batch_size = TINY_BATCH
   config.image_size = 32
   if "depth" in config.model:  # A ViT: patch 16 on 32 px is a 2 x 2 grid.
     config.model.depth = 1
   else:
     config.model.width = 0.125
+    if config.model.name == "resnet18":
+      config.model.name = "resnet10"
+  if "dino" in config:  # The 65,536 outputs would be most of a tiny step.
+    config.dino.update(out_dim=256, hidden_dim=64, bottleneck_dim=32)
   if "queue_size" in config.get("moco", {}):
     config.moco.queue_size = 4 * TINY_BATCH
   if config.get("local_crops"):  # DINO's local views: one patch of 16 px.
