@@ -3,7 +3,7 @@
   python benchmarks/torch_peer.py --config=configs/simclr_cifar10.py:runlocal
 
 Needs torch (the [torch] extra); SimCLR, MoCo v2, BYOL and MoCo v3 configs of ResNets with
-BasicBlocks (ResNet-18/34). Prints a table. Each row is timed on one fixed batch after a
+BasicBlocks (ResNet-10/18/34). Prints a table. Each row is timed on one fixed batch after a
 warm-up call, in interleaved rounds (every row once per round, the median round reported),
 so that a change of the machine's load falls on every row alike:
 
@@ -56,7 +56,7 @@ from contrastive_jax.models import heads
 from contrastive_jax.models import resnet
 
 METHODS = ("simclr", "moco", "byol", "mocov3")
-_CONFIG = config_flags.DEFINE_config_file("config", None, "A SimCLR ResNet-18/34 config.")
+_CONFIG = config_flags.DEFINE_config_file("config", None, "A SimCLR ResNet-10/18/34 config.")
 _STEPS = flags.DEFINE_integer("steps", 5, "Timed steps per row and round.")
 _ROUNDS = flags.DEFINE_integer("rounds", 3, "Interleaved rounds; the median is reported.")
 

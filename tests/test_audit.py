@@ -51,8 +51,9 @@ def _copy(source, target, scale=1.0, quality=None):
 def pretrained(tmp_path_factory):
   """A pretraining workdir whose encoder is random, its BN statistics those of real photos.
 
-  The tiny SimCLR ResNet-10 at initialisation (residual branches not zeroed),
-  its BN running statistics then set to those of 64 clothing photos at 32 px
+  The tiny SimCLR config with a ResNet-18 (the figures below are its) at
+  initialisation (residual branches not zeroed), its BN running statistics then
+  set to those of 64 clothing photos at 32 px
   (train-mode passes until the running averages settle, as a BN
   recalibration). An untrained encoder's h, BN left at its initial statistics,
   is nearly one vector for every photo (cosines above 0.9999 here); centred
@@ -60,6 +61,7 @@ def pretrained(tmp_path_factory):
   its photo's h, as a trained encoder does, in seconds.
   """
   config = tiny_config()
+  config.model.name = "resnet18"
   config.model.zero_init_residual = False
   encoder = models.build_encoder(config.model)
   photos = np.stack(

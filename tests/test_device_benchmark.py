@@ -72,6 +72,23 @@ def test_tiny_run_without_tensorflow_prints_and_writes_every_section(tmp_path):
   assert "kNN top-1" in table and "(--tiny)" in table
 
 
+def test_tiny_rows_shrink_each_network_and_keep_its_family():
+  """--tiny: every row at batch 16 and 32 px; ResNet-18 as ResNet-10, ResNet-50 kept (at
+  width 1/8), the ViTs at one block, DINO's head at 256 outputs."""
+  device = load_benchmark("device")
+  for label, name, arg, overrides in device.ROWS:
+    full = device.row_config(name, arg, overrides, tiny=False)
+    tiny = device.row_config(name, arg, overrides, tiny=True)
+    assert (tiny.batch_size, tiny.image_size) == (16, 32), label
+    if "depth" in full.model:
+      assert tiny.model.depth == 1 and tiny.model.name == full.model.name, label
+    else:
+      expected = {"resnet18": "resnet10", "resnet50": "resnet50"}[full.model.name]
+      assert (tiny.model.name, tiny.model.width) == (expected, 0.125), label
+    if "dino" in full:
+      assert (tiny.dino.out_dim, tiny.dino.hidden_dim, tiny.dino.bottleneck_dim) == (256, 64, 32)
+
+
 def test_a_missing_data_file_or_package_is_one_line(tmp_path, monkeypatch):
   done = _run("--tiny", f"--data={tmp_path / 'none.npz'}")
   assert done.returncode != 0 and "Traceback" not in done.stderr

@@ -905,7 +905,7 @@ def test_init_from_a_main_dino_pth_continues_it_and_a_backbone_file_starts_every
     k: {n: torch.from_numpy(np.asarray(v)) for n, v in d.items()} for k, d in checkpoint.items()
   }
   config.init_from = str(tmp_path / "checkpoint.pth")
-  torch.save(dict(saved, epoch=3, args=argparse.Namespace(arch="resnet18")), config.init_from)
+  torch.save(dict(saved, epoch=3, args=argparse.Namespace(arch="resnet10")), config.init_from)
   replace, imported = pretrain.imported_start(config)
   assert replace is dino.with_imported
   want = dino.imported_state(checkpoint, config.init_from, config)

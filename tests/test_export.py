@@ -269,3 +269,26 @@ def test_onnx_export_without_the_onnx_package_is_refused_in_one_line(tmp_path, m
   with pytest.raises(ConfigError, match=r"'onnx' needs the onnx package \(pip install"):
     export.run(export_config(str(tmp_path), "onnx"), str(tmp_path / "out"))
   assert not (tmp_path / "out" / export.META).exists()
+
+
+@pytest.mark.parametrize(
+  "name, padding, stage_projection, warned",
+  [
+    ("resnet18", "torchvision", False, False),
+    ("resnet50", "torchvision", True, False),  # Its first block widens anyway.
+    ("resnet18", "tensorflow", False, True),
+    ("resnet18", "torchvision", True, True),
+    ("resnet10", "torchvision", False, True),  # torchvision builds no ResNet-10.
+  ],
+)
+def test_a_state_dict_that_is_not_torchvisions_network_is_warned_of(
+  name, padding, stage_projection, warned, caplog
+):
+  model_config = load_config("simclr_cifar10").model
+  model_config.update(name=name, padding=padding, stage_projection=stage_projection)
+  with caplog.at_level("WARNING"):
+    export._warn_if_not_the_references_network(model_config)
+  messages = [r.getMessage() for r in caplog.records if "not torchvision's" in r.getMessage()]
+  assert len(messages) == int(warned)
+  if warned:
+    assert f"({name}, padding '{padding}'" in messages[0]

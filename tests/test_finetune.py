@@ -373,8 +373,9 @@ def test_learning_rate_multipliers_decay_layer_by_layer():
 
 
 def test_a_decayed_encoder_moves_less_the_nearer_its_input(pretrained, tmp_path):
-  """With layer_decay 1e-3 the stem's rate is 1e-27 of the head's: its kernel stays as restored
-  (below float32's resolution) while the last block's moves; the plain recipe moves both
+  """With layer_decay 1e-3 the stem's rate is 1e-15 of the head's (4 blocks): its kernel
+  stays as restored (below float32's resolution) while the last block's moves; the plain
+  recipe moves both
   (test_finetune_trains_the_whole_encoder_and_reports_the_test_split)."""
   config = finetune_config(pretrained, backbone_lr_multiplier=0.5, layer_decay=1e-3)
   restored = jax.device_get(restore.restore_encoder(config, mesh_lib.make_mesh()).variables)

@@ -150,21 +150,24 @@ def run(config, workdir: str) -> str:
 def _warn_if_not_the_references_network(model_config):
   """Logs a warning when the state dict is not a torchvision network's: a ResNet padded
   otherwise than torchvision (models/resnet.py PADDINGS), whose dict loads into it but
-  then computes another h, or one with a projection shortcut in every stage's first block
-  (SimCLR's, BYOL's), whose extra layer1.0.downsample tensors a strict load refuses."""
+  then computes another h, one with a projection shortcut in every stage's first block
+  (SimCLR's, BYOL's), whose extra layer1.0.downsample tensors a strict load refuses, or a
+  ResNet-10, which torchvision does not build."""
   padding = resnet.padding_rule(model_config) if models.family(model_config) == "resnet" else None
-  # A bottleneck stage's first block widens anyway: only ResNet-18/34 gain tensors.
+  # A bottleneck stage's first block widens anyway: only ResNet-10/18/34 gain tensors.
   extra = (
     padding is not None
     and model_config.get("stage_projection", False)
     and resnet.SPECS[model_config.name][0] == "basic"
   )
-  if padding not in (None, "torchvision") or extra:
+  if padding not in (None, "torchvision") or extra or model_config.name == "resnet10":
     logging.warning(
-      "The checkpoint's ResNet is not torchvision's (padding %r, a projection shortcut in "
-      "every stage's first block: %s): the state dict holds its tensors in torchvision's "
-      "names, but torchvision's network computes another h from them or refuses them "
-      "(docs/weights.md). The SavedModel and ONNX exports compute this package's h.",
+      "The checkpoint's ResNet is not torchvision's (%s, padding %r, a projection shortcut "
+      "in every stage's first block: %s): the state dict holds its tensors in torchvision's "
+      "names, but torchvision's network computes another h from them or refuses them, and "
+      "has no resnet10 (docs/weights.md). The SavedModel and ONNX exports compute this "
+      "package's h.",
+      model_config.name,
       padding,
       extra,
     )

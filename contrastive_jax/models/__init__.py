@@ -91,7 +91,7 @@ def build_mlp(mlp_config, dtype_name, bn_axis_name=None) -> MLP:
 
 
 def encoder_width(model_config) -> int:
-  """D, the dimension of h, of a model config (512 x width for ResNet-18/34, 2048 x width
+  """D, the dimension of h, of a model config (512 x width for ResNet-10/18/34, 2048 x width
   for ResNet-50, the spec's D x width for a ViT: each family's encoder_width).
 
   Raises:

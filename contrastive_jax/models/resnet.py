@@ -27,9 +27,9 @@ from contrastive_jax.models import common
 from contrastive_jax.models import conv as conv_lib
 
 # name -> (block type, blocks per stage); He et al. 2016, Table 1, and ResNet-10, one basic
-# block per stage (Chen et al. 2019, "A Closer Look at Few-shot Classification"): the
+# block per stage (as in Chen et al. 2019, "A Closer Look at Few-shot Classification"): the
 # smallest, for trial runs on a CPU and the tests' tiny configs (a train step of BYOL's
-# compiles about a third faster than with ResNet-18).
+# compiles in about two thirds of ResNet-18's time).
 SPECS = {
   "resnet10": ("basic", (1, 1, 1, 1)),
   "resnet18": ("basic", (2, 2, 2, 2)),
@@ -89,7 +89,7 @@ def _residual_out(x, y, strides: int, conv, norm, project: bool):
 
 
 class BasicBlock(nn.Module):
-  """Two 3x3 convolutions with a residual connection (ResNet-18/34).
+  """Two 3x3 convolutions with a residual connection (ResNet-10/18/34).
 
   conv(features, kernel, strides=1) builds a convolution padded as the ResNet's
   padding rule says; last_norm builds the block's last BN (zero-initialised
@@ -153,7 +153,7 @@ class ResNet(nn.Module):
       which BYOL's networks.py builds with use_projection True for all four
       groups), the first stage's too, where its input and output have the same
       shape; otherwise only blocks that change the shape have one (torchvision).
-      Only ResNet-18/34 differ: a bottleneck stage's first block always changes
+      Only ResNet-10/18/34 differ: a bottleneck stage's first block always changes
       the width.
     input_mean, input_std: per-channel (R, G, B) statistics subtracted from
       and divided into the [0, 1] input (MoCo and BYOL standardise with the
@@ -268,7 +268,7 @@ def build_encoder(model_config, bn_axis_name=None) -> ResNet:
 
 
 def encoder_width(model_config) -> int:
-  """Dimension of h: 512 x width for ResNet-18/34, 2048 x width for ResNet-50 (the last
+  """Dimension of h: 512 x width for ResNet-10/18/34, 2048 x width for ResNet-50 (the last
   stage's channels, round(64 x width) x 8, x 4 for a bottleneck)."""
   block_type, _ = SPECS[model_config.name]
   base = max(1, round(64 * model_config.width))

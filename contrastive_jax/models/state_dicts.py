@@ -270,7 +270,7 @@ def encoder_tensors(
 
 
 def _mismatch(names: List[str], stage_projection: str) -> str:
-  """Why tensors named so do not fit: only layer1.0's projection shortcut (a ResNet-18/34 with
+  """Why tensors named so do not fit: only layer1.0's projection shortcut (a ResNet-10/18/34 with
   or without model.stage_projection, resnet.py) or another architecture."""
   if all(name.startswith("layer1.0.downsample.") for name in names):
     return (
