@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import NonFiniteError
 from contrastive_jax.training import evaluators
 
 
@@ -100,6 +101,35 @@ def test_sharded_knn_equals_numpy_reference(k):
     "knn", cfg, _eval_model(images, labels), mesh_lib.make_mesh(jax.devices()[:1]), num_classes=4
   )
   assert one(jnp.float32(1.0)) == result
+
+
+def test_knn_refuses_a_nan_or_infinite_h_naming_how_many():
+  rng = np.random.default_rng(0)
+  images = {
+    "bank": rng.integers(1, 255, (203, 2, 2, 3), np.uint8),
+    "test": rng.integers(1, 255, (45, 2, 2, 3), np.uint8),
+  }
+  images["test"][[0, 5, 44], 0, 0, 0] = 255  # h NaN, inf, inf (the others finite).
+  images["bank"][[1, 202], 0, 0, 0] = 255
+  labels = {s: np.zeros(len(x), np.int32) for s, x in images.items()}
+  model = _eval_model(images, labels)
+  values = jnp.asarray([1.0, np.nan, np.inf, np.inf])
+
+  def features(v, x):
+    h = model.features(v, x)
+    marked = (x[:, 0, 0, 0] == 255)[:, None]
+    return jnp.where(marked, values[jnp.arange(h.shape[0]) % 3 + 1][:, None], h)
+
+  cfg = ml_collections.ConfigDict(
+    dict(split="test", bank_split="bank", k=5, temperature=0.1, batch_size=16)
+  )
+  knn = evaluators.Knn("knn", cfg, model._replace(features=features), mesh_lib.make_mesh(), 4)
+  with pytest.raises(
+    NonFiniteError,
+    match=r"^knn: the encoder's h is NaN or infinite for 3 of "
+    r"the 45 query images \(test\) and 2 bank images \(bank\); no figure",
+  ):
+    knn(jnp.float32(1.0))
 
 
 @pytest.mark.parametrize("num_classes,names", [(10, {"c_top1", "c_top5"}), (2, {"c_top1"})])

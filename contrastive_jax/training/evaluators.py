@@ -22,6 +22,7 @@ import numpy as np
 from contrastive_jax.core import durations
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import NonFiniteError
 from contrastive_jax.methods import common
 
 
@@ -74,7 +75,8 @@ class Knn:
 
   Config fields: split (queries), bank_split, k, temperature, batch_size.
   The bank is the whole bank_split, every query image counts once; encoder
-  in eval mode.
+  in eval mode. Calling it raises NonFiniteError, naming the counts, where h
+  is NaN or infinite for any query or bank image.
   """
 
   at_start = True  # The initial encoder is the baseline the run improves on.
@@ -96,7 +98,7 @@ class Knn:
     def score(q, q_labels, q_mask, bank, bank_labels, bank_mask):
       # Every device scores all queries against its own part of the bank,
       # then the devices' top-k are merged into the global top-k.
-      b = q.shape[0]
+      b, bank_h = q.shape[0], bank
       queries = jax.lax.all_gather(q, axis, tiled=True)
       bank, bank_labels = bank.reshape(-1, bank.shape[-1]), bank_labels.reshape(-1)
       sims = jnp.matmul(queries, bank.T, precision=jax.lax.Precision.HIGHEST)
@@ -112,7 +114,13 @@ class Knn:
         temperature=cfg.temperature,
       )
       mine = jax.lax.dynamic_slice_in_dim(pred, jax.lax.axis_index(axis) * b, b)
-      return jax.lax.psum((jnp.sum((mine == q_labels) & q_mask), jnp.sum(q_mask)), axis)
+      # A NaN or infinite h would vote as if it had no neighbours: counted, so that the
+      # monitor refuses it rather than report a chance-level figure.
+      bad_queries = jnp.sum(q_mask & ~jnp.all(jnp.isfinite(q), axis=-1))
+      bad_bank = jnp.sum(bank_mask & ~jnp.all(jnp.isfinite(bank_h), axis=-1))
+      return jax.lax.psum(
+        (jnp.sum((mine == q_labels) & q_mask), jnp.sum(q_mask), bad_queries, bad_bank), axis
+      )
 
     data, bank_spec = jax.P(axis), jax.P(None, axis)
     self._score = jax.jit(
@@ -133,10 +141,19 @@ class Knn:
   def __call__(self, state) -> dict:
     variables = self._model.variables(state)
     bank = [self._stack(*parts) for parts in zip(*self._features(variables, self._bank_split))]
-    correct = total = 0
+    correct = total = bad = 0
     for q, labels, mask in self._features(variables, self._split):
-      c, t = self._score(q, labels, mask, *bank)
-      correct, total = correct + c, total + t
+      c, t, bad_queries, bad_bank = self._score(q, labels, mask, *bank)
+      correct, total, bad = correct + c, total + t, bad + bad_queries
+    if bad or bad_bank:
+      raise NonFiniteError(
+        f"{self.name}: the encoder's h is NaN or infinite for {int(bad)} of the "
+        f"{int(total)} query images ({self._split}) and {int(bad_bank)} bank images "
+        f"({self._bank_split}); no figure is reported. A diverged encoder does this, and so "
+        "does XLA:CPU's YNNPACK reduce fusion with model.dtype=bfloat16 in JAX 0.11 "
+        "(docs/gpu.md: float32 on the CPU, or "
+        "XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=-reduce)"
+      )
     return {f"{self.name}_top1": float(correct) / float(total)}
 
 
