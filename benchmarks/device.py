@@ -35,8 +35,7 @@ measurement (with `--xla_cpu_experimental_ynn_fusion_type=-reduce` added to XLA_
 unless they set that flag: docs/gpu.md says why). Runs the first row, the supervised row
 and the pretraining section before the other rows, so that a run stopped by its time limit
 keeps them; prints each row as it finishes and rewrites OUT/device.md and OUT/device.json
-(every figure) after each,
-then prints the whole table.
+(every figure) after each, then prints the whole table.
 """
 
 import importlib.util
