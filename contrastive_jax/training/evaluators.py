@@ -141,7 +141,7 @@ class Knn:
   def __call__(self, state) -> dict:
     variables = self._model.variables(state)
     bank = [self._stack(*parts) for parts in zip(*self._features(variables, self._bank_split))]
-    correct = total = bad = 0
+    correct = total = bad = bad_bank = 0
     for q, labels, mask in self._features(variables, self._split):
       c, t, bad_queries, bad_bank = self._score(q, labels, mask, *bank)
       correct, total, bad = correct + c, total + t, bad + bad_queries
