@@ -98,7 +98,7 @@ class Knn:
     def score(q, q_labels, q_mask, bank, bank_labels, bank_mask):
       # Every device scores all queries against its own part of the bank,
       # then the devices' top-k are merged into the global top-k.
-      b, bank_h = q.shape[0], bank
+      b = q.shape[0]
       queries = jax.lax.all_gather(q, axis, tiled=True)
       bank, bank_labels = bank.reshape(-1, bank.shape[-1]), bank_labels.reshape(-1)
       sims = jnp.matmul(queries, bank.T, precision=jax.lax.Precision.HIGHEST)
@@ -114,14 +114,11 @@ class Knn:
         temperature=cfg.temperature,
       )
       mine = jax.lax.dynamic_slice_in_dim(pred, jax.lax.axis_index(axis) * b, b)
-      # A NaN or infinite h would vote as if it had no neighbours: counted, so that the
-      # monitor refuses it rather than report a chance-level figure.
-      bad_queries = jnp.sum(q_mask & ~jnp.all(jnp.isfinite(q), axis=-1))
-      bad_bank = jnp.sum(bank_mask & ~jnp.all(jnp.isfinite(bank_h), axis=-1))
-      return jax.lax.psum(
-        (jnp.sum((mine == q_labels) & q_mask), jnp.sum(q_mask), bad_queries, bad_bank), axis
-      )
+      return jax.lax.psum((jnp.sum((mine == q_labels) & q_mask), jnp.sum(q_mask)), axis)
 
+    # A NaN or infinite h would vote as if it had no neighbours: its rows are counted, so
+    # that the monitor refuses them rather than report a chance-level figure.
+    self._non_finite = jax.jit(lambda h, mask: jnp.sum(mask & ~jnp.all(jnp.isfinite(h), -1)))
     data, bank_spec = jax.P(axis), jax.P(None, axis)
     self._score = jax.jit(
       jax.shard_map(
@@ -141,10 +138,11 @@ class Knn:
   def __call__(self, state) -> dict:
     variables = self._model.variables(state)
     bank = [self._stack(*parts) for parts in zip(*self._features(variables, self._bank_split))]
-    correct = total = bad = bad_bank = 0
+    bad_bank = self._non_finite(bank[0], bank[2])
+    correct = total = bad = 0
     for q, labels, mask in self._features(variables, self._split):
-      c, t, bad_queries, bad_bank = self._score(q, labels, mask, *bank)
-      correct, total, bad = correct + c, total + t, bad + bad_queries
+      c, t = self._score(q, labels, mask, *bank)
+      correct, total, bad = correct + c, total + t, bad + self._non_finite(q, mask)
     if bad or bad_bank:
       raise NonFiniteError(
         f"{self.name}: the encoder's h is NaN or infinite for {int(bad)} of the "
