@@ -4,12 +4,15 @@ The README's command runs the tests in pytest-xdist workers, one per core, each 
 file in one worker (--dist loadfile: a file's module fixtures are made once): on a
 2-core machine compiling, single-threaded, is most of the time, so two workers take
 two thirds of one's time. Each worker is a pytest session of its own, with its own
-8 simulated devices and compilation cache.
+8 simulated devices.
 
 Many tests run the same small programs again (a run, its killed twin, its resume;
-the multi-host workers): JAX's persistent compilation cache, in a fresh directory
-per session, compiles each of them once. The environment variables carry the
-cache to the subprocesses the tests start.
+the multi-host workers; another file's run of the same tiny config): JAX's
+persistent compilation cache, in a fresh directory per run of pytest that its
+workers share, compiles each of them once. The session that starts the workers
+makes it and removes it at the end; the environment variables carry it to the
+workers and to the subprocesses the tests start. Two workers that compile the same
+program at once both write it; JAX reads an entry it cannot load as a miss.
 
 XLA's CPU backend compiles at optimisation level 0 and without its fusion emitters:
 the tests' programs are small and compiled once each, so compilation, not running
@@ -38,7 +41,12 @@ os.environ["XLA_FLAGS"] = " ".join(
 )
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 
-_CACHE = tempfile.mkdtemp(prefix="contrastive_jax_test_cache_")
+# Made by the first session (the one that starts pytest-xdist's workers, or the only one);
+# the workers inherit its environment.
+_CACHE_OWNER = "CONTRASTIVE_JAX_TEST_CACHE" not in os.environ
+if _CACHE_OWNER:
+  os.environ["CONTRASTIVE_JAX_TEST_CACHE"] = tempfile.mkdtemp(prefix="contrastive_jax_test_cache_")
+_CACHE = os.environ["CONTRASTIVE_JAX_TEST_CACHE"]
 os.environ["JAX_COMPILATION_CACHE_DIR"] = _CACHE
 os.environ["JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS"] = "0"
 jax.config.update("jax_num_cpu_devices", 8)
@@ -75,9 +83,11 @@ def pytest_collection_modifyitems(session, config, items):
 
 
 def pytest_sessionfinish(session, exitstatus):
-  """Removes the session's compilation cache, which nothing after the session reads."""
+  """Removes the run's compilation cache, which nothing after the run reads, in the
+  session that made it: after its workers have finished."""
   del session, exitstatus
-  shutil.rmtree(_CACHE, ignore_errors=True)
+  if _CACHE_OWNER:
+    shutil.rmtree(_CACHE, ignore_errors=True)
 
 
 @pytest.fixture(scope="session")
