@@ -20,7 +20,11 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from contrastive_jax.core import xla_flags
 from contrastive_jax.models import conv
+
+# The convolutions as the jobs run them (main.py sets the same).
+xla_flags.set_defaults()
 
 # (batch, map side, channels in, channels out, kernel, stride, padding).
 SHAPES = (
@@ -30,14 +34,19 @@ SHAPES = (
   (512, 8, 16, 32, 1, 2, ((0, 0), (0, 0))),
   (512, 4, 32, 32, 3, 1, "SAME"),
   (512, 4, 32, 64, 3, 2, ((1, 1), (1, 1))),
+  (512, 4, 32, 64, 1, 2, ((0, 0), (0, 0))),
   (512, 2, 64, 64, 3, 1, "SAME"),
   (512, 2, 64, 128, 3, 2, ((1, 1), (1, 1))),
+  (512, 2, 64, 128, 1, 2, ((0, 0), (0, 0))),
   (512, 1, 128, 128, 3, 1, "SAME"),
   (512, 32, 3, 64, 3, 1, "SAME"),  # The CIFAR stem at full width.
   (512, 32, 64, 64, 3, 1, "SAME"),
   (512, 32, 64, 128, 3, 2, ((1, 1), (1, 1))),
   (512, 16, 128, 128, 3, 1, "SAME"),
   (512, 16, 128, 256, 3, 2, ((1, 1), (1, 1))),
+  (512, 8, 256, 256, 3, 1, "SAME"),
+  (512, 8, 256, 512, 3, 2, ((1, 1), (1, 1))),
+  (512, 8, 256, 512, 1, 2, ((0, 0), (0, 0))),
   (512, 4, 512, 512, 3, 1, "SAME"),
 )
 

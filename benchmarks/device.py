@@ -31,8 +31,9 @@ benchmarks/make_device_data.py (CIFAR-10's train and test splits). Sections:
 --tiny shrinks every row to seconds on a CPU (batch 16, width 1/8, one block per
 ResNet-18 stage (ResNet-10), one ViT block, DINO's head to 256 outputs, 32 px) and trains
 for 20 s on the first 2,048 training images: a check that every row runs, not a
-measurement (with `--xla_cpu_experimental_ynn_fusion_type=-reduce` added to XLA_FLAGS
-unless they set that flag: docs/gpu.md says why). Runs the first row, the supervised row
+measurement (XLA_FLAGS get `--xla_cpu_experimental_ynn_fusion_type=-individual_convolution,-reduce`
+unless they set that option: contrastive_jax/core/xla_flags.py and docs/gpu.md say why;
+without --tiny, `-individual_convolution` as every job's). Runs the first row, the supervised row
 and the pretraining section before the other rows, so that a run stopped by its time limit
 keeps them; prints each row as it finishes and rewrites OUT/device.md and OUT/device.json
 (every figure) after each, then prints the whole table.
@@ -95,6 +96,7 @@ from benchmarks import flops  # noqa: E402
 from contrastive_jax import models  # noqa: E402
 from contrastive_jax.core import files  # noqa: E402
 from contrastive_jax.core import mesh as mesh_lib  # noqa: E402
+from contrastive_jax.core import xla_flags  # noqa: E402
 from contrastive_jax.core.errors import ConfigError  # noqa: E402
 from contrastive_jax.data import device_data  # noqa: E402
 from contrastive_jax.methods import evaluated_encoder  # noqa: E402
@@ -480,13 +482,10 @@ def main(argv):
       f"benchmarks/device.py: --data={FLAGS.data or ''} is no file; it needs the .npz that "
       "benchmarks/make_device_data.py writes (docs/gpu.md)"
     )
-  if FLAGS.tiny:
-    # --tiny's rows run on the CPU, where JAX 0.11.2's XLA:CPU computes a bfloat16 ResNet's
-    # h as NaN under jit in its YNNPACK reduce fusion (the kNN monitor then refuses it).
-    # Read when the backend starts, after this; the user's own ynn flag is kept.
-    xla_flags = os.environ.get("XLA_FLAGS", "")
-    if "ynn_fusion_type" not in xla_flags:
-      os.environ["XLA_FLAGS"] = f"{xla_flags} --xla_cpu_experimental_ynn_fusion_type=-reduce"
+  # Read when the backend starts, after this; the user's own ynn option is kept. --tiny's
+  # rows run on the CPU, where JAX 0.11.2's XLA:CPU computes a bfloat16 ResNet's h as NaN
+  # under jit in its YNNPACK reduce fusion (the kNN monitor then refuses it).
+  xla_flags.set_defaults(xla_flags.YNN_FUSION_TYPE + (",-reduce" if FLAGS.tiny else ""))
   start = time.perf_counter()
   mesh = mesh_lib.make_mesh()
   kind = jax.devices()[0].device_kind

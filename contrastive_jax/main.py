@@ -36,6 +36,7 @@ from ml_collections import config_flags
 from contrastive_jax import recipes
 from contrastive_jax.core import files
 from contrastive_jax.core import metrics
+from contrastive_jax.core import xla_flags
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import closest
@@ -51,6 +52,9 @@ from contrastive_jax.jobs import neighbours
 from contrastive_jax.jobs import prepare
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.training import runner
+
+# XLA's options for the job's programs: read when JAX's backend starts, after the imports.
+xla_flags.set_defaults()
 
 # Training jobs (check_config, build) run in runner.run's loop;
 # the others (no build) are not training loops and run themselves: job.run(config, workdir).

@@ -29,6 +29,8 @@ import tempfile
 
 import pytest
 
+from contrastive_jax.core import xla_flags
+
 # Once, though pytest-xdist's workers inherit it from the session that starts them.
 os.environ["XLA_FLAGS"] = " ".join(
   dict.fromkeys(
@@ -40,6 +42,9 @@ os.environ["XLA_FLAGS"] = " ".join(
   )
 )
 import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
+
+# And the project's own options, as main.py sets them for every job.
+xla_flags.set_defaults()
 
 # Made by the first session (the one that starts pytest-xdist's workers, or the only one);
 # the workers inherit its environment.

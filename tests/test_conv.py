@@ -74,7 +74,10 @@ def test_the_rule_and_what_keeps_xlas_convolution():
   assert not conv.uses_patches((512, 32, 32, 3), (7, 7, 3, 64), (2, 2))  # The stem.
   assert not conv.uses_patches((512, 8, 8, 16), (3, 3, 16, 16), (1, 1))
   assert conv.uses_patches((512, 2, 2, 64), (3, 3, 64, 64), (1, 1))
-  assert conv.uses_patches((512, 16, 16, 128), (3, 3, 128, 128), (1, 1))
+  assert not conv.uses_patches((512, 16, 16, 128), (3, 3, 128, 128), (1, 1))
+  assert conv.uses_patches((512, 8, 8, 16), (1, 1, 16, 32), (2, 2))  # A shortcut.
+  assert not conv.uses_patches((512, 8, 8, 256), (3, 3, 256, 512), (2, 2))  # Wide.
+  assert not conv.uses_patches((512, 16, 16, 64), (3, 3, 64, 128), (2, 2))  # Large.
 
   def primitives(**kwargs):
     x, w = jnp.zeros((2, 2, 2, 4)), jnp.zeros((3, 3, 4, 4))
