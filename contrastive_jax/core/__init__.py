@@ -1,2 +1,2 @@
 """What knows no model: errors, files and workdirs, checkpoints, metrics, pictures, gs://,
-the mesh."""
+the mesh, XLA's options."""
