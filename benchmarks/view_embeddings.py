@@ -33,6 +33,7 @@ from ml_collections import config_flags
 import numpy as np
 
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core import xla_flags
 from contrastive_jax.data import crop_spec
 from contrastive_jax.data import device_data
 from contrastive_jax.data import sources
@@ -70,6 +71,7 @@ def views_fn(size: int, resize: str, area_min: float, seed: int):
 
 
 def main(argv):
+  xla_flags.set_defaults()  # As the jobs run (main.py); before any device use.
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = FLAGS.config

@@ -11,8 +11,9 @@ the multi-host workers; another file's run of the same tiny config): JAX's
 persistent compilation cache, in a fresh directory per run of pytest that its
 workers share, compiles each of them once. The session that starts the workers
 makes it and removes it at the end; the environment variables carry it to the
-workers and to the subprocesses the tests start. Two workers that compile the same
-program at once both write it; JAX reads an entry it cannot load as a miss.
+workers and to the subprocesses the tests start. JAX writes an entry once (a second
+writer finds it there), and reads one it cannot load, such as one still being written
+by another worker, as a miss, with a warning.
 
 XLA's CPU backend compiles at optimisation level 0 and without its fusion emitters:
 the tests' programs are small and compiled once each, so compilation, not running
@@ -46,9 +47,9 @@ import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
 # And the project's own options, as main.py sets them for every job.
 xla_flags.set_defaults()
 
-# Made by the first session (the one that starts pytest-xdist's workers, or the only one);
-# the workers inherit its environment.
-_CACHE_OWNER = "CONTRASTIVE_JAX_TEST_CACHE" not in os.environ
+# Made by the session that starts pytest-xdist's workers (or the only one), before it
+# starts them: the workers inherit its environment.
+_CACHE_OWNER = "PYTEST_XDIST_WORKER" not in os.environ
 if _CACHE_OWNER:
   os.environ["CONTRASTIVE_JAX_TEST_CACHE"] = tempfile.mkdtemp(prefix="contrastive_jax_test_cache_")
 _CACHE = os.environ["CONTRASTIVE_JAX_TEST_CACHE"]

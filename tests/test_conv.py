@@ -98,7 +98,8 @@ def test_the_rule_and_what_keeps_xlas_convolution():
 
 
 def test_the_resnet_with_the_patches_lowering_equals_it_without(monkeypatch):
-  """ResNet-18 at width 1/16 on 32 px (maps 8 to 1 px: strided, small and wide lowerings)."""
+  """ResNet-18 at width 1/16 on 32 px (maps 8 to 1 px: the strided and small-map
+  lowerings)."""
   config = ml_collections.ConfigDict(
     dict(name="resnet18", width=0.0625, stem="imagenet", dtype="float32", padding="torchvision")
   )

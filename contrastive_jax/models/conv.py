@@ -3,12 +3,12 @@
 XLA:CPU runs a convolution and its two gradients with its own convolution
 kernels, which are several times slower than a matrix product of the same
 arithmetic on the small feature maps of CIFAR-sized inputs: a 3x3 convolution
-of batch 512 on 2x2 maps of 64 channels took 10.1 ms forward and backward,
+of batch 512 on 2x2 maps of 64 channels took 10.7 ms forward and backward,
 1.7 ms as a product of its patches [N*H*W, 9*C] with the kernel [9*C, O]; a
-stride-2 one from 4x4 maps, 3.3 ms against 1.0 ms (this project's 2-core
-x86-64 VM, JAX 0.10.2; benchmarks/conv_lowering.py prints the table). On
-larger maps of few channels at stride 1 XLA's own is faster (8x8 maps of 16
-channels: 3.8 ms against 16.1 ms). `conv_general_dilated` takes
+stride-2 one from 4x4 maps, 2.6 ms against 1.1 ms (this project's 2-core
+x86-64 VM, JAX 0.10.2, XLA's own convolutions as core/xla_flags.py sets them;
+benchmarks/conv_lowering.py prints the table). On larger maps at stride 1 XLA's
+own is faster (8x8 maps of 16 channels: 5.3 ms against 15.9 ms). `conv_general_dilated` takes
 lax.conv_general_dilated's arguments and picks the faster lowering by shape on
 the CPU; every other backend gets lax.conv_general_dilated. Both compute the
 same sums, in another order: the results agree to float32 rounding.

@@ -150,7 +150,7 @@ class Knn:
         f"({self._bank_split}); no figure is reported. A diverged encoder does this, and so "
         "does XLA:CPU's YNNPACK reduce fusion with model.dtype=bfloat16 in JAX 0.11 "
         "(docs/gpu.md: float32 on the CPU, or "
-        "XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=-reduce)"
+        "XLA_FLAGS=--xla_cpu_experimental_ynn_fusion_type=-individual_convolution,-reduce)"
       )
     return {f"{self.name}_top1": float(correct) / float(total)}
 
