@@ -78,6 +78,7 @@ def test_the_rule_and_what_keeps_xlas_convolution():
   assert conv.uses_patches((512, 8, 8, 16), (1, 1, 16, 32), (2, 2))  # A shortcut.
   assert not conv.uses_patches((512, 8, 8, 256), (3, 3, 256, 512), (2, 2))  # Wide.
   assert not conv.uses_patches((512, 16, 16, 64), (3, 3, 64, 128), (2, 2))  # Large.
+  assert not conv.uses_patches((512, 8, 8, 64), (3, 3, 64, 128), (2, 2))
 
   def primitives(**kwargs):
     x, w = jnp.zeros((2, 2, 2, 4)), jnp.zeros((3, 3, 4, 4))

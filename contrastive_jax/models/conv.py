@@ -30,11 +30,10 @@ from jax import lax
 import jax.numpy as jnp
 
 # Stride-1 convolutions take the patches lowering on input maps of at most SMALL_MAP pixels
-# a side; strided ones with kernels below LARGE_KERNEL on maps of at most STRIDED_MAP
-# pixels a side and fewer than WIDE channels.
+# a side; strided ones with kernels below LARGE_KERNEL on input maps of at most SMALL_INPUT
+# values (height x width x channels) per image.
 SMALL_MAP = 2
-STRIDED_MAP = 8
-WIDE = 128
+SMALL_INPUT = 1024
 LARGE_KERNEL = 7
 
 
@@ -43,17 +42,17 @@ def uses_patches(lhs_shape, rhs_shape, window_strides) -> bool:
 
   From benchmarks/conv_lowering.py's table (this project's 2-core VM, JAX 0.10.2,
   with XLA's own convolutions, not YNNPACK's: core/xla_flags.py; forward and both
-  gradients, batch 512): patches win at stride 2 with 3x3 kernels on maps of 8 px
-  or less and at most 64 channels (1.2x to 6.5x) and at stride 1 on 1x1 and 2x2
-  maps (2.3x, 6.2x); XLA's own wins for the 7x7 stem (0.85x patches' speed),
-  stride 1 on 4x4 maps or larger (0.3x to 0.7x) and strided kernels on maps of 16 px
-  or more or of 256 channels (0.88x to 0.92x). The 1x1 strided shortcuts on small
+  gradients, batch 512): patches win at stride 2 with 3x3 kernels on inputs of
+  8x8x16, 4x4x32 and 2x2x64 (1.2x to 6.5x) and at stride 1 on 1x1 and 2x2 maps
+  (2.3x, 6.2x); XLA's own wins for the 7x7 stem (0.85x patches' speed), stride 1 on
+  4x4 maps or larger (0.3x to 0.7x) and strided kernels on larger inputs (8x8x64:
+  0.51x; 8x8x128 to 32x32x64: 0.88x to 0.92x). The 1x1 strided shortcuts on small
   maps take under a millisecond either way.
   """
-  side, channels, kernel = max(lhs_shape[1:3]), lhs_shape[3], max(rhs_shape[:2])
+  h, w, channels = lhs_shape[1:4]
   if max(window_strides) > 1:
-    return kernel < LARGE_KERNEL and side <= STRIDED_MAP and channels < WIDE
-  return side <= SMALL_MAP
+    return max(rhs_shape[:2]) < LARGE_KERNEL and h * w * channels <= SMALL_INPUT
+  return max(h, w) <= SMALL_MAP
 
 
 def _window_views(x, window, strides):
