@@ -20,6 +20,7 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from contrastive_jax.core import host_memory
 from contrastive_jax.core import xla_flags
 from contrastive_jax.models import conv
 
@@ -99,4 +100,5 @@ def main():
 
 
 if __name__ == "__main__":
+  host_memory.reexec_with_huge_pages()  # As main.py does, for its timings.
   main()

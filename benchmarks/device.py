@@ -95,6 +95,7 @@ from benchmarks import batches  # noqa: E402
 from benchmarks import flops  # noqa: E402
 from contrastive_jax import models  # noqa: E402
 from contrastive_jax.core import files  # noqa: E402
+from contrastive_jax.core import host_memory  # noqa: E402
 from contrastive_jax.core import mesh as mesh_lib  # noqa: E402
 from contrastive_jax.core import xla_flags  # noqa: E402
 from contrastive_jax.core.errors import ConfigError  # noqa: E402
@@ -532,5 +533,6 @@ def run_main(argv):
 
 
 if __name__ == "__main__":
+  host_memory.reexec_with_huge_pages()  # As main.py does, for its timings.
   define_flags()
   app.run(run_main)

@@ -28,6 +28,7 @@ import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
 from benchmarks import common
+from contrastive_jax.core import host_memory
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.data import sources
@@ -111,4 +112,5 @@ def run_variants():
 
 
 if __name__ == "__main__":
+  host_memory.reexec_with_huge_pages()  # As main.py does, for its timings.
   app.run(main)

@@ -59,6 +59,7 @@ import tensorflow as tf
 
 from benchmarks import capacity
 from benchmarks import common
+from contrastive_jax.core import host_memory
 from contrastive_jax.core import metrics
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.data import crop_spec
@@ -453,5 +454,6 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  host_memory.reexec_with_huge_pages()  # As main.py does, for its timings.
   define_flags()
   app.run(main)

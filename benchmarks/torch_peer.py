@@ -47,6 +47,7 @@ import torch._dynamo  # noqa: F401  pylint: disable=unused-import
 
 from benchmarks import common
 from contrastive_jax import models
+from contrastive_jax.core import host_memory
 from contrastive_jax.data import augment
 from contrastive_jax.methods import common as method_common
 from contrastive_jax.methods import optim
@@ -309,5 +310,6 @@ def main(_):
 
 
 if __name__ == "__main__":
+  host_memory.reexec_with_huge_pages()  # As main.py does, for its timings.
   flags.mark_flag_as_required("config")
   app.run(main)

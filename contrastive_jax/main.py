@@ -19,6 +19,13 @@ import re
 import sys
 import time
 
+if __name__ == "__main__":
+  # glibc reads its malloc tunables when a process starts: re-executed with them before the
+  # imports below (core/host_memory.py says why).
+  from contrastive_jax.core import host_memory
+
+  host_memory.reexec_with_huge_pages()
+
 # Read by TensorFlow (the host data pipelines) when it loads, so set before anything imports
 # it; a value set in the environment wins. Its C++ INFO lines off (warnings and errors stay),
 # and its oneDNN kernels, announced by a line at each of its two loads: the pipelines
