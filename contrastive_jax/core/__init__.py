@@ -1,2 +1,2 @@
 """What knows no model: errors, files and workdirs, checkpoints, metrics, pictures, gs://,
-the mesh, XLA's options."""
+the mesh, XLA's options, glibc's malloc tunables."""

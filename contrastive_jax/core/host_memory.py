@@ -6,7 +6,7 @@ fresh mmap and frees them with munmap, so every step faulted in about 28,800 pag
 each zeroed by the kernel: about 50 ms of kernel time a step on a 2-core CPU. With
 `glibc.malloc.hugetlb=1` malloc asks the kernel to back such mappings with 2 MiB pages
 (transparent huge pages in 'madvise' mode, the usual default): about 600 faults a step, the
-step 4 to 20% faster, the host pipeline as fast (docs/throughput.md). glibc reads
+step 4 to 21% faster, the host pipeline as fast (docs/throughput.md). glibc reads
 GLIBC_TUNABLES only when a process starts, hence the re-execution. Keeping freed memory in
 one arena instead (mallopt) removed the faults too but halved tf.data's pace.
 """
