@@ -17,6 +17,9 @@ import sys
 
 TUNABLE = "glibc.malloc.hugetlb"
 _THP_MODE = "/sys/kernel/mm/transparent_hugepage/enabled"
+# Set in the re-executed process: a second re-execution is never tried, whatever glibc did
+# with GLIBC_TUNABLES (it empties them in processes with file capabilities).
+_REEXECUTED = "CONTRASTIVE_JAX_REEXECUTED"
 
 
 def tunables(environ, libc: tuple, thp_mode: str) -> str | None:
@@ -36,18 +39,22 @@ def tunables(environ, libc: tuple, thp_mode: str) -> str | None:
   if "[madvise]" not in thp_mode:
     return None
   current = environ.get("GLIBC_TUNABLES", "")
-  if any(entry.split("=")[0] == TUNABLE for entry in current.split(":")):
+  if any(entry.split("=")[0].strip() == TUNABLE for entry in current.split(":")):
     return None
   return ":".join(filter(None, [current, f"{TUNABLE}=1"]))
 
 
 def reexec_with_huge_pages() -> None:
   """Re-executes this process, same pid, interpreter, arguments (sys.orig_argv) and
-  environment, with GLIBC_TUNABLES as tunables() says; returns where it says None (and
-  off Linux). Call it first, before other threads start and before imports that take
-  time: everything before it runs twice. The re-executed process returns from here.
+  environment, with GLIBC_TUNABLES as tunables() says; returns where it says None, off
+  Linux, once re-executed, in an interactive interpreter (IPython included) and for a
+  program read from stdin (it cannot be read again), and where the exec fails. Call it
+  before other work: everything before it runs twice. The re-executed process returns
+  from here.
   """
-  if not sys.platform.startswith("linux"):
+  if not sys.platform.startswith("linux") or os.environ.get(_REEXECUTED):
+    return
+  if sys.flags.interactive or "IPython" in sys.modules or sys.orig_argv[1:2] in ([], ["-"]):
     return
   try:
     with open(_THP_MODE) as f:
@@ -57,7 +64,13 @@ def reexec_with_huge_pages() -> None:
   value = tunables(os.environ, platform.libc_ver(), thp_mode)
   if value is None:
     return
-  os.environ["GLIBC_TUNABLES"] = value
-  sys.stdout.flush()
-  sys.stderr.flush()
-  os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+  before = dict(os.environ)
+  os.environ.update({"GLIBC_TUNABLES": value, _REEXECUTED: "1"})
+  for stream in (sys.stdout, sys.stderr):
+    if stream is not None:
+      stream.flush()
+  try:
+    os.execv(sys.executable, [sys.executable, *sys.orig_argv[1:]])
+  except OSError:
+    os.environ.clear()
+    os.environ.update(before)
