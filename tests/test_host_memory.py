@@ -30,15 +30,6 @@ def test_the_tunable_is_added_where_it_helps_and_the_users_value_wins():
     assert host_memory.tunables({}, glibc, mode) is None
 
 
-def _machine_tunables():
-  try:
-    with open(host_memory._THP_MODE) as f:
-      mode = f.read()
-  except OSError:
-    return None
-  return host_memory.tunables({}, platform.libc_ver(), mode)
-
-
 # Faults of the page tables while XLA:CPU writes a fresh 128 MiB output twice.
 PROGRAM = """
 import os, resource
@@ -57,7 +48,8 @@ print(os.getpid(), os.environ.get("GLIBC_TUNABLES"), faults)
 
 
 @pytest.mark.skipif(
-  _machine_tunables() is None, reason="this machine's libc or kernel makes the tunable moot"
+  host_memory.tunables({}, platform.libc_ver(), host_memory.thp_mode()) is None,
+  reason="this machine's libc or kernel makes the tunable moot",
 )
 def test_the_process_reexecutes_itself_with_huge_pages_and_faults_less():
   def run(extra_env, *, stdin=False):

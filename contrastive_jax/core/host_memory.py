@@ -44,6 +44,15 @@ def tunables(environ, libc: tuple, thp_mode: str) -> str | None:
   return ":".join(filter(None, [current, f"{TUNABLE}=1"]))
 
 
+def thp_mode() -> str:
+  """The kernel's transparent huge page mode, as _THP_MODE reads ('' where it cannot)."""
+  try:
+    with open(_THP_MODE) as f:
+      return f.read()
+  except OSError:
+    return ""
+
+
 def reexec_with_huge_pages() -> None:
   """Re-executes this process, same pid, interpreter, arguments (sys.orig_argv) and
   environment, with GLIBC_TUNABLES as tunables() says; returns where it says None, off
@@ -56,12 +65,7 @@ def reexec_with_huge_pages() -> None:
     return
   if sys.flags.interactive or "IPython" in sys.modules or sys.orig_argv[1:2] in ([], ["-"]):
     return
-  try:
-    with open(_THP_MODE) as f:
-      thp_mode = f.read()
-  except OSError:
-    return
-  value = tunables(os.environ, platform.libc_ver(), thp_mode)
+  value = tunables(os.environ, platform.libc_ver(), thp_mode())
   if value is None:
     return
   before = dict(os.environ)
