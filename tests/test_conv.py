@@ -69,6 +69,47 @@ def test_patches_conv_equals_the_definition_and_xlas_convolution_with_gradients(
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize(
+  "side,kernel,stride,padding",
+  [
+    (32, 7, 2, ((3, 3), (3, 3))),  # torchvision's stem.
+    (32, 7, 2, "SAME"),  # Haiku's: pads (2, 3).
+    (31, 7, 2, ((2, 3), (2, 3))),  # Odd input: the last row is cut.
+    (17, 7, 3, "VALID"),
+    (9, 8, 2, ((1, 0), (2, 1))),  # Even kernel, uneven pads.
+  ],
+)
+def test_space_to_depth_conv_equals_the_definition_and_differentiates_as_xlas(
+  side, kernel, stride, padding
+):
+  rng = np.random.default_rng(side + kernel)
+  x = rng.normal(size=(3, side, side, 3)).astype(np.float32)
+  w = rng.normal(size=(kernel, kernel, 3, 5)).astype(np.float32)
+  strides = (stride, stride)
+  pads = padding
+  if isinstance(padding, str):
+    pads = lax.padtype_to_pads((side, side), (kernel, kernel), strides, padding)
+  got = conv.space_to_depth_conv(jnp.asarray(x), jnp.asarray(w), stride, padding, "highest")
+  np.testing.assert_allclose(got, _numpy_conv(x, w, stride, pads), rtol=1e-5, atol=1e-4)
+
+  def loss(fn):
+    return lambda x, w: jnp.sum(jnp.sin(fn(x, w, strides, padding, dimension_numbers=DIMENSIONS)))
+
+  assert conv.uses_space_to_depth(w.shape, strides)
+  ours, xlas = loss(conv.conv_general_dilated), loss(lax.conv_general_dilated)
+  np.testing.assert_allclose(ours(x, w), xlas(x, w), atol=1e-3)
+  for got, want in zip(jax.grad(ours, argnums=(0, 1))(x, w), jax.grad(xlas, argnums=(0, 1))(x, w)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4 * float(np.max(np.abs(want))))
+  # Forward mode, and the weight gradient alone (the input's tangent a symbolic zero).
+  tangents = (x, w)
+  np.testing.assert_allclose(
+    jax.jvp(ours, (x, w), tangents)[1], jax.jvp(xlas, (x, w), tangents)[1], rtol=1e-4
+  )
+  np.testing.assert_allclose(
+    jax.grad(ours, argnums=1)(x, w), jax.grad(xlas, argnums=1)(x, w), rtol=1e-4, atol=1e-3
+  )
+
+
 def test_the_rule_and_what_keeps_xlas_convolution():
   assert conv.uses_patches((512, 8, 8, 16), (3, 3, 16, 32), (2, 2))
   assert not conv.uses_patches((512, 32, 32, 3), (7, 7, 3, 64), (2, 2))  # The stem.
@@ -79,6 +120,10 @@ def test_the_rule_and_what_keeps_xlas_convolution():
   assert not conv.uses_patches((512, 8, 8, 256), (3, 3, 256, 512), (2, 2))  # Wide.
   assert not conv.uses_patches((512, 16, 16, 64), (3, 3, 64, 128), (2, 2))  # Large.
   assert not conv.uses_patches((512, 8, 8, 64), (3, 3, 64, 128), (2, 2))
+  assert conv.uses_space_to_depth((7, 7, 3, 64), (2, 2))  # The ImageNet stem.
+  assert not conv.uses_space_to_depth((3, 3, 16, 32), (2, 2))
+  assert not conv.uses_space_to_depth((7, 7, 3, 64), (1, 1))
+  assert not conv.uses_space_to_depth((7, 7, 3, 64), (2, 1))
 
   def primitives(**kwargs):
     x, w = jnp.zeros((2, 2, 2, 4)), jnp.zeros((3, 3, 4, 4))
