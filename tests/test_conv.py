@@ -143,6 +143,30 @@ def test_the_rule_and_what_keeps_xlas_convolution():
   assert "conv_general_dilated" in {e.primitive.name for e in grouped.jaxpr.eqns}
 
 
+def test_space_to_depth_leaves_negative_pads_and_sharded_spatial_axes_to_xla():
+  x, w = np.ones((4, 16, 16, 3), np.float32), np.ones((7, 7, 3, 2), np.float32)
+
+  def stem(pads):
+    return lambda x: conv.conv_general_dilated(x, w, (2, 2), pads, dimension_numbers=DIMENSIONS)
+
+  def custom(fn, x):
+    return "custom_jvp_call" in {e.primitive.name for e in jax.make_jaxpr(fn)(x).jaxpr.eqns}
+
+  assert custom(stem(((3, 3), (3, 3))), x)
+  assert not custom(stem(((0, 0), (1, -3))), x)  # A negative pad in either pair.
+  assert not custom(stem(((1, -3), (0, 0))), x)
+  # Rows sharded over 4 devices: XLA's convolution, which takes them (space-to-depth's pad
+  # of a sharded axis would not); a sharded batch keeps space-to-depth.
+  mesh = jax.make_mesh((4,), ("data",), devices=jax.devices()[:4])
+  pads = ((3, 3), (3, 3))
+  want = lax.conv_general_dilated(x, w, (2, 2), pads, dimension_numbers=DIMENSIONS)
+  for spec, space_to_depth in ((jax.P(None, "data"), False), (jax.P("data"), True)):
+    sharded = jax.device_put(x, jax.NamedSharding(mesh, spec))
+    with jax.sharding.set_mesh(mesh):
+      assert custom(stem(pads), sharded) == space_to_depth
+      np.testing.assert_allclose(jax.jit(stem(pads))(sharded), want, rtol=1e-5)
+
+
 def test_the_resnet_with_the_patches_lowering_equals_it_without(monkeypatch):
   """ResNet-18 at width 1/16 on 32 px (maps 8 to 1 px: the strided and small-map
   lowerings)."""

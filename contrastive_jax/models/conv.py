@@ -117,8 +117,11 @@ def space_to_depth_conv(lhs, rhs, stride: int, padding, precision=None):
   order, and the kernel zero-padded to s k' x s k' taps becomes [k'h, k'w, s*s*C, O]
   in the same order: out[y, x] = sum over blocks (p, q) of the block at (y + p, x + q)
   times the kernel's block (p, q), the same products as the strided convolution's
-  plus products with zeros. padding: 'SAME', 'VALID' or ((top, bottom), (left,
-  right)) of non-negative pads; precision: lax.Precision. Returns [N, Ho, Wo, O] in
+  plus products with zeros. So a non-finite input value also reaches, as NaN
+  (0 x inf), the outputs whose zero-padded window covers it but whose true window
+  does not (the stem reads finite images). padding: 'SAME', 'VALID' or ((top,
+  bottom), (left, right)) of non-negative pads; precision: lax.Precision. The
+  spatial axes must not be sharded (the batch may be). Returns [N, Ho, Wo, O] in
   lhs's dtype.
   """
   kh, kw, c, o = rhs.shape
@@ -148,7 +151,7 @@ def space_to_depth_conv(lhs, rhs, stride: int, padding, precision=None):
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3, 4))
 def _space_to_depth_forward(lhs, rhs, stride, padding, precision):
-  """space_to_depth_conv, differentiated as XLA's strided convolution (_xla_tangent)."""
+  """space_to_depth_conv, differentiated as XLA's strided convolution (_space_to_depth_jvp)."""
   return space_to_depth_conv(lhs, rhs, stride, padding, precision)
 
 
@@ -191,8 +194,8 @@ def conv_general_dilated(
   flax.linen.Conv's conv_general_dilated argument.
 
   Both need NHWC inputs, HWIO kernels, no dilation and one feature group, and
-  space-to-depth non-negative padding; any other convolution, and every
-  convolution off the CPU, is lax.conv_general_dilated's.
+  space-to-depth non-negative padding and unsharded spatial axes; any other
+  convolution, and every convolution off the CPU, is lax.conv_general_dilated's.
   """
   window_strides = tuple(window_strides)
   pads = padding
@@ -206,7 +209,13 @@ def conv_general_dilated(
     and lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
     == lax.conv_dimension_numbers(lhs.shape, rhs.shape, ("NHWC", "HWIO", "NHWC"))
   )
-  if eligible and uses_space_to_depth(rhs.shape, window_strides) and min(min(pads)) >= 0:
+  spatial_sharding = (*jax.typeof(lhs).sharding.spec, None, None, None, None)[1:4]
+  if (
+    eligible
+    and uses_space_to_depth(rhs.shape, window_strides)
+    and min(min(pair) for pair in pads) >= 0
+    and all(axes is None for axes in spatial_sharding)
+  ):
     return _space_to_depth_forward(lhs, rhs, window_strides[0], pads, precision)
   if not (eligible and uses_patches(lhs.shape, rhs.shape, window_strides)):
     return lax.conv_general_dilated(
