@@ -62,9 +62,7 @@ SHAPES = (
 
 
 def _xla(x, w, stride, padding):
-  return lax.conv_general_dilated(
-    x, w, (stride, stride), padding, dimension_numbers=("NHWC", "HWIO", "NHWC")
-  )
+  return lax.conv_general_dilated(x, w, (stride, stride), padding, dimension_numbers=conv.NHWC)
 
 
 def _patches(x, w, stride, padding):
@@ -72,9 +70,7 @@ def _patches(x, w, stride, padding):
 
 
 def _picked(x, w, stride, padding):
-  return conv.conv_general_dilated(
-    x, w, (stride, stride), padding, dimension_numbers=("NHWC", "HWIO", "NHWC")
-  )
+  return conv.conv_general_dilated(x, w, (stride, stride), padding, dimension_numbers=conv.NHWC)
 
 
 def pick(x, w, stride) -> str:

@@ -44,6 +44,15 @@ import jax.numpy as jnp
 SMALL_MAP = 2
 SMALL_INPUT = 1024
 LARGE_KERNEL = 7
+NHWC = ("NHWC", "HWIO", "NHWC")  # The dimension numbers every lowering here takes.
+
+
+def explicit_pads(spatial_shape, window, strides, padding) -> tuple:
+  """padding ('SAME', 'VALID' or pairs) as ((top, bottom), (left, right)) of ints, for a
+  window sliding with strides over an input of spatial_shape (height, width)."""
+  if isinstance(padding, str):
+    padding = lax.padtype_to_pads(spatial_shape, window, strides, padding)
+  return tuple((int(lo), int(hi)) for lo, hi in padding)
 
 
 def uses_space_to_depth(rhs_shape, window_strides) -> bool:
@@ -98,9 +107,7 @@ def patches_conv(lhs, rhs, window_strides, padding, precision=None):
   Returns [N, H', W', O] in lhs's dtype.
   """
   kh, kw, c, o = rhs.shape
-  if isinstance(padding, str):
-    padding = lax.padtype_to_pads(lhs.shape[1:3], (kh, kw), window_strides, padding)
-  (top, bottom), (left, right) = padding
+  (top, bottom), (left, right) = explicit_pads(lhs.shape[1:3], (kh, kw), window_strides, padding)
   x = jnp.pad(lhs, ((0, 0), (top, bottom), (left, right), (0, 0)))
   views = list(_window_views(x, (kh, kw), window_strides).values())
   patches = views[0] if len(views) == 1 else jnp.concatenate(views, axis=-1)
@@ -125,10 +132,8 @@ def space_to_depth_conv(lhs, rhs, stride: int, padding, precision=None):
   lhs's dtype.
   """
   kh, kw, c, o = rhs.shape
-  if isinstance(padding, str):
-    padding = lax.padtype_to_pads(lhs.shape[1:3], (kh, kw), (stride, stride), padding)
   n, h, w = lhs.shape[:3]
-  (top, bottom), (left, right) = padding
+  (top, bottom), (left, right) = explicit_pads((h, w), (kh, kw), (stride, stride), padding)
   blocks_h, blocks_w = -(-kh // stride), -(-kw // stride)
   rows = stride * ((h + top + bottom - kh) // stride + blocks_h)
   cols = stride * ((w + left + right - kw) // stride + blocks_w)
@@ -145,7 +150,7 @@ def space_to_depth_conv(lhs, rhs, stride: int, padding, precision=None):
   k = k.reshape(blocks_h, stride, blocks_w, stride, c, o).transpose(0, 2, 1, 3, 4, 5)
   k = k.reshape(blocks_h, blocks_w, stride * stride * c, o)
   return lax.conv_general_dilated(
-    x, k, (1, 1), "VALID", dimension_numbers=("NHWC", "HWIO", "NHWC"), precision=precision
+    x, k, (1, 1), "VALID", dimension_numbers=NHWC, precision=precision
   )
 
 
@@ -164,7 +169,7 @@ def _space_to_depth_jvp(stride, padding, precision, primals, tangents):
     lax.conv_general_dilated,
     window_strides=(stride, stride),
     padding=padding,
-    dimension_numbers=("NHWC", "HWIO", "NHWC"),
+    dimension_numbers=NHWC,
     precision=precision,
   )
   terms = [
@@ -198,38 +203,35 @@ def conv_general_dilated(
   convolution, and every convolution off the CPU, is lax.conv_general_dilated's.
   """
   window_strides = tuple(window_strides)
-  pads = padding
-  if isinstance(padding, str):
-    pads = lax.padtype_to_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)
-  pads = tuple((int(lo), int(hi)) for lo, hi in pads)
   eligible = (
     jax.default_backend() == "cpu"
     and all(d == 1 for d in (lhs_dilation or ()) + (rhs_dilation or ()))
     and feature_group_count == 1
     and lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
-    == lax.conv_dimension_numbers(lhs.shape, rhs.shape, ("NHWC", "HWIO", "NHWC"))
+    == lax.conv_dimension_numbers(lhs.shape, rhs.shape, NHWC)
   )
-  spatial_sharding = (*jax.typeof(lhs).sharding.spec, None, None, None, None)[1:4]
-  if (
-    eligible
-    and uses_space_to_depth(rhs.shape, window_strides)
-    and min(min(pair) for pair in pads) >= 0
-    and all(axes is None for axes in spatial_sharding)
-  ):
-    return _space_to_depth_forward(lhs, rhs, window_strides[0], pads, precision)
-  if not (eligible and uses_patches(lhs.shape, rhs.shape, window_strides)):
-    return lax.conv_general_dilated(
-      lhs,
-      rhs,
-      window_strides,
-      padding,
-      lhs_dilation=lhs_dilation,
-      rhs_dilation=rhs_dilation,
-      dimension_numbers=dimension_numbers,
-      feature_group_count=feature_group_count,
-      precision=precision,
-    )
-  return patches_conv(lhs, rhs, window_strides, pads, precision)
+  if eligible:
+    pads = explicit_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)
+    spatial_sharding = (*jax.typeof(lhs).sharding.spec, None, None, None, None)[1:4]
+    if (
+      uses_space_to_depth(rhs.shape, window_strides)
+      and min(min(pair) for pair in pads) >= 0
+      and all(axes is None for axes in spatial_sharding)
+    ):
+      return _space_to_depth_forward(lhs, rhs, window_strides[0], pads, precision)
+    if uses_patches(lhs.shape, rhs.shape, window_strides):
+      return patches_conv(lhs, rhs, window_strides, pads, precision)
+  return lax.conv_general_dilated(
+    lhs,
+    rhs,
+    window_strides,
+    padding,
+    lhs_dilation=lhs_dilation,
+    rhs_dilation=rhs_dilation,
+    dimension_numbers=dimension_numbers,
+    feature_group_count=feature_group_count,
+    precision=precision,
+  )
 
 
 def max_pool(x, window, strides, padding):
@@ -245,10 +247,7 @@ def max_pool(x, window, strides, padding):
   is NaN).
   """
   window, strides = tuple(window), tuple(strides)
-  pads = padding
-  if isinstance(padding, str):
-    pads = lax.padtype_to_pads(x.shape[1:3], window, strides, padding)
-  pads = tuple((int(lo), int(hi)) for lo, hi in pads)
+  pads = explicit_pads(x.shape[1:3], window, strides, padding)
   fits = all(
     lo >= 0 and hi >= 0 and size + lo + hi >= w
     for size, (lo, hi), w in zip(x.shape[1:3], pads, window)
