@@ -7,8 +7,9 @@ For each shape of the ResNets' CIFAR-sized runs (batch 512 = 256 images x 2 view
 the seconds of one jitted gradient of sum(conv(x, w)^2) with respect to x and w (w
 alone for the stems, whose input x, 3 channels of images, takes no gradient in training):
 lax.conv_general_dilated against models/conv.py's patches_conv, their ratio, which
-lowering models/conv.py's rules pick on the CPU (uses_patches; uses_space_to_depth, whose
-forward is space_to_depth_conv and gradients XLA's) and the time of that pick
+lowering models/conv.py's rules pick on the CPU (uses_matrix, whose lowering is
+matrix_conv; uses_patches; uses_space_to_depth, whose forward is space_to_depth_conv and
+gradients XLA's) and the time of that pick
 (conv.conv_general_dilated). Prints a table.
 """
 
@@ -75,6 +76,8 @@ def _picked(x, w, stride, padding):
 
 def pick(x, w, stride) -> str:
   """The lowering models/conv.py's rules pick for this convolution on the CPU."""
+  if conv.uses_matrix(x.shape, w.shape):
+    return "matrix"
   if conv.uses_space_to_depth(w.shape, (stride, stride)):
     return "space-to-depth forward"
   return "patches" if conv.uses_patches(x.shape, w.shape, (stride, stride)) else "XLA"

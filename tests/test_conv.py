@@ -1,4 +1,4 @@
-"""models/conv.py: the patches lowering against XLA's convolution and the views max-pool
+"""models/conv.py: the matrix and patches lowerings against XLA's convolution and the views max-pool
 against flax's, values and gradients, and the ResNet with them against the ResNet without."""
 
 import flax.linen as nn
@@ -16,9 +16,13 @@ DIMENSIONS = ("NHWC", "HWIO", "NHWC")
 
 
 def _numpy_conv(x, w, stride, pads):
-  """The convolution's definition, sum over (i, j, c) of x_pad[n, s*y+i, s*x+j, c] w[i, j, c, o]."""
+  """The convolution's definition, sum over (i, j, c) of x_pad[n, s*y+i, s*x+j, c] w[i, j, c, o]
+  (a negative pad crops)."""
   (top, bottom), (left, right) = pads
-  x = np.pad(x.astype(np.float64), ((0, 0), (top, bottom), (left, right), (0, 0)))
+  x = np.pad(
+    x.astype(np.float64), [(0, 0)] + [(max(lo, 0), max(hi, 0)) for lo, hi in pads] + [(0, 0)]
+  )
+  x = x[:, max(-top, 0) : x.shape[1] - max(-bottom, 0), max(-left, 0) : x.shape[2] - max(-right, 0)]
   kh, kw, _, o = w.shape
   ho, wo = (x.shape[1] - kh) // stride + 1, (x.shape[2] - kw) // stride + 1
   out = np.zeros((x.shape[0], ho, wo, o))
@@ -70,6 +74,56 @@ def test_patches_conv_equals_the_definition_and_xlas_convolution_with_gradients(
 
 
 @pytest.mark.parametrize(
+  "height,width,kernel,stride,padding",
+  [
+    (2, 2, (3, 3), 1, "SAME"),  # ResNet-18's stage 3 on 32 px through the ImageNet stem.
+    (1, 1, (3, 3), 1, "SAME"),  # Stage 4: only the centre tap meets the input.
+    (2, 2, (3, 3), 2, ((1, 1), (1, 1))),  # Stage 4's first convolution.
+    (2, 3, (3, 3), 1, ((1, 0), (0, 2))),  # Uneven pads, a non-square map.
+    (3, 3, (3, 3), 2, "VALID"),
+    (2, 2, (3, 3), 1, ((-1, 2), (1, 1))),  # A negative pad crops.
+    (2, 2, (2, 3), 1, "SAME"),  # Even kernel height.
+  ],
+)
+def test_matrix_conv_equals_the_definition_and_xlas_convolution_with_gradients(
+  height, width, kernel, stride, padding
+):
+  rng = np.random.default_rng(height * 10 + width)
+  x = rng.normal(size=(3, height, width, 4)).astype(np.float32)
+  w = rng.normal(size=(*kernel, 4, 5)).astype(np.float32)
+  strides = (stride, stride)
+  pads = conv.explicit_pads((height, width), kernel, strides, padding)
+  assert conv.uses_matrix(x.shape, w.shape)
+  got = conv.matrix_conv(jnp.asarray(x), jnp.asarray(w), stride, padding, lax.Precision.HIGHEST)
+  np.testing.assert_allclose(got, _numpy_conv(x, w, stride, pads), rtol=1e-5, atol=1e-5)
+
+  def loss(fn):
+    return lambda x, w: jnp.sum(jnp.sin(fn(x, w, strides, padding, dimension_numbers=DIMENSIONS)))
+
+  ours, xlas = loss(conv.conv_general_dilated), loss(lax.conv_general_dilated)
+  jaxpr = jax.make_jaxpr(ours)(x, w)
+  assert "conv_general_dilated" not in {e.primitive.name for e in jaxpr.jaxpr.eqns}
+  for got, want in zip(jax.grad(ours, argnums=(0, 1))(x, w), jax.grad(xlas, argnums=(0, 1))(x, w)):
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+  tangents = (x, w)
+  np.testing.assert_allclose(
+    jax.jvp(ours, (x, w), tangents)[1], jax.jvp(xlas, (x, w), tangents)[1], rtol=1e-4, atol=1e-4
+  )
+
+
+def test_matrix_conv_by_hand():
+  """On a 1x1 map a 3x3 'SAME' convolution is the centre tap's product; on a 2x2 map of
+  ones, output pixel (0, 0) sums the 2x2 taps at the kernel's bottom right."""
+  w = jnp.arange(9.0).reshape(3, 3, 1, 1)
+  one = conv.matrix_conv(jnp.full((1, 1, 1, 1), 2.0), w, 1, "SAME")
+  np.testing.assert_array_equal(one, [[[[8.0]]]])
+  out = conv.matrix_conv(jnp.ones((1, 2, 2, 1)), w, 1, "SAME")
+  np.testing.assert_array_equal(
+    out[0, :, :, 0], [[4 + 5 + 7 + 8, 3 + 4 + 6 + 7], [1 + 2 + 4 + 5, 0 + 1 + 3 + 4]]
+  )
+
+
+@pytest.mark.parametrize(
   "side,kernel,stride,padding",
   [
     (32, 7, 2, ((3, 3), (3, 3))),  # torchvision's stem.
@@ -115,6 +169,11 @@ def test_the_rule_and_what_keeps_xlas_convolution():
   assert not conv.uses_patches((512, 32, 32, 3), (7, 7, 3, 64), (2, 2))  # The stem.
   assert not conv.uses_patches((512, 8, 8, 16), (3, 3, 16, 16), (1, 1))
   assert conv.uses_patches((512, 2, 2, 64), (3, 3, 64, 64), (1, 1))
+  assert conv.uses_matrix((512, 2, 2, 64), (3, 3, 64, 64))  # 4 pixels, 9 taps.
+  assert conv.uses_matrix((512, 1, 1, 128), (3, 3, 128, 128))
+  assert conv.uses_matrix((512, 3, 3, 8), (3, 3, 8, 8))
+  assert not conv.uses_matrix((512, 4, 4, 32), (3, 3, 32, 32))  # 16 pixels.
+  assert not conv.uses_matrix((512, 2, 2, 64), (1, 1, 64, 128))  # A shortcut: patches.
   assert not conv.uses_patches((512, 16, 16, 128), (3, 3, 128, 128), (1, 1))
   assert conv.uses_patches((512, 8, 8, 16), (1, 1, 16, 32), (2, 2))  # A shortcut.
   assert not conv.uses_patches((512, 8, 8, 256), (3, 3, 256, 512), (2, 2))  # Wide.

@@ -13,6 +13,14 @@ lax.conv_general_dilated's arguments and picks the faster lowering by shape on
 the CPU; every other backend gets lax.conv_general_dilated. Both compute the
 same sums, in another order: the results agree to float32 rounding.
 
+On maps of at most as many pixels as the kernel has taps (2x2 and 1x1 maps
+under a 3x3 kernel) most of the patches' entries are padding: such a
+convolution runs as one product of the flattened input [N, H*W*C] with the
+convolution's matrix [H*W*C, H'*W'*O], built from the kernel (matrix_conv),
+which leaves the padding's products out: on 1x1 maps of 128 channels 0.41 ms
+against the patches' 2.20, on 2x2 maps of 64 channels 1.02 against 2.58,
+forward and both gradients (same VM and JAX).
+
 A strided convolution with a large kernel (the ResNet's 7x7 stride-2 stem) runs
 forward as a stride-1 convolution of the input's space-to-depth rearrangement
 (each s x s block of pixels one pixel of s*s*C channels) with the kernel
@@ -37,6 +45,7 @@ import flax.linen as nn
 import jax
 from jax import lax
 import jax.numpy as jnp
+import numpy as np
 
 # Stride-1 convolutions take the patches lowering on input maps of at most SMALL_MAP pixels
 # a side; strided ones with kernels below LARGE_KERNEL on input maps of at most SMALL_INPUT
@@ -60,6 +69,13 @@ def uses_space_to_depth(rhs_shape, window_strides) -> bool:
   equal strides above 1 and a kernel of LARGE_KERNEL or more (the 7x7 stride-2 stem)."""
   stride_h, stride_w = window_strides
   return stride_h == stride_w > 1 and max(rhs_shape[:2]) >= LARGE_KERNEL
+
+
+def uses_matrix(lhs_shape, rhs_shape) -> bool:
+  """Whether an NHWC x HWIO convolution runs as matrix_conv on the CPU: an input map of
+  at most as many pixels as the kernel has taps, where the matrix holds fewer products
+  (H*W*C x H'*W'*O) than the patches times kernel (H'*W' x kh*kw*C x O)."""
+  return lhs_shape[1] * lhs_shape[2] <= rhs_shape[0] * rhs_shape[1]
 
 
 def uses_patches(lhs_shape, rhs_shape, window_strides) -> bool:
@@ -114,6 +130,57 @@ def patches_conv(lhs, rhs, window_strides, padding, precision=None):
   return jnp.dot(patches, rhs.reshape(kh * kw * c, o), precision=precision)
 
 
+def _taps(spatial_shape, window, stride: int, pads) -> np.ndarray:
+  """S [H*W, H'*W', kh*kw] float32: S[a, b, t] = 1 where input pixel a (row-major) lies
+  under tap t (row-major) of output pixel b's window, else 0. Output pixel (y, x) reads
+  padded row s*y + i, which is input row s*y + i - top: tap i of input row p is
+  p - s*y + top, and likewise for columns."""
+  (h, w), (kh, kw), ((top, bottom), (left, right)) = spatial_shape, window, pads
+  ho, wo = (h + top + bottom - kh) // stride + 1, (w + left + right - kw) // stride + 1
+  p, q, y, x = np.meshgrid(np.arange(h), np.arange(w), np.arange(ho), np.arange(wo), indexing="ij")
+  i, j = p - stride * y + top, q - stride * x + left
+  inside = (0 <= i) & (i < kh) & (0 <= j) & (j < kw)
+  taps = np.zeros((h, w, ho, wo, kh * kw), np.float32)
+  taps[p[inside], q[inside], y[inside], x[inside], (i * kw + j)[inside]] = 1.0
+  return taps.reshape(h * w, ho * wo, kh * kw)
+
+
+def _batch_sharding(x):
+  """x's sharding with its batch axis's spec alone: the reshapes here keep the batch's
+  sharding (explicit sharding asks for it), the other axes whole."""
+  sharding = jax.typeof(x).sharding
+  return sharding.update(spec=jax.P((*sharding.spec, None)[0]))
+
+
+def matrix_conv(lhs, rhs, stride: int, padding, precision=None):
+  """lhs [N, H, W, C] (NHWC) convolved with rhs [kh, kw, C, O] (HWIO) at stride s on both
+  axes, as one product of lhs flattened to [N, H*W*C] with the convolution's matrix.
+
+  The matrix M [H*W*C, H'*W'*O] (doubly block Toeplitz) holds at row (p, q, c) and
+  column (y, x, o) the kernel's entry w[i, j, c, o] of the tap (i, j) = (p - s y + top,
+  q - s x + left) through which output pixel (y, x) reads input pixel (p, q), and 0 for
+  the pairs no tap joins: the convolution's products without those with its zero
+  padding. M is a product of the kernel with a constant 0/1 tensor (_taps), so its
+  gradient is a product too. A non-finite weight makes the column of its output channel
+  non-finite everywhere in M (0 x inf), as it makes that channel non-finite at every
+  pixel under XLA's convolution, which multiplies the padding by it. padding: 'SAME',
+  'VALID' or ((top, bottom), (left, right)); precision: lax.Precision. The spatial axes
+  must not be sharded (the batch may be). Returns [N, H', W', O] in lhs's dtype.
+  """
+  kh, kw, c, o = rhs.shape
+  n, h, w = lhs.shape[:3]
+  pads = explicit_pads((h, w), (kh, kw), (stride, stride), padding)
+  taps = _taps((h, w), (kh, kw), stride, pads)
+  ho, wo = (h + sum(pads[0]) - kh) // stride + 1, (w + sum(pads[1]) - kw) // stride + 1
+  matrix = jnp.einsum(
+    "abt,tco->acbo", taps.astype(rhs.dtype), rhs.reshape(kh * kw, c, o), precision=precision
+  ).reshape(h * w * c, ho * wo * o)
+  batch = _batch_sharding(lhs)
+  flat = jnp.reshape(lhs, (n, h * w * c), out_sharding=batch)
+  out = jnp.dot(flat, matrix, precision=precision)
+  return out.reshape(n, ho, wo, o, out_sharding=batch)
+
+
 def space_to_depth_conv(lhs, rhs, stride: int, padding, precision=None):
   """lhs [N, H, W, C] (NHWC) convolved with rhs [kh, kw, C, O] (HWIO) at stride s on both
   axes, as a stride-1 convolution of the padded input's space-to-depth rearrangement.
@@ -138,9 +205,7 @@ def space_to_depth_conv(lhs, rhs, stride: int, padding, precision=None):
   rows = stride * ((h + top + bottom - kh) // stride + blocks_h)
   cols = stride * ((w + left + right - kw) // stride + blocks_w)
   x = jnp.pad(lhs, ((0, 0), (top, max(rows - h - top, 0)), (left, max(cols - w - left, 0)), (0, 0)))
-  # The batch keeps its sharding (explicit sharding asks for it); the other axes are whole.
-  sharding = jax.typeof(lhs).sharding
-  batch = sharding.update(spec=jax.P((*sharding.spec, None)[0]))
+  batch = _batch_sharding(lhs)
   x = x[:, :rows, :cols].reshape(
     n, rows // stride, stride, cols // stride, stride, c, out_sharding=batch
   )
@@ -194,11 +259,13 @@ def conv_general_dilated(
   feature_group_count=1,
   precision=None,
 ):
-  """lax.conv_general_dilated, as patches times kernel (uses_patches) or forward through
-  space-to-depth (uses_space_to_depth) for the shapes where that is faster on the CPU;
+  """lax.conv_general_dilated, as one product with the convolution's matrix (uses_matrix),
+  patches times kernel (uses_patches) or forward through space-to-depth
+  (uses_space_to_depth) for the shapes where that is faster on the CPU;
   flax.linen.Conv's conv_general_dilated argument.
 
-  Both need NHWC inputs, HWIO kernels, no dilation and one feature group, and
+  All need NHWC inputs, HWIO kernels, no dilation and one feature group, the matrix
+  equal strides, an output of at least one pixel and unsharded spatial axes, and
   space-to-depth non-negative padding and unsharded spatial axes; any other
   convolution, and every convolution off the CPU, is lax.conv_general_dilated's.
   """
@@ -213,10 +280,21 @@ def conv_general_dilated(
   if eligible:
     pads = explicit_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)
     spatial_sharding = (*jax.typeof(lhs).sharding.spec, None, None, None, None)[1:4]
+    unsharded = all(axes is None for axes in spatial_sharding)
+    outputs = [
+      size + lo + hi - k >= 0 for size, (lo, hi), k in zip(lhs.shape[1:3], pads, rhs.shape[:2])
+    ]
+    if (
+      uses_matrix(lhs.shape, rhs.shape)
+      and window_strides[0] == window_strides[1]
+      and all(outputs)
+      and unsharded
+    ):
+      return matrix_conv(lhs, rhs, window_strides[0], pads, precision)
     if (
       uses_space_to_depth(rhs.shape, window_strides)
       and min(min(pair) for pair in pads) >= 0
-      and all(axes is None for axes in spatial_sharding)
+      and unsharded
     ):
       return _space_to_depth_forward(lhs, rhs, window_strides[0], pads, precision)
     if uses_patches(lhs.shape, rhs.shape, window_strides):
