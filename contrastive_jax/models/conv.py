@@ -130,9 +130,10 @@ def patches_conv(lhs, rhs, window_strides, padding, precision=None):
   return jnp.dot(patches, rhs.reshape(kh * kw * c, o), precision=precision)
 
 
-def _taps(spatial_shape, window, stride: int, pads) -> np.ndarray:
-  """S [H*W, H'*W', kh*kw] float32: S[a, b, t] = 1 where input pixel a (row-major) lies
-  under tap t (row-major) of output pixel b's window, else 0. Output pixel (y, x) reads
+def _taps(spatial_shape, window, stride: int, pads):
+  """(S, (H', W')): S [H*W, H'*W', kh*kw] float32, S[a, b, t] = 1 where input pixel a
+  (row-major) lies under tap t (row-major) of output pixel b's window, else 0, and the
+  output's height and width. Output pixel (y, x) reads
   padded row s*y + i, which is input row s*y + i - top: tap i of input row p is
   p - s*y + top, and likewise for columns."""
   (h, w), (kh, kw), ((top, bottom), (left, right)) = spatial_shape, window, pads
@@ -142,7 +143,7 @@ def _taps(spatial_shape, window, stride: int, pads) -> np.ndarray:
   inside = (0 <= i) & (i < kh) & (0 <= j) & (j < kw)
   taps = np.zeros((h, w, ho, wo, kh * kw), np.float32)
   taps[p[inside], q[inside], y[inside], x[inside], (i * kw + j)[inside]] = 1.0
-  return taps.reshape(h * w, ho * wo, kh * kw)
+  return taps.reshape(h * w, ho * wo, kh * kw), (ho, wo)
 
 
 def _batch_sharding(x):
@@ -170,8 +171,7 @@ def matrix_conv(lhs, rhs, stride: int, padding, precision=None):
   kh, kw, c, o = rhs.shape
   n, h, w = lhs.shape[:3]
   pads = explicit_pads((h, w), (kh, kw), (stride, stride), padding)
-  taps = _taps((h, w), (kh, kw), stride, pads)
-  ho, wo = (h + sum(pads[0]) - kh) // stride + 1, (w + sum(pads[1]) - kw) // stride + 1
+  taps, (ho, wo) = _taps((h, w), (kh, kw), stride, pads)
   matrix = jnp.einsum(
     "abt,tco->acbo", taps.astype(rhs.dtype), rhs.reshape(kh * kw, c, o), precision=precision
   ).reshape(h * w * c, ho * wo * o)
