@@ -4,7 +4,9 @@ The README's command runs the tests in pytest-xdist workers, one per core, each 
 file in one worker (--dist loadfile: a file's module fixtures are made once): on a
 2-core machine compiling, single-threaded, is most of the time, so two workers take
 two thirds of one's time. Each worker is a pytest session of its own, with its own
-8 simulated devices.
+8 simulated devices. A worker that crashes (a segfault in an extension) ends the run
+with the test it was running named (--max-worker-restart=0): pytest-xdist 3.8's
+loadfile scheduling can wait forever for a restarted worker's work.
 
 Many tests run the same small programs again (a run, its killed twin, its resume;
 the multi-host workers; another file's run of the same tiny config): JAX's

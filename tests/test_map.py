@@ -2,6 +2,7 @@
 TensorBoard's projector files, checked through the projector plugin's own server."""
 
 import csv
+import importlib.util
 import io
 import json
 import os
@@ -431,3 +432,43 @@ def test_without_the_extra_every_module_imports_and_the_job_names_it(tmp_path):
     "scikit-learn (pip install 'contrastive_jax[map]')"
   )
   assert not (tmp_path / "out").exists()
+
+
+def _run_python(code, env):
+  return subprocess.run(
+    [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300, check=False
+  )
+
+
+def test_after_tensorflow_triton_is_kept_out_rather_than_crashing_the_process(tmp_path):
+  # A stand-in Triton whose import ends the process as the real one's crash does
+  # (SIGSEGV in dlopen once TensorFlow's LLVM is global), ahead of any installed one.
+  (tmp_path / "triton").mkdir()
+  (tmp_path / "triton" / "__init__.py").write_text("import os\nos._exit(139)\n")
+  env = subprocess_env()
+  env["PYTHONPATH"] = os.pathsep.join([str(tmp_path), env.get("PYTHONPATH", "")])
+  code = (
+    "import tensorflow\n"
+    "from contrastive_jax.jobs import embedding_map\n"
+    "embedding_map._keep_triton_out()\n"
+    "try:\n"
+    "  import triton\n"
+    "except ImportError:\n"
+    "  print('triton absent')\n"
+  )
+  result = _run_python(code, env)
+  assert (result.returncode, result.stdout) == (0, "triton absent\n"), result.stderr[-3000:]
+
+
+@pytest.mark.skipif(
+  any(importlib.util.find_spec(name) is None for name in ("torchvision", "triton")),
+  reason="umap imports Triton (through torchvision) only where both are installed",
+)
+def test_umap_imports_after_tensorflow_where_torchvision_and_triton_are_installed():
+  code = (
+    "import tensorflow\n"
+    "from contrastive_jax.jobs import embedding_map\n"
+    "print(embedding_map._import('umap', None).UMAP.__name__)\n"
+  )
+  result = _run_python(code, subprocess_env())
+  assert (result.returncode, result.stdout) == (0, "UMAP\n"), result.stderr[-3000:]

@@ -43,6 +43,7 @@ import importlib.util
 import io
 import json
 import math
+import sys
 import time
 
 from absl import logging
@@ -249,8 +250,25 @@ def thread_limit(config):
   return _import("threadpoolctl", config).threadpool_limits(limits=config.threads)
 
 
+def _keep_triton_out():
+  """Makes `import triton` raise ImportError in this process once TensorFlow is loaded.
+
+  TensorFlow's 2.20 and 2.21 wheels load their statically linked LLVM into the global
+  symbol table (RTLD_GLOBAL); Triton's libtriton, loaded after it, binds to that LLVM and
+  crashes the interpreter with SIGSEGV (tensorflow/tensorflow#124205). umap's package
+  imports torch and torchvision where they are installed (for its parametric UMAP, which
+  this job does not use), and torchvision probes for Triton. An ImportError makes torch
+  take Triton as absent; a later import of it in this process would crash anyway.
+  """
+  if "tensorflow" in sys.modules and "triton" not in sys.modules:
+    if importlib.util.find_spec("triton") is not None:
+      sys.modules["triton"] = None
+
+
 def _import(module: str, config):
   """module, imported now; ConfigError naming config.method and the extra if it is missing."""
+  if module == "umap":
+    _keep_triton_out()
   try:
     return importlib.import_module(module)
   except ImportError as e:
