@@ -43,6 +43,7 @@ def _numpy_conv(x, w, stride, pads):
     (4, 3, 2, 1, 2, "VALID"),
     (2, 4, 4, 3, 1, "SAME"),
     (1, 4, 6, 3, 1, "SAME"),
+    (5, 2, 3, 3, 1, ((-1, 1), (1, -2))),  # A negative pad crops.
   ],
 )
 def test_patches_conv_equals_the_definition_and_xlas_convolution_with_gradients(
@@ -184,15 +185,17 @@ def test_the_rule_and_what_keeps_xlas_convolution():
   assert not conv.uses_space_to_depth((7, 7, 3, 64), (1, 1))
   assert not conv.uses_space_to_depth((7, 7, 3, 64), (2, 1))
 
-  def primitives(**kwargs):
+  def primitives(padding="SAME", **kwargs):
     x, w = jnp.zeros((2, 2, 2, 4)), jnp.zeros((3, 3, 4, 4))
     fn = lambda x, w: conv.conv_general_dilated(
-      x, w, (1, 1), "SAME", dimension_numbers=DIMENSIONS, **kwargs
+      x, w, (1, 1), padding, dimension_numbers=DIMENSIONS, **kwargs
     )
     return {e.primitive.name for e in jax.make_jaxpr(fn)(x, w).jaxpr.eqns}
 
   assert "conv_general_dilated" not in primitives()
   assert "conv_general_dilated" in primitives(rhs_dilation=(2, 2))
+  # No output pixel (a 3x3 kernel on 2x2 pixels, unpadded): XLA's empty output.
+  assert "conv_general_dilated" in primitives(padding="VALID")
   x, w = jnp.zeros((2, 2, 2, 4)), jnp.zeros((3, 3, 2, 4))
   grouped = jax.make_jaxpr(
     lambda x, w: conv.conv_general_dilated(

@@ -124,7 +124,10 @@ def patches_conv(lhs, rhs, window_strides, padding, precision=None):
   """
   kh, kw, c, o = rhs.shape
   (top, bottom), (left, right) = explicit_pads(lhs.shape[1:3], (kh, kw), window_strides, padding)
-  x = jnp.pad(lhs, ((0, 0), (top, bottom), (left, right), (0, 0)))
+  # lax.pad, unlike jnp.pad, takes a negative pad, which crops.
+  x = lax.pad(
+    lhs, jnp.zeros((), lhs.dtype), ((0, 0, 0), (top, bottom, 0), (left, right, 0), (0, 0, 0))
+  )
   views = list(_window_views(x, (kh, kw), window_strides).values())
   patches = views[0] if len(views) == 1 else jnp.concatenate(views, axis=-1)
   return jnp.dot(patches, rhs.reshape(kh * kw * c, o), precision=precision)
@@ -264,8 +267,8 @@ def conv_general_dilated(
   (uses_space_to_depth) for the shapes where that is faster on the CPU;
   flax.linen.Conv's conv_general_dilated argument.
 
-  All need NHWC inputs, HWIO kernels, no dilation and one feature group, the matrix
-  equal strides, an output of at least one pixel and unsharded spatial axes, and
+  All need NHWC inputs, HWIO kernels, no dilation, one feature group and an output of
+  at least one pixel, the matrix equal strides and unsharded spatial axes, and
   space-to-depth non-negative padding and unsharded spatial axes; any other
   convolution, and every convolution off the CPU, is lax.conv_general_dilated's.
   """
@@ -279,17 +282,14 @@ def conv_general_dilated(
   )
   if eligible:
     pads = explicit_pads(lhs.shape[1:3], rhs.shape[:2], window_strides, padding)
+    # A convolution without an output pixel is left to XLA's (an empty output).
+    eligible = all(
+      size + lo + hi >= k for size, (lo, hi), k in zip(lhs.shape[1:3], pads, rhs.shape[:2])
+    )
+  if eligible:
     spatial_sharding = (*jax.typeof(lhs).sharding.spec, None, None, None, None)[1:4]
     unsharded = all(axes is None for axes in spatial_sharding)
-    outputs = [
-      size + lo + hi - k >= 0 for size, (lo, hi), k in zip(lhs.shape[1:3], pads, rhs.shape[:2])
-    ]
-    if (
-      uses_matrix(lhs.shape, rhs.shape)
-      and window_strides[0] == window_strides[1]
-      and all(outputs)
-      and unsharded
-    ):
+    if uses_matrix(lhs.shape, rhs.shape) and window_strides[0] == window_strides[1] and unsharded:
       return matrix_conv(lhs, rhs, window_strides[0], pads, precision)
     if (
       uses_space_to_depth(rhs.shape, window_strides)
