@@ -156,12 +156,11 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
         ENCODER: enc_vars["params"],
         "head": head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, encoder.dim)))["params"],
       }
-      return common.TrainState(
-        step=jnp.zeros((), jnp.int32),
+      return common.TrainState.create(
         params=params,
-        batch_stats={ENCODER: enc_vars["batch_stats"]},
-        opt_state=tx.init(params),
+        tx=tx,
         rng=jax.random.PRNGKey(config.seed),
+        batch_stats={ENCODER: enc_vars["batch_stats"]},
       )
 
     def features(variables, images):

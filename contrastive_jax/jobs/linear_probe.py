@@ -98,12 +98,11 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
       variables = head.init(
         jax.random.PRNGKey(config.seed), jnp.zeros((1, encoder.dim)), train=False
       )
-      return common.TrainState(
-        step=jnp.zeros((), jnp.int32),
+      return common.TrainState.create(
         params=variables["params"],
-        batch_stats=variables.get("batch_stats", {}),
-        opt_state=tx.init(variables["params"]),
+        tx=tx,
         rng=jax.random.PRNGKey(config.seed),
+        batch_stats=variables.get("batch_stats", {}),
       )
 
     step_fn = make_train_step(encoder.module, head, tx)

@@ -84,12 +84,11 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
     "target_params": _target_part(target_params),
     "target_batch_stats": _target_part(target_stats),
   }
-  return common.TrainState(
-    step=jnp.zeros((), jnp.int32),
+  return common.TrainState.create(
     params=params,
-    batch_stats=batch_stats,
-    opt_state=tx.init(params),
+    tx=tx,
     rng=rng,
+    batch_stats=batch_stats,
     extra=extra,
   )
 

@@ -45,6 +45,28 @@ class TrainState:
   extra: Any = flax.struct.field(default_factory=dict)
   probe: Any = flax.struct.field(default_factory=dict)
 
+  @classmethod
+  def create(cls, *, params, tx, rng, batch_stats=None, extra=None, probe=None) -> "TrainState":
+    """The state at step 0: the optimizer state from tx.init(params), step 0.
+
+    Args:
+      params: trainable parameters (float32 pytree).
+      tx: the optax GradientTransformation whose state starts here.
+      rng: uint32 [2], the run's base PRNG key.
+      batch_stats: BatchNorm running statistics ({} for a model without BN).
+      extra: method-specific state ({} when None).
+      probe: the online probe's {'params', 'opt_state'} ({} when None).
+    """
+    return cls(
+      step=jnp.zeros((), jnp.int32),
+      params=params,
+      batch_stats={} if batch_stats is None else batch_stats,
+      opt_state=tx.init(params),
+      rng=rng,
+      extra={} if extra is None else extra,
+      probe={} if probe is None else probe,
+    )
+
 
 def init_variables(model, rng, image_size: int):
   """Initialises a Flax model on a [2, S, S, 3] float32 dummy batch.

@@ -232,12 +232,11 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
     "teacher_batch_stats": batch_stats,
     "center": jnp.zeros((config.dino.out_dim,), jnp.float32),
   }
-  return common.TrainState(
-    step=jnp.zeros((), jnp.int32),
+  return common.TrainState.create(
     params=params,
-    batch_stats=batch_stats,
-    opt_state=tx.init(params),
+    tx=tx,
     rng=rng,
+    batch_stats=batch_stats,
     extra=extra,
   )
 

@@ -129,12 +129,11 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
     "queue": common.l2_normalize(queue),
     "queue_ptr": jnp.zeros((), jnp.int32),
   }
-  return common.TrainState(
-    step=jnp.zeros((), jnp.int32),
+  return common.TrainState.create(
     params=params,
-    batch_stats=batch_stats,
-    opt_state=tx.init(params),
+    tx=tx,
     rng=rng,
+    batch_stats=batch_stats,
     extra=extra,
   )
 

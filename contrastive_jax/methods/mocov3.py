@@ -107,12 +107,11 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   (builder.py copies the parameters)."""
   params, batch_stats = common.init_variables(model, init_rng, config.image_size)
   extra = {"key_params": _momentum_part(params), "key_batch_stats": _momentum_part(batch_stats)}
-  return common.TrainState(
-    step=jnp.zeros((), jnp.int32),
+  return common.TrainState.create(
     params=params,
-    batch_stats=batch_stats,
-    opt_state=tx.init(params),
+    tx=tx,
     rng=rng,
+    batch_stats=batch_stats,
     extra=extra,
   )
 

@@ -88,12 +88,11 @@ def build_model(config) -> heads.ContrastiveModel:
 def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   """The state at step 0: parameters drawn with init_rng; rng is the base key."""
   params, batch_stats = common.init_variables(model, init_rng, config.image_size)
-  return common.TrainState(
-    step=jnp.zeros((), jnp.int32),
+  return common.TrainState.create(
     params=params,
-    batch_stats=batch_stats,
-    opt_state=tx.init(params),
+    tx=tx,
     rng=rng,
+    batch_stats=batch_stats,
   )
 
 
