@@ -550,8 +550,8 @@ def test_knn_monitor_evaluates_the_teacher_and_the_online_probe_the_student(tmp_
     }
     state, _ = task.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
   state = jax.device_get(state)
-  assert methods.evaluated_encoder_paths("dino") == dino.EVALUATED_ENCODER
-  assert methods.evaluated_encoder_paths("byol") == methods.STUDENT_ENCODER
+  assert methods.optional_attributes("dino").evaluated_encoder == dino.EVALUATED_ENCODER
+  assert methods.optional_attributes("byol").evaluated_encoder == methods.STUDENT_ENCODER
   encoder = dino.build_model(config).encoder
   images = rng.integers(0, 256, (8, 32, 32, 3), np.uint8)
   teacher = {"params": state.extra["teacher_params"]["encoder"], "batch_stats": {}}

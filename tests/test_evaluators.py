@@ -1,5 +1,7 @@
 """Evaluators: the sharded kNN monitor and classifier accuracy against numpy references."""
 
+import inspect
+
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -181,3 +183,59 @@ def test_evaluators_that_need_labels_refuse_an_unlabeled_dataset(name, kind):
     "that needs no labels: dataset 'photos' has none",
   ):
     evaluators.check_config(evaluators_config, _Unlabeled(), num_devices=8)
+
+
+class _Labelled:
+  """A data source with 10 classes and the splits 'train' (1000 images) and 'test' (100)."""
+
+  name, num_classes = "digits", 10
+  sizes = {"train": 1000, "test": 100}
+
+  def num_examples(self, split, field):
+    if split not in self.sizes:
+      raise evaluators.ConfigError(field, split, f"one of {sorted(self.sizes)}")
+    return self.sizes[split]
+
+
+def _evaluator(kind, changes=None):
+  """config.evaluators with one evaluator 'e' of `kind` that can run, then `changes`."""
+  fields = {
+    "knn": dict(split="test", bank_split="train", k=5, temperature=0.1),
+    "classifier": dict(split="test"),
+  }[kind]
+  return ml_collections.ConfigDict(
+    {"e": {**fields, "kind": kind, "every": "1 epochs", "batch_size": 8, **(changes or {})}}
+  )
+
+
+@pytest.mark.parametrize("kind", sorted(evaluators.KINDS))
+def test_every_kind_checks_its_own_config_and_passes_a_good_one(kind):
+  # The evaluator contract: each kind's own check, with one signature.
+  check = evaluators.KINDS[kind].check_config
+  assert list(inspect.signature(check).parameters) == ["field", "cfg", "source"]
+  evaluators.check_config(_evaluator(kind), _Labelled(), num_devices=8)
+
+
+@pytest.mark.parametrize(
+  "kind,changes,line",
+  [
+    (
+      "knn",
+      {"kind": "svm"},
+      "config.evaluators.e.kind='svm': must be one of ['classifier', 'knn']",
+    ),
+    (
+      "classifier",
+      {"batch_size": 12},
+      "config.evaluators.e.batch_size=12: must be a positive multiple of the number of devices (8)",
+    ),
+    ("classifier", {"split": "val"}, "config.evaluators.e.split='val': must be one of"),
+    ("knn", {"bank_split": "val"}, "config.evaluators.e.bank_split='val': must be one of"),
+    ("knn", {"k": 0}, "config.evaluators.e.k=0: must be an integer > 0"),
+    ("knn", {"temperature": 0.0}, "config.evaluators.e.temperature=0.0: must be > 0"),
+  ],
+)
+def test_a_bad_evaluator_config_is_one_line_naming_field_value_and_allowed(kind, changes, line):
+  with pytest.raises(evaluators.ConfigError) as error:
+    evaluators.check_config(_evaluator(kind, changes), _Labelled(), num_devices=8)
+  assert str(error.value).startswith(line) and "\n" not in str(error.value)

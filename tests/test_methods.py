@@ -1,6 +1,8 @@
 """Every registered method against the method contract (methods/__init__.py); the
 online probe and the training-health scalars; importing every module."""
 
+import dataclasses
+import inspect
 import os
 import socket
 import subprocess
@@ -15,6 +17,7 @@ import pytest
 from contrastive_jax import methods
 from contrastive_jax import models
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.methods import common
 from contrastive_jax.methods import pretraining
 from contrastive_jax.models import heads
@@ -27,6 +30,15 @@ CONFIGS = {
   "mocov3": "mocov3:runlocal_vit",
   "byol": "byol",
   "dino": "dino",
+}
+
+
+# The method contract's functions and their parameters (methods/__init__.py).
+CONTRACT = {
+  "check_config": ["config", "num_train_examples"],
+  "build_model": ["config"],
+  "init_state": ["config", "model", "tx", "init_rng", "rng"],
+  "make_train_step": ["config", "model", "tx", "views", "mesh", "length", "probe"],
 }
 
 
@@ -57,8 +69,8 @@ def test_every_method_has_a_config_here():
 @pytest.mark.parametrize("name", sorted(CONFIGS))
 def test_method_meets_the_contract_and_its_online_probe_leaves_the_encoder_unchanged(name):
   method = methods.get_method(name)
-  for fn in ("check_config", "build_model", "init_state", "make_train_step"):
-    assert callable(getattr(method, fn)), fn
+  for fn, params in CONTRACT.items():
+    assert list(inspect.signature(getattr(method, fn)).parameters) == params, fn
   config = tiny_config(*CONFIGS[name].split(":"))
   if config.optimizer.name == "adamw":
     # SGD instead (the ViTs' recipes use AdamW): Adam's division by sqrt(v) turns gradients
@@ -81,6 +93,11 @@ def test_method_meets_the_contract_and_its_online_probe_leaves_the_encoder_uncha
   x = jnp.zeros((2, config.image_size, config.image_size, 3))
   h = model.encoder.apply(encoder, x, train=False)
   assert h.shape == (2, models.encoder_width(config.model)) and h.dtype == jnp.float32
+  # The encoder its paper evaluates (optional_attributes' evaluated_encoder) is there too,
+  # shaped like the student's.
+  evaluated = methods.evaluated_encoder(name)(state)
+  for part in ("params", "batch_stats"):
+    assert jax.tree.structure(evaluated[part]) == jax.tree.structure(encoder[part]), part
   for key in (
     "loss",
     "grad_norm",
@@ -116,6 +133,47 @@ def test_method_meets_the_contract_and_its_online_probe_leaves_the_encoder_uncha
   np.testing.assert_allclose(metrics["loss"], metrics0["loss"], rtol=1e-6)
   # ... while the probe learned (its zero-initialised kernel moved).
   assert np.any(state.probe["params"]["kernel"] != 0)
+
+
+@pytest.mark.parametrize("name", sorted(CONFIGS))
+def test_optional_attributes_are_the_modules_or_the_declared_defaults(name):
+  method, attributes = methods.get_method(name), methods.optional_attributes(name)
+  for field in dataclasses.fields(methods.OptionalAttributes):
+    value, attribute = getattr(attributes, field.name), field.metadata["attribute"]
+    if hasattr(method, attribute):
+      assert value is getattr(method, attribute), attribute
+    else:
+      assert value == field.default, attribute
+  assert isinstance(attributes.local_crops, bool)
+  # Two key paths into the TrainState, each to an encoder (the contract test checks
+  # that a state at step 2 holds one there, shaped like the student's).
+  assert len(attributes.evaluated_encoder) == 2
+  for path in attributes.evaluated_encoder:
+    assert all(isinstance(key, str) for key in path) and path[-1] == methods.ENCODER, path
+  # The import hooks come as a pair: a run that reads the checkpoint also starts from it.
+  hooks = (attributes.imported_state, attributes.with_imported)
+  assert hooks == (None, None) or all(callable(hook) for hook in hooks)
+
+
+def test_optional_attributes_defaults_and_dinos():
+  # Hand-written: DINO trains on local crops, is evaluated by its teacher and continues its
+  # reference's checkpoints; SimCLR has none of these and reads every default.
+  dino = methods.optional_attributes("dino")
+  assert dino.local_crops is True
+  assert dino.evaluated_encoder == (
+    ("extra", "teacher_params", "encoder"),
+    ("extra", "teacher_batch_stats", "encoder"),
+  )
+  assert dino.imported_state is methods.dino.imported_state
+  assert dino.with_imported is methods.dino.with_imported
+  assert methods.optional_attributes("simclr") == methods.OptionalAttributes(
+    local_crops=False,
+    evaluated_encoder=(("params", "encoder"), ("batch_stats", "encoder")),
+    imported_state=None,
+    with_imported=None,
+  )
+  with pytest.raises(ConfigError, match="method"):
+    methods.optional_attributes("simsiam")
 
 
 def test_projection_std_on_8_devices_matches_numpy():

@@ -32,6 +32,7 @@ from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import evaluated_encoder
 from contrastive_jax.methods import get_method
 from contrastive_jax.methods import optim
+from contrastive_jax.methods import optional_attributes
 from contrastive_jax.methods import pretraining
 from contrastive_jax.methods import with_encoder
 from contrastive_jax.models import state_dicts
@@ -51,9 +52,7 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int):
     raise ConfigError("image_size", config.image_size, "> 0")
   crop_spec.check_config(config)
   crop_spec.check_local_crops(config)
-  if config.get("local_crops") is not None and not getattr(
-    get_method(config.method), "LOCAL_CROPS", False
-  ):
+  if config.get("local_crops") is not None and not optional_attributes(config.method).local_crops:
     raise ConfigError(
       "local_crops",
       config.local_crops.to_dict(),
@@ -151,19 +150,19 @@ def on_device_batches(config, source, mesh, num_steps: int):
 def imported_start(config):
   """(replace, variables) of config.init_from for pretraining.setup's start: a DINO run
   from DINO's own main_dino.py checkpoint continues its student, teacher and centre
-  (dino.imported_state); otherwise every network starts from the file's encoder
-  (methods.with_encoder of state_dicts.from_state_dict: a torchvision / timm / MoCo / DINO
-  weights file), for config.model at config.image_size.
+  (the method's optional imported_state and with_imported: methods.OptionalAttributes);
+  otherwise every network starts from the file's encoder (methods.with_encoder of
+  state_dicts.from_state_dict: a torchvision / timm / MoCo / DINO weights file), for
+  config.model at config.image_size.
 
   Raises:
     WeightsError: a file that cannot be read or does not fit config.model (one line).
   """
-  path, method = config.init_from, get_method(config.method)
+  path, own = config.init_from, optional_attributes(config.method)
   entries = tensor_files.read_entries(path)
-  own = getattr(method, "imported_state", None)
-  imported = own(entries, path, config) if own else None
+  imported = own.imported_state(entries, path, config) if own.imported_state else None
   if imported is not None:
-    return method.with_imported, imported
+    return own.with_imported, imported
   tensors = tensor_files.state_dict(entries, path)
   return with_encoder, state_dicts.from_state_dict(tensors, path, config.model, config.image_size)
 

@@ -5,42 +5,59 @@ The method contract: a module registered in METHODS provides
   check_config(config, num_train_examples) -> None
       Raises ConfigError, naming the field, for the method's own fields
       (temperature, moco.*, byol.*, heads); runs before any compute.
+      num_train_examples: images in the train split (MoCo's queue holds at
+      most that many keys; B <= N is the runner's check for every method).
   build_model(config) -> heads.ContrastiveModel
       The trained network, whose submodule 'encoder' is the representation
       h that downstream jobs use.
   init_state(config, model, tx, init_rng, rng) -> common.TrainState
-      The state at step 0: params and batch_stats from model.init, the
-      optimizer state, rng as the run's base key, and the method's own
-      state in `extra` (MoCo's key encoder and queue, MoCo v3's momentum
-      encoder, BYOL's target network, DINO's teacher and centre).
-  make_train_step(config, model, tx, views, mesh, num_steps, probe=None,
-                  steps_per_epoch=None)
+      The state at step 0 (common.TrainState.create): params and batch_stats
+      from model.init, the optimizer state, rng as the run's base key, and the
+      method's own state in `extra` (MoCo's key encoder and queue, MoCo v3's
+      momentum encoder, BYOL's target network, DINO's teacher and centre).
+  make_train_step(config, model, tx, views, mesh, length, probe=None)
       -> train_step(state, batch) -> (state, metrics), built with
       common.build_train_step (so every method gets the health
       scalars, the online probe, the augmentation keys and the sharding of
-      the others); batch holds 'image' uint8 [B, 2, S, S, 3] and 'label'
-      int32 [B]; metrics are float32 scalars including 'loss'. A module
-      with LOCAL_CROPS = True (DINO) also takes config.local_crops and then
-      batch['local_image'] uint8 [B, N, s, s, 3] (multi-crop); the
-      pretraining job refuses local_crops for the others.
-      steps_per_epoch: optimizer steps an epoch, for a method with a
-      schedule in epochs (DINO's teacher temperature).
+      the others); views: (view 1, view 2) augment.ViewAugment; length:
+      common.RunLength, the run's num_steps and steps_per_epoch, which the
+      method's schedules follow (EMA momentum ramps, DINO's teacher
+      temperature); probe: common.OnlineProbe or None. batch holds 'image'
+      uint8 [B, 2, S, S, 3] and 'label' int32 [B]; metrics are float32 scalars
+      including 'loss'.
 
-A module whose reference saves checkpoints that this package can continue (DINO's
-main_dino.py) also provides imported_state(entries, path, config) -> variables or None
-(None: not such a checkpoint; entries as tensor_files.read_entries gives them) and
-with_imported(state, variables) -> state, which config.init_from uses in place of
-with_encoder.
+Every method takes every parameter; one whose result does not depend on a parameter
+ignores it (SimCLR's step: length; every method but MoCo: num_train_examples).
 
 Every module keeps the student or online encoder at state.params['encoder'] and
 state.batch_stats['encoder'] (encoder_variables; absent for an encoder without BN, a
-ViT): the online probe's. A module whose paper evaluates another network sets
-EVALUATED_ENCODER, the (params, batch_stats) key paths of that network's encoder in the
-TrainState (DINO: the teacher's); evaluated_encoder_paths() gives them, and the kNN
-monitor (evaluated_encoder) and the downstream jobs' partial restore read the encoder
-there.
-tests/test_methods.py checks every registered method against this contract.
+ViT): the online probe's.
+
+A module may also provide the optional attributes that OptionalAttributes declares,
+with the value each takes where a module lacks it; the package reads them only through
+optional_attributes(name), never from the module itself:
+
+  LOCAL_CROPS = True (default False)
+      The method also takes config.local_crops and then batch['local_image'] uint8
+      [B, N, s, s, 3] (multi-crop: DINO); the pretraining job refuses local_crops for
+      the others.
+  EVALUATED_ENCODER (default STUDENT_ENCODER)
+      The (params, batch_stats) key paths in the TrainState of the encoder the
+      method's paper evaluates (DINO: the teacher's); the kNN monitor
+      (evaluated_encoder) and the downstream jobs' partial restore read it there.
+  imported_state(entries, path, config) -> variables or None, with
+  with_imported(state, variables) -> state (both or neither; default None)
+      For a method whose reference saves checkpoints this package can continue
+      (DINO's main_dino.py): imported_state reads such a checkpoint (None: not
+      one; entries as tensor_files.read_entries gives them) and config.init_from
+      then starts the run with with_imported in place of with_encoder.
+
+tests/test_methods.py checks every registered method against this contract, the
+optional attributes included.
 """
+
+import dataclasses
+from typing import Callable, Optional
 
 import jax
 import optax
@@ -80,35 +97,67 @@ def encoder_variables(tree):
   }
 
 
-# Where the encoder lives in a TrainState: (params path, batch_stats path).
+# Where the student's encoder lives in a TrainState: (params path, batch_stats path).
 STUDENT_ENCODER = (("params", ENCODER), ("batch_stats", ENCODER))
 
 
-def evaluated_encoder_paths(name: str):
-  """(params path, batch_stats path): the key paths in method `name`'s TrainState of the
-  encoder its paper evaluates, which the kNN monitor and the downstream jobs read.
+def _attribute(name: str, default):
+  """A field of OptionalAttributes read from the method module's attribute `name`."""
+  return dataclasses.field(default=default, metadata={"attribute": name})
 
-  The module's EVALUATED_ENCODER when it has one (DINO's teacher, which the DINO paper
-  evaluates: Sec. 4, and eval_knn.py's and eval_linear.py's --checkpoint_key teacher),
-  else STUDENT_ENCODER: the network each other paper evaluates (SimCLR's encoder, MoCo's
-  query encoder, MoCo v3's base encoder, BYOL's online encoder).
+
+@dataclasses.dataclass(frozen=True)
+class OptionalAttributes:
+  """A method module's optional attributes, each with the value a module without it has.
+
+  Attributes (each read from the module attribute in brackets):
+    local_crops (LOCAL_CROPS): whether the method trains on multi-crop's local views
+      (config.local_crops, batch['local_image']) besides the two global views.
+    evaluated_encoder (EVALUATED_ENCODER): (params path, batch_stats path), the key
+      paths in the TrainState of the encoder the method's paper evaluates, which the
+      kNN monitor and the downstream jobs read. STUDENT_ENCODER by default: the network
+      each paper but DINO's evaluates (SimCLR's encoder, MoCo's query encoder, MoCo v3's
+      base encoder, BYOL's online encoder); DINO sets its teacher's (the paper's Sec. 4,
+      and eval_knn.py's and eval_linear.py's --checkpoint_key teacher).
+    imported_state (imported_state): (entries, path, config) -> variables or None, the
+      run's start from the method's own reference checkpoint (None: not one), or None
+      for a method without such checkpoints.
+    with_imported (with_imported): (state, variables) -> state, the state at step 0
+      with imported_state's variables; None where imported_state is.
+  """
+
+  local_crops: bool = _attribute("LOCAL_CROPS", False)
+  evaluated_encoder: tuple = _attribute("EVALUATED_ENCODER", STUDENT_ENCODER)
+  imported_state: Optional[Callable] = _attribute("imported_state", None)
+  with_imported: Optional[Callable] = _attribute("with_imported", None)
+
+
+def optional_attributes(name: str) -> OptionalAttributes:
+  """Method `name`'s OptionalAttributes: its module's, and the defaults for those it lacks.
 
   Raises:
     ConfigError: unknown method name.
   """
-  return getattr(get_method(name), "EVALUATED_ENCODER", STUDENT_ENCODER)
+  module = get_method(name)
+  return OptionalAttributes(
+    **{
+      field.name: getattr(module, field.metadata["attribute"], field.default)
+      for field in dataclasses.fields(OptionalAttributes)
+    }
+  )
 
 
 def evaluated_encoder(name: str):
-  """state -> {'params', 'batch_stats'} of the encoder at evaluated_encoder_paths(name);
-  'batch_stats' {} where the state has none (a ViT). The online probe is trained on, and
-  evaluated with, the student's h (encoder_variables), whatever the method.
+  """state -> {'params', 'batch_stats'} of the encoder at
+  optional_attributes(name).evaluated_encoder; 'batch_stats' {} where the state has none
+  (a ViT). The online probe is trained on, and evaluated with, the student's h
+  (encoder_variables), whatever the method.
 
   Raises:
     ConfigError: unknown method name.
     KeyError (from the function, on a state): no params at the method's path.
   """
-  params_path, stats_path = evaluated_encoder_paths(name)
+  params_path, stats_path = optional_attributes(name).evaluated_encoder
 
   def at(state, path, required: bool):
     node = state

@@ -50,8 +50,8 @@ def byol_loss(p1, p2, z1, z2, axis_name=None):
 
 
 def check_config(config, num_train_examples: int):
-  """Raises ConfigError for BYOL fields that cannot run."""
-  del num_train_examples
+  """Raises ConfigError for BYOL fields that cannot run. BYOL's only constraint on
+  num_train_examples, B <= N, is the runner's (runner.steps_per_epoch)."""
   if not 0.0 <= config.byol.tau_base <= 1.0:
     raise ConfigError("byol.tau_base", config.byol.tau_base, "in [0, 1]")
   common.check_heads_with_predictor(config, "the prediction regresses the target projection")
@@ -93,13 +93,12 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   )
 
 
-def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps_per_epoch=None):
+def make_train_step(config, model, tx, views, mesh, length: common.RunLength, probe=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
   The target EMA uses tau_k of the step k just taken (common.ema_momentum,
-  'cosine' over num_steps) and the online parameters after the update.
+  'cosine' over length.num_steps) and the online parameters after the update.
   """
-  del steps_per_epoch  # No schedule of this method counts epochs.
   target_model = model.clone(predictor=None)
 
   def per_device(state, images):
@@ -120,7 +119,7 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps
     return grads, stats, new_extra, {"loss": loss}, outputs
 
   def update_target(state):
-    tau = common.ema_momentum(config.byol.tau_base, state.step - 1, num_steps, "cosine")
+    tau = common.ema_momentum(config.byol.tau_base, state.step - 1, length.num_steps, "cosine")
     target = common.ema_update(state.extra["target_params"], _target_part(state.params), tau)
     return state.replace(extra=dict(state.extra, target_params=target))
 

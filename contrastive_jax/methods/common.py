@@ -2,7 +2,7 @@
 
 Methods keep their loss and state update together in their own module; this
 one holds what is the same for several of them: the state's common fields,
-the PRNG streams, the two augmented views, the optimizer update, the health
+the run's length, the PRNG streams, the two augmented views, the optimizer update, the health
 scalars, the online probe, the train step builder, the EMA, L2 normalisation
 and the gather over the global batch.
 """
@@ -66,6 +66,20 @@ class TrainState:
       extra={} if extra is None else extra,
       probe={} if probe is None else probe,
     )
+
+
+class RunLength(NamedTuple):
+  """How long a pretraining run is, for the schedules a method's train step follows.
+
+  Attributes:
+    num_steps: optimizer steps of the whole run (the EMA momentum ramps of MoCo, MoCo v3,
+      BYOL and DINO end there).
+    steps_per_epoch: optimizer steps of one pass over the train split (DINO's teacher
+      temperature warms up in epochs).
+  """
+
+  num_steps: int
+  steps_per_epoch: int
 
 
 def init_variables(model, rng, image_size: int):

@@ -148,8 +148,9 @@ def teacher_temperature(cfg, step, steps_per_epoch: int):
 
 def check_config(config, num_train_examples: int):
   """Raises ConfigError for DINO fields that cannot run; logs one warning line for a
-  teacher temperature above STABLE_TEACHER_TEMP (allowed, as the reference allows it)."""
-  del num_train_examples
+  teacher temperature above STABLE_TEACHER_TEMP (allowed, as the reference allows it).
+  DINO's only constraint on num_train_examples, B <= N, is the runner's
+  (runner.steps_per_epoch)."""
   for field in config.dino:
     if field not in _DINO_FIELDS:
       raise ConfigError(
@@ -297,29 +298,24 @@ def with_imported(state, imported):
 
 
 # The teacher's encoder: what the DINO paper evaluates (Sec. 4; eval_knn.py's and
-# eval_linear.py's default --checkpoint_key teacher). The contract: methods.EVALUATED_ENCODER.
+# eval_linear.py's default --checkpoint_key teacher). The contract: methods.OptionalAttributes.
 EVALUATED_ENCODER = (
   ("extra", "teacher_params", "encoder"),
   ("extra", "teacher_batch_stats", "encoder"),
 )
 
 
-def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps_per_epoch=None):
+def make_train_step(config, model, tx, views, mesh, length: common.RunLength, probe=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
   Per step k: the teacher's outputs of both views (train mode, its own BN
-  statistics), the student's, the loss at tau_t of k's epoch (steps_per_epoch
+  statistics), the student's, the loss at tau_t of k's epoch (length.steps_per_epoch
   optimizer steps an epoch), the centre's update with the teacher's outputs,
   the optimizer step, then the teacher's EMA with momentum m_k
-  (common.ema_momentum 'cosine' over num_steps) from the updated student.
+  (common.ema_momentum 'cosine' over length.num_steps) from the updated student.
   Metrics add 'loss', the health scalars of the module docstring,
   'teacher_temp' and 'teacher_momentum'.
-
-  Raises:
-    ValueError: steps_per_epoch not given.
   """
-  if not steps_per_epoch:
-    raise ValueError("DINO's teacher temperature schedule needs steps_per_epoch")
   cfg = config.dino
   axis = mesh_lib.DATA_AXIS
   multi_crop = config.get("local_crops") is not None
@@ -352,7 +348,7 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps
       teacher_model, extra["teacher_params"], extra["teacher_batch_stats"], x
     )
     teacher_out = jax.lax.stop_gradient(teacher_out).reshape(2, b, -1)
-    temp = teacher_temperature(cfg, state.step, steps_per_epoch)
+    temp = teacher_temperature(cfg, state.step, length.steps_per_epoch)
 
     drop_keys = [
       common.drop_path_key(state.rng, state.step, i) if cfg.drop_path_rate else None
@@ -382,13 +378,13 @@ def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps
       "center_norm": jnp.linalg.norm(center),
       "teacher_temp": temp,
       "teacher_momentum": common.ema_momentum(
-        cfg.momentum_teacher, state.step, num_steps, "cosine"
+        cfg.momentum_teacher, state.step, length.num_steps, "cosine"
       ),
     }
     return grads, stats, new_extra, metrics, outputs
 
   def update_teacher(state):
-    momentum = common.ema_momentum(cfg.momentum_teacher, state.step - 1, num_steps, "cosine")
+    momentum = common.ema_momentum(cfg.momentum_teacher, state.step - 1, length.num_steps, "cosine")
     teacher = common.ema_update(state.extra["teacher_params"], state.params, momentum)
     return state.replace(extra=dict(state.extra, teacher_params=teacher))
 

@@ -182,21 +182,23 @@ def unshuffle_rows(y, perm):
   return gathered[jnp.argsort(perm)]
 
 
-def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps_per_epoch=None):
+def make_train_step(config, model, tx, views, mesh, length: common.RunLength, probe=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
   Per step: EMA of the key encoder from the current query encoder (MoCo
   Algorithm 1), keys under stop-gradient with shuffle BN, InfoNCE against the
-  queue, then the global batch of keys is enqueued.
+  queue, then the global batch of keys is enqueued; the momentum follows
+  moco.momentum_schedule over length.num_steps.
   """
-  del steps_per_epoch  # No schedule of this method counts epochs.
   moco = config.moco
   groups = config.batch_size // moco.bn_group_size
 
   def per_device(state, images):
     x_q, x_k = common.augmented_views(images, state.rng, state.step, views)
     extra = state.extra
-    momentum = common.ema_momentum(moco.momentum, state.step, num_steps, moco.momentum_schedule)
+    momentum = common.ema_momentum(
+      moco.momentum, state.step, length.num_steps, moco.momentum_schedule
+    )
     key_params = common.ema_update(extra["key_params"], state.params, momentum)
     b = x_k.shape[0]
     perm = jax.random.permutation(

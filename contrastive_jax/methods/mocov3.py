@@ -68,8 +68,8 @@ def contrastive_loss(q, k, temperature: float, axis_name=None):
 
 
 def check_config(config, num_train_examples: int):
-  """Raises ConfigError for MoCo v3 fields that cannot run."""
-  del num_train_examples  # As SimCLR, only B <= N, which the runner checks.
+  """Raises ConfigError for MoCo v3 fields that cannot run. Its only constraint on
+  num_train_examples, B <= N, is the runner's (runner.steps_per_epoch)."""
   if not config.temperature > 0:
     raise ConfigError("temperature", config.temperature, "> 0")
   for field in config.moco:
@@ -116,22 +116,21 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   )
 
 
-def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps_per_epoch=None):
+def make_train_step(config, model, tx, views, mesh, length: common.RunLength, probe=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
-  Per step k: momentum m_k (common.ema_momentum over num_steps), the momentum
+  Per step k: momentum m_k (common.ema_momentum over length.num_steps), the momentum
   network's EMA from the current query network, keys of both views under
   stop-gradient, then the symmetrised contrastive_loss. Metrics add 'loss',
   'contrastive_top1' (the mean over both directions) and 'key_momentum'.
   """
-  del steps_per_epoch  # No schedule of this method counts epochs.
   key_model = model.clone(predictor=None)
 
   def per_device(state, images):
     x1, x2 = common.augmented_views(images, state.rng, state.step, views)
     extra = state.extra
     momentum = common.ema_momentum(
-      config.moco.momentum, state.step, num_steps, config.moco.momentum_schedule
+      config.moco.momentum, state.step, length.num_steps, config.moco.momentum_schedule
     )
     key_params = common.ema_update(extra["key_params"], _momentum_part(state.params), momentum)
     (_, k1), (_, k2), key_stats = common.apply_per_view(

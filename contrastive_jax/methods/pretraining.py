@@ -98,7 +98,7 @@ def setup(
     init_state = lambda: replace(drawn(), variables)
   train_step = jax.jit(
     method.make_train_step(
-      config, model, tx, views(config), mesh, num_steps, probe, steps_per_epoch=steps_per_epoch
+      config, model, tx, views(config), mesh, common.RunLength(num_steps, steps_per_epoch), probe
     ),
     donate_argnums=0,
   )

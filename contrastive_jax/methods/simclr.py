@@ -70,8 +70,8 @@ def nt_xent(z1, z2, temperature: float, axis_name=None):
 
 
 def check_config(config, num_train_examples: int):
-  """Raises ConfigError for SimCLR fields that cannot run."""
-  del num_train_examples  # SimCLR's only data constraint, B <= N, is checked by train.
+  """Raises ConfigError for SimCLR fields that cannot run. SimCLR's only constraint on
+  num_train_examples, B <= N, is the runner's (runner.steps_per_epoch)."""
   if not config.temperature > 0:
     raise ConfigError("temperature", config.temperature, "> 0")
   models.check_mlp_config(config.projector, "projector")
@@ -96,15 +96,14 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   )
 
 
-def make_train_step(config, model, tx, views, mesh, num_steps, probe=None, steps_per_epoch=None):
+def make_train_step(config, model, tx, views, mesh, length: common.RunLength, probe=None):
   """Returns train_step(state, batch) -> (state, metrics), to be jitted.
 
   batch['image'] is uint8 [B, 2, H, W, 3] sharded over the data axis; metrics
   add float32 scalars 'loss' and 'contrastive_top1' to common.build_train_step's.
-  num_steps is unused (SimCLR has no schedule of its own besides the lr).
+  The step does not depend on the run's length: SimCLR has no schedule besides the
+  optimizer's.
   """
-  del steps_per_epoch  # No schedule of this method counts epochs.
-  del num_steps
 
   def per_device(state, images):
     x1, x2 = common.augmented_views(images, state.rng, state.step, views)

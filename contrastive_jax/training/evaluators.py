@@ -7,6 +7,15 @@ Metrics are named '<name>_top1' (a classifier adds '<name>_top5' with 5 classes
 or more), as fractions of the split's images, each counted once. Adding a kind is one
 class here and one entry in KINDS; the runner never changes.
 
+The evaluator contract: a class in KINDS provides
+  check_config(field, cfg, source) -> None, a staticmethod
+      Raises ConfigError, naming the field (`field`, 'evaluators.<name>', and the
+      key), for the fields of its own kind; check_config below checks those every
+      kind has (kind, labels, batch_size, split) first. Runs before any compute.
+  __init__(name, cfg, model: EvalModel, mesh, num_classes)
+  at_start: bool, whether it also runs at step 0 of a fresh run.
+  __call__(state) -> {metric name: float}.
+
 Evaluation is sharded over the mesh: batches are split over the devices, and
 the kNN bank stays sharded where it was computed (each device scores the
 queries against its own part of the bank and the devices merge their top-k).
@@ -80,6 +89,16 @@ class Knn:
   """
 
   at_start = True  # The initial encoder is the baseline the run improves on.
+
+  @staticmethod
+  def check_config(field: str, cfg, source):
+    """Raises ConfigError for an unknown or empty bank_split of source, a k <= 0 or a
+    temperature <= 0 (field: 'evaluators.<name>')."""
+    source.num_examples(cfg.bank_split, f"{field}.bank_split")
+    if cfg.k <= 0:
+      raise ConfigError(f"{field}.k", cfg.k, "an integer > 0")
+    if not cfg.temperature > 0:
+      raise ConfigError(f"{field}.temperature", cfg.temperature, "> 0")
 
   def __init__(self, name, cfg, model: EvalModel, mesh, num_classes: int):
     self.name, self._model, self._mesh = name, model, mesh
@@ -164,6 +183,10 @@ class Classifier:
 
   at_start = False  # An untrained head says nothing.
 
+  @staticmethod
+  def check_config(field: str, cfg, source):
+    """Raises nothing: a classifier has no fields besides those every kind has."""
+
   def __init__(self, name, cfg, model: EvalModel, mesh, num_classes: int):
     self.name, self._model, self._mesh = name, model, mesh
     self._split, self._local_batch = cfg.split, cfg.batch_size // jax.process_count()
@@ -200,9 +223,10 @@ def check_config(evaluators, source, num_devices: int):
   Raises:
     ConfigError: an unknown kind; any kind on a dataset without labels (both
       kinds vote or classify with labels); a batch_size that is not a positive
-      multiple of num_devices; an unknown or empty split; a kNN k <= 0 or
-      temperature <= 0. (The interval's form is checked with the job's other
-      durations; that it is at least one step, in build.)
+      multiple of num_devices; an unknown or empty split; then what the kind's
+      own check_config raises for its fields (Knn: bank_split, k, temperature).
+      (The interval's form is checked with the job's other durations; that it is
+      at least one step, in build.)
   """
   for name, cfg in evaluators.items():
     field = f"evaluators.{name}"
@@ -222,12 +246,7 @@ def check_config(evaluators, source, num_devices: int):
         f"a positive multiple of the number of devices ({num_devices})",
       )
     source.num_examples(cfg.split, f"{field}.split")
-    if cfg.kind == "knn":
-      source.num_examples(cfg.bank_split, f"{field}.bank_split")
-      if cfg.k <= 0:
-        raise ConfigError(f"{field}.k", cfg.k, "an integer > 0")
-      if not cfg.temperature > 0:
-        raise ConfigError(f"{field}.temperature", cfg.temperature, "> 0")
+    KINDS[cfg.kind].check_config(field, cfg, source)
 
 
 def build(evaluators, model: EvalModel, mesh, num_classes: int, steps_per_epoch: int):

@@ -1,9 +1,9 @@
 """Restoring a pretrained encoder: from a pretraining workdir's Orbax checkpoint or a weights file.
 
 Only the encoder (params and BN statistics) that the method's paper evaluates
-(methods.evaluated_encoder_paths: MoCo's query encoder, BYOL's online encoder, DINO's
-teacher's encoder) is read from a checkpoint, with a partial restore onto however many
-devices the job has, and rebuilt from the config saved with the checkpoint; or,
+(methods.OptionalAttributes.evaluated_encoder: MoCo's query encoder, BYOL's online
+encoder, DINO's teacher's encoder) is read from a checkpoint, with a partial restore onto
+however many devices the job has, and rebuilt from the config saved with the checkpoint; or,
 with config.random_init, the pretraining run's own initialisation of it (the
 baseline); or a weights file (docs/weights.md) is read as the model of
 config.pretrain_config. The export job also restores the projection head the
@@ -31,9 +31,9 @@ from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import ForeignCheckpointError
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.methods import common
-from contrastive_jax.methods import evaluated_encoder_paths
 from contrastive_jax.methods import get_method
 from contrastive_jax.methods import initial_variables
+from contrastive_jax.methods import optional_attributes
 from contrastive_jax.models import heads
 from contrastive_jax.models import state_dicts
 
@@ -119,7 +119,7 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
     else:
       x = jnp.zeros((1, saved.image_size, saved.image_size, 3), jnp.float32)
       variables = _restore_submodule(
-        ckpt, step, encoder, x, evaluated_encoder_paths(saved.method), mesh
+        ckpt, step, encoder, x, optional_attributes(saved.method).evaluated_encoder, mesh
       )
   finally:
     ckpt.close()
@@ -141,7 +141,7 @@ def _restore_submodule(ckpt, step: int, module, example, paths, mesh) -> dict:
     module: the submodule, built as the pretraining run built it.
     example: an input of the module's shape and dtype (batch 1), for its variables' shapes.
     paths: the (params, batch_stats) key paths of the submodule's variables in the saved
-      TrainState, e.g. methods.evaluated_encoder_paths(method).
+      TrainState, e.g. methods.optional_attributes(method).evaluated_encoder.
   """
   shapes = jax.eval_shape(lambda: module.init(jax.random.PRNGKey(0), example, train=False))
   wanted = {}
@@ -178,7 +178,10 @@ def restore_projector(config, encoder: Encoder, mesh):
       module,
       jnp.zeros((1, encoder.dim), jnp.float32),
       # The head of the network the encoder comes from (DINO's teacher's).
-      tuple(p[:-1] + (PROJECTOR,) for p in evaluated_encoder_paths(encoder.pretrained.method)),
+      tuple(
+        p[:-1] + (PROJECTOR,)
+        for p in optional_attributes(encoder.pretrained.method).evaluated_encoder
+      ),
       mesh,
     )
   finally:
