@@ -41,7 +41,7 @@ from absl import flags
 import ml_collections  # pylint: disable=g-import-not-at-top
 import numpy as np
 
-from contrastive_jax import recipes
+from contrastive_jax import config_files
 from contrastive_jax.search import ann as ann_lib
 from contrastive_jax.search import exact
 from contrastive_jax.search import index as index_lib
@@ -226,7 +226,7 @@ def measure(
   row("exact: contrastive_jax top_k_cosine", 0.0, n * d * 4, own_rows, own_s)
   print(f"  top_k_cosine rows identical to IndexFlatIP's: {np.array_equal(own_rows, exact_rows)}")
 
-  auto = recipes.load_config_file(CONFIG, "CONFIG").ann  # The embed job's defaults.
+  auto = config_files.load_config_file(CONFIG, "CONFIG").ann  # The embed job's defaults.
   default = ann_lib.choose(n, d, auto)
   specs = [default] if default["type"] != "flat" else []
   specs += [

@@ -22,13 +22,13 @@ search: 'auto' searches the reference's ANN index when it has one (not 'flat'),
 import ml_collections
 from ml_collections import config_dict
 
-from contrastive_jax import recipes
+from contrastive_jax import config_files
 
 ARGS = {}
 
 
 def get_config(arg: str = ""):
-  recipes.parse_args(arg, ARGS)
+  config_files.parse_args(arg, ARGS)
   config = ml_collections.ConfigDict()
   config.job = "audit"
   config.index_workdir = config_dict.placeholder(str)  # The reference's embed --workdir.

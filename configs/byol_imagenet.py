@@ -22,6 +22,7 @@ bicubic), tf.image color ops with additive brightness, asymmetric blur and
 solarization (recipes.byol_views); bfloat16.
 """
 
+from contrastive_jax import config_files
 from contrastive_jax import recipes
 
 # epochs -> (base lr, weight decay, tau_base): byol/configs/byol.py's presets.
@@ -31,7 +32,7 @@ VARIANTS = {"300ep": "epochs=300", "1000ep": "epochs=1000"}
 
 
 def get_config(arg: str = ""):
-  args = recipes.parse_args(arg, ARGS, VARIANTS)
+  args = config_files.parse_args(arg, ARGS, VARIANTS)
   base_lr, weight_decay, tau_base = PRESETS[args.epochs]
   config = recipes.imagenet(
     recipes.base_config(), batch_size=4096, num_epochs=args.epochs, reference="byol"

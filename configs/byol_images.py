@@ -17,13 +17,14 @@ Arguments (--config=configs/byol_images.py:ARG,ARG...):
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 """
 
+from contrastive_jax import config_files
 from contrastive_jax import recipes
 
 ARGS = dict(runlocal=False, dtype=("float32", "bfloat16"))
 
 
 def get_config(arg: str = ""):
-  args = recipes.parse_args(arg, ARGS)
+  args = config_files.parse_args(arg, ARGS)
   config = recipes.images(recipes.base_config(), batch_size=256, num_epochs=200, reference="byol")
   config.method = "byol"
   config.projector = dict(hidden_dims=(4096,), out_dim=256, use_bn=True, init="lecun_normal")

@@ -67,6 +67,7 @@ Arguments (--config=configs/dino_cifar10.py:ARG,ARG..., e.g. :runlocal,model=res
 Variant `runlocal_resnet`: runlocal,model=resnet18.
 """
 
+from contrastive_jax import config_files
 from contrastive_jax import recipes
 
 ARGS = dict(
@@ -79,7 +80,7 @@ VARIANTS = {"runlocal_resnet": "runlocal,model=resnet18"}
 
 
 def get_config(arg: str = ""):
-  args = recipes.parse_args(arg, ARGS, VARIANTS)
+  args = config_files.parse_args(arg, ARGS, VARIANTS)
   config = recipes.base_config()
   config.method = "dino"
   config.batch_size = 512

@@ -58,6 +58,7 @@ Where it departs, and why: the ViT's initialisation is MoCo v3's
 train (recipes.imagenet; eval_knn.py uses all of it) and runs every 10 epochs.
 """
 
+from contrastive_jax import config_files
 from contrastive_jax import recipes
 
 ARGS = dict(
@@ -75,7 +76,7 @@ BATCH_PER_GPU = 64  # main_dino.py --batch_size_per_gpu.
 
 
 def get_config(arg: str = ""):
-  args = recipes.parse_args(arg, ARGS, VARIANTS)
+  args = config_files.parse_args(arg, ARGS, VARIANTS)
   config = recipes.base_config()
   config.method = "dino"
   boosted = args.model == "vit_small" and args.epochs == 300

@@ -24,13 +24,13 @@ against exact search), when the index is built and after each add.
 import ml_collections
 from ml_collections import config_dict
 
-from contrastive_jax import recipes
+from contrastive_jax import config_files
 
 ARGS = {}
 
 
 def get_config(arg: str = ""):
-  recipes.parse_args(arg, ARGS)
+  config_files.parse_args(arg, ARGS)
   config = ml_collections.ConfigDict()
   config.job = "embed"
   config.pretrain_workdir = config_dict.placeholder(str)  # Or a weights file (docs/weights.md),

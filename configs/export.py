@@ -12,13 +12,14 @@ size and eval crop come from the checkpoint's own config.
 
 import ml_collections
 
+from contrastive_jax import config_files
 from contrastive_jax import recipes
 
 ARGS = {}
 
 
 def get_config(arg: str = ""):
-  recipes.parse_args(arg, ARGS)
+  config_files.parse_args(arg, ARGS)
   config = ml_collections.ConfigDict()
   config.job = "export"
   recipes.pretrained_encoder_fields(config)

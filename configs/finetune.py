@@ -36,16 +36,17 @@ epochs = 2340 steps) about 5.
 
 import ml_collections
 
+from contrastive_jax import config_files
 from contrastive_jax import recipes
 
 ARGS = dict(runlocal=False)
 
 
 def get_config(arg: str = ""):
-  args = recipes.parse_args(arg, ARGS)
+  args = config_files.parse_args(arg, ARGS)
   config = recipes.data_fields(ml_collections.ConfigDict())
   config.job = "finetune"
-  config.format_version = recipes.FORMAT_VERSION
+  config.format_version = config_files.FORMAT_VERSION
   recipes.pretrained_encoder_fields(config)
   config.label_fraction = 0.01
   config.label_seed = 0

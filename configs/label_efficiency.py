@@ -39,6 +39,7 @@ ran in 25 minutes on a loaded 2-core VM (docs/label_efficiency.md).
 import ml_collections
 from ml_collections import config_dict
 
+from contrastive_jax import config_files
 from contrastive_jax import recipes
 
 ARGS = dict(runlocal=False)
@@ -48,10 +49,10 @@ FRACTIONS = dict(warmup_fraction=0.0, decay_fractions=())
 
 
 def get_config(arg: str = ""):
-  args = recipes.parse_args(arg, ARGS)
+  args = config_files.parse_args(arg, ARGS)
   config = recipes.data_fields(ml_collections.ConfigDict())
   config.job = "label_efficiency"
-  config.format_version = recipes.FORMAT_VERSION
+  config.format_version = config_files.FORMAT_VERSION
   recipes.pretrained_encoder_fields(config)
   config.test_split = "test"
   config.labels = "100,500,1000,5000"  # Counts, or fractions of train_split (e.g. '0.01,0.1').

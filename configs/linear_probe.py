@@ -6,7 +6,7 @@
 Set --config.pretrain_workdir=DIR (the pretraining job's --workdir). The
 encoder's architecture and image size come from the checkpoint's own config;
 it stays frozen in eval mode. config.preset chooses the recipe
-(recipes.LINEAR_PROBE_PRESETS): 'auto' (the default) runs the linear
+(probe_presets.LINEAR_PROBE_PRESETS): 'auto' (the default) runs the linear
 evaluation of the reference of the checkpoint's method ('simclr': SimCLR
 README's, Nesterov SGD lr 0.1 x B/256, batch 512, 100 epochs, cosine; 'moco':
 main_lincls.py's, SGD lr 30, batch 256, 100 epochs, x0.1 at 60% and 80% of the run;
@@ -28,16 +28,17 @@ schedule keeps its shape (cosine to the run's end; MoCo's decays at 60% and 80% 
 import ml_collections
 from ml_collections import config_dict
 
+from contrastive_jax import config_files
 from contrastive_jax import recipes
 
 ARGS = dict(runlocal=False)
 
 
 def get_config(arg: str = ""):
-  args = recipes.parse_args(arg, ARGS)
+  args = config_files.parse_args(arg, ARGS)
   config = recipes.data_fields(ml_collections.ConfigDict())
   config.job = "linear_probe"
-  config.format_version = recipes.FORMAT_VERSION
+  config.format_version = config_files.FORMAT_VERSION
   recipes.pretrained_encoder_fields(config)
   config.preset = "auto"
   # None: the preset's value.

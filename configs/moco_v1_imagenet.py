@@ -14,13 +14,14 @@ Arguments (--config=configs/moco_v1_imagenet.py:ARG):
   `dtype=bfloat16` (the default) or `dtype=float32`: the encoder's compute dtype.
 """
 
+from contrastive_jax import config_files
 from contrastive_jax import recipes
 
 ARGS = dict(dtype=("bfloat16", "float32"))
 
 
 def get_config(arg: str = ""):
-  args = recipes.parse_args(arg, ARGS)
+  args = config_files.parse_args(arg, ARGS)
   config = recipes.imagenet(
     recipes.base_config(), batch_size=256, num_epochs=200, reference="torchvision"
   )

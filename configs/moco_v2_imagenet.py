@@ -18,6 +18,7 @@ BN groups of 32 images (the reference's 8 GPUs x 32), RandomResizedCrop
 grayscale p 0.2, Gaussian blur p 0.5, flip; bfloat16.
 """
 
+from contrastive_jax import config_files
 from contrastive_jax import recipes
 
 ARGS = dict(epochs=(200, 800), dtype=("bfloat16", "float32"))
@@ -25,7 +26,7 @@ VARIANTS = {"200ep": "epochs=200", "800ep": "epochs=800"}
 
 
 def get_config(arg: str = ""):
-  args = recipes.parse_args(arg, ARGS, VARIANTS)
+  args = config_files.parse_args(arg, ARGS, VARIANTS)
   config = recipes.imagenet(
     recipes.base_config(), batch_size=256, num_epochs=args.epochs, reference="torchvision"
   )

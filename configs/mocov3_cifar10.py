@@ -39,6 +39,7 @@ Arguments (--config=configs/mocov3_cifar10.py:ARG,ARG..., e.g. :model=vit_tiny,r
 Variant `runlocal_vit`: runlocal,model=vit_tiny.
 """
 
+from contrastive_jax import config_files
 from contrastive_jax import recipes
 
 ARGS = dict(runlocal=False, model=("resnet18", "vit_tiny"), dtype=("float32", "bfloat16"))
@@ -46,7 +47,7 @@ VARIANTS = {"runlocal_vit": "runlocal,model=vit_tiny"}
 
 
 def get_config(arg: str = ""):
-  args = recipes.parse_args(arg, ARGS, VARIANTS)
+  args = config_files.parse_args(arg, ARGS, VARIANTS)
   config = recipes.base_config()
   config.method = "mocov3"
   config.batch_size = 256

@@ -37,6 +37,7 @@ ColorJitter (0.4, 0.4, 0.2, 0.1) p 0.8, grayscale p 0.2, PIL blur p 1.0 / 0.1,
 solarize p 0 / 0.2, flip; ImageNet standardisation; bfloat16 compute.
 """
 
+from contrastive_jax import config_files
 from contrastive_jax import recipes
 
 # epochs -> the ResNet-50's (base lr, weight decay, momentum).
@@ -70,7 +71,7 @@ def mlp(hidden_dims, last_bn: bool) -> dict:
 
 
 def get_config(arg: str = ""):
-  args = recipes.parse_args(arg, ARGS, VARIANTS)
+  args = config_files.parse_args(arg, ARGS, VARIANTS)
   config = recipes.base_config()
   config.method = "mocov3"
   config.augment = recipes.mocov3_views()

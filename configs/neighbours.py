@@ -17,13 +17,13 @@ exactly otherwise; 'exact' always exactly.
 import ml_collections
 from ml_collections import config_dict
 
-from contrastive_jax import recipes
+from contrastive_jax import config_files
 
 ARGS = {}
 
 
 def get_config(arg: str = ""):
-  recipes.parse_args(arg, ARGS)
+  config_files.parse_args(arg, ARGS)
   config = ml_collections.ConfigDict()
   config.job = "neighbours"
   config.index_workdir = config_dict.placeholder(str)  # The embed job's --workdir.

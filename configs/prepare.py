@@ -12,13 +12,13 @@ docs/images.md has the layout rules, the report and the Beam options.
 import ml_collections
 from ml_collections import config_dict
 
-from contrastive_jax import recipes
+from contrastive_jax import config_files
 
 ARGS = {}
 
 
 def get_config(arg: str = ""):
-  recipes.parse_args(arg, ARGS)
+  config_files.parse_args(arg, ARGS)
   config = ml_collections.ConfigDict()
   config.job = "prepare"
   config.src = config_dict.placeholder(str)  # Folder of image files (any depth), local or gs://.

@@ -21,13 +21,14 @@ Arguments (--config=configs/simclr_cifar10.py:ARG,ARG..., e.g. :runlocal,dtype=b
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 """
 
+from contrastive_jax import config_files
 from contrastive_jax import recipes
 
 ARGS = dict(runlocal=False, dtype=("float32", "bfloat16"))
 
 
 def get_config(arg: str = ""):
-  args = recipes.parse_args(arg, ARGS)
+  args = config_files.parse_args(arg, ARGS)
   config = recipes.base_config()
   config.method = "simclr"
   config.batch_size = 512

@@ -21,6 +21,7 @@ bicubic), color jitter strength 1.0 with tf.image ops and v1's additive
 brightness, blur p 0.5 (kernel 10% of the side, zero-padded), bfloat16.
 """
 
+from contrastive_jax import config_files
 from contrastive_jax import recipes
 
 ARGS = dict(epochs=(100, 1000), dtype=("bfloat16", "float32"))
@@ -28,7 +29,7 @@ VARIANTS = {"100ep": "epochs=100", "1000ep": "epochs=1000"}
 
 
 def get_config(arg: str = ""):
-  args = recipes.parse_args(arg, ARGS, VARIANTS)
+  args = config_files.parse_args(arg, ARGS, VARIANTS)
   config = recipes.imagenet(
     recipes.base_config(), batch_size=4096, num_epochs=args.epochs, reference="simclr"
   )

@@ -3,7 +3,7 @@
 Runs the job the config names (config.job: a key of JOBS).
 Every config field can be overridden on the command line, e.g.
 --config.batch_size=512, and a config file takes arguments after a colon, e.g.
---config=configs/simclr_cifar10.py:runlocal,dtype=bfloat16 (recipes.parse_args). A
+--config=configs/simclr_cifar10.py:runlocal,dtype=bfloat16 (config_files.parse_args). A
 workdir that holds a checkpoint resumes from it. Expected failures (a flag
 that cannot be parsed: a missing config file, an unknown argument or field; a
 config that cannot run, a diverged run, a bad workdir) end with one line on
@@ -40,7 +40,7 @@ import jax
 import ml_collections
 from ml_collections import config_flags
 
-from contrastive_jax import recipes
+from contrastive_jax import config_files
 from contrastive_jax.core import files
 from contrastive_jax.core import metrics
 from contrastive_jax.core import xla_flags
@@ -169,7 +169,7 @@ def check_config_flags(argv):
   """Checks what absl's and ml_collections' parsing would end in a traceback for.
 
   A --config file that does not exist, an argument, value or variant the file
-  does not take (recipes.parse_args), a --config.FIELD override naming no field
+  does not take (config_files.parse_args), a --config.FIELD override naming no field
   of the config: each raises JobError naming the flag as given and the closest
   valid file, argument, value or field. Runs the config file's get_config itself;
   any other flag is left to absl.
@@ -187,7 +187,7 @@ def check_config_flags(argv):
         value = argv[i + 1] if i + 1 < len(argv) else None
   if value is None:
     return  # absl says that --config is required.
-  config = recipes.load_config_file(value, "--config")
+  config = config_files.load_config_file(value, "--config")
   for arg in argv[1:]:
     match = _OVERRIDE_ARG.match(arg)
     if match:

@@ -25,7 +25,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from contrastive_jax import models
-from contrastive_jax import recipes
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
@@ -35,6 +34,7 @@ from contrastive_jax.methods import get_method
 from contrastive_jax.methods import optim
 from contrastive_jax.training import downstream
 from contrastive_jax.training import evaluators
+from contrastive_jax.training import probe_presets
 
 NUM_DEVICES = 4
 STEPS = 3
@@ -141,7 +141,7 @@ def probe_run(mesh, pretrained, out: dict):
   pretrain_config = method_config("simclr")
   encoder = get_method("simclr").build_model(pretrain_config).encoder
   # The 'standardised' preset: its head has a BN, whose statistics must agree too.
-  config = recipes.fill_probe_preset(load_config("linear_probe", "runlocal"), "standardised")
+  config = probe_presets.fill_probe_preset(load_config("linear_probe", "runlocal"), "standardised")
   config.batch_size = 16
   head = downstream.LinearHead(10)
   tx = optim.build_optimizer(

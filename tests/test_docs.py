@@ -4,8 +4,8 @@ table and a line in docs/jobs.md, and every config file the README or docs/jobs.
 import os
 import re
 
+from contrastive_jax import config_files
 from contrastive_jax import main
-from contrastive_jax import recipes
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -28,7 +28,7 @@ def _config_jobs(text: str) -> set:
   os.chdir(ROOT)
   try:
     for value in re.findall(r"--config=(configs/[\w.]+\.py(?::[\w=,.]+)?)", text):
-      found.add(recipes.load_config_file(value, "--config").job)
+      found.add(config_files.load_config_file(value, "--config").job)
   finally:
     os.chdir(cwd)
   return found

@@ -13,9 +13,9 @@ import numpy as np
 import pytest
 import tensorflow_datasets as tfds
 
+from contrastive_jax import config_files
 from contrastive_jax import methods
 from contrastive_jax import models
-from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
@@ -402,7 +402,7 @@ def test_bad_multipliers_stop_before_any_compute(field, value, message, tmp_path
 def test_an_older_finetune_config_trained_at_one_rate():
   saved = load_config("finetune")
   del saved["backbone_lr_multiplier"], saved["layer_decay"], saved["projector_layers"]
-  upgraded = recipes.upgrade_config(saved)
+  upgraded = config_files.upgrade_config(saved)
   assert (upgraded.backbone_lr_multiplier, upgraded.layer_decay) == (1.0, 1.0)
   assert upgraded.projector_layers == 0  # It fine-tuned from h.
 

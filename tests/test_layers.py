@@ -1,6 +1,6 @@
 """The package's layers: each module imports only from its own layer and those below it.
 
-core < data < models < methods < recipes < training, search < jobs < main
+core < data < models < methods < config_files < recipes < training, search < jobs < main
 (docs/design.md). training and search share a floor and do not import each
 other; a method module imports no other method, a job no other job; no
 module uses another's private (underscored) names. The imports are read from
@@ -20,6 +20,7 @@ LAYERS = (
   ("data",),
   ("models",),
   ("methods",),
+  ("config_files",),
   ("recipes",),
   ("training", "search"),
   ("jobs",),

@@ -17,7 +17,6 @@ import orbax.checkpoint as ocp
 import pytest
 
 from contrastive_jax import methods
-from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
@@ -27,6 +26,7 @@ from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import optim
 from contrastive_jax.methods import pretraining
+from contrastive_jax.training import probe_presets
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
 
@@ -214,7 +214,7 @@ def test_checkpoints_of_another_tool_end_in_one_line_naming_pretrain_workdir(tmp
   assert os.listdir(numbered_dir / "checkpoints") == ["5"]
 
 
-# Each reference's linear evaluation, from its own code (recipes.LINEAR_PROBE_PRESETS
+# Each reference's linear evaluation, from its own code (probe_presets.LINEAR_PROBE_PRESETS
 # cites them): batch, duration, base lr (x B/256), Nesterov, weight decay, schedule,
 # decay epochs (at the reference's duration), crop sampler, smallest crop area, head init,
 # standardised features.
@@ -277,13 +277,13 @@ PROBE_REFERENCES = {
 
 
 def test_every_method_has_a_probe_preset_and_a_reference_here():
-  missing = sorted(set(methods.METHODS) - set(recipes.LINEAR_PROBE_PRESETS))
+  missing = sorted(set(methods.METHODS) - set(probe_presets.LINEAR_PROBE_PRESETS))
   assert not missing, (
     f"methods {missing} have no linear-probe preset: preset 'auto' runs "
     "the one named as the checkpoint's method; add its reference's linear "
-    "evaluation to recipes.LINEAR_PROBE_PRESETS"
+    "evaluation to probe_presets.LINEAR_PROBE_PRESETS"
   )
-  assert set(PROBE_REFERENCES) == set(recipes.LINEAR_PROBE_PRESETS)
+  assert set(PROBE_REFERENCES) == set(probe_presets.LINEAR_PROBE_PRESETS)
 
 
 def test_probe_presets_resolve_to_their_references_recipes(pretrained):
@@ -325,7 +325,7 @@ def test_probe_presets_resolve_to_their_references_recipes(pretrained):
   config.update(dict(pretrain_workdir=pretrained, data_dir=TFDS_DIR, preset="moco"))
   config.optimizer.decay_epochs = (30, 40)
   linear_probe.check_config(config, jax.device_count())
-  o = recipes.fill_probe_preset(config, "moco").optimizer
+  o = probe_presets.fill_probe_preset(config, "moco").optimizer
   assert (tuple(o.decay_epochs), o.decay_fractions) == ((30, 40), None)
   # 'auto' runs the checkpoint's method's (SimCLR here); a value given wins over the preset's.
   c = resolved(batch_size=64)

@@ -1,5 +1,5 @@
 """The entry point's flag parsing: a bad --config file, argument or field ends in one line;
-config arguments (recipes.parse_args) combine."""
+config arguments (config_files.parse_args) combine."""
 
 import glob
 import importlib.util

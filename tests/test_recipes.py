@@ -28,6 +28,7 @@ from scipy import ndimage
 from scipy import stats
 import tensorflow as tf
 
+from contrastive_jax import config_files
 from contrastive_jax import models
 from contrastive_jax import recipes
 from contrastive_jax.core.errors import ConfigError
@@ -38,6 +39,7 @@ from contrastive_jax.data import crops
 from contrastive_jax.methods import optim
 from contrastive_jax.models import heads
 from contrastive_jax.models import resnet
+from contrastive_jax.training import probe_presets
 
 # --- Crop samplers -------------------------------------------------------------------------
 
@@ -585,7 +587,7 @@ def test_every_config_and_probe_preset_spells_the_crop_alike():
   names = [os.path.basename(p)[:-3] for p in glob.glob(os.path.join(CONFIG_DIR, "*.py"))]
   found = {
     f"preset {name}.{path}": crop
-    for name, preset in recipes.LINEAR_PROBE_PRESETS.items()
+    for name, preset in probe_presets.LINEAR_PROBE_PRESETS.items()
     for path, crop in _crops(preset)
   }
   for name in names:
@@ -605,7 +607,7 @@ def test_every_config_and_probe_preset_spells_the_crop_alike():
 
 def test_upgrade_config_reads_the_flat_crop_fields_of_older_saved_configs():
   current = load_config("byol_cifar10", "runlocal")
-  assert current.format_version == recipes.FORMAT_VERSION == 1
+  assert current.format_version == config_files.FORMAT_VERSION == 1
   # A saved config as the format before format_version wrote it (JSON: lists for tuples).
   old = json.loads(json.dumps(current.to_dict()))
   del old["format_version"]
@@ -614,12 +616,12 @@ def test_upgrade_config_reads_the_flat_crop_fields_of_older_saved_configs():
     crop_sampler=crop["sampler"], crop_area_min=crop["area_min"], crop_resize=crop["resize"]
   )
   saved = ml_collections.ConfigDict(old)
-  upgraded = recipes.upgrade_config(saved)
+  upgraded = config_files.upgrade_config(saved)
   assert upgraded.crop.to_dict() == dict(sampler="byol", area_min=0.08, resize="tf_bicubic")
   assert upgraded.to_dict() == json.loads(json.dumps(current.to_dict()))
   assert "crop_sampler" in saved and "format_version" not in saved  # Left as it was.
   # A current one passes unchanged; a newer one is refused in one line.
-  again = recipes.upgrade_config(upgraded)
+  again = config_files.upgrade_config(upgraded)
   assert again.to_dict() == upgraded.to_dict()
   newer = ml_collections.ConfigDict(dict(upgraded.to_dict(), format_version=2))
   with pytest.raises(
@@ -627,13 +629,13 @@ def test_upgrade_config_reads_the_flat_crop_fields_of_older_saved_configs():
     match=r"^config.format_version=2: must be at most 1: the "
     r"config was written by a newer version",
   ):
-    recipes.upgrade_config(newer)
+    config_files.upgrade_config(newer)
 
 
 def test_probe_presets_fill_the_crop_and_a_given_field_wins():
   config = load_config("linear_probe", "runlocal")
   config.crop.area_min = 0.5
-  filled = recipes.fill_probe_preset(config, "byol")
+  filled = probe_presets.fill_probe_preset(config, "byol")
   assert filled.crop.to_dict() == dict(sampler="byol", area_min=0.5, resize="tf_bicubic")
   crop_spec.check_config(filled)
   filled.crop.sampler = "tensorflw"
@@ -809,6 +811,6 @@ def test_upgrade_config_gives_an_older_dino_config_no_stochastic_depth():
   current = load_config("dino_cifar10", "runlocal")
   old = current.to_dict()
   del old["dino"]["drop_path_rate"]
-  upgraded = recipes.upgrade_config(ml_collections.ConfigDict(old))
+  upgraded = config_files.upgrade_config(ml_collections.ConfigDict(old))
   assert upgraded.dino.drop_path_rate == 0.0
   assert upgraded.to_dict() == current.to_dict()  # The runlocal trains without it too.

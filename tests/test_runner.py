@@ -18,7 +18,7 @@ import numpy as np
 from PIL import Image
 import pytest
 
-from contrastive_jax import recipes
+from contrastive_jax import config_files
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import metrics as metrics_lib
@@ -347,7 +347,7 @@ def test_restore_falls_back_past_an_incomplete_checkpoint(tmp_path, caplog):
 
 def test_a_checkpoint_of_config_format_0_resumes_and_its_encoder_restores(tmp_path):
   # Format 0 (no format_version) held the host crop in three flat fields: such a
-  # checkpoint's saved config is read through recipes.upgrade_config everywhere.
+  # checkpoint's saved config is read through config_files.upgrade_config everywhere.
   config = tiny_config()
   workdir = str(tmp_path / "run")
   runner.run(pretrain, config, workdir)
@@ -382,4 +382,4 @@ def test_a_checkpoint_of_config_format_0_resumes_and_its_encoder_restores(tmp_pa
   )
   encoder = restore.restore_encoder(probe, mesh_lib.make_mesh())
   assert encoder.pretrained.crop.to_dict() == config.crop.to_dict()
-  assert encoder.pretrained.format_version == recipes.FORMAT_VERSION
+  assert encoder.pretrained.format_version == config_files.FORMAT_VERSION

@@ -54,6 +54,7 @@ def block_tensorflow():
 # Beyond core, models and methods: what benchmarks/device.py builds on (the on-device data,
 # the kNN monitor).
 MODULES = (
+  "contrastive_jax.config_files",
   "contrastive_jax.recipes",
   "contrastive_jax.data.augment",
   "contrastive_jax.data.crop_spec",

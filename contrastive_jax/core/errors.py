@@ -83,7 +83,7 @@ class ImageError(JobError):
 
 class VariantError(JobError):
   """A config file's get_config(arg) given an argument, value or variant it does not take
-  (recipes.parse_args).
+  (config_files.parse_args).
 
   Attributes:
     given: the word, argument name or value as given.

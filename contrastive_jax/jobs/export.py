@@ -153,11 +153,11 @@ def _warn_if_not_the_references_network(model_config):
   then computes another h, one with a projection shortcut in every stage's first block
   (SimCLR's, BYOL's), whose extra layer1.0.downsample tensors a strict load refuses, or a
   ResNet-10, which torchvision does not build."""
-  padding = resnet.padding_rule(model_config) if models.family(model_config) == "resnet" else None
+  padding = model_config.padding if models.family(model_config) == "resnet" else None
   # A bottleneck stage's first block widens anyway: only ResNet-10/18/34 gain tensors.
   extra = (
     padding is not None
-    and model_config.get("stage_projection", False)
+    and model_config.stage_projection
     and resnet.SPECS[model_config.name][0] == "basic"
   )
   if padding not in (None, "torchvision") or extra or model_config.name == "resnet10":

@@ -8,7 +8,7 @@ pretraining run's initialisation of it, the baseline; training/restore.py). The
 encoder stays frozen: eval-mode BN, no gradient, variables never written.
 Protocol: features h before the projection head, random crop-and-flip on
 train images, a linear classifier trained with the recipe of config.preset
-(recipes.LINEAR_PROBE_PRESETS: 'auto' picks the linear evaluation of the
+(probe_presets.LINEAR_PROBE_PRESETS: 'auto' picks the linear evaluation of the
 checkpoint's method's reference, 'standardised' this project's probe, which
 standardises h with an affine-free BN so that one learning rate fits every
 encoder, the random baseline included); accuracy on every test image once
@@ -20,19 +20,19 @@ import jax.numpy as jnp
 
 from contrastive_jax import methods
 from contrastive_jax import models
-from contrastive_jax import recipes
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.methods import common
 from contrastive_jax.methods import optim
 from contrastive_jax.training import downstream
 from contrastive_jax.training import evaluators
+from contrastive_jax.training import probe_presets
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
 
 # 'auto' runs the preset named as the checkpoint's method: every key of methods.METHODS
 # has one (tests/test_linear_probe.py).
-PRESETS = ("auto",) + tuple(recipes.LINEAR_PROBE_PRESETS)
+PRESETS = ("auto",) + tuple(probe_presets.LINEAR_PROBE_PRESETS)
 
 
 def check_config(config, num_devices: int):
@@ -44,7 +44,7 @@ def check_config(config, num_devices: int):
   if config.preset not in PRESETS:
     raise ConfigError("preset", config.preset, f"one of {list(PRESETS)}")
   for name in methods.METHODS if config.preset == "auto" else (config.preset,):
-    filled = recipes.fill_probe_preset(config, name)
+    filled = probe_presets.fill_probe_preset(config, name)
     downstream.check_config(filled, num_devices)
     if filled.head.init not in downstream.HEAD_INITS:
       raise ConfigError("head.init", filled.head.init, f"one of {sorted(downstream.HEAD_INITS)}")
@@ -87,7 +87,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   encoder = restore.restore_encoder(config, mesh, saved_config)
   enc_vars = encoder.variables
   preset = encoder.pretrained.method if config.preset == "auto" else config.preset
-  config = recipes.fill_probe_preset(config, preset)
+  config = probe_presets.fill_probe_preset(config, preset)
   config.preset = preset
   head = downstream.LinearHead(source.num_classes, config.head.standardize, config.head.init)
 

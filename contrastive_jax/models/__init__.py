@@ -44,8 +44,9 @@ def encode(encoder, variables, images):
   return encoder.apply(variables, images.astype(jnp.float32) / 255.0, train=False)
 
 
-# The value of each head field a saved config may lack: the head its checkpoint trained.
-_MLP_DEFAULTS = dict(final_bn=False, init="lecun_normal", final_bn_scale=True, final_bias=True)
+# The value of each head field a config may leave out (most do): no BN after the last
+# layer (a scale in it, were there one), a bias in the last layer.
+_MLP_DEFAULTS = dict(final_bn=False, final_bn_scale=True, final_bias=True)
 
 
 def family(model_config) -> str:
@@ -74,8 +75,8 @@ def build_encoder(model_config, bn_axis_name=None) -> nn.Module:
 
 
 def build_mlp(mlp_config, dtype_name, bn_axis_name=None) -> MLP:
-  """Builds an MLP head from a config with hidden_dims, out_dim, use_bn, final_bn, init
-  and optionally final_bn_scale, final_bias (MLP's attributes)."""
+  """Builds an MLP head from a config with hidden_dims, out_dim, use_bn, init and
+  optionally final_bn, final_bn_scale, final_bias (MLP's attributes; _MLP_DEFAULTS)."""
   get = lambda field: mlp_config.get(field, _MLP_DEFAULTS[field])
   return MLP(
     tuple(mlp_config.hidden_dims),
@@ -84,7 +85,7 @@ def build_mlp(mlp_config, dtype_name, bn_axis_name=None) -> MLP:
     final_bn=get("final_bn"),
     final_bn_scale=get("final_bn_scale"),
     final_bias=get("final_bias"),
-    dense_init=get("init"),
+    dense_init=mlp_config.init,
     dtype=common.DTYPES[dtype_name],
     bn_axis_name=bn_axis_name,
   )
@@ -117,6 +118,5 @@ def check_mlp_config(mlp_config, field):
       raise ConfigError(f"{field}.hidden_dims[{i}]", width, "an integer > 0")
   if mlp_config.out_dim <= 0:
     raise ConfigError(f"{field}.out_dim", mlp_config.out_dim, "an integer > 0")
-  init = mlp_config.get("init", _MLP_DEFAULTS["init"])
-  if init not in DENSE_INITS:
-    raise ConfigError(f"{field}.init", init, f"one of {list(DENSE_INITS)}")
+  if mlp_config.init not in DENSE_INITS:
+    raise ConfigError(f"{field}.init", mlp_config.init, f"one of {list(DENSE_INITS)}")

@@ -112,7 +112,7 @@ def _pixels(g: _Graph, model_config) -> str:
 def _resnet(g: _Graph, x: str, size: int, model_config, tensors) -> str:
   """resnet.ResNet's forward pass on NCHW x; returns h [N, C]."""
   block_type, stage_sizes = resnet.SPECS[model_config.name]
-  rule = resnet.padding_rule(model_config)
+  rule = model_config.padding
   conv = lambda x, size, name, stride=1, stem=False: _conv(
     g,
     x,

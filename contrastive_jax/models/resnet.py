@@ -50,16 +50,9 @@ CONV_INITS = {
 #   'same': 'SAME' everywhere, the 7x7 stem included (Haiku's Conv2D and max_pool: BYOL's
 #       networks.py).
 #   'legacy': the 7x7 stem pads (3, 3), everything else is 'SAME'; the rule of a saved config
-#       without model.padding, so that its checkpoint restores to the network it trained.
+#       without model.padding (config_files.upgrade_config), so that its checkpoint restores
+#       to the network it trained.
 PADDINGS = ("torchvision", "tensorflow", "same", "legacy")
-# The value of each field a saved model config may lack: the network its checkpoint trained.
-_DEFAULTS = dict(
-  common.INPUT_DEFAULTS,
-  zero_init_residual=True,
-  conv_init="he_normal",
-  padding="legacy",
-  stage_projection=False,
-)
 
 
 def conv_padding(kernel: int, strides: int, padding: str, stem: bool = False):
@@ -221,11 +214,6 @@ class ResNet(nn.Module):
     return jnp.mean(x, axis=(1, 2)).astype(jnp.float32)
 
 
-def padding_rule(model_config) -> str:
-  """The PADDINGS rule of a ResNet config ('legacy' for a saved config without the field)."""
-  return model_config.get("padding", _DEFAULTS["padding"])
-
-
 def check_config(model_config, image_size: int = None):
   """Raises ConfigError naming the first field of a ResNet config (name in SPECS) that
   cannot be built; any image_size works (global average pooling)."""
@@ -234,15 +222,12 @@ def check_config(model_config, image_size: int = None):
     raise ConfigError("model.stem", model_config.stem, f"one of {list(STEMS)}")
   if not model_config.width > 0:
     raise ConfigError("model.width", model_config.width, "a number > 0")
-  conv_init = model_config.get("conv_init", _DEFAULTS["conv_init"])
-  if conv_init not in CONV_INITS:
-    raise ConfigError("model.conv_init", conv_init, f"one of {sorted(CONV_INITS)}")
-  padding = padding_rule(model_config)
-  if padding not in PADDINGS:
-    raise ConfigError("model.padding", padding, f"one of {list(PADDINGS)}")
-  stage_projection = model_config.get("stage_projection", _DEFAULTS["stage_projection"])
-  if not isinstance(stage_projection, bool):
-    raise ConfigError("model.stage_projection", stage_projection, "True or False")
+  if model_config.conv_init not in CONV_INITS:
+    raise ConfigError("model.conv_init", model_config.conv_init, f"one of {sorted(CONV_INITS)}")
+  if model_config.padding not in PADDINGS:
+    raise ConfigError("model.padding", model_config.padding, f"one of {list(PADDINGS)}")
+  if not isinstance(model_config.stage_projection, bool):
+    raise ConfigError("model.stage_projection", model_config.stage_projection, "True or False")
   common.check_input_statistics(model_config)
 
 
@@ -250,7 +235,6 @@ def build_encoder(model_config, bn_axis_name=None) -> ResNet:
   """The ResNet of a checked config: fields name (SPECS), width, stem, dtype,
   zero_init_residual, conv_init, padding, stage_projection, input_mean, input_std;
   BN statistics averaged over the mesh axis bn_axis_name (None: per device)."""
-  get = lambda field: model_config.get(field, _DEFAULTS[field])
   input_mean, input_std = common.input_statistics(model_config)
   return ResNet(
     SPECS[model_config.name],
@@ -258,10 +242,10 @@ def build_encoder(model_config, bn_axis_name=None) -> ResNet:
     stem=model_config.stem,
     dtype=common.DTYPES[model_config.dtype],
     bn_axis_name=bn_axis_name,
-    zero_init_residual=get("zero_init_residual"),
-    conv_init=get("conv_init"),
-    padding=get("padding"),
-    stage_projection=get("stage_projection"),
+    zero_init_residual=model_config.zero_init_residual,
+    conv_init=model_config.conv_init,
+    padding=model_config.padding,
+    stage_projection=model_config.stage_projection,
     input_mean=input_mean,
     input_std=input_std,
   )

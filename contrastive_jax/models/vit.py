@@ -59,8 +59,8 @@ SPECS = {
 POSITION_EMBEDDINGS = ("sincos", "learned")
 FROZEN_PREFIX = "frozen_"  # Modules named so get no optimizer update (methods/optim.py).
 LN_EPSILON = 1e-6
-# The value of each field a saved model config may lack: the network its checkpoint trained.
-_DEFAULTS = dict(common.INPUT_DEFAULTS, position_embedding="sincos")
+# The value of each field a ViT config may leave out (MoCo v3's recipes do).
+_DEFAULTS = dict(position_embedding="sincos")
 
 
 def sincos_position_embedding(grid: int, dim: int, temperature: float = 10000.0) -> np.ndarray:

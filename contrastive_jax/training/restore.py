@@ -20,8 +20,8 @@ import jax.numpy as jnp
 import ml_collections
 import tensorflow as tf
 
+from contrastive_jax import config_files
 from contrastive_jax import models
-from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import files
 from contrastive_jax.core import gcs
@@ -92,7 +92,7 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
   try:
     try:
       step = ckpt.resolve_step(None if pretrain_step < 0 else pretrain_step, "pretrain_step")
-      saved = recipes.upgrade_config(ckpt.saved_config(step))
+      saved = config_files.upgrade_config(ckpt.saved_config(step))
     except ForeignCheckpointError as e:
       raise ConfigError(
         "pretrain_workdir",
@@ -257,7 +257,7 @@ def _imported_encoder(config, mesh) -> Encoder:
       "False with a weights file: its run's initialisation is not in it",
     )
   if config.get("pretrain_config"):
-    pretrained = recipes.load_config_file(config.pretrain_config, "config.pretrain_config")
+    pretrained = config_files.load_config_file(config.pretrain_config, "config.pretrain_config")
   else:
     pretrained = _exported_config(path)
     if pretrained is None:
@@ -293,7 +293,7 @@ def _exported_config(path: str):
     meta = json.load(f)
   if os.path.basename(meta.get("path", "")) != os.path.basename(path):
     return None
-  return recipes.upgrade_config(ml_collections.ConfigDict(meta["pretrained_config"]))
+  return config_files.upgrade_config(ml_collections.ConfigDict(meta["pretrained_config"]))
 
 
 class EmbedModel(NamedTuple):

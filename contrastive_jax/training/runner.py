@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
-from contrastive_jax import recipes
+from contrastive_jax import config_files
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import durations
 from contrastive_jax.core import files
@@ -152,7 +152,7 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
       ckpt.discard_incomplete()  # It could not resume them, and saves may need their steps.
       saved = None
       if ckpt.latest_step() is not None:
-        saved = recipes.upgrade_config(ckpt.saved_config())
+        saved = config_files.upgrade_config(ckpt.saved_config())
         if saved.get("job") != config.job:
           raise ConfigError(
             "job",
