@@ -100,6 +100,7 @@ from contrastive_jax.core import mesh as mesh_lib  # noqa: E402
 from contrastive_jax.core import xla_flags  # noqa: E402
 from contrastive_jax.core.errors import ConfigError  # noqa: E402
 from contrastive_jax.data import device_data  # noqa: E402
+from contrastive_jax.data import device_samplers  # noqa: E402
 from contrastive_jax.methods import evaluated_encoder  # noqa: E402
 from contrastive_jax.methods import pretraining  # noqa: E402
 from contrastive_jax.training import evaluators  # noqa: E402
@@ -375,7 +376,7 @@ def pretraining_run(tiny: bool, mesh, seconds_per_step: float) -> dict:
   steps_per_epoch = num // config.batch_size
   run = pretraining.setup(config, mesh, steps_per_epoch, num_steps, num_classes=10)
   split = device_data.to_mesh(train_images, train_labels, mesh)
-  batches = device_data.train_batches(split, config, mesh, image_size=config.image_size)(0)
+  batches = device_samplers.train_batches(split, config, mesh, image_size=config.image_size)(0)
   state = run.init()
   compile_start = time.perf_counter()  # The first step compiles: it is left out of the clock.
   state, metrics = run.train_step(state, next(batches))

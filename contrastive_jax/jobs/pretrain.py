@@ -25,6 +25,7 @@ from contrastive_jax.core import tensor_files
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.data import crop_spec
 from contrastive_jax.data import device_data
+from contrastive_jax.data import device_samplers
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.methods import common
@@ -135,7 +136,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
 
 def on_device_batches(config, source, mesh, num_steps: int):
   """train_batches of config.on_device_data: the train split read once, replicated on the
-  mesh, its batches cropped and flipped on the device (data/device_data.py).
+  mesh, its batches cropped and flipped on the device (data/device_samplers.py).
 
   Raises:
     ConfigError: a split whose images differ in size or that does not fit the
@@ -143,7 +144,7 @@ def on_device_batches(config, source, mesh, num_steps: int):
   """
   device_data.check_config(config, source, num_steps)
   images, labels = device_data.read_split(source, config.train_split)
-  return device_data.train_batches(
+  return device_samplers.train_batches(
     device_data.to_mesh(images, labels, mesh), config, mesh, image_size=config.image_size
   )
 
