@@ -4,6 +4,7 @@ resume, a short pretraining run on CIFAR-10, the bad-input lines, the .npz files
 
 import json
 import math
+import re
 
 from helpers import TFDS_DIR
 from helpers import load_benchmark
@@ -223,6 +224,34 @@ def test_npz_round_trip_needs_only_numpy(tmp_path):
     device_data.load_npz(path, "test")
   with pytest.raises(ConfigError, match="no such file"):
     device_data.load_npz(str(tmp_path / "none.npz"), "train")
+
+
+def test_a_file_that_is_no_npz_of_save_npz_is_one_config_error_naming_it(tmp_path):
+  images = np.zeros((4, 2, 2, 3), np.uint8)
+  whole = str(tmp_path / "whole.npz")
+  device_data.save_npz(whole, {"train": (images, np.arange(4))})
+  data = open(whole, "rb").read()
+  bad = {
+    "garbage.npz": (bytes(range(256)) * 8, "neither a zip archive nor an .npy array"),
+    "truncated.npz": (data[: len(data) // 2], "no whole zip archive, truncated or damaged"),
+  }
+  encoded = str(tmp_path / "encoded.npz")
+  device_data.save_encoded_npz(encoded, {"train": ([b"no image", b"\x89PNG"], [0, 1])})
+  flat = str(tmp_path / "flat.npz")
+  np.savez(flat, **{"train/images": np.zeros((4, 2, 2), np.uint8), "train/labels": np.arange(4)})
+  for name, (content, _) in bad.items():
+    (tmp_path / name).write_bytes(content)
+  cases = [(str(tmp_path / name), why) for name, (_, why) in bad.items()]
+  cases += [
+    (encoded, "its image file 0 cannot be decoded"),
+    (flat, re.escape("holds images uint8 [4, 2, 2] and labels [4], not uint8 [N, H, W, 3]")),
+  ]
+  for path, why in cases:
+    with pytest.raises(ConfigError) as raised:
+      device_data.load_npz(path, "train")
+    line = str(raised.value)
+    assert "\n" not in line and line.startswith(f"config.device_data_file={path!r}"), line
+    assert re.search(why, line), line
 
 
 def test_make_device_data_stores_tfds_files_and_labels(tmp_path):

@@ -18,6 +18,8 @@ neither TensorFlow nor TFDS (benchmarks/make_device_data.py writes CIFAR-10's).
 
 import os
 from typing import NamedTuple, Optional
+import zipfile
+import zlib
 
 import jax
 import numpy as np
@@ -181,27 +183,28 @@ def _decode(buffer: np.ndarray, offsets: np.ndarray) -> np.ndarray:
   """uint8 [N, H, W, 3] of the image files in buffer (save_encoded_npz's layout), decoded with
   PIL. A JPEG's pixels may differ from TensorFlow's decode of it (another libjpeg build's
   upsampling and IDCT): by up to 4 grey levels, about 1 on average, on the shared CIFAR-10's
-  files."""
+  files.
+
+  Raises:
+    ValueError: a file that PIL cannot decode (naming its index), or images of different sizes.
+  """
   import io  # pylint: disable=g-import-not-at-top
 
   from PIL import Image  # pylint: disable=g-import-not-at-top
 
   def decode(i):
-    with Image.open(io.BytesIO(buffer[offsets[i] : offsets[i + 1]].tobytes())) as image:
-      return np.asarray(image.convert("RGB"))
+    try:
+      with Image.open(io.BytesIO(buffer[offsets[i] : offsets[i + 1]].tobytes())) as image:
+        return np.asarray(image.convert("RGB"))
+    except OSError as e:  # PIL's UnidentifiedImageError, a truncated file.
+      raise ValueError(f"its image file {i} cannot be decoded ({type(e).__name__})") from None
 
   return np.stack([decode(i) for i in range(len(offsets) - 1)])
 
 
-def load_npz(path: str, split: str) -> tuple:
-  """(images uint8 [N, H, W, 3], labels int32 [N]) of `split` in an .npz of save_npz (numpy
-  only) or save_encoded_npz (numpy and PIL, _decode): no TensorFlow either way.
-
-  Raises:
-    ConfigError: no such file, or no such split in it (naming those it holds).
-  """
-  if not os.path.exists(path):
-    raise ConfigError("device_data_file", path, "an .npz written by save_npz (no such file)")
+def _npz_arrays(path: str, split: str) -> tuple:
+  """load_npz's (images, labels), or ConfigError for a split the file lacks; whatever else is
+  wrong with the file raises what numpy, zipfile or _decode raise."""
   with np.load(path) as data:
     held = sorted({key.split("/")[0] for key in data.files})
     labels = data[f"{split}/labels"] if f"{split}/labels" in data.files else None
@@ -210,6 +213,53 @@ def load_npz(path: str, split: str) -> tuple:
     if f"{split}/images" in data.files:
       return data[f"{split}/images"], labels
     return _decode(data[f"{split}/encoded"], data[f"{split}/offsets"]), labels
+
+
+def load_npz(path: str, split: str) -> tuple:
+  """(images uint8 [N, H, W, 3], labels int32 [N]) of `split` in an .npz of save_npz (numpy
+  only) or save_encoded_npz (numpy and PIL, _decode): no TensorFlow either way.
+
+  Raises:
+    ConfigError: no such file, no such split in it (naming those it holds), or a file
+      that is not such an .npz, naming the file and what is wrong: another kind of file,
+      a truncated or damaged one, an image file that cannot be decoded, arrays of other
+      shapes.
+  """
+  allowed = "an .npz written by save_npz or save_encoded_npz"
+  if not os.path.exists(path):
+    raise ConfigError("device_data_file", path, f"{allowed} (no such file)")
+  try:
+    images, labels = _npz_arrays(path, split)
+  except ConfigError:
+    raise
+  except zipfile.BadZipFile as e:
+    raise ConfigError(
+      "device_data_file", path, f"{allowed}; it is no whole zip archive, truncated or damaged ({e})"
+    ) from None
+  except ValueError as e:
+    what = (
+      "it is neither a zip archive nor an .npy array"
+      if "pickled" in str(e)
+      else f"split {split!r} cannot be read: {str(e).splitlines()[0]}"
+    )
+    raise ConfigError("device_data_file", path, f"{allowed}; {what}") from None
+  except (OSError, EOFError, zlib.error) as e:
+    raise ConfigError(
+      "device_data_file", path, f"{allowed}; split {split!r} cannot be read ({e})"
+    ) from None
+  if (
+    images.dtype != np.uint8
+    or images.ndim != 4
+    or images.shape[3] != 3
+    or (labels.shape != images.shape[:1])
+  ):
+    raise ConfigError(
+      "device_data_file",
+      path,
+      f"{allowed}; split {split!r} holds images {images.dtype} {list(images.shape)} and "
+      f"labels {list(labels.shape)}, not uint8 [N, H, W, 3] and [N]",
+    )
+  return images, labels.astype(np.int32)
 
 
 def to_mesh(images: np.ndarray, labels: np.ndarray, mesh) -> Split:
