@@ -2,8 +2,8 @@
 
 Builds what runner.run() steps: the method's model, optimizer, state and
 train step, the host input pipeline (or, with config.on_device_data, the
-train split held and cropped on the device: data/device_data.py) and the
-evaluators' view of the model (the kNN monitor on the h of
+train split held and cropped on the device: data/device_data.py and
+device_samplers.py) and the evaluators' view of the model (the kNN monitor on the h of
 methods.evaluated_encoder, DINO's teacher; the online probe's classifier).
 Every random draw is a function of (seed, step), so a resumed run continues
 bit for bit. With config.init_from=FILE (a torchvision / timm / MoCo / DINO
