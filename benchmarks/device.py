@@ -399,7 +399,8 @@ class PretrainingJob:
   def __init__(self, train: tuple, num_steps: int):
     self.train, self.num_steps = train, num_steps
     self.run = None
-    self.clock = {"steps": 0}
+    # perf_counter at the first batch's draw and at the ends of the first and last steps.
+    self.clock = {"steps": 0, "start": None, "first": None, "last": None, "metrics": None}
 
   def check_config(self, config, num_devices: int):
     runner.check_config(config, num_devices)
@@ -412,7 +413,7 @@ class PretrainingJob:
     draw = device_samplers.train_batches(split, config, mesh, image_size=config.image_size)
 
     def train_batches(start_step: int):
-      self.clock["compile_start"] = time.perf_counter()  # At the first batch's draw.
+      self.clock["start"] = time.perf_counter()
       yield from draw(start_step)
 
     def train_step(state, batch):
@@ -420,7 +421,8 @@ class PretrainingJob:
       self.clock["steps"] += 1
       if self.clock["steps"] in (1, self.num_steps):
         jax.block_until_ready(metrics)
-        self.clock[self.clock["steps"]] = time.perf_counter()
+        end = time.perf_counter()
+        self.clock["first" if self.clock["steps"] == 1 else "last"] = end
       self.clock["metrics"] = metrics
       return state, metrics
 
@@ -455,8 +457,8 @@ def pretraining_run(tiny: bool, mesh, seconds_per_step: float, data: dict) -> di
   with tempfile.TemporaryDirectory() as workdir:
     state, _ = runner.run(job, config, os.path.join(workdir, "pretraining"))
   clock = job.clock
-  compile_s = clock[1] - clock["compile_start"]
-  train_s = clock[num_steps] - clock[1]
+  compile_s = clock["first"] - clock["start"]
+  train_s = (clock["last"] or clock["first"]) - clock["first"]
   loss = float(clock["metrics"]["loss"])
   knn_config.update(split="test", bank_split="train", k=200, temperature=0.1)
   knn_config.batch_size = min(knn_config.batch_size, 8 * config.batch_size)
