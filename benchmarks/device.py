@@ -23,10 +23,13 @@ benchmarks/make_device_data.py (CIFAR-10's train and test splits). Sections:
                (cross-entropy, SGD with momentum 0.9 and weight decay 1e-4, batch
                256, bfloat16): the reference the two-view rows are read against.
   pretraining  SimCLR ResNet-18 on CIFAR-10 (batch 512, bfloat16) from the .npz held
-               on the device (data/device_data.py) for --train_seconds (the number
-               of steps is the budget over the step time measured above, so the
-               learning-rate schedule runs to its end), then the kNN monitor
-               (evaluators.Knn: k 200, temperature 0.1, test against train).
+               on the device (data/device_data.py, data/device_samplers.py) for
+               --train_seconds (the number of steps is the budget over the step time
+               measured above, so the learning-rate schedule runs to its end) in the
+               training jobs' loop (runner.run in a temporary workdir: one log line
+               and one checkpoint, at the end), then the kNN monitor (evaluators.Knn:
+               k 200, temperature 0.1, test against train). The .npz is read and
+               checked before any row runs: a file that is not one gives one line.
 
 --tiny shrinks every row to seconds on a CPU (batch 16, width 1/8, one block per
 ResNet-18 stage (ResNet-10), one ViT block, DINO's head to 256 outputs, 32 px) and trains
@@ -43,6 +46,7 @@ import importlib.util
 import json
 import os
 import sys
+import tempfile
 import time
 
 # What the script imports beyond the standard library: checked before any import,
@@ -88,6 +92,7 @@ from absl import flags  # noqa: E402
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
+import ml_collections  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 
@@ -98,11 +103,13 @@ from contrastive_jax.core import files  # noqa: E402
 from contrastive_jax.core import host_memory  # noqa: E402
 from contrastive_jax.core import mesh as mesh_lib  # noqa: E402
 from contrastive_jax.core import xla_flags  # noqa: E402
-from contrastive_jax.core.errors import ConfigError  # noqa: E402
+from contrastive_jax.core.errors import JobError  # noqa: E402
 from contrastive_jax.data import device_data  # noqa: E402
+from contrastive_jax.data import device_samplers  # noqa: E402
 from contrastive_jax.methods import evaluated_encoder  # noqa: E402
 from contrastive_jax.methods import pretraining  # noqa: E402
 from contrastive_jax.training import evaluators  # noqa: E402
+from contrastive_jax.training import runner  # noqa: E402
 
 FLAGS = flags.FLAGS
 
@@ -356,47 +363,113 @@ def numpy_batches(images, labels, local_batch: int):
   return batches
 
 
-def pretraining_run(tiny: bool, mesh, seconds_per_step: float) -> dict:
-  """The pretraining section: SimCLR ResNet-18 on CIFAR-10 from the .npz on the device for
-  --train_seconds, then the kNN monitor. seconds_per_step: the steps section's SimCLR bf16."""
+def read_data(tiny: bool) -> dict:
+  """The pretraining section's data, read and checked before any compute: {'train': (images
+  uint8 [N, H, W, 3], labels int32 [N]), 'test': (...), 'read_s': seconds}, --tiny's first
+  2,048 and 512 images.
+
+  Raises:
+    ConfigError: --data is not a readable .npz of make_device_data.py (device_data.load_npz
+      names the file and what is wrong), or its train split does not fit the devices.
+  """
   start = time.perf_counter()
   train_images, train_labels = device_data.load_npz(FLAGS.data, "train")
   test_images, test_labels = device_data.load_npz(FLAGS.data, "test")
-  config = row_config("simclr_cifar10", "dtype=bfloat16", {}, tiny)
   if tiny:
     train_images, train_labels = train_images[:2048], train_labels[:2048]
     test_images, test_labels = test_images[:512], test_labels[:512]
   num, height, width, _ = train_images.shape
   capacity, where = device_data.device_capacity()
   device_data.check_fits(device_data.split_bytes(num, height, width), capacity, where, FLAGS.data)
-  read_s = time.perf_counter() - start
+  return {
+    "train": (train_images, train_labels),
+    "test": (test_images, test_labels),
+    "read_s": time.perf_counter() - start,
+  }
+
+
+class PretrainingJob:
+  """SimCLR pretraining from a split held on the device, as runner.run runs a job's Task.
+
+  Times the loop from outside it: the first step (its batch drawn and its program
+  compiled) apart, then the other steps up to the last one's end; keeps the last
+  step's metrics.
+  """
+
+  def __init__(self, train: tuple, num_steps: int):
+    self.train, self.num_steps = train, num_steps
+    self.run = None
+    # perf_counter at the first batch's draw and at the ends of the first and last steps.
+    self.clock = {"steps": 0, "start": None, "first": None, "last": None, "metrics": None}
+
+  def check_config(self, config, num_devices: int):
+    runner.check_config(config, num_devices)
+
+  def build(self, config, mesh, saved_config, workdir) -> runner.Task:
+    del saved_config, workdir  # A fresh workdir: nothing to resume, no files of its own.
+    steps_per_epoch = len(self.train[0]) // config.batch_size
+    self.run = pretraining.setup(config, mesh, steps_per_epoch, self.num_steps, num_classes=10)
+    split = device_data.to_mesh(*self.train, mesh)
+    draw = device_samplers.train_batches(split, config, mesh, image_size=config.image_size)
+
+    def train_batches(start_step: int):
+      self.clock["start"] = time.perf_counter()
+      yield from draw(start_step)
+
+    def train_step(state, batch):
+      state, metrics = self.run.train_step(state, batch)
+      self.clock["steps"] += 1
+      if self.clock["steps"] in (1, self.num_steps):
+        jax.block_until_ready(metrics)
+        end = time.perf_counter()
+        self.clock["first" if self.clock["steps"] == 1 else "last"] = end
+      self.clock["metrics"] = metrics
+      return state, metrics
+
+    return runner.Task(
+      config=config,
+      init=self.run.init,
+      train_step=train_step,
+      train_batches=train_batches,
+      num_steps=self.num_steps,
+      steps_per_epoch=steps_per_epoch,
+      global_batch=config.batch_size,
+      schedule=self.run.schedule,
+      eval_model=None,  # No evaluator runs in the loop: the kNN monitor is timed after it.
+      num_classes=10,
+    )
+
+
+def pretraining_run(tiny: bool, mesh, seconds_per_step: float, data: dict) -> dict:
+  """The pretraining section: SimCLR ResNet-18 on CIFAR-10 from the .npz on the device for
+  --train_seconds (runner.run's loop, in a temporary workdir), then the kNN monitor.
+  seconds_per_step: the steps section's SimCLR bf16; data: read_data's."""
+  (train_images, train_labels), (test_images, test_labels) = data["train"], data["test"]
+  config = row_config("simclr_cifar10", "dtype=bfloat16", {}, tiny)
+  num = len(train_images)
   budget = FLAGS.train_seconds if not tiny or FLAGS["train_seconds"].present else 20.0
   num_steps = max(int(budget / seconds_per_step), 1)
-  steps_per_epoch = num // config.batch_size
-  run = pretraining.setup(config, mesh, steps_per_epoch, num_steps, num_classes=10)
-  split = device_data.to_mesh(train_images, train_labels, mesh)
-  batches = device_data.train_batches(split, config, mesh, image_size=config.image_size)(0)
-  state = run.init()
-  compile_start = time.perf_counter()  # The first step compiles: it is left out of the clock.
-  state, metrics = run.train_step(state, next(batches))
-  jax.block_until_ready(metrics)
-  compile_s = time.perf_counter() - compile_start
-  train_start = time.perf_counter()
-  for _ in range(num_steps - 1):
-    state, metrics = run.train_step(state, next(batches))
-  loss = float(metrics["loss"])
-  train_s = time.perf_counter() - train_start
   knn_config = config.evaluators.knn.copy_and_resolve_references()
+  # One log and one checkpoint, at the end; the kNN monitor runs after the loop, timed.
+  config.evaluators = ml_collections.ConfigDict()
+  config.log_every = config.checkpoint_every = f"{num_steps} steps"
+  job = PretrainingJob(data["train"], num_steps)
+  with tempfile.TemporaryDirectory() as workdir:
+    state, _ = runner.run(job, config, os.path.join(workdir, "pretraining"))
+  clock = job.clock
+  compile_s = clock["first"] - clock["start"]
+  train_s = (clock["last"] or clock["first"]) - clock["first"]
+  loss = float(clock["metrics"]["loss"])
   knn_config.update(split="test", bank_split="train", k=200, temperature=0.1)
   knn_config.batch_size = min(knn_config.batch_size, 8 * config.batch_size)
   knn_config.batch_size -= knn_config.batch_size % jax.device_count()
-  encoder = run.model.encoder
-  data = {"train": (train_images, train_labels), "test": (test_images, test_labels)}
+  encoder = job.run.model.encoder
+  splits = {"train": (train_images, train_labels), "test": (test_images, test_labels)}
   eval_model = evaluators.EvalModel(
     variables=evaluated_encoder(config.method),
     features=lambda variables, images: models.encode(encoder, variables, images),
     logits=None,
-    dataset=lambda split, local_batch: numpy_batches(*data[split], local_batch)(),
+    dataset=lambda split, local_batch: numpy_batches(*splits[split], local_batch)(),
   )
   knn_start = time.perf_counter()
   knn = evaluators.Knn("knn", knn_config, eval_model, mesh, 10)(state)["knn_top1"]
@@ -406,7 +479,7 @@ def pretraining_run(tiny: bool, mesh, seconds_per_step: float) -> dict:
     "images_per_s": (num_steps - 1) * config.batch_size / train_s if num_steps > 1 else None,
     "compile_s": compile_s,
     "train_s": train_s,
-    "read_s": read_s,
+    "read_s": data["read_s"],
     "knn_s": time.perf_counter() - knn_start,
     "final_loss": loss,
     "knn_top1": knn,
@@ -488,6 +561,7 @@ def main(argv):
   # under jit in its YNNPACK reduce fusion (the kNN monitor then refuses it).
   xla_flags.set_defaults(xla_flags.YNN_FUSION_TYPE + (",-reduce" if FLAGS.tiny else ""))
   start = time.perf_counter()
+  data = read_data(FLAGS.tiny) if pretrains else None  # Its file checked before any compute.
   mesh = mesh_lib.make_mesh()
   kind = jax.devices()[0].device_kind
   peak = peak_flops(kind)
@@ -515,7 +589,7 @@ def main(argv):
   if "supervised" in FLAGS.sections:
     add(supervised_row(FLAGS.tiny, mesh, peak))
   if pretrains:
-    pretrain = pretraining_run(FLAGS.tiny, mesh, rows[0]["ms"] / 1e3)
+    pretrain = pretraining_run(FLAGS.tiny, mesh, rows[0]["ms"] / 1e3, data)
     save(env, rows, pretrain)
     print(f"  pretraining: kNN top-1 {pretrain['knn_top1']:.4f}", flush=True)
   for label, name, arg, overrides in rest:
@@ -525,10 +599,11 @@ def main(argv):
 
 
 def run_main(argv):
-  """main, with a ConfigError as its one line on stderr and exit status 2."""
+  """main, with a JobError (a ConfigError: a bad --data file; a non-finite pretraining loss) as
+  its one line on stderr and exit status 1."""
   try:
     main(argv)
-  except ConfigError as error:
+  except JobError as error:
     sys.exit(f"benchmarks/device.py: {error}")
 
 

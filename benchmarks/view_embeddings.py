@@ -10,7 +10,7 @@ sizes. Each row here is one such photo of one image of the embed config's datase
 split (configs/embed.py with its --config overrides, read as the embed job reads them;
 images of one size): a window of --area_min to 1 of its area drawn by torchvision's
 sampler, resized to the encoder's input and mirrored with probability 1/2 (on the
-device, data/device_data.one_view, keys from --seed), embedded as the embed job embeds
+device, data/device_samplers.one_view, keys from --seed), embedded as the embed job embeds
 (restore.embed_model: the encoder's L2-normalised h). ann.py's --views_file holds out
 every view of --queries images and searches one view of each, as a new product's photo.
 
@@ -36,6 +36,7 @@ from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import xla_flags
 from contrastive_jax.data import crop_spec
 from contrastive_jax.data import device_data
+from contrastive_jax.data import device_samplers
 from contrastive_jax.data import sources
 from contrastive_jax.training import restore
 
@@ -64,8 +65,8 @@ def views_fn(size: int, resize: str, area_min: float, seed: int):
   crop = crop_spec.CropSpec("torchvision", area_min, resize)
 
   def one(image, position, view):
-    key = device_data.view_key(seed, position, view)
-    return device_data.one_view(image, key, size, crop, (area_min, 1.0))
+    key = device_samplers.view_key(seed, position, view)
+    return device_samplers.one_view(image, key, size, crop, (area_min, 1.0))
 
   return jax.jit(jax.vmap(one, in_axes=(0, 0, None)))
 

@@ -47,7 +47,7 @@ from contrastive_jax.core import xla_flags
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import closest
-from contrastive_jax.data import sources
+from contrastive_jax.data import unreadable as unreadable_lib
 from contrastive_jax.jobs import audit
 from contrastive_jax.jobs import embed
 from contrastive_jax.jobs import embedding_map
@@ -302,7 +302,7 @@ def main(argv):
       raise
     _exit_after_peer_failure(e)
   except Exception as e:  # pylint: disable=broad-except
-    unreadable = sources.read_failure(e)  # runner.run makes a training job's a DataError.
+    unreadable = unreadable_lib.read_failure(e)  # runner.run makes a training job's a DataError.
     if unreadable is not None:
       sys.exit(f"error: {unreadable}")
     if not files.is_disk_full(e):

@@ -105,3 +105,22 @@ def test_a_missing_data_file_or_package_is_one_line(tmp_path, monkeypatch):
     importlib.util, "find_spec", lambda name, *a: None if name == "ml_collections" else real(name)
   )
   assert device.missing_packages() == ["ml-collections"]
+
+
+def test_a_garbage_or_truncated_data_file_is_one_line_before_any_compute(tmp_path):
+  whole = str(tmp_path / "whole.npz")
+  images = np.zeros((8, 4, 4, 3), np.uint8)
+  device_data.save_npz(whole, {"train": (images, np.arange(8)), "test": (images, np.arange(8))})
+  data = open(whole, "rb").read()
+  for name, content, why in (
+    ("garbage.npz", bytes(range(256)) * 64, "neither a zip archive nor an .npy array"),
+    ("truncated.npz", data[: len(data) - 100], "no whole zip archive, truncated or damaged"),
+  ):
+    path, out = tmp_path / name, tmp_path / f"out_{name}"
+    path.write_bytes(content)
+    done = _run("--tiny", f"--data={path}", f"--out={out}")
+    assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    [line] = done.stderr.strip().splitlines()
+    assert line.startswith(f"benchmarks/device.py: config.device_data_file='{path}'"), line
+    assert why in line, line
+    assert not out.exists() and "JAX" not in done.stdout  # Refused before the first row.

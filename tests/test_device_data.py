@@ -1,9 +1,10 @@
-"""The device data path (data/device_data.py) against the host pipeline it stands in for:
-crop distributions and resizes against crops.py's, flips, the epoch order, exact
+"""The device data path (data/device_data.py, device_samplers.py) against the host pipeline
+it stands in for: crop distributions and resizes against crops.py's, flips, the epoch order, exact
 resume, a short pretraining run on CIFAR-10, the bad-input lines, the .npz files."""
 
 import json
 import math
+import re
 
 from helpers import TFDS_DIR
 from helpers import load_benchmark
@@ -21,13 +22,16 @@ from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.data import crop_spec
 from contrastive_jax.data import device_data
+from contrastive_jax.data import device_samplers
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.training import runner
 
 
 def device_windows(sampler, h, w, n, area_min=0.08, area_max=1.0):
-  """n windows (top, left, height, width) of device_data.crop_window with keys 0..n-1."""
-  window = lambda i: device_data.crop_window(jax.random.key(i), h, w, sampler, area_min, area_max)
+  """n windows (top, left, height, width) of device_samplers.crop_window with keys 0..n-1."""
+  window = lambda i: device_samplers.crop_window(
+    jax.random.key(i), h, w, sampler, area_min, area_max
+  )
   fn = jax.jit(jax.vmap(lambda i: jnp.stack(window(i))))
   return np.asarray(fn(jnp.arange(n)))
 
@@ -83,7 +87,7 @@ def test_device_resize_equals_tf_image_resize_within_a_grey_level():
         image[top : top + h, left : left + w], [size, size], method=method, antialias=antialias
       )
       want = np.clip(np.round(want.numpy()), 0, 255)
-      got = device_data.resized_crop(jnp.asarray(image), (top, left, h, w), size, resize)
+      got = device_samplers.resized_crop(jnp.asarray(image), (top, left, h, w), size, resize)
       assert np.abs(np.asarray(got, np.int32) - want).max() <= 1, (resize, h, w, size)
 
 
@@ -110,7 +114,7 @@ def test_views_flip_with_probability_one_half_and_keep_the_hosts_batch_layout():
   split, mesh = _split(np.stack([ramp] * 8), np.arange(8))
   config = _config(200)
   config.local_crops = dict(number=3, size=8, area_min=0.05, area_max=0.4)
-  batches = device_data.train_batches(split, config, mesh, image_size=16)(0)
+  batches = device_samplers.train_batches(split, config, mesh, image_size=16)(0)
   batches = [jax.device_get(next(batches)) for _ in range(5)]
   views = np.concatenate([b["image"] for b in batches])
   local = np.concatenate([b["local_image"] for b in batches])
@@ -140,15 +144,15 @@ def test_each_epoch_reads_every_record_once_in_a_seeded_order_and_a_resume_is_ex
   split, mesh = _split(images, np.arange(num))
   config = _config(batch, "tensorflow", seed)
   config.local_crops = dict(number=2, size=6, area_min=0.05, area_max=0.4)
-  batches = device_data.train_batches(split, config, mesh, image_size=12)
+  batches = device_samplers.train_batches(split, config, mesh, image_size=12)
   straight = [jax.device_get(next(it)) for it in [batches(0)] for _ in range(12)]
   read = np.concatenate([b["label"] for b in straight]).reshape(3, num)
   assert straight[0]["label"].dtype == np.int32
   for epoch in range(3):  # Every record once an epoch, in epoch_order_array's order.
     np.testing.assert_array_equal(np.sort(read[epoch]), np.arange(num))
-    np.testing.assert_array_equal(read[epoch], device_data.epoch_order_array(num, seed, epoch))
+    np.testing.assert_array_equal(read[epoch], device_samplers.epoch_order_array(num, seed, epoch))
   assert np.any(read[0] != read[1]) and np.any(read[1] != read[2])
-  assert np.any(read[0] != device_data.epoch_order_array(num, seed + 1, 0))
+  assert np.any(read[0] != device_samplers.epoch_order_array(num, seed + 1, 0))
   resumed = batches(6)
   for step in range(6, 12):
     jax.tree.map(np.testing.assert_array_equal, jax.device_get(next(resumed)), straight[step])
@@ -156,18 +160,20 @@ def test_each_epoch_reads_every_record_once_in_a_seeded_order_and_a_resume_is_ex
   assert np.any(straight[0]["image"][:, 0] != straight[0]["image"][:, 1])
   # The local views leave the global views' draws as they are without them.
   del config.local_crops
-  plain = device_data.train_batches(split, config, mesh, image_size=12)(0)
+  plain = device_samplers.train_batches(split, config, mesh, image_size=12)(0)
   np.testing.assert_array_equal(jax.device_get(next(plain))["image"], straight[0]["image"])
 
 
 def test_a_batch_spanning_two_epochs_reads_the_end_of_one_and_the_start_of_the_next():
   num, batch, seed = 12, 8, 0
   split, mesh = _split(np.zeros((num, 4, 4, 3), np.uint8), np.arange(num))
-  batches = device_data.train_batches(split, _config(batch, "tensorflow", seed), mesh, image_size=4)
+  batches = device_samplers.train_batches(
+    split, _config(batch, "tensorflow", seed), mesh, image_size=4
+  )
   labels = np.concatenate(
     [jax.device_get(next(it))["label"] for it in [batches(0)] for _ in range(3)]
   )
-  want = np.concatenate([device_data.epoch_order_array(num, seed, e) for e in (0, 1)])
+  want = np.concatenate([device_samplers.epoch_order_array(num, seed, e) for e in (0, 1)])
   np.testing.assert_array_equal(labels, want)  # Step 1: places 8-11 of epoch 0, 0-3 of 1.
 
 
@@ -218,6 +224,34 @@ def test_npz_round_trip_needs_only_numpy(tmp_path):
     device_data.load_npz(path, "test")
   with pytest.raises(ConfigError, match="no such file"):
     device_data.load_npz(str(tmp_path / "none.npz"), "train")
+
+
+def test_a_file_that_is_no_npz_of_save_npz_is_one_config_error_naming_it(tmp_path):
+  images = np.zeros((4, 2, 2, 3), np.uint8)
+  whole = str(tmp_path / "whole.npz")
+  device_data.save_npz(whole, {"train": (images, np.arange(4))})
+  data = open(whole, "rb").read()
+  bad = {
+    "garbage.npz": (bytes(range(256)) * 8, "neither a zip archive nor an .npy array"),
+    "truncated.npz": (data[: len(data) // 2], "no whole zip archive, truncated or damaged"),
+  }
+  encoded = str(tmp_path / "encoded.npz")
+  device_data.save_encoded_npz(encoded, {"train": ([b"no image", b"\x89PNG"], [0, 1])})
+  flat = str(tmp_path / "flat.npz")
+  np.savez(flat, **{"train/images": np.zeros((4, 2, 2), np.uint8), "train/labels": np.arange(4)})
+  for name, (content, _) in bad.items():
+    (tmp_path / name).write_bytes(content)
+  cases = [(str(tmp_path / name), why) for name, (_, why) in bad.items()]
+  cases += [
+    (encoded, "its image file 0 cannot be decoded"),
+    (flat, re.escape("holds images uint8 [4, 2, 2] and labels [4], not uint8 [N, H, W, 3]")),
+  ]
+  for path, why in cases:
+    with pytest.raises(ConfigError) as raised:
+      device_data.load_npz(path, "train")
+    line = str(raised.value)
+    assert "\n" not in line and line.startswith(f"config.device_data_file={path!r}"), line
+    assert re.search(why, line), line
 
 
 def test_make_device_data_stores_tfds_files_and_labels(tmp_path):

@@ -23,6 +23,7 @@ from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.data import crop_spec
 from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import labelled
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import finetune
 from contrastive_jax.jobs import linear_probe
@@ -53,22 +54,22 @@ def test_selection_is_class_balanced_fixed_and_independent_of_order():
   counts = {0: 100, 1: 50, 2: 7}  # Round half up: 10, 5 and 1 (0.7) at 10%.
   labels = np.repeat(list(counts), list(counts.values())).astype(np.int32)
   ids = np.array([f"photo_{i:03d}.jpg" for i in rng.permutation(len(labels))], dtype=object)
-  chosen = sources.select_labelled(ids, labels, 0.1, seed=0)
+  chosen = labelled.select_labelled(ids, labels, 0.1, seed=0)
   assert np.all(np.diff(chosen) > 0)  # Sorted: the subset in read order.
   assert np.bincount(labels[chosen]).tolist() == [10, 5, 1]
   assert set(ids[chosen]) == _reference_subset(ids, labels, 0.1, 0)
   # The same (id, label) pairs in another order (another storage layout or
   # process count) select the same images.
   order = rng.permutation(len(ids))
-  assert set(ids[order][sources.select_labelled(ids[order], labels[order], 0.1, 0)]) == set(
+  assert set(ids[order][labelled.select_labelled(ids[order], labels[order], 0.1, 0)]) == set(
     ids[chosen]
   )
-  assert set(ids[sources.select_labelled(ids, labels, 0.1, seed=1)]) != set(ids[chosen])
-  assert len(sources.select_labelled(ids, labels, 1.0, 0)) == len(ids)
+  assert set(ids[labelled.select_labelled(ids, labels, 0.1, seed=1)]) != set(ids[chosen])
+  assert len(labelled.select_labelled(ids, labels, 1.0, 0)) == len(ids)
   # Fixed ids: a change of the selection rule would change every run's subset.
   ids = np.array([f"img_{i:02d}" for i in range(20)], dtype=object)
   labels = np.arange(20, dtype=np.int32) % 2
-  assert ids[sources.select_labelled(ids, labels, 0.2, 0)].tolist() == [
+  assert ids[labelled.select_labelled(ids, labels, 0.2, 0)].tolist() == [
     "img_07",
     "img_08",
     "img_14",
@@ -84,8 +85,8 @@ def test_too_small_a_fraction_names_the_class_and_the_fraction_it_needs():
     match=r"config.label_fraction=0.05: must be in \[0.1, 1\], "
     r"so that every class keeps an image \(class 2 has 5 ",
   ):
-    sources.select_labelled(ids, labels, 0.05, 0)
-  assert np.bincount(labels[sources.select_labelled(ids, labels, 0.1, 0)]).tolist() == [20, 10, 1]
+    labelled.select_labelled(ids, labels, 0.05, 0)
+  assert np.bincount(labels[labelled.select_labelled(ids, labels, 0.1, 0)]).tolist() == [20, 10, 1]
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +101,7 @@ def test_each_process_reads_its_part_and_together_the_subset(cifar, monkeypatch)
     ex["id"].decode(): (ex["image"], ex["label"])
     for ex in tfds.as_numpy(tfds.builder("cifar10", data_dir=TFDS_DIR).as_dataset(split=split))
   }
-  subset = sources.LabelledSubset(cifar, split, 0.15, seed=0)  # 11 images.
+  subset = labelled.LabelledSubset(cifar, split, 0.15, seed=0)  # 11 images.
   assert subset.ids.tolist() == [i for i in reference if i in set(subset.ids)]  # Read order.
   assert set(subset.ids) == _reference_subset(
     np.array(list(reference), dtype=object),
@@ -257,7 +258,7 @@ def test_the_subset_file_lists_the_images_and_survives_a_resume(finetuned):
   with open(workdir / "labelled_subset.csv") as f:
     text = f.read()
   lines = text.splitlines()
-  subset = sources.LabelledSubset(sources.get_source(config, {}), "train[:64]", 0.5, 0)
+  subset = labelled.LabelledSubset(sources.get_source(config, {}), "train[:64]", 0.5, 0)
   assert lines == ["id,label"] + [f"{i},{l}" for i, l in zip(subset.ids, subset.labels)]
   split_labels = [
     ex["label"]

@@ -24,7 +24,10 @@ from contrastive_jax.core.errors import DataError
 from contrastive_jax.data import crop_spec
 from contrastive_jax.data import crops
 from contrastive_jax.data import input_pipeline
+from contrastive_jax.data import labelled
+from contrastive_jax.data import records
 from contrastive_jax.data import sources
+from contrastive_jax.data import unreadable
 
 PHOTOS = os.path.join(SHARED, "images")
 
@@ -140,7 +143,7 @@ def test_source_knows_sizes_and_classes(cifar):
 
 
 def test_every_source_has_the_source_interface(cifar, tmp_path):
-  for kind in (sources.TfdsSource, sources.FolderSource, sources.LabelledSubset):
+  for kind in (sources.TfdsSource, sources.FolderSource, labelled.LabelledSubset):
     for method in ("num_examples", "process_counts", "read"):
       assert inspect.signature(getattr(kind, method)) == inspect.signature(
         getattr(sources.Source, method)
@@ -148,7 +151,7 @@ def test_every_source_has_the_source_interface(cifar, tmp_path):
   for i in range(2):
     Image.fromarray(np.full((8, 8, 3), 40 * i, np.uint8)).save(tmp_path / f"{i}.png")
   folder = sources.FolderSource(str(tmp_path), max_pixels=10_000, shorter_side=8)
-  subset = sources.LabelledSubset(cifar[0], "test[:100]", 0.1, seed=0)
+  subset = labelled.LabelledSubset(cifar[0], "test[:100]", 0.1, seed=0)
   for source in (cifar[0], folder, subset):
     assert isinstance(source, sources.Source)
   # Names read with the images are the subset's own ids, in its order.
@@ -184,7 +187,7 @@ def test_array_record_source_reads_what_the_tfrecord_source_reads(cifar, array_r
   for a, b in zip(cifar[0].ids_and_labels("train[:2000]"), array_record.ids_and_labels("train")):
     np.testing.assert_array_equal(a, b)
   subsets = [
-    sources.LabelledSubset(source, split, 0.05, seed=1)
+    labelled.LabelledSubset(source, split, 0.05, seed=1)
     for source, split in ((cifar[0], "train[:2000]"), (array_record, "train"))
   ]
   reads = [
@@ -308,13 +311,13 @@ def _fetches_until_first_batch(source, start_step, monkeypatch):
   what they can hold bounds the fetches whatever the timing.
   """
   fetched = []
-  fetch = sources.Records._fetch
+  fetch = records.Records._fetch
 
   def logged(records, indices):
     fetched.append(indices.numpy())
     return fetch(records, indices)
 
-  monkeypatch.setattr(sources.Records, "_fetch", logged)
+  monkeypatch.setattr(records.Records, "_fetch", logged)
   options = tf.data.Options()
   options.autotune.enabled = False
   ds = _train(source, split="train", start_step=start_step, threads=2).with_options(options)
@@ -362,7 +365,7 @@ def test_a_damaged_shard_ends_reading_in_an_error_naming_it(array_record_cifar, 
     with pytest.raises(tf.errors.OpError) as raised:
       for _ in tfds.as_numpy(ds):  # Training never ends by itself; it stops at the damage.
         pass
-    failures.append(sources.read_failure(raised.value))
+    failures.append(unreadable.read_failure(raised.value))
   for failure in failures:
     assert isinstance(failure, DataError) and failure.path == shard
     assert str(failure).startswith(
@@ -375,7 +378,7 @@ def test_a_damaged_shard_ends_reading_in_an_error_naming_it(array_record_cifar, 
   if how == "flipped":  # The damage is local: evaluation, in order, read up to it.
     assert array_record_data_source.ArrayRecordDataSource([shard])[0]
     assert failures[1].record > 0
-  assert sources.read_failure(tf.errors.InvalidArgumentError(None, None, "other")) is None
+  assert unreadable.read_failure(tf.errors.InvalidArgumentError(None, None, "other")) is None
 
 
 def test_a_job_outside_the_training_loop_ends_in_the_damaged_shards_line(

@@ -3,13 +3,19 @@
 core < data < models < methods < config_files < recipes < training, search < jobs < main
 (docs/design.md). training and search share a floor and do not import each
 other; a method module imports no other method, a job no other job; no
-module uses another's private (underscored) names. The imports are read from
-the source with ast, so the rules hold for every module, imported at run time
-or not; the checker itself is tested on a small tree that breaks each rule.
+module uses another's private (underscored) names; every implementation of the
+data `Source` protocol is in data/; the TF-free set (docs/design.md, 'Without
+TensorFlow') imports no TensorFlow, TFDS or clu at module level and nothing of
+the package outside the set. The imports are read from the source with ast, so
+the rules hold for every module, imported at run time or not; the checkers
+themselves are tested on a small tree that breaks each rule.
 """
 
 import ast
 import os
+
+import pytest
+from without_tensorflow_worker import tf_free_modules
 
 PACKAGE = os.path.join(
   os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "contrastive_jax"
@@ -28,6 +34,8 @@ LAYERS = (
 )
 # The modules of methods/ that are not a method: what every method shares.
 METHOD_SHARED = ("common", "optim")
+# What the TF-free set may not import at module level (clu's writers import TensorFlow).
+TF_PACKAGES = ("tensorflow", "tensorflow_datasets", "clu")
 
 
 def modules(root: str, name: str = "contrastive_jax") -> dict:
@@ -233,4 +241,130 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
   assert sorted(private_uses(str(root))) == [
     "contrastive_jax.jobs.g uses contrastive_jax.core.b._y",
     "contrastive_jax.search.s uses contrastive_jax.core.a._hidden",
+  ]
+
+
+def _module_paths(root: str, name: str = "contrastive_jax") -> dict:
+  """{dotted module name: path} of every .py under root (a package by its __init__.py)."""
+  paths = {}
+  for directory, _, files in os.walk(root):
+    for f in files:
+      if f.endswith(".py"):
+        rel = os.path.relpath(os.path.join(directory, f), root)[:-3].split(os.sep)
+        paths[".".join([name, *(rel[:-1] if rel[-1] == "__init__" else rel)])] = os.path.join(
+          directory, f
+        )
+  return paths
+
+
+def _parse(path: str) -> ast.Module:
+  with open(path) as f:
+    return ast.parse(f.read(), path)
+
+
+def source_methods(root: str) -> set:
+  """The method names of the Source protocol (class Source of root/data/sources.py)."""
+  tree = _parse(os.path.join(root, "data", "sources.py"))
+  [protocol] = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Source"]
+  return {n.name for n in protocol.body if isinstance(n, ast.FunctionDef)}
+
+
+def sources_outside_data(root: str, name: str = "contrastive_jax") -> list:
+  """'module.Class' of every class outside data/ that implements the Source protocol: it
+  defines all of the protocol's methods, or names Source among its bases."""
+  wanted, found = source_methods(root), []
+  for module, path in sorted(_module_paths(root, name).items()):
+    if package(module) == "data":
+      continue
+    for node in ast.walk(_parse(path)):
+      if not isinstance(node, ast.ClassDef):
+        continue
+      methods = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+      bases = {ast.unparse(b).split(".")[-1] for b in node.bases}
+      if wanted <= methods or "Source" in bases:
+        found.append(f"{module}.{node.name}")
+  return found
+
+
+def _module_level_imports(statements) -> list:
+  """The top package of every import run when the module is imported: its statements, their
+  blocks (if, try, with, class bodies), not function bodies."""
+  found = []
+  for node in statements:
+    if isinstance(node, ast.Import):
+      found += [a.name.split(".")[0] for a in node.names]
+    elif isinstance(node, ast.ImportFrom) and not node.level:
+      found.append((node.module or "").split(".")[0])
+    elif not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda)):
+      for field in ("body", "orelse", "finalbody", "handlers"):
+        found += _module_level_imports(getattr(node, field, []))
+  return found
+
+
+def tf_free_violations(root: str, tf_free: list, name: str = "contrastive_jax") -> list:
+  """Lines for the TF-free set: a name of it that is no module, a module of it that imports
+  one of TF_PACKAGES at module level, or a module of the package outside the set."""
+  paths, graph, found = _module_paths(root, name), modules(root, name), []
+  for module in tf_free:
+    if module not in paths:
+      found.append(f"{module} (TF-free set) is no module")
+      continue
+    for top in sorted(set(_module_level_imports(_parse(paths[module]).body)) & set(TF_PACKAGES)):
+      found.append(f"{module} (TF-free set) imports {top}")
+    for imported in sorted(graph[module] - set(tf_free)):
+      found.append(f"{module} (TF-free set) imports {imported}, which is not in the set")
+  return found
+
+
+@pytest.mark.xfail(
+  not os.path.exists(os.path.join(PACKAGE, "data", "in_memory.py")),
+  reason="label efficiency's in-memory source is in jobs/ until data/in_memory.py holds it",
+  strict=True,
+)
+def test_every_source_implementation_is_in_data():
+  assert sources_outside_data(PACKAGE) == []
+
+
+def test_the_tf_free_set_imports_no_tensorflow_and_only_itself():
+  tf_free = tf_free_modules(PACKAGE)
+  assert "contrastive_jax.training.runner" in tf_free and "contrastive_jax.core" in tf_free
+  assert tf_free_violations(PACKAGE, tf_free) == []
+
+
+def test_the_source_and_tf_free_checkers_find_each_violation(tmp_path):
+  root = tmp_path / "contrastive_jax"
+  for rel, text in {
+    "__init__.py": "",
+    "core/__init__.py": "",
+    "core/a.py": "import json\ndef f():\n  import tensorflow\n",
+    "core/b.py": "try:\n  import tensorflow_datasets as tfds\nexcept ImportError:\n  pass\n",
+    "core/c.py": "from clu import metric_writers\n",
+    "data/__init__.py": "",
+    "data/sources.py": (
+      "class Source:\n  def read(self): ...\n  def num_examples(self): ...\n"
+      "class TfdsSource:\n  def read(self): ...\n  def num_examples(self): ...\n"
+    ),
+    "data/d.py": "from contrastive_jax.core import a\n",
+    "data/e.py": "from contrastive_jax.data import sources\n",
+    "jobs/__init__.py": "",
+    "jobs/f.py": (
+      "class Cells:\n  def read(self): ...\n"
+      "class InMemory:\n  def read(self): ...\n  def num_examples(self): ...\n"
+      "class Sub(sources.Source):\n  pass\n"
+    ),
+  }.items():
+    (root / rel).parent.mkdir(parents=True, exist_ok=True)
+    (root / rel).write_text(text)
+  assert sources_outside_data(str(root)) == [
+    "contrastive_jax.jobs.f.InMemory",
+    "contrastive_jax.jobs.f.Sub",
+  ]
+  tf_free = ["contrastive_jax.core.a", "contrastive_jax.core.b", "contrastive_jax.core.c"]
+  tf_free += ["contrastive_jax.data.d", "contrastive_jax.data.e", "contrastive_jax.data.g"]
+  assert tf_free_violations(str(root), tf_free) == [
+    "contrastive_jax.core.b (TF-free set) imports tensorflow_datasets",
+    "contrastive_jax.core.c (TF-free set) imports clu",
+    "contrastive_jax.data.e (TF-free set) imports contrastive_jax.data.sources, which is not in "
+    "the set",
+    "contrastive_jax.data.g (TF-free set) is no module",
   ]

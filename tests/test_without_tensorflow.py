@@ -1,6 +1,7 @@
-"""The train path without TensorFlow: tests/without_tensorflow_worker.py in a subprocess
-where `import tensorflow` and `import tensorflow_datasets` fail, as on an accelerator
-image with JAX alone; and that it does fail when a train-path module imports TensorFlow."""
+"""The TF-free set (docs/design.md, 'Without TensorFlow') without TensorFlow:
+tests/without_tensorflow_worker.py in a subprocess where `import tensorflow` and
+`import tensorflow_datasets` fail, as on an accelerator image with JAX alone, imports every
+module of the set and trains; and it does fail when a module of the set imports TensorFlow."""
 
 import json
 import os
@@ -10,6 +11,7 @@ import sys
 
 from helpers import TESTS
 from helpers import subprocess_env
+from without_tensorflow_worker import tf_free_modules
 
 WORKER = os.path.join(TESTS, "without_tensorflow_worker.py")
 ROOT = os.path.dirname(TESTS)
@@ -27,7 +29,10 @@ def test_train_steps_checkpoints_and_metrics_run_without_tensorflow():
   done = _run("simclr", "moco_v2", "byol")
   assert done.returncode == 0, done.stderr[-4000:]
   result = json.loads(done.stdout.split("RESULT ", 1)[1])
-  assert result["modules"] >= 20  # core, models, methods and recipes, every module.
+  # The TF-free set of docs/design.md, every module imported with TensorFlow blocked.
+  assert result["modules"] == tf_free_modules(os.path.join(ROOT, "contrastive_jax"))
+  assert "contrastive_jax.training.runner" in result["modules"]
+  assert "contrastive_jax.data.device_samplers" in result["modules"]
   assert sorted(result["methods"]) == ["byol", "moco_v2", "simclr"]
   for name, method in result["methods"].items():
     assert len(method["losses"]) == 2 and method["leaves"] > 0, name

@@ -3,8 +3,8 @@
 Run as a script (tests/test_without_tensorflow.py does, in a subprocess; on an image
 without TensorFlow it runs as it is): `python tests/without_tensorflow_worker.py
 [METHOD ...]` (default: simclr moco_v2 byol). It first puts a finder on sys.meta_path
-that raises ImportError for both packages, then imports every module of
-contrastive_jax.core, .models and .methods and of MODULES, and for each
+that raises ImportError for both packages, then imports every module of the TF-free
+set (docs/design.md, 'Without TensorFlow': tf_free_modules), and for each
 method's tiny config (helpers.tiny_config) runs two real train steps on random images,
 saves the state and config with core.checkpointing, restores them, and writes metrics
 through core.metrics. It asserts the values (finite loss, the restored state equal to
@@ -17,6 +17,7 @@ import importlib
 import json
 import os
 import pkgutil
+import re
 import sys
 import tempfile
 import time
@@ -51,30 +52,43 @@ def block_tensorflow():
     sys.modules[name] = None
 
 
-# Beyond core, models and methods: what benchmarks/device.py builds on (the on-device data,
-# the kNN monitor).
-MODULES = (
-  "contrastive_jax.config_files",
-  "contrastive_jax.recipes",
-  "contrastive_jax.data.augment",
-  "contrastive_jax.data.crop_spec",
-  "contrastive_jax.data.device_data",
-  "contrastive_jax.training.evaluators",
+DESIGN = os.path.join(
+  os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs", "design.md"
 )
 
 
+def tf_free_modules(package_dir: str) -> list:
+  """The dotted names of the TF-free set: the one list in docs/design.md's 'Without
+  TensorFlow' section (its line of `entries`), each `PACKAGE/*` expanded to the package and
+  every module in package_dir/PACKAGE, each `a/b.py` to contrastive_jax.a.b.
+
+  Raises:
+    ValueError: the section holds no such line or more than one.
+  """
+  with open(DESIGN) as f:
+    section = f.read().split("\n## Without TensorFlow\n", 1)[-1].split("\n## ", 1)[0]
+  lines = [line for line in section.splitlines() if re.fullmatch(r"`[^`]+`(, `[^`]+`)*", line)]
+  if len(lines) != 1:
+    raise ValueError(f"{DESIGN}: 'Without TensorFlow' needs one line of `modules`, not {lines}")
+  names = []
+  for entry in re.findall(r"`([^`]+)`", lines[0]):
+    if entry.endswith("/*"):
+      package = entry[:-2]
+      names.append(f"contrastive_jax.{package}")
+      names += sorted(
+        f"contrastive_jax.{package}.{m.name}"
+        for m in pkgutil.iter_modules([os.path.join(package_dir, package)])
+      )
+    else:
+      names.append("contrastive_jax." + entry.removesuffix(".py").replace("/", "."))
+  return names
+
+
 def import_train_path() -> list:
-  """Imports every module of core, models and methods, and MODULES; returns their names."""
+  """Imports every module of the TF-free set (tf_free_modules); returns their names."""
   import contrastive_jax  # pylint: disable=import-outside-toplevel
 
-  root = os.path.dirname(contrastive_jax.__file__)
-  names = list(MODULES)
-  for package in ("core", "models", "methods"):
-    names.append(f"contrastive_jax.{package}")
-    names += [
-      f"contrastive_jax.{package}.{m.name}"
-      for m in pkgutil.iter_modules([os.path.join(root, package)])
-    ]
+  names = tf_free_modules(os.path.dirname(contrastive_jax.__file__))
   for name in names:
     importlib.import_module(name)
   return names
@@ -91,7 +105,6 @@ def run_method(name: str, workdir: str) -> dict:
   from contrastive_jax.core import mesh as mesh_lib
   from contrastive_jax.core import metrics
   from contrastive_jax.data import augment
-  from contrastive_jax.methods import common
   from contrastive_jax.methods import get_method
   from contrastive_jax.methods import optim
   from contrastive_jax.methods import run_keys
@@ -103,11 +116,8 @@ def run_method(name: str, workdir: str) -> dict:
       config.moco.bn_group_size = 1
   mesh = mesh_lib.make_mesh()
   method = get_method(config.method)
-  length, t0 = common.RunLength(num_steps=2, steps_per_epoch=16), time.time()
-  num_steps = length.num_steps
-  schedule = optim.learning_rate_schedule(
-    config.optimizer, config.batch_size, length.steps_per_epoch, num_steps
-  )
+  num_steps, t0 = 2, time.time()
+  schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, 16, num_steps)
   tx = optim.build_optimizer(config.optimizer, schedule)
   model = method.build_model(config)
   init_rng, rng = run_keys(config.seed)
@@ -119,7 +129,7 @@ def run_method(name: str, workdir: str) -> dict:
     augment.ViewAugment.from_config(config.augment[v], f"augment.{v}") for v in ("view1", "view2")
   )
   step_fn = jax.jit(
-    method.make_train_step(config, model, tx, views, mesh, length), donate_argnums=0
+    method.make_train_step(config, model, tx, views, mesh, num_steps), donate_argnums=0
   )
   images = np.random.default_rng(0).integers(
     0, 256, (num_steps, config.batch_size, 2, config.image_size, config.image_size, 3), np.uint8
@@ -178,7 +188,7 @@ def main(argv):
     "jax": jax.__version__,
     "backend": jax.default_backend(),
     "devices": jax.device_count(),
-    "modules": len(modules),
+    "modules": modules,
     "methods": {},
   }
   with tempfile.TemporaryDirectory() as tmp:

@@ -2,7 +2,7 @@
 constants, CropSpec and its check.
 
 TensorFlow-free, so that both crop paths share it: the host's tf ops (crops.py)
-and the device's jax.random twin (device_data.py), the latter on images without
+and the device's jax.random twin (device_samplers.py), the latter on images without
 TensorFlow. crops.py's docstring describes each sampler and resize.
 """
 

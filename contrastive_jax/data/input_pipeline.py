@@ -11,7 +11,7 @@ yields exactly what an uninterrupted one yields from step s on. The crop of
 the example at stream position p is drawn with a stateless seed made from
 (seed, process, p). The order depends on how the source stores the data:
 
-  random access (ArrayRecord, sources.Records): position p of a process whose
+  random access (ArrayRecord, records.Records): position p of a process whose
       part holds n records reads record perm_e(p mod n) of its part in epoch
       e = p // n, perm_e a stateless permutation of the whole part
       (epoch_permutation: index_shuffle's cipher, keyed by Philox draws from

@@ -4,25 +4,21 @@ A source is what every job and evaluator reads through; none of them sees the
 storage format. TFDS is the first source (config.data_source='tfds'): a
 prepared dataset in data_dir, read with tf.data, one part per JAX process.
 Nothing is ever downloaded. A source has `name`, `num_classes`,
-`num_examples`, `process_counts` and `read`; fine-tuning's LabelledSubset, a
-source over another one, also needs its `ids_and_labels` and `read_range`.
-FolderSource reads a folder of image files as they are, for the embed job.
+`num_examples`, `process_counts` and `read`; fine-tuning's LabelledSubset
+(labelled.py), a source over another one, also needs its `ids_and_labels` and
+`read_range`. FolderSource reads a folder of image files as they are, for the
+embed job.
 
 A TFDS dataset stored in a random-access format (ArrayRecord) also serves any
-record by its index (`random_access`, `records`): training reads it in a fresh
-order every epoch and resumes anywhere at no cost (input_pipeline.py). TFDS
-reads such a dataset only through its data source (as_dataset refuses it), so
-every read of it goes through Records, sequentially for evaluation.
+record by its index (`random_access`, `records`: records.Records): training
+reads it in a fresh order every epoch and resumes anywhere at no cost
+(input_pipeline.py).
 """
 
-import atexit
 import functools
-import hashlib
 import operator
 import os
-import re
 import threading
-import time
 from typing import Optional, Protocol, runtime_checkable
 
 from absl import logging
@@ -33,10 +29,10 @@ import tensorflow_datasets as tfds
 
 from contrastive_jax.core import gcs
 from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.core.errors import DataError
 from contrastive_jax.core.errors import ImageError
 from contrastive_jax.data import images as images_lib
 from contrastive_jax.data import layout
+from contrastive_jax.data import records as records_lib
 
 # Features that name an example, first found first: the source file of a prepared
 # image folder, TFDS's own per-example id (e.g. cifar10's 'train_16399').
@@ -82,201 +78,6 @@ class Source(Protocol):
     are contiguous and in process order: together they are the split in order.
     Raises ValueError for an option the source cannot serve (named in the message).
     """
-
-
-# Records fetched per call into Python when a dataset is read in order.
-READ_BATCH = 256
-
-
-class _Fetches:
-  """The Records fetches (tf.py_function calls into Python) in flight, process-wide.
-
-  A tf.py_function call still running when Python finalizes never gets the
-  GIL back, and destroying a tf.data iterator waits for its calls: a job that
-  exits while its pipeline is still filling its buffers would hang at exit
-  (seen about one exit in three). wait_until_idle, run at exit before
-  finalization, lets the pipelines fill their buffers and stop fetching.
-  """
-
-  def __init__(self):
-    self._lock = threading.Lock()
-    self._running = 0
-    self._last = 0.0
-    self._registered = False
-
-  def start(self):
-    with self._lock:
-      self._running += 1
-      if not self._registered:
-        atexit.register(self.wait_until_idle)
-        self._registered = True
-
-  def end(self):
-    with self._lock:
-      self._running -= 1
-      self._last = time.monotonic()
-
-  def wait_until_idle(self, quiet: float = 0.5, timeout: float = 60.0):
-    """Returns once no fetch has run for `quiet` seconds (or after `timeout` seconds)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-      with self._lock:
-        if self._running == 0 and time.monotonic() - self._last >= quiet:
-          return
-      time.sleep(0.05)
-
-
-_FETCHES = _Fetches()
-
-
-class _Unreadable:
-  """The DataErrors of Records' fetches, process-wide, each in the line that fails its pipeline.
-
-  A fetch cannot raise the DataError itself: it runs in a tf.py_function, and
-  the pipeline's iterator raises a TF error instead. The TF error's message
-  holds the line, and the line the DataError's number here.
-  """
-
-  def __init__(self):
-    self._lock = threading.Lock()
-    self._errors = []
-
-  def add(self, error: DataError) -> str:
-    """Keeps `error`; returns its line: 'unreadable record N: ' and its message."""
-    with self._lock:
-      self._errors.append(error)
-      return f"unreadable record {len(self._errors) - 1}: {error}"
-
-  def behind(self, error: BaseException) -> Optional[DataError]:
-    """The DataError whose line is in the message of `error`, a TF error, or None."""
-    found = (
-      re.search(r"unreadable record (\d+): ", str(error))
-      if isinstance(error, tf.errors.OpError)
-      else None
-    )
-    with self._lock:
-      return self._errors[int(found[1])] if found else None
-
-
-_UNREADABLE = _Unreadable()
-
-
-def read_failure(error: BaseException) -> Optional[DataError]:
-  """The DataError behind `error`, a TF error from iterating a pipeline that read Records, or None.
-
-  A record that cannot be read (a damaged ArrayRecord shard) fails
-  the pipeline with a TF error holding the DataError's number (_Unreadable),
-  which names the shard file and the record. Jobs turn the TF error back into
-  the DataError with this (runner.run, main.py).
-  """
-  return _UNREADABLE.behind(error)
-
-
-class Records:
-  """Records of a TFDS dataset in a random-access format, by index: a tf.data bridge.
-
-  Reads the serialized tf.Example records of one split spec through TFDS's
-  data source (builder.as_data_source with DeserializeMethod.RAW_BYTES,
-  batches of indices at once), and parses them in the tf.data graph with the
-  builder's own feature spec. Record i is the split spec's i-th in TFDS's
-  order (that of as_dataset for other formats); with `indices`, record i is
-  the spec's indices[i]-th (a LabelledSubset's part).
-
-  Use len(records) and read(): indices int64 [k] -> (image, label int32 [k],
-  name string [k]), image the encoded bytes string [k]; decode each later with
-  decode(image) (TFDS's decoding: uint8 [H, W, 3]) or crops.decode_random_resized_crops.
-  Every record fetched adds one to the source's records_read. A record that
-  cannot be read (a damaged shard file) fails the fetch, and the pipeline's
-  iterator raises a TF error that read_failure turns into a DataError naming
-  the file and the record.
-  """
-
-  def __init__(
-    self, source, spec, indices: Optional[np.ndarray] = None, *, names: Optional[tuple] = None
-  ):
-    # Names of id-less records: (split, position of record 0 in it), so that a
-    # process's part names its records as the whole split does (ids_and_labels).
-    self._source, self._spec = source, spec
-    self._names = names or (str(spec), 0)
-    self._data = source._builder.as_data_source(  # pylint: disable=protected-access
-      spec, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES
-    )
-    self._indices = indices
-
-  def __len__(self) -> int:
-    return len(self._data) if self._indices is None else len(self._indices)
-
-  def _fetch(self, indices):
-    """(serialized records string [k], ''), or (k empty strings, _UNREADABLE's line) when a
-    record cannot be read."""
-    _FETCHES.start()
-    try:
-      # One record at a time: __getitems__ reads through a thread pool, which
-      # refuses work once the interpreter shuts down (a traceback at every exit).
-      fetched = []
-      for index in indices.numpy().tolist():
-        try:
-          fetched.append(self._data[index])
-        except RuntimeError as e:  # What ArrayRecord raises for a damaged file.
-          return (
-            tf.constant("", shape=indices.shape),
-            tf.constant(_UNREADABLE.add(self._unreadable(index, e))),
-          )
-    finally:
-      _FETCHES.end()
-    self._source.count_read(len(fetched))
-    return tf.constant(fetched, tf.string, shape=[len(fetched)]), tf.constant("")
-
-  def _unreadable(self, index: int, error: RuntimeError) -> DataError:
-    """The DataError of record `index` of the spec: its shard file and its place in it."""
-    splits = self._source._builder.info.splits  # pylint: disable=protected-access
-    shards = splits[self._spec].file_instructions
-    ends = np.cumsum([shard.take for shard in shards])
-    shard = int(np.searchsorted(ends, index, side="right"))
-    path = shards[shard].filename
-    record = shards[shard].skip + index - (int(ends[shard - 1]) if shard else 0)
-    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
-    return DataError(
-      path,
-      record,
-      (
-        f"{path}: record {record} of this file cannot be read ({reason}). Prepare the dataset "
-        f"{self._source.name!r} again (an image folder: the prepare job with "
-        "--config.overwrite=True) or "
-        "restore the file from a copy"
-      ),
-    )
-
-  def read(self, indices):
-    """(image string [k], label int32 [k], name string [k]) of the records at int64 indices [k].
-
-    name: the example's first of ID_FEATURES, else '<split>__<position in the
-    split>' (the names given, else the spec and the index in it), as TFDS's
-    record ids name a position.
-    """
-    at = indices if self._indices is None else tf.gather(self._indices, indices)
-    serialized, unreadable = tf.py_function(self._fetch, [at], [tf.string, tf.string])
-    # A record that cannot be read fails the pipeline here: an exception raised in the
-    # py_function would be logged twice with its traceback, and its TF error name no file.
-    with tf.control_dependencies([tf.debugging.Assert(tf.equal(unreadable, ""), [unreadable])]):
-      serialized = tf.identity(serialized)
-    serialized.set_shape(indices.shape)
-    prefix, offset = self._names
-    return self._source.parse(serialized, at + offset, prefix)
-
-  def decode(self, image):
-    """uint8 [H, W, 3] of one encoded image, decoded as TFDS's as_dataset decodes it."""
-    return self._source.features["image"].decode_example(image)
-
-  def in_order(self, *, decode: bool, names: bool) -> tf.data.Dataset:
-    """Every record once, in index order, as Source.read's (image, label[, name])."""
-    ds = tf.data.Dataset.range(len(self)).batch(READ_BATCH).map(self.read).unbatch()
-
-    def example(image, label, name):
-      image = self.decode(image) if decode else image
-      return (image, label, name) if names else (image, label)
-
-    return ds.map(example)
 
 
 class TfdsSource:
@@ -367,7 +168,7 @@ class TfdsSource:
       for s in tfds.even_splits(split, n=jax.process_count(), drop_remainder=drop_remainder)
     ]
 
-  def records(self, split: str) -> Records:
+  def records(self, split: str) -> records_lib.Records:
     """This process's part of `split` by index: the records read(drop_remainder=True) reads.
 
     Raises:
@@ -375,7 +176,7 @@ class TfdsSource:
     """
     self._check_random_access()
     counts = self.process_counts(split, drop_remainder=True)
-    return Records(
+    return records_lib.Records(
       self,
       tfds.split_for_jax_process(split, drop_remainder=True),
       names=(split, sum(counts[: jax.process_index()])),
@@ -485,7 +286,9 @@ class TfdsSource:
     record_names: Records' names of id-less ArrayRecord records, (split, first position).
     """
     if self.random_access:
-      return Records(self, split, names=record_names).in_order(decode=decode, names=names)
+      return records_lib.Records(self, split, names=record_names).in_order(
+        decode=decode, names=names
+      )
     ds = self._builder.as_dataset(
       split=split,
       shuffle_files=False,
@@ -613,154 +416,6 @@ class FolderSource:
     if names:
       signature += (tf.TensorSpec([], tf.string),)
     return tf.data.Dataset.from_generator(examples, output_signature=signature)
-
-
-def hash_ranks(ids, seed: int) -> np.ndarray:
-  """uint64 [N]: the 64-bit BLAKE2b hash of each id (str [N]), keyed by seed (int >= 0).
-
-  A random order of the ids that depends on the ids and the seed only, never
-  on their order or storage: how labelled subsets are drawn.
-  """
-  key = seed.to_bytes(8, "little")
-  return np.array(
-    [
-      int.from_bytes(hashlib.blake2b(i.encode("utf-8"), digest_size=8, key=key).digest(), "little")
-      for i in ids
-    ],
-    dtype=np.uint64,
-  )
-
-
-def select_labelled(ids, labels, fraction: float, seed: int):
-  """The class-balanced labelled subset of a split: sorted indices into ids.
-
-  Each class keeps round(fraction x its count) of its examples (halves round
-  up), those whose 64-bit BLAKE2b hash of the id, keyed by the seed, is
-  smallest (ties by id): the semi-supervised subsets of SimCLR (Chen et al.
-  2020, Sec. 6: 1% and 10% of ImageNet, sampled class-balanced). The choice is
-  a function of the (id, label) pairs and the seed only, never of their order,
-  of how the data is stored or of the process count (for a dataset without an
-  id feature the ids are TFDS's record positions, which name the file in
-  TFRecord and not in ArrayRecord); images added to a class change its subset
-  only where they outrank kept ones or change its count.
-
-  Args:
-    ids: [N] str, unique per example; labels: int [N], >= 0.
-    fraction: in (0, 1].
-    seed: int >= 0.
-  Raises:
-    ConfigError: a fraction that gives some class of the split no example
-      (naming the smallest class and the fraction it needs).
-  """
-  ranks = hash_ranks(ids, seed)
-  chosen = []
-  for label in np.unique(labels):
-    members = np.flatnonzero(labels == label)
-    keep = int(np.floor(fraction * len(members) + 0.5))
-    if keep == 0:
-      smallest = np.bincount(labels).astype(float)
-      smallest[smallest == 0] = np.inf
-      least = int(np.argmin(smallest))
-      raise ConfigError(
-        "label_fraction",
-        fraction,
-        f"in [{0.5 / smallest[least]:.3g}, 1], so that every class keeps an "
-        f"image (class {least} has {int(smallest[least])} images in the split)",
-      )
-    order = np.lexsort((ids[members].astype(str), ranks[members]))
-    chosen.append(members[order[:keep]])
-  return np.sort(np.concatenate(chosen))
-
-
-class LabelledSubset:
-  """A source's split restricted to its labelled subset (select_labelled): a source itself.
-
-  It stands for that one split (its methods take the split only to match
-  the source interface). Every process selects the same subset from the
-  whole split's ids and labels, then reads its own part: the subset's
-  examples in read order, split into process_count() parts of equal size
-  (within one; none is dropped, so every process count trains on the same
-  images). Each process reads only the stretch of the split its part spans.
-
-  Attributes:
-    ids: object [n] str and labels: int32 [n], the subset in read order.
-  Raises:
-    ConfigError: see select_labelled.
-  """
-
-  def __init__(self, source, split: str, fraction: float, seed: int):
-    ids, labels = source.ids_and_labels(split)
-    self._set(source, split, select_labelled(ids, labels, fraction, seed), ids, labels)
-
-  @classmethod
-  def of_indices(cls, source, split: str, indices, ids, labels) -> "LabelledSubset":
-    """The subset of `split` at sorted int indices [n] (n >= 1) into its ids and labels
-    (source.ids_and_labels(split), read once by the caller)."""
-    subset = cls.__new__(cls)
-    subset._set(source, split, np.asarray(indices), ids, labels)
-    return subset
-
-  def _set(self, source, split, indices, ids, labels):
-    self._indices = indices
-    self.ids, self.labels = ids[self._indices], labels[self._indices]
-    self.name, self.num_classes = source.name, source.num_classes
-    self.class_names = source.class_names
-    self.random_access = source.random_access
-    self._source, self._split = source, split
-
-  def num_examples(self, split: str, field: str) -> int:
-    """Source.num_examples: the subset's size (never empty: select_labelled)."""
-    del field
-    self._check(split)
-    return len(self._indices)
-
-  def process_counts(self, split: str, drop_remainder: bool = False) -> list:
-    """Source.process_counts (drop_remainder is ignored: nothing is dropped)."""
-    del drop_remainder
-    self._check(split)
-    return [len(part) for part in np.array_split(self._indices, jax.process_count())]
-
-  def _part(self):
-    """Positions in the subset and indices in the split of this process's part of it."""
-    positions = np.array_split(np.arange(len(self._indices)), jax.process_count())[
-      jax.process_index()
-    ]
-    return positions, self._indices[positions]
-
-  def records(self, split: str) -> Records:
-    """TfdsSource.records of this process's part of the subset (the source's records by index).
-
-    Raises:
-      ValueError: the source is not stored in a random-access format.
-    """
-    self._check(split)
-    self._source._check_random_access()  # pylint: disable=protected-access
-    return Records(self._source, split, indices=self._part()[1])
-
-  def read(
-    self, split: str, *, drop_remainder: bool, decode: bool = True, names: bool = False
-  ) -> tf.data.Dataset:
-    """Source.read of this process's part of the subset, in read order; names are its ids."""
-    del drop_remainder
-    self._check(split)
-    positions, part = self._part()
-    start, stop = int(part[0]), int(part[-1]) + 1
-    keep = np.zeros(stop - start, bool)
-    keep[part - start] = True
-    ds = tf.data.Dataset.zip(
-      self._source.read_range(split, start, stop, decode=decode),
-      tf.data.Dataset.from_tensor_slices(keep),
-    )
-    ds = ds.filter(lambda _, kept: kept).map(lambda example, unused_kept: example)
-    if names:
-      ds = tf.data.Dataset.zip(
-        ds, tf.data.Dataset.from_tensor_slices(self.ids[positions].astype(str))
-      ).map(lambda example, name: (*example, name))
-    return ds
-
-  def _check(self, split):
-    if split != self._split:
-      raise ValueError(f"LabelledSubset of {self._split!r} asked for split {split!r}")
 
 
 SOURCES = {"tfds": TfdsSource}

@@ -9,7 +9,7 @@ pretraining run's initialisation of it: the baseline; training/restore.py), with
 config.projector_layers of its projection head's hidden layers after it (SimCLR v2's
 fine-tuning from the head's first layer: restore.with_head_layers), and a
 zero-initialised linear head on its output h are trained together, by cross-entropy, on
-a class-balanced subset of the train split's labels (sources.select_labelled:
+a class-balanced subset of the train split's labels (labelled.select_labelled:
 label_fraction of each class, chosen by label_seed alone, so that every run,
 seed and process count trains on the same images); top-1 and top-5 on every
 test image (the config's 'classifier' evaluator). The subset's ids and labels
@@ -38,7 +38,7 @@ from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import ResumeError
-from contrastive_jax.data import sources
+from contrastive_jax.data import labelled
 from contrastive_jax.methods import ENCODER
 from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
@@ -71,7 +71,7 @@ def check_config(config, num_devices: int):
   downstream.check_multipliers(config, "")
 
 
-def subset_csv(subset: sources.LabelledSubset) -> str:
+def subset_csv(subset: labelled.LabelledSubset) -> str:
   """The text of labelled_subset.csv: a header 'id,label', then one row per image in read order."""
   text = io.StringIO()
   writer = csv.writer(text, lineterminator="\n")
@@ -80,7 +80,7 @@ def subset_csv(subset: sources.LabelledSubset) -> str:
   return text.getvalue()
 
 
-def record_subset(subset: sources.LabelledSubset, workdir: str, resumed: bool):
+def record_subset(subset: labelled.LabelledSubset, workdir: str, resumed: bool):
   """Writes WORKDIR/labelled_subset.csv (process 0), or, resuming, checks it against `subset`.
 
   The file is written whole under a temporary name and renamed, so any
@@ -109,14 +109,14 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
   """The fine-tuning Task for runner.run (downstream.build_task).
 
   Raises:
-    ConfigError: see restore.restore_encoder and sources.select_labelled; an
+    ConfigError: see restore.restore_encoder and labelled.select_labelled; an
       unlabeled dataset; a batch larger than the labelled subset; an
       evaluator that cannot run.
     JobError: see record_subset.
   """
   config = config.copy_and_resolve_references()
   source = downstream.labelled_source(config, "fine-tuning")
-  subset = sources.LabelledSubset(
+  subset = labelled.LabelledSubset(
     source, config.train_split, config.label_fraction, config.label_seed
   )
   size = subset.num_examples(config.train_split, "train_split")

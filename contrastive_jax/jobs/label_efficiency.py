@@ -56,7 +56,7 @@ from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.data import crop_spec
 from contrastive_jax.data import input_pipeline
-from contrastive_jax.data import sources
+from contrastive_jax.data import labelled
 from contrastive_jax.methods import ENCODER
 from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
@@ -248,7 +248,7 @@ def _read_parts(source, split: str, subset: le.Subset, ids, labels):
   """(train part, validation part) of subset as _InMemory sources: the images read once."""
   both = np.concatenate([subset.train, subset.validation])
   order = np.argsort(both)
-  reader = sources.LabelledSubset.of_indices(source, split, both[order], ids, labels)
+  reader = labelled.LabelledSubset.of_indices(source, split, both[order], ids, labels)
   images = [None] * len(both)
   for position, (image, _) in zip(
     order, reader.read(split, drop_remainder=False).as_numpy_iterator()

@@ -2,8 +2,8 @@
 
 Builds what runner.run() steps: the method's model, optimizer, state and
 train step, the host input pipeline (or, with config.on_device_data, the
-train split held and cropped on the device: data/device_data.py) and the
-evaluators' view of the model (the kNN monitor on the h of
+train split held and cropped on the device: data/device_data.py and
+device_samplers.py) and the evaluators' view of the model (the kNN monitor on the h of
 methods.evaluated_encoder, DINO's teacher; the online probe's classifier).
 Every random draw is a function of (seed, step), so a resumed run continues
 bit for bit. With config.init_from=FILE (a torchvision / timm / MoCo / DINO
@@ -25,6 +25,7 @@ from contrastive_jax.core import tensor_files
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.data import crop_spec
 from contrastive_jax.data import device_data
+from contrastive_jax.data import device_samplers
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.methods import common
@@ -134,7 +135,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
 
 def on_device_batches(config, source, mesh, num_steps: int):
   """train_batches of config.on_device_data: the train split read once, replicated on the
-  mesh, its batches cropped and flipped on the device (data/device_data.py).
+  mesh, its batches cropped and flipped on the device (data/device_samplers.py).
 
   Raises:
     ConfigError: a split whose images differ in size or that does not fit the
@@ -142,7 +143,7 @@ def on_device_batches(config, source, mesh, num_steps: int):
   """
   device_data.check_config(config, source, num_steps)
   images, labels = device_data.read_split(source, config.train_split)
-  return device_data.train_batches(
+  return device_samplers.train_batches(
     device_data.to_mesh(images, labels, mesh), config, mesh, image_size=config.image_size
   )
 

@@ -16,7 +16,7 @@ import numpy as np
 import scipy.stats
 
 from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.data import sources
+from contrastive_jax.data import labelled
 
 
 class Subset(NamedTuple):
@@ -69,10 +69,10 @@ def class_shares(count: int, num_classes: int, seed: int) -> np.ndarray:
   """int64 [num_classes]: the examples of each class in a class-balanced draw of `count`.
 
   count // num_classes each; the count % num_classes left over go one each to
-  classes chosen by the seed (the smallest sources.hash_ranks of their indices).
+  classes chosen by the seed (the smallest labelled.hash_ranks of their indices).
   """
   shares = np.full(num_classes, count // num_classes, np.int64)
-  ranks = sources.hash_ranks(np.array([str(c) for c in range(num_classes)], object), seed)
+  ranks = labelled.hash_ranks(np.array([str(c) for c in range(num_classes)], object), seed)
   shares[np.argsort(ranks, kind="stable")[: count % num_classes]] += 1
   return shares
 
@@ -119,7 +119,7 @@ def draw_subset(ids, labels, count: int, seed: int, num_classes: int, validation
   """The class-balanced labelled subset of `count` examples for `seed`, with its validation part.
 
   Each class c gives class_shares(count)[c] examples: those of smallest
-  sources.hash_ranks(ids, seed) (ties by id), a function of the (id, label)
+  labelled.hash_ranks(ids, seed) (ties by id), a function of the (id, label)
   pairs and the seed only, never of their order. Of each class's share, the
   validation_sizes(...) of largest rank form the validation part.
 
@@ -134,7 +134,7 @@ def draw_subset(ids, labels, count: int, seed: int, num_classes: int, validation
   check_counts([count], labels, num_classes)
   shares = class_shares(count, num_classes, seed)
   held_out = validation_sizes(shares, validation_fraction)
-  ranks = sources.hash_ranks(ids, seed)
+  ranks = labelled.hash_ranks(ids, seed)
   train, validation = [], []
   for c in range(num_classes):
     members = np.flatnonzero(labels == c)

@@ -10,7 +10,8 @@ config's evaluators at their intervals and at the end, checkpoint, and stop
 cleanly on preemption (one process: SIGTERM; several: JAX's distributed
 preemption sync, so every host stops at the same step). Every exit path,
 errors included, waits for pending checkpoint writes; nothing non-finite is
-ever saved.
+ever saved. It imports no TensorFlow (docs/design.md's TF-free modules), so a
+job whose data needs none (benchmarks/device.py) runs it where JAX alone is.
 """
 
 import contextlib
@@ -18,7 +19,6 @@ import time
 from typing import Any, Callable, Iterator, NamedTuple, Optional
 
 from absl import logging
-from clu import periodic_actions
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -38,7 +38,7 @@ from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import NonFiniteError
 from contrastive_jax.core.errors import NoSpaceError
 from contrastive_jax.core.errors import ResumeError
-from contrastive_jax.data import sources
+from contrastive_jax.data import unreadable as unreadable_lib
 from contrastive_jax.training import evaluators
 
 # Config fields (dotted prefixes) a resumed run may change: they decide when and
@@ -181,7 +181,7 @@ def _closing(ckpt, workdir: str):
   """Closes ckpt on exit (waiting for pending writes); a full disk, Ctrl-C or a damaged
   dataset file becomes a JobError.
 
-  A dataset record that cannot be read (sources.read_failure) ends the job in
+  A dataset record that cannot be read (unreadable.read_failure) ends the job in
   DataError naming the file and the newest checkpoint. A full disk can surface
   in the body or only when the pending writes are waited for; either way the
   job ends in NoSpaceError (unless it is already ending in another JobError),
@@ -205,7 +205,7 @@ def _closing(ckpt, workdir: str):
     return
   if isinstance(error, KeyboardInterrupt):
     raise Interrupted(f"interrupted: {_newest(ckpt)}") from None
-  unreadable = sources.read_failure(error)
+  unreadable = unreadable_lib.read_failure(error)
   if unreadable is not None:
     raise DataError(
       unreadable.path,
@@ -272,7 +272,7 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
         results = evaluate(state, 0, [e for _, e in evals if e.at_start])
         if results:
           writer.write_scalars(0, results)
-      progress = periodic_actions.ReportProgress(num_train_steps=task.num_steps, every_secs=30)
+      progress = _Progress(task.num_steps, every_secs=30.0)
       logging.info(
         "Training from step %d to %d (%d steps per epoch, global batch %d, %d devices).",
         start_step,
@@ -334,6 +334,38 @@ def _write_views_picture(picture, workdir: str, writer):
   if jax.process_index() == 0:
     pictures.write_png(f"{workdir}/augmented_views.png", picture)
   writer.write_images(0, {"augmented_views": picture[None]})
+
+
+class _Progress:
+  """A console line on the run's progress every `every_secs` seconds and at the last step.
+
+  The line: steps/s since the previous line, the share of the steps done and
+  the time left at that rate, e.g. '2.5 steps/s, 40.0% (400/1000), ETA: 4m'.
+  The first call (the step that compiles) starts the clock and writes nothing.
+  """
+
+  def __init__(self, num_steps: int, every_secs: float):
+    self._num_steps, self._every_secs = num_steps, every_secs
+    self._step = self._time = None
+
+  def __call__(self, step: int):
+    now = time.monotonic()
+    if self._step is None:
+      self._step, self._time = step, now
+      return
+    if step == self._step or (now - self._time <= self._every_secs and step != self._num_steps):
+      return
+    rate = (step - self._step) / (now - self._time)
+    left = (self._num_steps - step) / rate
+    logging.info(
+      "%.1f steps/s, %.1f%% (%d/%d), ETA: %s",
+      rate,
+      100 * step / self._num_steps,
+      step,
+      self._num_steps,
+      f"{left / 60:.0f}m" if left >= 60 else f"{left:.0f}s",
+    )
+    self._step, self._time = step, now
 
 
 class _Window:
