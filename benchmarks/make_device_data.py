@@ -30,6 +30,11 @@ import numpy as np
 import tensorflow_datasets as tfds
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from contrastive_jax.core import runtime
+
+if __name__ == "__main__":
+  runtime.setup()  # Every process setting first, before the imports below (core/runtime.py).
 from contrastive_jax.data import device_data  # noqa: E402  pylint: disable=g-import-not-at-top
 
 FLAGS = flags.FLAGS

@@ -47,6 +47,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from contrastive_jax.core import runtime
+
 # Stride-1 convolutions take the patches lowering on input maps of at most SMALL_MAP pixels
 # a side; strided ones with kernels below LARGE_KERNEL on input maps of at most SMALL_INPUT
 # values (height x width x channels) per image.
@@ -54,6 +56,12 @@ SMALL_MAP = 2
 SMALL_INPUT = 1024
 LARGE_KERNEL = 7
 NHWC = ("NHWC", "HWIO", "NHWC")  # The dimension numbers every lowering here takes.
+
+
+def lowers() -> bool:
+  """Whether conv_general_dilated and max_pool take this module's lowerings: on JAX's CPU
+  backend unless CONTRASTIVE_JAX_CPU_TWEAKS=0 (core/runtime.py). Read at trace time."""
+  return jax.default_backend() == "cpu" and runtime.cpu_tweaks()
 
 
 def explicit_pads(spatial_shape, window, strides, padding) -> tuple:
@@ -274,7 +282,7 @@ def conv_general_dilated(
   """
   window_strides = tuple(window_strides)
   eligible = (
-    jax.default_backend() == "cpu"
+    lowers()
     and all(d == 1 for d in (lhs_dilation or ()) + (rhs_dilation or ()))
     and feature_group_count == 1
     and lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
@@ -330,7 +338,7 @@ def max_pool(x, window, strides, padding):
     lo >= 0 and hi >= 0 and size + lo + hi >= w
     for size, (lo, hi), w in zip(x.shape[1:3], pads, window)
   )
-  if jax.default_backend() != "cpu" or not fits:
+  if not lowers() or not fits:
     return nn.max_pool(x, window, strides=strides, padding=padding)
   return _views_max_pool(x, window, strides, pads)
 
