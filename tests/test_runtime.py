@@ -2,6 +2,7 @@
 CONTRASTIVE_JAX_CPU_TWEAKS=0 turning the CPU tweaks off (no re-execution, no XLA option)."""
 
 import json
+import os
 import platform
 import shutil
 import subprocess
@@ -101,3 +102,18 @@ def test_setup_sets_every_setting_and_the_switch_turns_the_cpu_tweaks_off():
   assert off == dict(tf, XLA_FLAGS=users, GLIBC_TUNABLES=None)
   # The user's TensorFlow settings win.
   assert _setup(TF_CPP_MIN_LOG_LEVEL="3")["TF_CPP_MIN_LOG_LEVEL"] == "3"
+
+
+def test_flags_are_checked_only_where_jax_starts_its_cpu_backend(monkeypatch):
+  """A process whose JAX_PLATFORMS leave out cpu may hold flags only another backend's
+  library knows: left to it. Where cpu starts, the same flags stop setup."""
+  bad = "--xla_no_such_flag=1"
+  monkeypatch.setenv(runtime._CHECKED, "")
+  monkeypatch.setenv("XLA_FLAGS", bad)
+  monkeypatch.setenv("JAX_PLATFORMS", "tpu")
+  runtime.setup(huge_pages=False)
+  assert os.environ["XLA_FLAGS"] == f"{bad} {OURS}"
+  monkeypatch.setenv("XLA_FLAGS", bad)
+  monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
+  with pytest.raises(JobError, match="XLA refused '--xla_no_such_flag=1'"):
+    runtime.setup(huge_pages=False)

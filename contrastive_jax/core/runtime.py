@@ -30,8 +30,9 @@ CPU_TWEAKS = "CONTRASTIVE_JAX_CPU_TWEAKS"
 _CHECKED = "CONTRASTIVE_JAX_CHECKED_XLA_FLAGS"
 
 
-def setup(*, ynn_fusion_type: str = xla_flags.YNN_FUSION_TYPE, huge_pages: bool = True,
-          xla_options: tuple = ()) -> None:  # fmt: skip
+def setup(
+  *, ynn_fusion_type: str = xla_flags.YNN_FUSION_TYPE, huge_pages: bool = True, xla_options=()
+) -> None:
   """Sets this process's settings, each in the environment, where a value there wins.
 
   ynn_fusion_type: the YNNPACK option's value (xla_flags.merged); huge_pages False
@@ -49,7 +50,7 @@ def setup(*, ynn_fusion_type: str = xla_flags.YNN_FUSION_TYPE, huge_pages: bool 
   os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
   # A user's XLA flag that XLA refuses ends the run with one line, not XLA's abort.
   users = os.environ.get("XLA_FLAGS", "")
-  if users.strip() and users != os.environ.get(_CHECKED):
+  if users.strip() and users != os.environ.get(_CHECKED) and _starts_cpu(os.environ):
     refusal = xla_flags.refused(users)
     if refusal:
       raise JobError(refusal)
@@ -77,3 +78,11 @@ def cpu_backend_expected(environ) -> bool:
   if any(importlib.util.find_spec(name) for name in ("jax_plugins", "libtpu")):
     return False
   return not importlib.metadata.entry_points(group="jax_plugins")
+
+
+def _starts_cpu(environ) -> bool:
+  """Whether JAX will start its CPU backend (beside any other): JAX_PLATFORMS unset or
+  naming cpu. A process without it may hold flags that only another backend's library
+  knows, which the CPU client's check (xla_flags.refused) would refuse."""
+  platforms = environ.get("JAX_PLATFORMS", "").strip()
+  return not platforms or "cpu" in [p.strip() for p in platforms.split(",")]
