@@ -23,12 +23,8 @@ if __name__ == "__main__":
   # Every process setting (core/runtime.py), before the imports below: the re-execution
   # runs them again, and TensorFlow reads its settings when it loads.
   from contrastive_jax.core import runtime
-  from contrastive_jax.core.errors import JobError
 
-  try:
-    runtime.setup()
-  except JobError as e:
-    sys.exit(f"error: {e}")
+  runtime.setup()
 
 from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags

@@ -115,5 +115,8 @@ def test_flags_are_checked_only_where_jax_starts_its_cpu_backend(monkeypatch):
   assert os.environ["XLA_FLAGS"] == f"{bad} {OURS}"
   monkeypatch.setenv("XLA_FLAGS", bad)
   monkeypatch.setenv("JAX_PLATFORMS", "cuda,cpu")
-  with pytest.raises(JobError, match="XLA refused '--xla_no_such_flag=1'"):
+  with pytest.raises(SystemExit, match="^error: XLA_FLAGS: XLA refused '--xla_no_such_flag=1'"):
+    runtime.setup(huge_pages=False)
+  monkeypatch.setenv(runtime.CPU_TWEAKS, "yes")
+  with pytest.raises(SystemExit, match="^error: CONTRASTIVE_JAX_CPU_TWEAKS='yes': must be 0"):
     runtime.setup(huge_pages=False)

@@ -19,6 +19,7 @@ host with a CUDA plugin but no GPU thus runs without it unless JAX_PLATFORMS=cpu
 import importlib.metadata
 import importlib.util
 import os
+import sys
 
 from contrastive_jax.core import host_memory
 from contrastive_jax.core import xla_flags
@@ -36,11 +37,15 @@ def setup(
   """Sets this process's settings, each in the environment, where a value there wins.
 
   ynn_fusion_type: the YNNPACK option's value (xla_flags.merged); huge_pages False
-  never re-executes; xla_options: more XLA flags. Raises JobError for a
-  CONTRASTIVE_JAX_CPU_TWEAKS other than 0 or 1 and for user-set XLA_FLAGS that XLA
-  refuses (xla_flags.refused), before any compute.
+  never re-executes; xla_options: more XLA flags. A CONTRASTIVE_JAX_CPU_TWEAKS other
+  than 0 or 1, or user-set XLA_FLAGS that XLA refuses (xla_flags.refused), end the
+  process (SystemExit, status 1) with one line on stderr, `error: ...`, before any
+  compute.
   """
-  tweaks = cpu_tweaks()
+  try:
+    tweaks = cpu_tweaks()
+  except JobError as e:
+    sys.exit(f"error: {e}")
   # glibc's malloc backs XLA:CPU's per-step buffers with huge pages: fewer page faults.
   if huge_pages and tweaks and cpu_backend_expected(os.environ):
     host_memory.reexec_with_huge_pages()  # Everything before this runs twice.
@@ -53,7 +58,7 @@ def setup(
   if users.strip() and users != os.environ.get(_CHECKED) and _starts_cpu(os.environ):
     refusal = xla_flags.refused(users)
     if refusal:
-      raise JobError(refusal)
+      sys.exit(f"error: {refusal}")
   # XLA:CPU's convolutions on every core (Eigen), not YNNPACK's one: faster CPU steps.
   ynn = ynn_fusion_type if tweaks else None
   os.environ["XLA_FLAGS"] = xla_flags.merged(users, xla_options, ynn)
