@@ -13,14 +13,10 @@ from ml_collections import config_flags
 
 from benchmarks import batches
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.core import xla_flags
 from contrastive_jax.data import crop_spec
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.methods import pretraining
-
-# The benchmarks time the programs as the jobs run them (main.py sets the same).
-xla_flags.set_defaults()
 
 
 def config_name(config_flag) -> str:

@@ -20,17 +20,17 @@ import time
 # Time the package this script sits in, not another installed copy of it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from contrastive_jax.core import runtime
+
+if __name__ == "__main__":
+  runtime.setup()  # Every process setting first, before the imports below (core/runtime.py).
+
 import jax  # pylint: disable=g-import-not-at-top
 from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
-from contrastive_jax.core import host_memory
-from contrastive_jax.core import xla_flags
 from contrastive_jax.models import conv
-
-# The convolutions as the jobs run them (main.py sets the same).
-xla_flags.set_defaults()
 
 # (batch, map side, channels in, channels out, kernel, stride, padding).
 SHAPES = (
@@ -119,5 +119,4 @@ def main():
 
 
 if __name__ == "__main__":
-  host_memory.reexec_with_huge_pages()  # As main.py does, for its timings.
   main()

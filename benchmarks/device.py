@@ -100,8 +100,8 @@ from benchmarks import batches  # noqa: E402
 from benchmarks import flops  # noqa: E402
 from contrastive_jax import models  # noqa: E402
 from contrastive_jax.core import files  # noqa: E402
-from contrastive_jax.core import host_memory  # noqa: E402
 from contrastive_jax.core import mesh as mesh_lib  # noqa: E402
+from contrastive_jax.core import runtime  # noqa: E402
 from contrastive_jax.core import xla_flags  # noqa: E402
 from contrastive_jax.core.errors import JobError  # noqa: E402
 from contrastive_jax.data import device_data  # noqa: E402
@@ -556,10 +556,11 @@ def main(argv):
       f"benchmarks/device.py: --data={FLAGS.data or ''} is no file; it needs the .npz that "
       "benchmarks/make_device_data.py writes (docs/gpu.md)"
     )
-  # Read when the backend starts, after this; the user's own ynn option is kept. --tiny's
-  # rows run on the CPU, where JAX 0.11.2's XLA:CPU computes a bfloat16 ResNet's h as NaN
-  # under jit in its YNNPACK reduce fusion (the kNN monitor then refuses it).
-  xla_flags.set_defaults(xla_flags.YNN_FUSION_TYPE + (",-reduce" if FLAGS.tiny else ""))
+  # Every process setting (core/runtime.py), here, once --tiny is read, and before the
+  # backend starts; the user's own ynn option is kept. --tiny's rows run on the CPU, where
+  # JAX 0.11.2's XLA:CPU computes a bfloat16 ResNet's h as NaN under jit in its YNNPACK
+  # reduce fusion (the kNN monitor then refuses it).
+  runtime.setup(ynn_fusion_type=xla_flags.YNN_FUSION_TYPE + (",-reduce" if FLAGS.tiny else ""))
   start = time.perf_counter()
   data = read_data(FLAGS.tiny) if pretrains else None  # Its file checked before any compute.
   mesh = mesh_lib.make_mesh()
@@ -608,6 +609,5 @@ def run_main(argv):
 
 
 if __name__ == "__main__":
-  host_memory.reexec_with_huge_pages()  # As main.py does, for its timings.
   define_flags()
   app.run(run_main)

@@ -24,13 +24,19 @@ import os
 import sys
 import time
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+from contrastive_jax.core import runtime
+
+if __name__ == "__main__":
+  runtime.setup()  # Every process setting first, before the imports below (core/runtime.py).
+
 from absl import app
 from absl import flags
 import numpy as np
 import tensorflow_datasets as tfds
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from contrastive_jax.data import device_data  # noqa: E402  pylint: disable=g-import-not-at-top
+from contrastive_jax.data import device_data
 
 FLAGS = flags.FLAGS
 

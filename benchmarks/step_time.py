@@ -22,13 +22,17 @@ import sys
 # Time the package this script sits in, not another installed copy of it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from contrastive_jax.core import runtime
+
+if __name__ == "__main__":
+  runtime.setup()  # Every process setting first, before the imports below (core/runtime.py).
+
 from absl import app
 from absl import flags
 import jax  # pylint: disable=g-import-not-at-top
 from ml_collections import config_flags
 
 from benchmarks import common
-from contrastive_jax.core import host_memory
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.data import sources
@@ -112,5 +116,4 @@ def run_variants():
 
 
 if __name__ == "__main__":
-  host_memory.reexec_with_huge_pages()  # As main.py does, for its timings.
   app.run(main)

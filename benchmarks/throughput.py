@@ -50,6 +50,11 @@ import time
 # Measure the package this script sits in, not another installed copy of it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from contrastive_jax.core import runtime
+
+if __name__ == "__main__":
+  runtime.setup()  # Every process setting first, before the imports below (core/runtime.py).
+
 from absl import app
 from absl import flags
 import jax  # pylint: disable=g-import-not-at-top
@@ -59,7 +64,6 @@ import tensorflow as tf
 
 from benchmarks import capacity
 from benchmarks import common
-from contrastive_jax.core import host_memory
 from contrastive_jax.core import metrics
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.data import crop_spec
@@ -454,6 +458,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  host_memory.reexec_with_huge_pages()  # As main.py does, for its timings.
   define_flags()
   app.run(main)

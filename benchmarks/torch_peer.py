@@ -31,6 +31,11 @@ import time
 # Time the package this script sits in, not another installed copy of it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from contrastive_jax.core import runtime
+
+if __name__ == "__main__":
+  runtime.setup()  # Every process setting first, before the imports below (core/runtime.py).
+
 from absl import app
 from absl import flags
 import jax
@@ -47,7 +52,6 @@ import torch._dynamo  # noqa: F401  pylint: disable=unused-import
 
 from benchmarks import common
 from contrastive_jax import models
-from contrastive_jax.core import host_memory
 from contrastive_jax.data import augment
 from contrastive_jax.methods import common as method_common
 from contrastive_jax.methods import optim
@@ -310,6 +314,5 @@ def main(_):
 
 
 if __name__ == "__main__":
-  host_memory.reexec_with_huge_pages()  # As main.py does, for its timings.
   flags.mark_flag_as_required("config")
   app.run(main)

@@ -25,6 +25,11 @@ import time
 # Run the package this script sits in, not another installed copy of it.
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from contrastive_jax.core import runtime
+
+if __name__ == "__main__":
+  runtime.setup()  # Every process setting first, before the imports below (core/runtime.py).
+
 from absl import app
 from absl import flags
 import jax  # pylint: disable=g-import-not-at-top
@@ -33,7 +38,6 @@ from ml_collections import config_flags
 import numpy as np
 
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.core import xla_flags
 from contrastive_jax.data import crop_spec
 from contrastive_jax.data import device_data
 from contrastive_jax.data import device_samplers
@@ -72,7 +76,6 @@ def views_fn(size: int, resize: str, area_min: float, seed: int):
 
 
 def main(argv):
-  xla_flags.set_defaults()  # As the jobs run (main.py); before any device use.
   if len(argv) > 1:
     raise app.UsageError(f"Unexpected arguments: {argv[1:]}")
   config = FLAGS.config

@@ -20,18 +20,11 @@ import sys
 import time
 
 if __name__ == "__main__":
-  # glibc reads its malloc tunables when a process starts: re-executed with them before the
-  # imports below (core/host_memory.py says why).
-  from contrastive_jax.core import host_memory
+  # Every process setting (core/runtime.py), before the imports below: the re-execution
+  # runs them again, and TensorFlow reads its settings when it loads.
+  from contrastive_jax.core import runtime
 
-  host_memory.reexec_with_huge_pages()
-
-# Read by TensorFlow (the host data pipelines) when it loads, so set before anything imports
-# it; a value set in the environment wins. Its C++ INFO lines off (warnings and errors stay),
-# and its oneDNN kernels, announced by a line at each of its two loads: the pipelines
-# (decoding, crops, resizes, flips) run none of them and read the same pixels either way.
-os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")
-os.environ.setdefault("TF_ENABLE_ONEDNN_OPTS", "0")
+  runtime.setup()
 
 from absl import app  # pylint: disable=g-import-not-at-top,wrong-import-position
 from absl import flags
@@ -43,7 +36,6 @@ from ml_collections import config_flags
 from contrastive_jax import config_files
 from contrastive_jax.core import files
 from contrastive_jax.core import metrics
-from contrastive_jax.core import xla_flags
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import closest
@@ -59,9 +51,6 @@ from contrastive_jax.jobs import neighbours
 from contrastive_jax.jobs import prepare
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.training import runner
-
-# XLA's options for the job's programs: read when JAX's backend starts, after the imports.
-xla_flags.set_defaults()
 
 # Training jobs (check_config, build) run in runner.run's loop;
 # the others (no build) are not training loops and run themselves: job.run(config, workdir).

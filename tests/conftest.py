@@ -30,24 +30,19 @@ import os
 import shutil
 import tempfile
 
+import jax
 import pytest
 
-from contrastive_jax.core import xla_flags
+from contrastive_jax.core import runtime
 
-# Once, though pytest-xdist's workers inherit it from the session that starts them.
-os.environ["XLA_FLAGS"] = " ".join(
-  dict.fromkeys(
-    [
-      *os.environ.get("XLA_FLAGS", "").split(),
-      "--xla_backend_optimization_level=0",
-      "--xla_cpu_use_fusion_emitters=false",
-    ]
-  )
+# Every process setting as main.py makes them (core/runtime.py), once, though pytest-xdist's
+# workers inherit them from the session that starts them; and the compile options above. No
+# re-execution: pytest-xdist starts its workers with a program read from stdin, which a
+# re-executed worker could not read again, and the suite's time does not depend on it.
+runtime.setup(
+  huge_pages=False,
+  xla_options=("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false"),
 )
-import jax  # pylint: disable=g-import-not-at-top,wrong-import-position
-
-# And the project's own options, as main.py sets them for every job.
-xla_flags.set_defaults()
 
 # Made by the session that starts pytest-xdist's workers (or the only one), before it
 # starts them: the workers inherit its environment.

@@ -313,3 +313,35 @@ def test_max_pool_gradient_by_hand():
     want = np.zeros((3, 3))
     want[at] = 5.0
     np.testing.assert_array_equal(grad[0, :, :, 0], want)
+
+
+def test_the_cpu_tweaks_switch_off_leaves_xlas_convolution_and_flaxs_max_pool(monkeypatch):
+  """CONTRASTIVE_JAX_CPU_TWEAKS=0 (core/runtime.py): the program of each shape that takes a
+  lowering (matrix, patches, space-to-depth) is lax.conv_general_dilated's own, and the
+  max-pool's flax's."""
+  shapes = [
+    ((2, 2, 2, 4), (3, 3, 4, 4), (1, 1), "SAME"),  # Matrix.
+    ((2, 8, 8, 4), (3, 3, 4, 8), (2, 2), ((1, 1), (1, 1))),  # Patches.
+    ((2, 16, 16, 3), (7, 7, 3, 4), (2, 2), ((3, 3), (3, 3))),  # Space-to-depth.
+  ]
+
+  def programs():
+    found = []
+    for lhs, rhs, strides, padding in shapes:
+      x, w = jnp.zeros(lhs), jnp.zeros(rhs)
+      ours = lambda x, w: conv.conv_general_dilated(
+        x, w, strides, padding, dimension_numbers=DIMENSIONS
+      )
+      xlas = lambda x, w: lax.conv_general_dilated(
+        x, w, strides, padding, dimension_numbers=DIMENSIONS
+      )
+      found.append(str(jax.make_jaxpr(ours)(x, w)) == str(jax.make_jaxpr(xlas)(x, w)))
+    x = jnp.zeros((2, 9, 9, 2))
+    pool = jax.make_jaxpr(lambda x: conv.max_pool(x, (3, 3), (2, 2), "SAME"))(x)
+    flaxs = jax.make_jaxpr(lambda x: nn.max_pool(x, (3, 3), strides=(2, 2), padding="SAME"))(x)
+    return found + [str(pool) == str(flaxs)]
+
+  monkeypatch.delenv("CONTRASTIVE_JAX_CPU_TWEAKS", raising=False)
+  assert programs() == [False] * 4
+  monkeypatch.setenv("CONTRASTIVE_JAX_CPU_TWEAKS", "0")
+  assert programs() == [True] * 4

@@ -368,3 +368,98 @@ def test_the_source_and_tf_free_checkers_find_each_violation(tmp_path):
     "the set",
     "contrastive_jax.data.g (TF-free set) is no module",
   ]
+
+
+# The process settings have one home, core/runtime.py (with the two modules it runs):
+# no other module writes their environment variables or re-executes the process, and
+# every entry point calls runtime.setup().
+REPOSITORY = os.path.dirname(PACKAGE)
+PROCESS_SETTINGS = ("XLA_FLAGS", "GLIBC_TUNABLES", "TF_CPP_MIN_LOG_LEVEL", "TF_ENABLE_ONEDNN_OPTS")
+PROCESS_SETTERS = ("core/runtime.py", "core/host_memory.py")
+
+
+def process_setting_writes(path: str) -> list:
+  """'path:line' of each write in path's source to a PROCESS_SETTINGS variable of
+  os.environ (item assignment or deletion, setdefault, update, pop, os.putenv) and each
+  os.exec* call or reexec_with_huge_pages call."""
+  with open(path) as f:
+    tree = ast.parse(f.read(), path)
+  found = []
+  for node in ast.walk(tree):
+    targets = []
+    if isinstance(node, (ast.Assign, ast.Delete)):
+      targets = node.targets
+    elif isinstance(node, ast.AugAssign):
+      targets = [node.target]
+    names = [
+      t.slice.value
+      for t in targets
+      if isinstance(t, ast.Subscript) and isinstance(t.slice, ast.Constant)
+    ]
+    if isinstance(node, ast.Call):
+      attr = getattr(node.func, "attr", "") or getattr(node.func, "id", "")
+      if attr in ("setdefault", "update", "pop", "putenv"):
+        names = [c.value for a in node.args for c in ast.walk(a) if isinstance(c, ast.Constant)]
+      elif attr.startswith("exec") and getattr(node.func.value, "id", None) == "os":
+        names = ["os." + attr]
+      elif attr == "reexec_with_huge_pages":
+        names = [attr]
+    if any(n in PROCESS_SETTINGS or str(n).startswith(("os.exec", "reexec")) for n in names):
+      found.append(f"{os.path.relpath(path, REPOSITORY)}:{node.lineno}")
+  return found
+
+
+def entry_points() -> list:
+  """main.py, tests/conftest.py and every script of benchmarks/ (a module that runs
+  under `if __name__ == "__main__"`)."""
+  found = [os.path.join(PACKAGE, "main.py"), os.path.join(REPOSITORY, "tests", "conftest.py")]
+  benchmarks = os.path.join(REPOSITORY, "benchmarks")
+  for f in sorted(os.listdir(benchmarks)):
+    with open(os.path.join(benchmarks, f)) as source:
+      if f.endswith(".py") and 'if __name__ == "__main__"' in source.read():
+        found.append(os.path.join(benchmarks, f))
+  return found
+
+
+def calls_setup(path: str) -> bool:
+  """Whether path's source calls runtime.setup(...)."""
+  with open(path) as f:
+    tree = ast.parse(f.read(), path)
+  return any(
+    isinstance(node, ast.Call)
+    and getattr(node.func, "attr", None) == "setup"
+    and getattr(node.func.value, "id", None) == "runtime"
+    for node in ast.walk(tree)
+  )
+
+
+def test_the_process_is_set_up_in_one_place_that_every_entry_point_calls():
+  paths = [
+    os.path.join(d, f)
+    for top in (PACKAGE, os.path.join(REPOSITORY, "benchmarks"))
+    for d, _, files in os.walk(top)
+    for f in files
+    if f.endswith(".py")
+  ] + [os.path.join(REPOSITORY, "tests", "conftest.py")]
+  setters = tuple(os.path.join(PACKAGE, *p.split("/")) for p in PROCESS_SETTERS)
+  writes = [line for p in paths if p not in setters for line in process_setting_writes(p)]
+  assert writes == [], writes
+  assert len(entry_points()) > 3
+  assert [p for p in entry_points() if not calls_setup(p)] == []
+
+
+def test_the_process_setting_checker_finds_each_write(tmp_path):
+  path = tmp_path / "m.py"
+  path.write_text(
+    "import os\n"
+    'os.environ["XLA_FLAGS"] = "-x"\n'
+    'os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "1")\n'
+    'os.environ.update({"GLIBC_TUNABLES": "a=1"})\n'
+    "os.execv(sys.executable, [])\n"
+    "host_memory.reexec_with_huge_pages()\n"
+    'os.environ["OTHER"] = "1"\n'
+    'print(os.environ.get("XLA_FLAGS"))\n'
+  )
+  assert [line.split(":")[1] for line in process_setting_writes(str(path))] == list("23456")
+  path.write_text("from contrastive_jax.core import runtime\nruntime.setup(huge_pages=False)\n")
+  assert calls_setup(str(path))

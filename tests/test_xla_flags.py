@@ -1,5 +1,6 @@
 """core/xla_flags: the project's XLA options join the user's XLA_FLAGS, never override them,
-and take XLA:CPU's convolutions off YNNPACK; main.py sets them before JAX's backend starts."""
+and take XLA:CPU's convolutions off YNNPACK; a user's flag that XLA refuses gets one line from
+main.py."""
 
 import os
 import re
@@ -18,20 +19,20 @@ OPTION = "--xla_cpu_experimental_ynn_fusion_type"
 OURS = f"{OPTION}=-individual_convolution"
 
 
-def test_the_default_joins_the_users_flags_and_the_users_own_value_wins(monkeypatch):
-  monkeypatch.delenv("XLA_FLAGS", raising=False)
-  xla_flags.set_defaults()
-  assert os.environ["XLA_FLAGS"] == OURS
-  monkeypatch.setenv("XLA_FLAGS", "--xla_backend_optimization_level=0")
-  xla_flags.set_defaults()
-  assert os.environ["XLA_FLAGS"] == f"--xla_backend_optimization_level=0 {OURS}"
-  # Passed on by a parent process that set the default: a caller's own value replaces it.
-  xla_flags.set_defaults("-individual_convolution,-reduce")
-  assert os.environ["XLA_FLAGS"] == f"--xla_backend_optimization_level=0 {OURS},-reduce"
+def test_the_default_joins_the_users_flags_and_the_users_own_value_wins():
+  assert xla_flags.merged("") == OURS
+  users = "--xla_backend_optimization_level=0"
+  assert xla_flags.merged(users) == f"{users} {OURS}"
+  # Passed on by a parent process that set the default: a caller's own value replaces it,
+  # and no value (the CPU tweaks off) drops it.
+  assert xla_flags.merged(f"{users} {OURS}", (), "-individual_convolution,-reduce") == (
+    f"{users} {OURS},-reduce"
+  )
+  assert xla_flags.merged(f"{users} {OURS}", (), None) == users
+  # More options, each once, before the default.
+  assert xla_flags.merged(users, ("-a", users)) == f"{users} -a {OURS}"
   for users in (f"{OPTION}=-reduce", "/etc/xla_flags.txt"):  # A value, a file of flags.
-    monkeypatch.setenv("XLA_FLAGS", users)
-    xla_flags.set_defaults()
-    assert os.environ["XLA_FLAGS"] == users
+    assert xla_flags.merged(users) == users
 
 
 def _ynn_ops(hlo: str) -> set:
@@ -66,15 +67,43 @@ def test_convolutions_compile_to_xlas_own_and_dots_to_ynnpack():
   assert "convolution" in _ynn_ops(lowered.compile(xla_default).as_text())
 
 
-def test_main_sets_the_default_at_import_before_the_backend_starts():
-  check = (
-    "import os, jax; from jax._src import xla_bridge; import contrastive_jax.main; "
-    "assert not xla_bridge.backends_are_initialized(); print(os.environ['XLA_FLAGS'])"
-  )
-  env = subprocess_env()
-  env["XLA_FLAGS"] = " ".join(w for w in env.get("XLA_FLAGS", "").split() if OPTION not in w)
+@pytest.mark.parametrize(
+  "flags,named,reason",
+  [
+    (
+      "--xla_force_host_platform_device_count=abc",
+      "--xla_force_host_platform_device_count=abc",
+      "Couldn't interpret value abc",
+    ),
+    (
+      f"--xla_backend_optimization_level=0 {OPTION}=bogus",
+      f"{OPTION}=bogus",
+      "Illegal value for",
+    ),
+    ("--xla_no_such_flag=1", "--xla_no_such_flag=1", "Unknown flag in XLA_FLAGS"),
+    ("xla_cpu_use_fusion_emitters=false", "xla_cpu_use_fusion_emitters=false", "Could not open"),
+  ],
+)
+def test_main_names_the_users_flag_that_xla_refuses_in_one_line_before_any_compute(
+  flags, named, reason, tmp_path
+):
+  """A bad value, a value outside the flag's set, an unknown flag, a flag without its
+  dashes (XLA reads that as a file name)."""
+  env = dict(subprocess_env(), XLA_FLAGS=flags)
+  config = os.path.join(os.path.dirname(os.path.dirname(__file__)), "configs", "simclr_cifar10.py")
   out = subprocess.run(
-    [sys.executable, "-c", check], env=env, capture_output=True, text=True, timeout=300
+    [sys.executable, "-m", "contrastive_jax.main", f"--config={config}", f"--workdir={tmp_path}"],
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
   )
-  assert out.returncode == 0, out.stderr[-3000:]
-  assert OURS in out.stdout.split(), out.stdout
+  assert out.returncode == 1
+  [line] = out.stderr.strip().splitlines()
+  assert line.startswith(f"error: XLA_FLAGS: XLA refused {named!r} ("), line
+  assert reason in line, line
+  assert os.listdir(tmp_path) == []
+
+
+def test_flags_xla_takes_pass_the_check():
+  assert xla_flags.refused(f"--xla_cpu_use_fusion_emitters=false {OURS}") is None

@@ -1,14 +1,15 @@
 """glibc's malloc asked for transparent huge pages, by re-executing the process with the tunable.
 
 XLA:CPU allocates each execution's temporary buffers anew and frees them after it (the
-SimCLR `runlocal` step: 117 and 77 MB). glibc's malloc serves allocations this large with a
-fresh mmap and frees them with munmap, so every step faulted in about 28,800 pages of 4 KiB,
-each zeroed by the kernel: about 50 ms of kernel time a step on a 2-core CPU. With
-`glibc.malloc.hugetlb=1` malloc asks the kernel to back such mappings with 2 MiB pages
-(transparent huge pages in 'madvise' mode, the usual default): about 600 faults a step, the
-step 4 to 21% faster, the host pipeline as fast (docs/throughput.md). glibc reads
-GLIBC_TUNABLES only when a process starts, hence the re-execution. Keeping freed memory in
-one arena instead (mallopt) removed the faults too but halved tf.data's pace.
+SimCLR `runlocal` step's are about a hundred MB). glibc's malloc serves allocations this
+large with a fresh mmap and frees them with munmap, so every step faults in tens of
+thousands of 4 KiB pages, each zeroed by the kernel. With `glibc.malloc.hugetlb=1` malloc
+asks the kernel to back such mappings with 2 MiB pages (transparent huge pages in
+'madvise' mode, the usual default): a few hundred faults a step, the step faster and the
+host pipeline as fast, measured on CPU backends only (docs/throughput.md has the figures).
+glibc reads GLIBC_TUNABLES only when a process starts, hence the re-execution
+(core/runtime.py decides where it runs). Keeping freed memory in one arena instead
+(mallopt) removed the faults too but halved tf.data's pace.
 """
 
 import os

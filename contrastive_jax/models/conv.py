@@ -2,41 +2,32 @@
 
 XLA:CPU runs a convolution and its two gradients with its own convolution
 kernels, which are several times slower than a matrix product of the same
-arithmetic on the small feature maps of CIFAR-sized inputs: a 3x3 convolution
-of batch 512 on 2x2 maps of 64 channels took 10.7 ms forward and backward,
-1.7 ms as a product of its patches [N*H*W, 9*C] with the kernel [9*C, O]; a
-stride-2 one from 4x4 maps, 2.6 ms against 1.1 ms (this project's 2-core
-x86-64 VM, JAX 0.10.2, XLA's own convolutions as core/xla_flags.py sets them;
-benchmarks/conv_lowering.py prints the table). On larger maps at stride 1 XLA's
-own is faster (8x8 maps of 16 channels: 5.3 ms against 15.9 ms). `conv_general_dilated` takes
+arithmetic on the small feature maps of CIFAR-sized inputs; on larger maps at
+stride 1 XLA's own is faster (docs/throughput.md has every figure;
+benchmarks/conv_lowering.py prints the table, with XLA's own convolutions as
+core/xla_flags.py sets them). `conv_general_dilated` takes
 lax.conv_general_dilated's arguments and picks the faster lowering by shape on
-the CPU; every other backend gets lax.conv_general_dilated. Both compute the
-same sums, in another order: the results agree to float32 rounding.
+the CPU; every other backend, and the CPU with CONTRASTIVE_JAX_CPU_TWEAKS=0
+(core/runtime.py), gets lax.conv_general_dilated. Both compute the same sums, in
+another order: the results agree to float32 rounding.
 
 On maps of at most as many pixels as the kernel has taps (2x2 and 1x1 maps
 under a 3x3 kernel) most of the patches' entries are padding: such a
 convolution runs as one product of the flattened input [N, H*W*C] with the
 convolution's matrix [H*W*C, H'*W'*O], built from the kernel (matrix_conv),
-which leaves the padding's products out: on 1x1 maps of 128 channels 0.41 ms
-against the patches' 2.20, on 2x2 maps of 64 channels 1.02 against 2.58,
-forward and both gradients (same VM and JAX).
+which leaves the padding's products out.
 
 A strided convolution with a large kernel (the ResNet's 7x7 stride-2 stem) runs
 forward as a stride-1 convolution of the input's space-to-depth rearrangement
 (each s x s block of pixels one pixel of s*s*C channels) with the kernel
-zero-padded to a multiple of s and rearranged alike: 4.8 ms against XLA's 7.2
-for the runlocal stem (batch 512 of 32 px, 16 channels; same VM and JAX; with
-the weight gradient 16.2 against 17.7 ms; on one core 8.1 against 13.5 and 17.0
-against 22.1). Its gradients stay XLA's own, which are faster than the
-rearranged ones (weight gradient 5.0 ms against 7.4).
+zero-padded to a multiple of s and rearranged alike, the faster on one core and
+on two. Its gradients stay XLA's own, which are faster than the rearranged ones.
 
 XLA:CPU runs a max-pool's gradient (select-and-scatter) as a reduce-window
-over the values and four index arrays, then a scatter: 33 ms for the ResNet
-stem's 3x3 stride-2 pool of batch 512 on 16x16 maps of 16 channels, forward
-and backward, a quarter of the SimCLR runlocal step. `max_pool` takes the
-maximum of the window's strided views instead, and its gradient goes to the
-first maximum of each window as XLA's does, through masks and pads of the same
-views: 4.4 ms (same VM and JAX).
+over the values and four index arrays, then a scatter: a quarter of the SimCLR
+runlocal step for the ResNet stem's pool. `max_pool` takes the maximum of the
+window's strided views instead, and its gradient goes to the first maximum of
+each window as XLA's does, through masks and pads of the same views.
 """
 
 import functools
@@ -47,6 +38,8 @@ from jax import lax
 import jax.numpy as jnp
 import numpy as np
 
+from contrastive_jax.core import runtime
+
 # Stride-1 convolutions take the patches lowering on input maps of at most SMALL_MAP pixels
 # a side; strided ones with kernels below LARGE_KERNEL on input maps of at most SMALL_INPUT
 # values (height x width x channels) per image.
@@ -54,6 +47,12 @@ SMALL_MAP = 2
 SMALL_INPUT = 1024
 LARGE_KERNEL = 7
 NHWC = ("NHWC", "HWIO", "NHWC")  # The dimension numbers every lowering here takes.
+
+
+def lowers() -> bool:
+  """Whether conv_general_dilated and max_pool take this module's lowerings: on JAX's CPU
+  backend unless CONTRASTIVE_JAX_CPU_TWEAKS=0 (core/runtime.py). Read at trace time."""
+  return jax.default_backend() == "cpu" and runtime.cpu_tweaks()
 
 
 def explicit_pads(spatial_shape, window, strides, padding) -> tuple:
@@ -81,14 +80,12 @@ def uses_matrix(lhs_shape, rhs_shape) -> bool:
 def uses_patches(lhs_shape, rhs_shape, window_strides) -> bool:
   """Whether an NHWC x HWIO convolution takes the patches lowering on the CPU.
 
-  From benchmarks/conv_lowering.py's table (this project's 2-core VM, JAX 0.10.2,
-  with XLA's own convolutions, not YNNPACK's: core/xla_flags.py; forward and both
-  gradients, batch 512): patches win at stride 2 with 3x3 kernels on inputs of
-  8x8x16, 4x4x32 and 2x2x64 (1.2x to 6.5x) and at stride 1 on 1x1 and 2x2 maps
-  (2.3x, 6.2x); XLA's own wins for the 7x7 stem (0.46x patches' time, weight gradient
-  alone; its forward is space-to-depth's: uses_space_to_depth), stride 1 on
-  4x4 maps or larger (0.3x to 0.7x) and strided kernels on larger inputs (8x8x64:
-  0.51x; 8x8x128 to 32x32x64: 0.88x to 0.92x). The 1x1 strided shortcuts on small
+  From benchmarks/conv_lowering.py's table (docs/throughput.md), forward and both
+  gradients, with XLA's own convolutions (core/xla_flags.py): patches win at stride 2
+  with 3x3 kernels on inputs of 8x8x16, 4x4x32 and 2x2x64 and at stride 1 on 1x1 and
+  2x2 maps; XLA's own wins for the 7x7 stem (weight gradient alone; its forward is
+  space-to-depth's: uses_space_to_depth), stride 1 on 4x4 maps or larger and strided
+  kernels on inputs of more than SMALL_INPUT values. The 1x1 strided shortcuts on small
   maps take under a millisecond either way.
   """
   h, w, channels = lhs_shape[1:4]
@@ -270,11 +267,12 @@ def conv_general_dilated(
   All need NHWC inputs, HWIO kernels, no dilation, one feature group and an output of
   at least one pixel, the matrix equal strides and unsharded spatial axes, and
   space-to-depth non-negative padding and unsharded spatial axes; any other
-  convolution, and every convolution off the CPU, is lax.conv_general_dilated's.
+  convolution, and every convolution where lowers() is False, is
+  lax.conv_general_dilated's.
   """
   window_strides = tuple(window_strides)
   eligible = (
-    jax.default_backend() == "cpu"
+    lowers()
     and all(d == 1 for d in (lhs_dilation or ()) + (rhs_dilation or ()))
     and feature_group_count == 1
     and lax.conv_dimension_numbers(lhs.shape, rhs.shape, dimension_numbers)
@@ -315,10 +313,10 @@ def conv_general_dilated(
 def max_pool(x, window, strides, padding):
   """flax.linen.max_pool(x, window, strides, padding) of NHWC x [N, H, W, C] (floating).
 
-  padding: 'SAME', 'VALID' or ((top, bottom), (left, right)), padded with -inf. On the
-  CPU the maximum of the window's strided views, differentiated through
-  _views_max_pool's JVP (forward and reverse mode); every other backend, and a
-  padding below 0 or a window wider than the padded input, gets flax's
+  padding: 'SAME', 'VALID' or ((top, bottom), (left, right)), padded with -inf. Where
+  lowers(), the maximum of the window's strided views, differentiated through
+  _views_max_pool's JVP (forward and reverse mode); elsewhere, and for a
+  padding below 0 or a window wider than the padded input, flax's
   (lax.reduce_window). Returns [N, H', W', C] in x's dtype; values equal flax's,
   gradients to float rounding (a pixel under several windows sums their gradients
   in another order), but for a window holding a NaN, which passes none (its output
@@ -330,7 +328,7 @@ def max_pool(x, window, strides, padding):
     lo >= 0 and hi >= 0 and size + lo + hi >= w
     for size, (lo, hi), w in zip(x.shape[1:3], pads, window)
   )
-  if jax.default_backend() != "cpu" or not fits:
+  if not lowers() or not fits:
     return nn.max_pool(x, window, strides=strides, padding=padding)
   return _views_max_pool(x, window, strides, pads)
 
