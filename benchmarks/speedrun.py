@@ -151,7 +151,7 @@ def define_flags():
   flags.DEFINE_float("minutes", None, "the budget in minutes of steps, instead of --epochs")
   flags.DEFINE_float("images_per_s", 41404.0, "the step's throughput that --minutes reads")
   flags.DEFINE_integer("eval_every", None, "epochs between kNN evaluations (default 10; --tiny 1)")
-  flags.DEFINE_float("call_seconds", 510.0, "this call stops (checkpointed) after about this")
+  flags.DEFINE_float("call_seconds", 480.0, "this call stops (checkpointed) after about this")
   flags.DEFINE_integer("call_epochs", None, "this call stops after this many epochs")
 
 
