@@ -234,7 +234,11 @@ def table(env: dict, progress: dict) -> str:
     f"| {e['epoch']:g} | {e['knn_top1']:.4f} | {e['train_s']:.1f} | {e['knn_s']:.1f} |"
     for e in evals
   ]
-  lines += ["", "| kNN threshold | first epoch | steps (s) | all (s) |", "|---|---|---|---|"]
+  lines += [
+    "",
+    "| kNN threshold | first epoch | steps (s) | steps, compilation and evaluation (s) |",
+    "|---|---|---|---|",
+  ]
   for threshold, e in first_reached(evals).items():
     if e is None:
       lines.append(f"| {threshold} | not reached | | |")

@@ -104,6 +104,15 @@ def test_tiny_run_resumes_across_two_calls_and_writes_its_table(cifar_npz, tmp_p
   assert "(--tiny)" in table and "| 0.848 |" in table and "| 0.858 |" in table
   assert f"| 2 | {evals[1]['knn_top1']:.4f} |" in table
 
+  # The same run in one call: the resumed run computed what it computes (the batches are a
+  # function of the step, the state restored bit for bit).
+  whole = _run("--tiny", f"--data={cifar_npz}", f"--workdir={tmp_path / 'whole'}")
+  assert whole.returncode == 0, whole.stderr[-4000:]
+  one_call = json.loads((tmp_path / "whole" / "results" / "speedrun.json").read_text())
+  assert [(e["knn_top1"], e["loss"]) for e in one_call["evals"]] == [
+    (e["knn_top1"], e["loss"]) for e in evals
+  ]
+
   # A later call with another budget in the same workdir: the checkpoint is another recipe's.
   line = _one_line(_run(*common, "--epochs=3"))
   assert "another recipe" in line and "speedrun.epochs: 2 there, 3 here" in line
