@@ -93,6 +93,7 @@ from contrastive_jax.core import xla_flags  # noqa: E402
 from contrastive_jax.core.errors import ConfigError  # noqa: E402
 from contrastive_jax.data import device_data  # noqa: E402
 from contrastive_jax.methods import evaluated_encoder  # noqa: E402
+from contrastive_jax.methods import get_method  # noqa: E402
 from contrastive_jax.methods import pretraining  # noqa: E402
 from contrastive_jax.training import evaluators  # noqa: E402
 
@@ -293,6 +294,7 @@ def main(argv):
     fail(f"--call_epochs={FLAGS.call_epochs}: at least 1")
   test_images = TINY["test_images"] if tiny else 10_000
   config = speedrun_config(tiny, epochs, eval_every, train_images, test_images)
+  get_method(config.method).check_config(config, train_images)
   workdir = os.path.abspath(FLAGS.workdir)
   out = FLAGS.out or os.path.join(workdir, "results")
   xla_flags.set_defaults()  # The jobs' XLA options, unless XLA_FLAGS set them.
@@ -311,12 +313,12 @@ def main(argv):
           f"{workdir} holds a checkpoint of another recipe ({named}); give another --workdir "
           "or the flags it was started with"
         )
-    run_calls(config, ckpt, workdir, out, start_step)
+    run_call(config, ckpt, workdir, out, start_step)
   finally:
     ckpt.close()
 
 
-def run_calls(config, ckpt, workdir: str, out: str, start_step: int):
+def run_call(config, ckpt, workdir: str, out: str, start_step: int):
   """This call: read the data, restore or initialise, train to the next stop, evaluate and
   checkpoint at each evaluation epoch and where it stops, write the results."""
   call_start = time.perf_counter()
