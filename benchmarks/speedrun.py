@@ -89,7 +89,7 @@ from contrastive_jax import recipes  # noqa: E402
 from contrastive_jax.core import checkpointing  # noqa: E402
 from contrastive_jax.core import files  # noqa: E402
 from contrastive_jax.core import mesh as mesh_lib  # noqa: E402
-from contrastive_jax.core import xla_flags  # noqa: E402
+from contrastive_jax.core import runtime  # noqa: E402
 from contrastive_jax.core.errors import ConfigError  # noqa: E402
 from contrastive_jax.data import device_data  # noqa: E402
 from contrastive_jax.methods import evaluated_encoder  # noqa: E402
@@ -297,7 +297,8 @@ def main(argv):
   get_method(config.method).check_config(config, train_images)
   workdir = os.path.abspath(FLAGS.workdir)
   out = FLAGS.out or os.path.join(workdir, "results")
-  xla_flags.set_defaults()  # The jobs' XLA options, unless XLA_FLAGS set them.
+  # The jobs' process settings; no re-execution: a timed GPU run gains nothing from it.
+  runtime.setup(huge_pages=False)
   logging.set_verbosity(logging.WARNING)  # Orbax's lines at each save would bury the table.
 
   files.makedirs(workdir)
