@@ -21,6 +21,8 @@ Arguments (--config=configs/byol_cifar10.py:ARG,ARG..., e.g. :runlocal,dtype=bfl
       the BYOL reference's own LARS (lr 1.0 x B/256, weight decay 1.5e-6, trust
       coefficient 0.001), initialisation, crop and tf.image views (recipes.byol_views);
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
+
+The recipes and their sources: docs/recipes.md; the runs measured: docs/results.md.
 """
 
 from contrastive_jax import config_files

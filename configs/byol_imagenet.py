@@ -20,6 +20,8 @@ scale of each block (the paper's runs used 1; the README reports no change
 for ResNet-50 1x), ImageNet standardisation, BYOL's own crop (area 0.08-1,
 bicubic), tf.image color ops with additive brightness, asymmetric blur and
 solarization (recipes.byol_views); bfloat16.
+
+The recipes and their sources: docs/recipes.md; the runs measured: docs/results.md.
 """
 
 from contrastive_jax import config_files

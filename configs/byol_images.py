@@ -15,6 +15,8 @@ Arguments (--config=configs/byol_images.py:ARG,ARG...):
       narrower heads, a larger lr for the short schedule; sized for about 10
       minutes on a 2-core CPU (recipes.runlocal_images);
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
+
+Preparing a folder and its configs: docs/images.md.
 """
 
 from contrastive_jax import config_files

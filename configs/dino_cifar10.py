@@ -65,6 +65,8 @@ Arguments (--config=configs/dino_cifar10.py:ARG,ARG..., e.g. :runlocal,model=res
       for theirs (2 x 2).
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 Variant `runlocal_resnet`: runlocal,model=resnet18.
+
+The recipes and their sources: docs/recipes.md; the runs measured: docs/results.md.
 """
 
 from contrastive_jax import config_files

@@ -56,6 +56,8 @@ reference passes drop_path_rate to its ViTs only).
 Where it departs, and why: the ViT's initialisation is MoCo v3's
 (models/vit.py), not DINO's trunc_normal(0.02); the kNN monitor's bank is 10% of
 train (recipes.imagenet; eval_knn.py uses all of it) and runs every 10 epochs.
+
+The recipes and their sources: docs/recipes.md; the runs measured: docs/results.md.
 """
 
 from contrastive_jax import config_files

@@ -28,6 +28,8 @@ Arguments (--config=configs/dino_images.py:ARG,ARG...):
       outputs (hidden 512, bottleneck 128) and teacher momentum 0.99 (as
       dino_cifar10.py's runlocal);
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
+
+Preparing a folder and its configs: docs/images.md.
 """
 
 from contrastive_jax import config_files

@@ -23,6 +23,8 @@ checkpoints. Top-1 and top-5 on the whole test split at the end (and every
 Argument `runlocal` (--config=configs/linear_probe.py:runlocal): 1000 steps at batch
 256 (about 5 epochs) of the preset's recipe, sized for a 2-core CPU; every preset's
 schedule keeps its shape (cosine to the run's end; MoCo's decays at 60% and 80% of it).
+
+The presets and their sources: docs/jobs.md (Linear probe), docs/recipes.md.
 """
 
 import ml_collections

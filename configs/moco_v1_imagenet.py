@@ -12,6 +12,8 @@ then torchvision's ColorJitter(0.4, 0.4, 0.4, 0.4) always, flip; bfloat16.
 
 Arguments (--config=configs/moco_v1_imagenet.py:ARG):
   `dtype=bfloat16` (the default) or `dtype=float32`: the encoder's compute dtype.
+
+The recipes and their sources: docs/recipes.md; the runs measured: docs/results.md.
 """
 
 from contrastive_jax import config_files

@@ -20,6 +20,8 @@ Arguments (--config=configs/moco_v2_cifar10.py:ARG,ARG..., e.g. :runlocal,dtype=
   `runlocal`: the same job shrunk for a 2-core CPU (recipes.runlocal), with BN
       groups of 32 to keep 8 groups at batch 256;
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
+
+The recipes and their sources: docs/recipes.md; the runs measured: docs/results.md.
 """
 
 from contrastive_jax import config_files

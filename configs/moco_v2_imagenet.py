@@ -16,6 +16,8 @@ without warm-up, queue 65536, key momentum 0.999, temperature 0.2, MLP head
 BN groups of 32 images (the reference's 8 GPUs x 32), RandomResizedCrop
 (scale 0.2-1, bilinear), torchvision's ColorJitter(0.4, 0.4, 0.4, 0.1) p 0.8,
 grayscale p 0.2, Gaussian blur p 0.5, flip; bfloat16.
+
+The recipes and their sources: docs/recipes.md; the runs measured: docs/results.md.
 """
 
 from contrastive_jax import config_files

@@ -16,6 +16,8 @@ Arguments (--config=configs/moco_v2_images.py:ARG,ARG...):
   `runlocal`: 64 px, ResNet-18 at width 0.25, batch 128, 400 steps,
       sized for about 10 minutes on a 2-core CPU (recipes.runlocal_images);
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
+
+Preparing a folder and its configs: docs/images.md.
 """
 
 from contrastive_jax import config_files

@@ -37,6 +37,8 @@ Arguments (--config=configs/mocov3_cifar10.py:ARG,ARG..., e.g. :model=vit_tiny,r
       and few steps, and the short run leaves no room for a long warm-up.
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
 Variant `runlocal_vit`: runlocal,model=vit_tiny.
+
+The recipes and their sources: docs/recipes.md; the runs measured: docs/results.md.
 """
 
 from contrastive_jax import config_files

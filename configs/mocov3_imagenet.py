@@ -35,6 +35,8 @@ after the projector's last one (without affine parameters), global BN, each
 view its own forward pass; BYOL's asymmetric views with torchvision's
 ColorJitter (0.4, 0.4, 0.2, 0.1) p 0.8, grayscale p 0.2, PIL blur p 1.0 / 0.1,
 solarize p 0 / 0.2, flip; ImageNet standardisation; bfloat16 compute.
+
+The recipes and their sources: docs/recipes.md; the runs measured: docs/results.md.
 """
 
 from contrastive_jax import config_files

@@ -12,6 +12,8 @@ query_rows. Rows come first, then queries, then queries_file.
 
 search: 'auto' searches the index's ANN index (ann.json) when it has one and
 exactly otherwise; 'exact' always exactly.
+
+docs/images.md (Search by image), docs/search.md (the ANN index).
 """
 
 import ml_collections

@@ -19,6 +19,8 @@ Arguments (--config=configs/simclr_cifar10.py:ARG,ARG..., e.g. :runlocal,dtype=b
   `runlocal`: the same job shrunk for a 2-core CPU (recipes.runlocal: narrow
       ResNet-18, batch 256, 1500 steps);
   `dtype=float32` (the default) or `dtype=bfloat16`: the encoder's compute dtype.
+
+The recipes and their sources: docs/recipes.md; the runs measured: docs/results.md.
 """
 
 from contrastive_jax import config_files

@@ -19,6 +19,8 @@ variance-scaling initialisation, zero-initialised last BN scale of each block,
 inputs in [0, 1], TensorFlow's distorted-bounding-box crop (area 0.08-1,
 bicubic), color jitter strength 1.0 with tf.image ops and v1's additive
 brightness, blur p 0.5 (kernel 10% of the side, zero-padded), bfloat16.
+
+The recipes and their sources: docs/recipes.md; the runs measured: docs/results.md.
 """
 
 from contrastive_jax import config_files

@@ -233,7 +233,18 @@ def test_the_resnet_with_the_patches_lowering_equals_it_without(monkeypatch):
   """ResNet-18 at width 1/16 on 32 px (maps 8 to 1 px: the strided and small-map
   lowerings)."""
   config = ml_collections.ConfigDict(
-    dict(name="resnet18", width=0.0625, stem="imagenet", dtype="float32", padding="torchvision")
+    dict(
+      name="resnet18",
+      width=0.0625,
+      stem="imagenet",
+      dtype="float32",
+      zero_init_residual=True,
+      conv_init="he_normal",
+      padding="torchvision",
+      stage_projection=False,
+      input_mean=(0.0, 0.0, 0.0),
+      input_std=(1.0, 1.0, 1.0),
+    )
   )
   encoder = models.build_encoder(config)
   x = jnp.asarray(np.random.default_rng(0).uniform(size=(4, 32, 32, 3)), jnp.float32)

@@ -33,10 +33,22 @@ FAMILY_CONFIGS = {
 }
 
 
+# A ResNet-18 at 1/16 width (8 to 64 channels) with the CIFAR stem and a legacy config's fields.
+SMALL_RESNET = dict(
+  name="resnet18",
+  width=0.0625,
+  stem="cifar",
+  zero_init_residual=True,
+  conv_init="he_normal",
+  padding="legacy",
+  stage_projection=False,
+  input_mean=(0.0, 0.0, 0.0),
+  input_std=(1.0, 1.0, 1.0),
+)
+
+
 def _encoder(axis_name):
-  cfg = ml_collections.ConfigDict(
-    dict(name="resnet18", width=0.0625, stem="cifar", dtype="float32")
-  )
+  cfg = ml_collections.ConfigDict(dict(SMALL_RESNET, dtype="float32"))
   return models.build_encoder(cfg, bn_axis_name=axis_name)
 
 
@@ -126,9 +138,7 @@ def test_config_builds_model_with_expected_shapes(name, variant, image_size, h_d
 
 
 def test_bfloat16_compute_keeps_float32_params_and_outputs():
-  cfg = ml_collections.ConfigDict(
-    dict(name="resnet18", width=0.0625, stem="cifar", dtype="bfloat16")
-  )
+  cfg = ml_collections.ConfigDict(dict(SMALL_RESNET, dtype="bfloat16"))
   model = models.build_encoder(cfg)
   params, stats = common.init_variables(model, jax.random.PRNGKey(0), 8)
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))

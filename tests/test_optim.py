@@ -21,10 +21,26 @@ from contrastive_jax.models import heads
 def _resnet_params():
   model = heads.ContrastiveModel(
     encoder=models.build_encoder(
-      ml_collections.ConfigDict(dict(name="resnet18", width=0.125, stem="cifar", dtype="float32"))
+      ml_collections.ConfigDict(
+        dict(
+          name="resnet18",
+          width=0.125,
+          stem="cifar",
+          dtype="float32",
+          zero_init_residual=True,
+          conv_init="he_normal",
+          padding="legacy",
+          stage_projection=False,
+          input_mean=(0.0, 0.0, 0.0),
+          input_std=(1.0, 1.0, 1.0),
+        )
+      )
     ),
     projector=models.build_mlp(
-      ml_collections.ConfigDict(dict(hidden_dims=(16,), out_dim=8, use_bn=True)), "float32"
+      ml_collections.ConfigDict(
+        dict(hidden_dims=(16,), out_dim=8, use_bn=True, init="lecun_normal")
+      ),
+      "float32",
     ),
   )
   params, _ = common.init_variables(model, jax.random.PRNGKey(0), 8)

@@ -11,10 +11,12 @@ older saved configs' flat crop fields upgraded; DINO's configs against main_dino
 arguments of the README command each names.
 """
 
+import ast
 import glob
 import json
 import math
 import os
+import re
 
 from helpers import CONFIG_DIR
 from helpers import load_config
@@ -814,3 +816,51 @@ def test_upgrade_config_gives_an_older_dino_config_no_stochastic_depth():
   upgraded = config_files.upgrade_config(ml_collections.ConfigDict(old))
   assert upgraded.dino.drop_path_rate == 0.0
   assert upgraded.to_dict() == current.to_dict()  # The runlocal trains without it too.
+
+
+def test_upgrade_config_gives_older_models_and_heads_the_networks_they_trained():
+  # A ResNet config and its projector as written before their fields existed.
+  current = load_config("moco_v2_cifar10", "runlocal")
+  old = json.loads(json.dumps(current.to_dict()))
+  for field in (
+    "input_mean",
+    "input_std",
+    "zero_init_residual",
+    "conv_init",
+    "padding",
+    "stage_projection",
+  ):
+    del old["model"][field]
+  del old["projector"]["init"]
+  upgraded = config_files.upgrade_config(ml_collections.ConfigDict(old))
+  model = upgraded.model
+  assert (model.zero_init_residual, model.conv_init, model.padding) == (True, "he_normal", "legacy")
+  assert model.stage_projection is False
+  assert (tuple(model.input_mean), tuple(model.input_std)) == ((0.0, 0.0, 0.0), (1.0, 1.0, 1.0))
+  assert upgraded.projector.init == "lecun_normal"
+  encoder = models.build_encoder(model)
+  assert (encoder.padding, encoder.conv_init, encoder.zero_init_residual) == (
+    "legacy",
+    "he_normal",
+    True,
+  )
+  assert models.build_mlp(upgraded.projector, "float32").dense_init == "lecun_normal"
+  # A ViT gets the input fields only; a current config passes unchanged.
+  vit_config = load_config("mocov3_cifar10", "runlocal_vit")
+  old = json.loads(json.dumps(vit_config.to_dict()))
+  del old["model"]["input_mean"], old["model"]["input_std"]
+  upgraded = config_files.upgrade_config(ml_collections.ConfigDict(old))
+  assert tuple(upgraded.model.input_std) == (1.0, 1.0, 1.0) and "padding" not in upgraded.model
+  again = config_files.upgrade_config(current)
+  assert again.to_dict() == current.to_dict()
+
+
+def test_every_config_file_says_what_it_sets_and_links_its_docs_page():
+  docs = os.path.join(os.path.dirname(CONFIG_DIR), "docs")
+  for path in sorted(glob.glob(os.path.join(CONFIG_DIR, "*.py"))):
+    with open(path) as f:
+      doc = ast.get_docstring(ast.parse(f.read())) or ""
+    pages = re.findall(r"docs/([a-z_]+\.md)", doc)
+    assert pages, f"{path}: its docstring names no docs/*.md page"
+    for page in pages:
+      assert os.path.isfile(os.path.join(docs, page)), f"{path}: no docs/{page}"

@@ -192,9 +192,25 @@ def test_checkpoint_prefixes_and_heads_are_stripped():
   jax.tree.map(np.testing.assert_array_equal, variables, plain)
 
 
+# The fields of a ResNet config that _resnet's callers leave out.
+_LEGACY_FIELDS = dict(
+  zero_init_residual=True,
+  conv_init="he_normal",
+  stage_projection=False,
+  input_mean=(0.0, 0.0, 0.0),
+  input_std=(1.0, 1.0, 1.0),
+)
+
+
 def _resnet(name="resnet18", **fields):
   return ml_collections.ConfigDict(
-    dict(name=name, width=1.0, stem="imagenet", dtype="float32", padding="torchvision", **fields)
+    dict(
+      name=name,
+      width=1.0,
+      stem="imagenet",
+      dtype="float32",
+      **{**_LEGACY_FIELDS, "padding": "torchvision", **fields},
+    )
   )
 
 

@@ -33,10 +33,19 @@ from contrastive_jax.models import state_dicts
 
 # name -> (model config fields, image size, seed). ImageNet standardisation as MoCo's.
 _IMAGENET = dict(input_mean=(0.485, 0.456, 0.406), input_std=(0.229, 0.224, 0.225))
+# A torchvision ResNet's fields but its padding (each case's); the initialisation is not used.
+_TORCHVISION = dict(
+  zero_init_residual=True, conv_init="he_normal", stage_projection=False, **_IMAGENET
+)
 # torchvision's resnet50 (DINO's too), and timm's vit_small_patch16_224 (DINO's vit_small:
 # 6 heads, learned pos_embed).
 _RESNET50 = dict(
-  name="resnet50", width=1.0, stem="imagenet", dtype="float32", padding="torchvision", **_IMAGENET
+  name="resnet50",
+  width=1.0,
+  stem="imagenet",
+  dtype="float32",
+  padding="torchvision",
+  **_TORCHVISION,
 )
 _VIT_SMALL_LEARNED = dict(
   name="vit_small",
@@ -57,7 +66,7 @@ CASES = {
       stem="imagenet",
       dtype="float32",
       padding="torchvision",
-      **_IMAGENET,
+      **_TORCHVISION,
     ),
     64,
     18,
