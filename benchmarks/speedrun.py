@@ -84,8 +84,8 @@ from absl import logging  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from contrastive_jax import models  # noqa: E402
 from contrastive_jax import config_files  # noqa: E402
+from contrastive_jax import models  # noqa: E402
 from contrastive_jax import recipes  # noqa: E402
 from contrastive_jax.core import checkpointing  # noqa: E402
 from contrastive_jax.core import files  # noqa: E402
@@ -176,7 +176,9 @@ def budget_epochs(train_images: int) -> int:
 def speedrun_config(tiny: bool, epochs: int, eval_every: int, train_images: int, test_images: int):
   """configs/simclr_cifar10.py with RECIPE set, the budget and the data's sizes recorded
   (config.speedrun), so that a resume from another recipe's checkpoint differs from it."""
-  config = config_files.load_config_file(os.path.join(ROOT, "configs", "simclr_cifar10.py"), "recipe")
+  config = config_files.load_config_file(
+    os.path.join(ROOT, "configs", "simclr_cifar10.py"), "recipe"
+  )
   for field, value, _ in RECIPE:
     *parents, leaf = field.split(".")
     node = config
