@@ -93,6 +93,7 @@ from contrastive_jax.core import mesh as mesh_lib  # noqa: E402
 from contrastive_jax.core import runtime  # noqa: E402
 from contrastive_jax.core.errors import ConfigError  # noqa: E402
 from contrastive_jax.data import device_data  # noqa: E402
+from contrastive_jax.data import device_samplers  # noqa: E402
 from contrastive_jax.methods import evaluated_encoder  # noqa: E402
 from contrastive_jax.methods import get_method  # noqa: E402
 from contrastive_jax.methods import pretraining  # noqa: E402
@@ -394,7 +395,7 @@ def run_call(config, ckpt, workdir: str, out: str, start_step: int):
     dataset=lambda split, local_batch: eval_batches(*data[split], local_batch),
   )
   knn = evaluators.Knn("knn", knn_config, eval_model, mesh, 10)
-  batches = device_data.train_batches(
+  batches = device_samplers.train_batches(
     device_data.to_mesh(train_images, train_labels, mesh), config, mesh,
     image_size=config.image_size,
   )(start_step)  # fmt: skip
