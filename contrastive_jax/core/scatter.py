@@ -116,26 +116,19 @@ def map_figure(size: int, title: str, names: Sequence[str], colours: np.ndarray)
   chart.text(MARGIN, 2, title, fontsize=_FONT, va="top", transform=pixels)
   lines, _ = legend_columns(size, len(names))
   shown = len(names) if len(names) <= LEGEND_MAX else LEGEND_MAX - 1
-  for i in range(len(names) if shown == len(names) else shown + 1):
+
+  def place(i):  # (left, top) of legend place i, in pixels.
     column, line = divmod(i, lines)
-    left, top = size + MARGIN + column * LEGEND_COLUMN, TITLE_HEIGHT + MARGIN + line * _LINE
-    if i == shown:
-      chart.text(
-        left,
-        top + 1,
-        f"... and {len(names) - shown} more",
-        fontsize=_FONT,
-        va="top",
-        transform=pixels,
-      )
-      break
-    colour = colours[i] / 255
+    return size + MARGIN + column * LEGEND_COLUMN, TITLE_HEIGHT + MARGIN + line * _LINE
+
+  for i in range(shown):
+    left, top = place(i)
     chart.add_artist(
       patches.Rectangle(
         (left, top + 2),
         _SWATCH_SIDE,
         _SWATCH_SIDE,
-        color=colour,
+        color=colours[i] / 255,
         transform=pixels,
         antialiased=False,
         linewidth=0,
@@ -151,6 +144,10 @@ def map_figure(size: int, title: str, names: Sequence[str], colours: np.ndarray)
       )
     )
     name.set_clip_on(True)
+  if shown < len(names):
+    left, top = place(shown)
+    more = f"... and {len(names) - shown} more"
+    chart.text(left, top + 1, more, fontsize=_FONT, va="top", transform=pixels)
   return chart, axes
 
 
@@ -172,7 +169,7 @@ def scatter(
   Returns:
     uint8 [TITLE_HEIGHT + size, size + LEGEND_COLUMN * columns, 3], columns =
     legend_columns(size, len(names))[1] (layout(size, len(names))). Each dot
-    is a disc of radius _DOT pixels in its group's palette colour, drawn
+    is 2 * _DOT + 1 pixels across in its group's palette colour, drawn
     without anti-aliasing: its centre pixel is exactly that colour unless a
     later dot covers it.
   """
