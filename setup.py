@@ -23,6 +23,7 @@ setuptools.setup(
     "importlib_resources",  # TFDS needs it to write datasets (the prepare job).
     "jax>=0.10.2,<0.12",
     "jaxlib>=0.10.2,<0.12",
+    "matplotlib>=3.8,<4",  # core/pictures.py, core/scatter.py: the charts (Agg, no display).
     "ml-collections>=1.1.0,<2",
     "numpy",
     "optax>=0.2.8,<0.3",

@@ -882,6 +882,70 @@ def test_prepare_ctrl_c_ends_in_one_line_replaces_nothing_and_stops_its_workers(
   assert _gone(group)  # Nothing left running (Beam's driver's group with 2 workers).
 
 
+@pytest.mark.parametrize("to", ["process", "group"])
+def test_prepare_ctrl_c_into_a_new_folder_leaves_no_folder(prepared, tmp_path, to):
+  src = prepared[0]
+  data_dir = tmp_path / "new" / "tfds"  # Neither exists before.
+  hook, decoding = _blocking_hook(tmp_path)
+  env = subprocess_env(DECODING_DIR=str(decoding))
+  env["PYTHONPATH"] = os.pathsep.join([hook, env["PYTHONPATH"]])
+  log = tmp_path / "stderr"
+  with open(log, "w") as stderr:
+    job = subprocess.Popen(
+      [
+        sys.executable,
+        "-m",
+        "contrastive_jax.main",
+        "--config=configs/prepare.py",
+        f"--config.src={src}",
+        "--config.name=mini",
+        f"--workdir={data_dir}",
+        "--config.image_size=48",
+        "--config.beam.direct_num_workers=1",
+      ],
+      stdout=stderr,
+      stderr=subprocess.STDOUT,
+      env=env,
+      start_new_session=True,
+      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+      preexec_fn=receive_ctrl_c,
+    )
+  try:
+    _wait_for_decoding(decoding, lambda: job.poll() is None)
+    assert os.path.exists(data_dir / files.LOCK)  # It is writing there, holding the lock.
+    if to == "group":
+      os.killpg(job.pid, signal.SIGINT)  # A terminal's Ctrl-C.
+    else:
+      os.kill(job.pid, signal.SIGINT)
+    job.wait(timeout=120)
+  finally:
+    job.kill()
+    job.wait()
+  output = log.read_text()
+  assert job.returncode == 1, output[-3000:]
+  assert output.strip().splitlines()[-1] == (
+    f"error: interrupted (Ctrl-C): no {data_dir}/mini was written, and no partly written "
+    "copy is left"
+  )
+  assert not os.path.exists(data_dir)  # Nor its .lock; the folder above it was the user's.
+  assert os.listdir(tmp_path / "new") == []
+
+
+def test_prepare_refused_by_its_runner_into_a_new_folder_leaves_no_folder(prepared, tmp_path):
+  # Beam knows SparkRunner, so choose_runner accepts it; it fails when the pipeline runs
+  # (no Spark job server here), after the job made the folder and took its lock.
+  data_dir = tmp_path / "tfds"
+  with pytest.raises(JobError, match=r"^the Beam pipeline failed on SparkRunner: .*; no "):
+    prepare(prepared[0], "mini", data_dir, beam=dict(runner="SparkRunner"))
+  assert not os.path.exists(data_dir)
+  # Into a folder that was there before, the folder and what it held stay.
+  data_dir.mkdir()
+  (data_dir / "other").write_text("kept")
+  with pytest.raises(JobError, match="SparkRunner"):
+    prepare(prepared[0], "mini", data_dir, beam=dict(runner="SparkRunner"))
+  assert sorted(os.listdir(data_dir)) == [files.LOCK, "other"]
+
+
 def test_prepare_worker_killed_ends_in_one_line_and_stops_the_others(
   prepared, tmp_path, monkeypatch
 ):

@@ -21,7 +21,6 @@ from test_finetune import pretrained_state  # noqa: F401  # What `pretrained` is
 from contrastive_jax import main
 from contrastive_jax import models
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.core import pictures
 from contrastive_jax.core import tensor_files
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import ResumeError
@@ -289,20 +288,6 @@ def test_bad_input_stops_before_any_compute(pretrained, tmp_path, overrides, mes
   with pytest.raises(ConfigError, match=message):
     main.run_job(tiny_config(pretrained, **overrides), str(tmp_path / "w"))
   assert not os.path.exists(tmp_path / "w" / "cells")
-
-
-def test_line_chart_draws_means_on_a_log_axis_and_shades_the_range():
-  # x 10 and 1000 are the plot's left and right edges (pixels 56 and 628); ys span
-  # [0, 1] padded by 5%: y 0.5 is half-way down the plot, from pixel 20 to 368: 194.
-  chart = pictures.line_chart(
-    {"a": {10: [0.0, 1.0], 1000: [0.5]}}, x_label="labels", y_label="top-1"
-  )
-  assert chart.shape == (420, 640, 3)
-  assert chart[194, 56].tolist() == chart[194, 628].tolist() == [31, 119, 180]
-  shaded = chart[80, 60].tolist()  # Within the range at x 10 (y 0.9), off the line.
-  assert shaded != [255, 255, 255] and shaded[2] > shaded[0]
-  with pytest.raises(ValueError, match="x > 0"):
-    pictures.line_chart({"a": {0: [1.0]}}, x_label="", y_label="")
 
 
 def test_lp_ft_fine_tunes_from_a_probe(pretrained, tmp_path):

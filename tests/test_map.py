@@ -285,6 +285,31 @@ def test_layout_and_sprite_against_hand_computed_values():
   assert places == {0: (0, 90), 1: (90, 0), 2: (10, 80)}
 
 
+def test_scatter_draws_each_point_in_its_group_colour_at_its_place_and_nowhere_else():
+  # Points at hand-picked places of a 100 px plot (to_pixels: 8 px margins, 83 px per unit):
+  # (0, 0) -> (8, 91), (1, 1) -> (91, 8), (0.5, 0.5) -> (50, 50) (rounded 49.5 up), (1, 0) ->
+  # (91, 91); groups 0, 1, 2, 0.
+  xy = np.array([[0, 0], [1, 1], [0.5, 0.5], [1, 0]])
+  groups = np.array([0, 1, 2, 0])
+  picture = scatter.scatter(xy, groups, ["a", "b", "c"], size=100, title="t")
+  assert picture.shape == (16 + 100, 100 + 176, 3)
+  colours = scatter.palette(3)
+  plot = picture[16:, :100]
+  for (column, row), group in zip([(8, 91), (91, 8), (50, 50), (91, 91)], groups):
+    # Each dot covers its centre and the pixels within 2 of it, in its group's colour.
+    np.testing.assert_array_equal(
+      plot[row - 1 : row + 2, column - 1 : column + 2], [[colours[group]] * 3] * 3
+    )
+  # No dot's colour anywhere else in the plot.
+  inked = np.zeros((100, 100), bool)
+  for colour in colours:
+    inked |= (plot == colour).all(axis=-1)
+  near = np.zeros((100, 100), bool)
+  for column, row in [(8, 91), (91, 8), (50, 50), (91, 91)]:
+    near[row - 3 : row + 4, column - 3 : column + 4] = True
+  assert inked.any() and not (inked & ~near).any()
+
+
 def _legend(count: int, size: int = 256):
   """A scatter and a thumbnail view of 50 points in `count` groups of long names."""
   rng = np.random.default_rng(0)

@@ -1,4 +1,6 @@
-"""pictures.grid: layout, exact pixels of each cell, captions wrapped to their cells, errors."""
+"""pictures.grid: layout, exact pixels of each cell, captions wrapped to their cells, errors;
+pictures.line_chart: its size, a dot and a shaded range per point where the data lies, a log x
+axis and round y ticks."""
 
 import numpy as np
 import pytest
@@ -120,3 +122,73 @@ def test_write_png_round_trips(tmp_path):
   pictures.write_png(str(tmp_path / "p.png"), picture)
   np.testing.assert_array_equal(np.asarray(Image.open(tmp_path / "p.png")), picture)
   assert [p.name for p in tmp_path.iterdir()] == ["p.png"]
+
+
+BLUE, ORANGE = (31, 119, 180), (255, 127, 14)  # matplotlib's C0 and C1 (Tableau's first two).
+
+
+def _pixel(axes, height, x, y):
+  """(row, column) of the picture's pixel under the data point (x, y) of axes."""
+  column, up = axes.transData.transform((x, y))
+  return int(height - up), int(column)
+
+
+def test_line_chart_draws_each_mean_where_it_lies_on_a_log_axis_with_round_ticks():
+  # The docs' curve of old had y ticks 0.080, 0.190, 0.301, 0.412: its data spans 0.08 to 0.41.
+  series = {
+    "pretrained probe": {100: [0.30, 0.32], 1000: [0.40, 0.41], 10000: [0.35]},
+    "random kNN": {100: [0.08, 0.12], 1000: [0.15], 10000: [0.18, 0.22]},
+  }
+  figure = pictures.line_figure(series, x_label="labels", y_label="test top-1")
+  picture = pictures.render(figure)
+  assert picture.shape == (420, 640, 3) and picture.dtype == np.uint8
+  np.testing.assert_array_equal(
+    pictures.line_chart(series, x_label="labels", y_label="test top-1"), picture
+  )
+  (axes,) = figure.axes
+  # Every mean is drawn (a dot of its series' colour) at its place.
+  for points, colour in zip(series.values(), (BLUE, ORANGE)):
+    for x, ys in points.items():
+      row, column = _pixel(axes, 420, x, np.mean(ys))
+      assert picture[row, column].tolist() == list(colour), (x, ys)
+  # A log x axis: 100, 1000, 10000 equally spaced.
+  columns = [_pixel(axes, 420, x, 0.2)[1] for x in (100, 1000, 10000)]
+  assert abs((columns[1] - columns[0]) - (columns[2] - columns[1])) <= 1
+  # The range of 'random kNN' at 100 labels (0.08 to 0.12) is shaded a light blend of orange,
+  # off its mean's dot; above its top the background shows.
+  row, column = _pixel(axes, 420, 100, 0.09)  # 8 px below the line, 8 px right of the grid.
+  shade = picture[row, column + 8].astype(int)
+  np.testing.assert_allclose(shade, 0.8 * 255 + 0.2 * np.array(ORANGE), atol=3)
+  row, column = _pixel(axes, 420, 100, 0.14)
+  assert picture[row, column + 6].tolist() in ([255, 255, 255], [229, 229, 229])
+  # Round ticks: y in steps of a round number within the data, x the label counts as written.
+  ticks = [t for t in axes.get_yticks() if axes.get_ylim()[0] <= t <= axes.get_ylim()[1]]
+  assert len(ticks) >= 3
+  np.testing.assert_allclose(np.array(ticks) * 20, np.round(np.array(ticks) * 20), atol=1e-9)
+  assert list(axes.get_xticks()) == [100, 1000, 10000]
+  assert [t.get_text() for t in axes.get_xticklabels()] == ["100", "1000", "10000"]
+  assert [t.get_text() for t in axes.get_legend().get_texts()] == list(series)
+  assert pictures.line_chart(series, x_label="", y_label="", width=300, height=200).shape == (
+    200,
+    300,
+    3,
+  )
+
+
+def test_line_chart_refuses_no_point_or_an_x_at_or_below_0():
+  with pytest.raises(ValueError, match="x > 0"):
+    pictures.line_chart({"a": {0: [1.0]}}, x_label="", y_label="")
+  with pytest.raises(ValueError, match="x > 0"):
+    pictures.line_chart({}, x_label="", y_label="")
+
+
+def test_importing_pictures_loads_no_plotting_library():
+  import subprocess
+  import sys
+
+  code = "import sys; from contrastive_jax.core import pictures, scatter; "
+  code += "print('matplotlib' in sys.modules)"
+  assert (
+    subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    == "False\n"
+  )

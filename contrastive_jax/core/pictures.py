@@ -2,7 +2,10 @@
 
 One home for every picture a job writes (the augmented views at step 0, the
 neighbours of query images, the label-efficiency curve), as a PNG file in the
-workdir and as a TensorBoard image.
+workdir and as a TensorBoard image. Grids of images are laid out with Pillow;
+charts are matplotlib figures (figure, line_figure) drawn by its Agg renderer
+(render), which users can read and extend; matplotlib is imported only when a
+chart is drawn.
 """
 
 import functools
@@ -169,69 +172,86 @@ def write_png(path: str, picture: np.ndarray):
   files.write_atomic(path, buffer.getvalue())
 
 
-# Line colours, in series order (then again): Tableau's ten, distinct on white.
-_COLOURS = (
-  (31, 119, 180),
-  (255, 127, 14),
-  (44, 160, 44),
-  (214, 39, 40),
-  (148, 103, 189),
-  (140, 86, 75),
-  (227, 119, 194),
-  (127, 127, 127),
-  (188, 189, 34),
-  (23, 190, 207),
-)
+DPI = 128  # pixels per inch of every chart: a power of two, so inches * DPI is exactly the pixels
+
+
+def render(figure) -> np.ndarray:
+  """A matplotlib Figure drawn by the Agg renderer (no display), as uint8 [H, W, 3].
+
+  H, W: the figure's size in inches times its dpi (whole pixels at DPI).
+  """
+  from matplotlib.backends import backend_agg  # pylint: disable=g-import-not-at-top
+
+  canvas = backend_agg.FigureCanvasAgg(figure)
+  canvas.draw()
+  return np.array(canvas.buffer_rgba())[..., :3]
+
+
+def figure(width: int, height: int):
+  """An empty matplotlib Figure of width x height pixels at DPI, not attached to pyplot.
+
+  Matplotlib is imported here, not at the module's top, so importing this
+  module loads no plotting library and sets no backend.
+  """
+  from matplotlib import figure as mpl_figure  # pylint: disable=g-import-not-at-top
+
+  return mpl_figure.Figure(figsize=(width / DPI, height / DPI), dpi=DPI)
+
+
+def line_figure(series: dict, *, x_label: str, y_label: str, width: int = 640, height: int = 420):
+  """line_chart's matplotlib Figure (one Axes), to draw (render) or extend.
+
+  Args and Raises: as line_chart.
+  """
+  xs = sorted({x for points in series.values() for x in points})
+  if not xs or xs[0] <= 0:
+    raise ValueError(f"line_chart needs points with x > 0, got xs {xs}")
+  from matplotlib import ticker  # pylint: disable=g-import-not-at-top
+
+  chart = figure(width, height)
+  axes = chart.add_subplot()
+  for n, (name, points) in enumerate(series.items()):
+    colour = f"C{n % 10}"  # matplotlib's default cycle: Tableau's ten, distinct on white.
+    at = sorted(points)
+    means = [float(np.mean(points[x])) for x in at]
+    axes.fill_between(
+      at,
+      [min(points[x]) for x in at],
+      [max(points[x]) for x in at],
+      color=colour,
+      alpha=0.2,
+      linewidth=0,
+    )
+    axes.plot(at, means, color=colour, marker="o", markersize=4, linewidth=1.5, label=name)
+  axes.set_xscale("log")
+  # The x ticks are the xs themselves (label counts), written plainly, not as powers of 10.
+  axes.xaxis.set_major_locator(ticker.FixedLocator(xs))
+  axes.xaxis.set_major_formatter(ticker.FuncFormatter(lambda x, _: f"{x:g}"))
+  axes.xaxis.set_minor_locator(ticker.NullLocator())
+  axes.yaxis.set_major_locator(ticker.MaxNLocator(nbins=6, steps=[1, 2, 2.5, 5, 10]))
+  axes.set_xlabel(x_label)
+  axes.set_ylabel(y_label)
+  axes.grid(True, color="0.9", linewidth=0.8)
+  axes.set_axisbelow(True)
+  axes.legend(loc="best", fontsize="small", frameon=False)
+  chart.tight_layout()
+  return chart
 
 
 def line_chart(
   series: dict, *, x_label: str, y_label: str, width: int = 640, height: int = 420
 ) -> np.ndarray:
-  """A chart of y against x on a log x axis, as uint8 [height, width, 3].
+  """A chart of y against x on a log x axis, drawn by matplotlib, as uint8 [height, width, 3].
 
   Args:
     series: {name: {x > 0: [y, ...]}}: a line per name through the mean of its
-      ys at each x, with their range (min to max) shaded in a lighter shade of
-      its colour; the names in a legend, in order.
+      ys at each x (a dot at each), with their range (min to max) shaded in a
+      lighter shade of its colour (matplotlib's colour cycle, C0, C1, ...); the
+      names in a legend, in order. The x ticks are the xs; the y ticks round
+      values (steps of 1, 2, 2.5 or 5 times a power of 10).
     x_label, y_label: the axes' captions.
+    width, height: the picture's size in pixels.
   Raises:
     ValueError: no point, or an x <= 0.
   """
-  xs = sorted({x for points in series.values() for x in points})
-  ys = [y for points in series.values() for values in points.values() for y in values]
-  if not xs or xs[0] <= 0:
-    raise ValueError(f"line_chart needs points with x > 0, got xs {xs}")
-  left, right, top, bottom = 56, width - 12, 20, height - 40 - LINE_HEIGHT * len(series)
-  lo, hi = min(ys), max(ys)
-  lo, hi = (lo - 0.5, hi + 0.5) if hi == lo else (lo - 0.05 * (hi - lo), hi + 0.05 * (hi - lo))
-  span = math.log(xs[-1] / xs[0]) or 1.0
-  px = lambda x: left + (right - left) * (math.log(x / xs[0]) / span if len(xs) > 1 else 0.5)
-  py = lambda y: bottom - (bottom - top) * (y - lo) / (hi - lo)
-  canvas = Image.new("RGB", (width, height), "white")
-  draw = ImageDraw.Draw(canvas, "RGBA")
-  draw.rectangle((left, top, right, bottom), outline="black")
-  for x in xs:  # The x ticks are the xs themselves.
-    draw.line((px(x), bottom, px(x), bottom + 4), fill="black")
-    draw.text((px(x) - text_width(f"{x:g}") / 2, bottom + 6), f"{x:g}", fill="black", font=font())
-  for i in range(5):
-    y = lo + (hi - lo) * i / 4
-    draw.line((left - 4, py(y), left, py(y)), fill="black")
-    draw.text((left - 6 - text_width(f"{y:.3f}"), py(y) - 6), f"{y:.3f}", fill="black", font=font())
-  draw.text((left, bottom + 6 + LINE_HEIGHT), x_label, fill="black", font=font())
-  draw.text((2, 2), y_label, fill="black", font=font())
-  for n, (name, points) in enumerate(series.items()):
-    colour = _COLOURS[n % len(_COLOURS)]
-    at = sorted(points)
-    upper = [(px(x), py(max(points[x]))) for x in at]
-    lower = [(px(x), py(min(points[x]))) for x in reversed(at)]
-    if len(at) > 1:
-      draw.polygon(upper + lower, fill=colour + (50,))
-    means = [(px(x), py(float(np.mean(points[x])))) for x in at]
-    if len(means) > 1:
-      draw.line(means, fill=colour, width=2)
-    for x, y in means:
-      draw.ellipse((x - 3, y - 3, x + 3, y + 3), fill=colour)
-    legend_y = bottom + 8 + LINE_HEIGHT * (n + 2)
-    draw.line((left, legend_y + 6, left + 20, legend_y + 6), fill=colour, width=2)
-    draw.text((left + 26, legend_y), name, fill="black", font=font())
-  return np.asarray(canvas)
+  return render(line_figure(series, x_label=x_label, y_label=y_label, width=width, height=height))

@@ -1,8 +1,8 @@
 """Pictures of a 2-D map of points: a coloured scatter with a legend, thumbnails at their
 places, and a sprite of thumbnails (TensorBoard's projector).
 
-Drawn with Pillow in pictures.py's font, as pictures.py draws its grids. The
-scatter and the thumbnail view share one layout (layout, to_pixels): a title
+The scatter and the thumbnail view are matplotlib figures (map_figure,
+rendered by pictures.render) that share one layout (layout, to_pixels): a title
 band on top, a square plot of `size` pixels in which both axes have the same
 scale (so distances on the picture are comparable in every direction), and
 on the right a legend of as many columns as its names need, each column as
@@ -14,8 +14,6 @@ import math
 from typing import Sequence
 
 import numpy as np
-from PIL import Image
-from PIL import ImageDraw
 
 from contrastive_jax.core import pictures
 
@@ -23,9 +21,11 @@ TITLE_HEIGHT = 16  # pixels above the plot for one line of PIL's default font
 LEGEND_COLUMN = 176  # pixels of one legend column: swatch, name and the gap to the next
 LEGEND_MAX = 256  # names a legend shows at most; beyond, its last line says how many more
 MARGIN = 8  # pixels between the plot's border and its outermost point
-_LINE = 12  # pixels per legend line (PIL's default font inks rows 1 to 11 of a line)
-_SWATCH = 14  # pixels from a legend column's left to its name: a 9 px swatch and a gap
-_NAME = LEGEND_COLUMN - _SWATCH - MARGIN  # pixels a name may take; MARGIN stays white
+_LINE = 12  # pixels per legend line
+_SWATCH = 14  # pixels from a legend column's left to its name: a swatch and a gap
+_SWATCH_SIDE = 9  # pixels of a legend swatch's side
+_FONT = 5.5  # points of the title and legend text: 9.8 pixels at pictures.DPI, within a _LINE
+_NAME_CHARACTERS = 26  # characters of a legend name at most (about 140 pixels at _FONT)
 _DOT = 2  # radius in pixels of a point of the scatter
 _GOLDEN = (math.sqrt(5) - 1) / 2
 
@@ -80,41 +80,81 @@ def to_pixels(xy: np.ndarray, size: int) -> np.ndarray:
   return np.round(np.stack([column, row], axis=1)).astype(np.int32)
 
 
-def _canvas(size: int, title: str, names: Sequence[str], colours: np.ndarray):
-  """A white picture (layout) with the title and the legend drawn; returns (image, draw).
+def _name(name: str) -> str:
+  """name cut to _NAME_CHARACTERS with an ellipsis when longer, so it keeps to its column."""
+  if len(name) <= _NAME_CHARACTERS:
+    return name
+  return name[: _NAME_CHARACTERS - 1].rstrip() + pictures.ELLIPSIS
 
-  The legend fills its columns top to bottom, left to right; each name is
-  cut to _NAME pixels with an ellipsis (pictures.caption_lines). Beyond
-  LEGEND_MAX names, the last place says how many more.
+
+def map_figure(size: int, title: str, names: Sequence[str], colours: np.ndarray):
+  """The matplotlib Figure of the layout, with the title, the plot's frame and the legend.
+
+  The Axes covers exactly the plot's square, in pixel units: x from -0.5 to
+  size - 0.5 to the right, y from -0.5 at the top to size - 0.5 at the
+  bottom, so a point drawn at to_pixels' (column, row) is centred on that
+  pixel of the plot. The legend (legend_columns) fills its columns top to
+  bottom, left to right, _LINE pixels a line: a square swatch of
+  _SWATCH_SIDE pixels and the name (cut to _NAME_CHARACTERS with an
+  ellipsis, its ink clipped to its column less MARGIN); beyond LEGEND_MAX
+  names, the last place says how many more. Returns (figure, axes).
   """
+  from matplotlib import patches  # pylint: disable=g-import-not-at-top
+  from matplotlib import transforms  # pylint: disable=g-import-not-at-top
+
   height, width = layout(size, len(names))
-  canvas = Image.new("RGB", (width, height), "white")
-  draw = ImageDraw.Draw(canvas)
-  draw.text((MARGIN, 2), title, fill="black", font=pictures.font())
-  draw.rectangle([0, TITLE_HEIGHT, size - 1, height - 1], outline=(200, 200, 200))
+  chart = pictures.figure(width, height)
+  axes = chart.add_axes((0, 0, size / width, size / height))
+  axes.set_xlim(-0.5, size - 0.5)
+  axes.set_ylim(size - 0.5, -0.5)
+  axes.set_xticks([])
+  axes.set_yticks([])
+  for spine in axes.spines.values():
+    spine.set_edgecolor("0.8")
+  # Text and swatches go at pixel places from the picture's top left (x right, y down).
+  pixels = transforms.Affine2D().scale(1, -1).translate(0, height)
+  chart.text(MARGIN, 2, title, fontsize=_FONT, va="top", transform=pixels)
   lines, _ = legend_columns(size, len(names))
   shown = len(names) if len(names) <= LEGEND_MAX else LEGEND_MAX - 1
 
-  def place(i):
+  def place(i):  # (left, top) of legend place i, in pixels.
     column, line = divmod(i, lines)
     return size + MARGIN + column * LEGEND_COLUMN, TITLE_HEIGHT + MARGIN + line * _LINE
 
   for i in range(shown):
     left, top = place(i)
-    draw.rectangle([left, top + 2, left + 8, top + 10], fill=tuple(int(c) for c in colours[i]))
-    name = pictures.caption_lines(str(names[i]), _NAME, max_lines=1)
-    draw.text((left + _SWATCH, top), "".join(name), fill="black", font=pictures.font())
-  if shown < len(names):
-    draw.text(
-      place(shown), f"... and {len(names) - shown} more", fill="black", font=pictures.font()
+    chart.add_artist(
+      patches.Rectangle(
+        (left, top + 2),
+        _SWATCH_SIDE,
+        _SWATCH_SIDE,
+        color=colours[i] / 255,
+        transform=pixels,
+        antialiased=False,
+        linewidth=0,
+      )
     )
-  return canvas, draw
+    name = chart.text(
+      left + _SWATCH, top + 1, _name(str(names[i])), fontsize=_FONT, va="top", transform=pixels
+    )
+    # Ink past the column's end (a name of wide letters) is cut, so none reaches the next.
+    name.set_clip_box(
+      transforms.TransformedBbox(
+        transforms.Bbox.from_extents(left, 0, left + LEGEND_COLUMN - MARGIN, height), pixels
+      )
+    )
+    name.set_clip_on(True)
+  if shown < len(names):
+    left, top = place(shown)
+    more = f"... and {len(names) - shown} more"
+    chart.text(left, top + 1, more, fontsize=_FONT, va="top", transform=pixels)
+  return chart, axes
 
 
 def scatter(
   xy: np.ndarray, groups: np.ndarray, names: Sequence[str], *, size: int, title: str, seed: int = 0
 ) -> np.ndarray:
-  """The points as dots coloured by group, with a legend of the groups' names.
+  """The points as dots coloured by group, with a legend of the groups' names, drawn by matplotlib.
 
   Args:
     xy: float [N, 2] positions (any scale; see to_pixels).
@@ -128,18 +168,25 @@ def scatter(
       no group is drawn last over all the others.
   Returns:
     uint8 [TITLE_HEIGHT + size, size + LEGEND_COLUMN * columns, 3], columns =
-    legend_columns(size, len(names))[1] (layout(size, len(names))).
+    legend_columns(size, len(names))[1] (layout(size, len(names))). Each dot
+    is 2 * _DOT + 1 pixels across in its group's palette colour, drawn
+    without anti-aliasing: its centre pixel is exactly that colour unless a
+    later dot covers it.
   """
   colours = palette(len(names))
-  canvas, draw = _canvas(size, title, names, colours)
-  pixels = to_pixels(xy, size) + [0, TITLE_HEIGHT]
-  for i in np.random.default_rng(seed).permutation(len(xy)):
-    column, row = pixels[i]
-    draw.ellipse(
-      [column - _DOT, row - _DOT, column + _DOT, row + _DOT],
-      fill=tuple(int(c) for c in colours[groups[i]]),
-    )
-  return np.asarray(canvas)
+  chart, axes = map_figure(size, title, names, colours)
+  order = np.random.default_rng(seed).permutation(len(xy))
+  pixels = to_pixels(xy, size)[order]
+  diameter = (2 * _DOT + 1) * 72 / pictures.DPI  # points
+  axes.scatter(
+    pixels[:, 0],
+    pixels[:, 1],
+    s=diameter**2,
+    c=colours[np.asarray(groups)[order]] / 255,
+    linewidths=0,
+    antialiased=False,
+  )
+  return pictures.render(chart)
 
 
 def thumbnail_places(xy: np.ndarray, size: int, cell: int) -> dict:
@@ -185,15 +232,14 @@ def thumbnails(
     legend_columns(size, len(names))[1] (layout(size, len(names))).
   """
   colours = palette(len(names))
-  canvas, draw = _canvas(size, title, names, colours)
+  chart, _ = map_figure(size, title, names, colours)
+  height = layout(size, len(names))[0]
   for i, (column, row) in thumbnail_places(xy, size, cell).items():
-    top = row + TITLE_HEIGHT
-    canvas.paste(Image.fromarray(images[i]), (column, top))
-    draw.rectangle(
-      [column, top, column + cell - 1, top + cell - 1],
-      outline=tuple(int(c) for c in colours[groups[i]]),
-    )
-  return np.asarray(canvas)
+    framed = np.array(images[i][:cell, :cell], np.uint8)
+    framed[[0, -1], :] = framed[:, [0, -1]] = colours[groups[i]]
+    # figimage puts the image's pixels as they are; its offset is from the bottom left.
+    chart.figimage(framed, column, height - TITLE_HEIGHT - row - cell, origin="upper", zorder=3)
+  return pictures.render(chart)
 
 
 def sprite(images: Sequence[np.ndarray]) -> np.ndarray:

@@ -40,6 +40,7 @@ loop, so not run by runner.run.
 """
 
 import collections
+import contextlib
 import json
 import logging as std_logging
 import os
@@ -147,7 +148,8 @@ def run(config, workdir: str) -> dict:
       config.overwrite, another job in the workdir, the pipeline failing
       (e.g. a worker dying; prepare_beam.PipelineError); NoSpaceError for a
       full disk, Interrupted for Ctrl-C. WORKDIR/NAME is unchanged then, and
-      no temporary folder is left.
+      no temporary folder is left; a WORKDIR that did not exist before is
+      removed (its lock file with it).
   """
   check_config(config)
   data_dir = files.prepare_workdir(workdir)
@@ -196,8 +198,9 @@ def run(config, workdir: str) -> dict:
     )
   encoding = prepare_beam.Encoding(config.image_size, config.format, config.max_pixels)
 
+  fresh = not tf.io.gfile.exists(data_dir)
   tf.io.gfile.makedirs(data_dir)
-  with files.workdir_lock(data_dir):
+  with files.workdir_lock(data_dir), _removed_if_left_empty(data_dir, fresh):
     previous = _unchanged(final, digest, config)  # Again: a job that held the lock may have.
     if previous:
       return previous
@@ -256,6 +259,23 @@ def run(config, workdir: str) -> dict:
         staging.remove()
   _log_summary(report, data_dir)
   return report
+
+
+@contextlib.contextmanager
+def _removed_if_left_empty(data_dir: str, fresh: bool):
+  """Removes data_dir when the block fails and it was made for this job (fresh) and holds
+  nothing but the workdir lock's file: a refused or interrupted preparation into a new
+  folder leaves no folder behind. Done while the lock is held, so no other preparation
+  has written there; a folder with anything else in it is kept."""
+  try:
+    yield
+  except BaseException:
+    try:
+      if fresh and set(tf.io.gfile.listdir(data_dir)) <= {files.LOCK}:
+        files.remove_tree(data_dir)
+    except Exception as e:  # pylint: disable=broad-except  # The job's own error is the one to report.
+      logging.warning("Could not remove %s, made for this preparation: %s", data_dir, e)
+    raise
 
 
 def _no_space(name: str, data_dir: str, kept: str) -> str:
