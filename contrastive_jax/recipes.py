@@ -114,7 +114,9 @@ def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     before the field existed) read its data on the host: False; a DINO one without
   dino.drop_path_rate trained without stochastic depth: 0. A fine-tuning config without
     backbone_lr_multiplier and layer_decay trained every layer at one rate: 1 and 1; one
-    without projector_layers fine-tuned from h: 0.
+    without projector_layers fine-tuned from h: 0; a label-efficiency config without
+    linear_probe.lr_grid or finetune.lr_grid fitted the base rate alone: '1', one without
+    finetune.projector_layers fine-tuned from h: 0.
 
     Raises:
       ConfigError: a format_version above FORMAT_VERSION (written by a newer version of
@@ -144,6 +146,10 @@ def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     fields.setdefault("backbone_lr_multiplier", 1.0)
     fields.setdefault("layer_decay", 1.0)
     fields.setdefault("projector_layers", 0)
+  if fields.get("job") == "label_efficiency":  # Older ones fitted the base rate alone, from h.
+    for part in ("linear_probe", "finetune"):
+      fields.get(part, {}).setdefault("lr_grid", "1")
+    fields.get("finetune", {}).setdefault("projector_layers", 0)
   fields["format_version"] = FORMAT_VERSION
   return ml_collections.ConfigDict(fields)
 
