@@ -233,3 +233,31 @@ def test_the_checker_finds_each_kind_of_violation(tmp_path):
     "contrastive_jax.jobs.g uses contrastive_jax.core.b._y",
     "contrastive_jax.search.s uses contrastive_jax.core.a._hidden",
   ]
+
+
+def sources_outside_data(root: str) -> list:
+  """Classes outside data/ that define Source's reading methods (process_counts and read):
+  every data source lives in the data layer."""
+  found = []
+  for directory, _, names in os.walk(root):
+    for f in names:
+      path = os.path.join(directory, f)
+      if not f.endswith(".py") or os.path.relpath(path, root).split(os.sep)[0] == "data":
+        continue
+      with open(path) as text:
+        tree = ast.parse(text.read(), path)
+      for node in ast.walk(tree):
+        if isinstance(node, ast.ClassDef):
+          defined = {n.name for n in node.body if isinstance(n, ast.FunctionDef)}
+          if {"process_counts", "read"} <= defined:
+            found.append(f"{os.path.relpath(path, root)}: {node.name}")
+  return found
+
+
+def test_every_data_source_is_in_the_data_layer(tmp_path):
+  assert sources_outside_data(PACKAGE) == []
+  (tmp_path / "jobs").mkdir()
+  (tmp_path / "jobs" / "j.py").write_text(
+    "class Part:\n  def process_counts(self):\n    pass\n\n  def read(self):\n    pass\n"
+  )
+  assert sources_outside_data(str(tmp_path)) == ["jobs/j.py: Part"]
