@@ -5,7 +5,9 @@ run's initialisation or a weights file), train a classifier on one random
 crop-and-flip per labelled image with cross-entropy, and are evaluated at the
 pretraining run's image size and eval crop. They differ only in what trains
 (the probe: a head on frozen h; fine-tuning: encoder and head) and in their
-presets: build_task is the rest.
+presets: build_task is the rest. The label-efficiency protocols (protocols.py)
+train the same heads with the same steps from the same states (make_probe_step,
+probe_state, finetune_head, finetune_state, make_finetune_step).
 """
 
 import functools
