@@ -120,6 +120,8 @@ def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     a projector or predictor without init: 'lecun_normal' (flax's default);
   - a fine-tuning config without backbone_lr_multiplier and layer_decay trained every
     layer at one rate: 1 and 1; one without projector_layers fine-tuned from h: 0;
+  - a label-efficiency config without linear_probe.lr_grid or finetune.lr_grid fitted the
+    base rate alone: '1'; one without finetune.projector_layers fine-tuned from h: 0;
   - a model without input_mean and input_std took its [0, 1] inputs as they were:
     (0, 0, 0) and (1, 1, 1); a ResNet without zero_init_residual, conv_init, padding
     and stage_projection: True, 'he_normal', 'legacy' (resnet.PADDINGS) and False.
@@ -155,6 +157,10 @@ def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     fields.setdefault("backbone_lr_multiplier", 1.0)
     fields.setdefault("layer_decay", 1.0)
     fields.setdefault("projector_layers", 0)
+  if fields.get("job") == "label_efficiency":  # Older ones fitted the base rate alone, from h.
+    for part in ("linear_probe", "finetune"):
+      fields.get(part, {}).setdefault("lr_grid", "1")
+    fields.get("finetune", {}).setdefault("projector_layers", 0)
   if isinstance(fields.get("model"), dict):
     _upgrade_model(fields["model"])
   fields["format_version"] = FORMAT_VERSION

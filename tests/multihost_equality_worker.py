@@ -21,14 +21,11 @@ import sys
 from helpers import load_config
 from helpers import tiny_config
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from contrastive_jax import models
 from contrastive_jax.core import mesh as mesh_lib
-from contrastive_jax.jobs import linear_probe
 from contrastive_jax.jobs import pretrain
-from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import get_method
 from contrastive_jax.methods import optim
@@ -150,17 +147,10 @@ def probe_run(mesh, pretrained, out: dict):
   feature_dim = models.encoder_width(pretrain_config.model)
 
   def init():  # As linear_probe.build initialises its state.
-    variables = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, feature_dim)), train=False)
-    return common.TrainState(
-      step=jnp.zeros((), jnp.int32),
-      params=variables["params"],
-      batch_stats=variables["batch_stats"],
-      opt_state=tx.init(variables["params"]),
-      rng=jax.random.PRNGKey(config.seed),
-    )
+    return downstream.probe_state(head, tx, feature_dim, config.seed)
 
   state = jax.jit(init, out_shardings=mesh_lib.replicated(mesh))()
-  train_step = linear_probe.make_train_step(encoder, head, tx)
+  train_step = downstream.make_probe_step(head, tx, encoder)
   for step in range(STEPS):
     batch = global_batch(config.seed + 1, step, config.batch_size, pretrain_config.image_size, 1)
     state, metrics = train_step(

@@ -1,6 +1,7 @@
 """The label-efficiency job: its subsets, scores and interval, its bad inputs, and a tiny run."""
 
 import csv
+import inspect
 import json
 import math
 import os
@@ -12,21 +13,28 @@ from helpers import TFDS_DIR
 from helpers import load_config
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
+import optax
 from PIL import Image
 import pytest
 from test_finetune import pretrained  # noqa: F401  # The fixture: a tiny SimCLR checkpoint.
 from test_finetune import pretrained_state  # noqa: F401  # What `pretrained` is made from.
 
+from contrastive_jax import config_files
 from contrastive_jax import main
 from contrastive_jax import models
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core import tensor_files
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import ResumeError
+from contrastive_jax.data import in_memory
+from contrastive_jax.data import sources
 from contrastive_jax.jobs import label_efficiency
+from contrastive_jax.methods import common
 from contrastive_jax.models import state_dicts
 from contrastive_jax.training import label_efficiency as le
+from contrastive_jax.training import protocols
 from contrastive_jax.training import restore
 
 
@@ -160,6 +168,62 @@ def test_summary_picks_by_validation_and_pairs_by_seed():
   assert gain == pytest.approx(expected)
 
 
+def test_fit_and_select_validates_every_few_epochs_and_keeps_the_first_best():
+  """Each step adds 1 to the parameter: after epoch e of 2 batches it is 2e. Validated at
+  epochs 3, 6 and 7 (the last), scoring 0.5, 0.5, 0.4: epoch 3 is kept, with its parameter."""
+  state = common.TrainState.create(params=jnp.zeros(()), tx=optax.identity(), rng=None)
+  step = lambda state, batch: (state.replace(params=state.params + batch), {})
+  score = {6.0: 0.5, 12.0: 0.5, 14.0: 0.4}
+  validated = []
+
+  def validate(variables):
+    validated.append(float(variables["params"]))
+    return score[validated[-1]]
+
+  best = protocols.fit_and_select(state, step, lambda epoch: [1.0, 1.0], 7, 3, validate)
+  assert validated == [6.0, 12.0, 14.0]
+  assert (best[0], float(best[1]["params"]), best[2]) == (0.5, 6.0, 3)
+
+
+def test_select_rate_keeps_the_first_best_scale_and_names_it():
+  part = ml_collections.ConfigDict(dict(lr_grid="0.5,1,2", optimizer=dict(base_lr=0.1)))
+  fitted = {0.5: (0.3, "a", 4, "p"), 1.0: (0.6, "b", 2, "q"), 2.0: (0.6, "c", 1, "r")}
+  assert protocols.select_rate(part, fitted.__getitem__) == (0.6, "b", "lr=0.1, epoch=2", "q")
+  part.lr_grid = "2"
+  assert protocols.select_rate(part, fitted.__getitem__) == (0.6, "c", "epoch=1", "r")
+  assert list(protocols.PROTOCOLS) == list(label_efficiency.PROTOCOLS)
+
+
+def test_in_memory_parts_are_sources_holding_the_subsets_images():
+  for method in ("num_examples", "process_counts", "read"):
+    assert inspect.signature(getattr(in_memory.InMemory, method)) == inspect.signature(
+      getattr(sources.Source, method)
+    )
+  source = sources.TfdsSource("cifar10", TFDS_DIR)
+  ids, labels = source.ids_and_labels("test[:30]")
+  parts = [np.array([7, 2, 20]), np.array([0, 11])]
+  read = in_memory.read_parts(source, "test[:30]", parts, ids, labels)
+  every = list(source.read("test[:30]", drop_remainder=False).as_numpy_iterator())
+  for part, served in zip(parts, read):
+    assert isinstance(served, sources.Source) and served.num_examples("", "") == len(part)
+    got = list(served.read("", drop_remainder=False).as_numpy_iterator())
+    for index, (image, label) in zip(part, got):
+      np.testing.assert_array_equal(image, every[index][0])
+      assert label == every[index][1] == labels[index]
+  with pytest.raises(ValueError, match="decoded images without names only"):
+    read[0].read("", drop_remainder=False, names=True)
+
+
+def test_old_saved_configs_are_upgraded_to_a_single_rate_from_h():
+  saved = tiny_config("/absent").to_dict()
+  for part in ("linear_probe", "finetune"):
+    del saved[part]["lr_grid"]
+  del saved["finetune"]["projector_layers"]
+  upgraded = config_files.upgrade_config(ml_collections.ConfigDict(saved))
+  assert upgraded.linear_probe.lr_grid == upgraded.finetune.lr_grid == "1"
+  assert upgraded.finetune.projector_layers == 0
+
+
 def tiny_config(pretrain_workdir, **overrides):
   """configs/label_efficiency.py on 200 train and 40 test images: 2 label counts, 2 seeds."""
   config = load_config("label_efficiency")
@@ -265,6 +329,10 @@ def test_choices_are_made_without_the_test_split(curve, pretrained, tmp_path):
     (dict(protocols="knn,svm"), "config.protocols="),
     (dict(auroc=False, curve_metric="auroc"), "config.curve_metric='auroc'"),
     (dict(inits="pretrained,weights"), "config.weights=None"),
+    (
+      dict(inits="pretrained,weights", weights="/absent/w.safetensors"),
+      r"config.weights_config=None: must be the pretraining config",
+    ),
     (dict(test_split="test[:5]"), r"config.auroc=True: .* class \d has 0 of the 5 images"),
     (dict(finetune=dict(layer_decay=0.0)), r"config.finetune.layer_decay=0.0: must be in \(0, 1\]"),
     (

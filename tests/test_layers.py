@@ -14,7 +14,6 @@ themselves are tested on a small tree that breaks each rule.
 import ast
 import os
 
-import pytest
 from without_tensorflow_worker import tf_free_modules
 
 PACKAGE = os.path.join(
@@ -316,11 +315,6 @@ def tf_free_violations(root: str, tf_free: list, name: str = "contrastive_jax") 
   return found
 
 
-@pytest.mark.xfail(
-  not os.path.exists(os.path.join(PACKAGE, "data", "in_memory.py")),
-  reason="label efficiency's in-memory source is in jobs/ until data/in_memory.py holds it",
-  strict=True,
-)
 def test_every_source_implementation_is_in_data():
   assert sources_outside_data(PACKAGE) == []
 

@@ -26,7 +26,6 @@ import csv
 import functools
 import io
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import tensorflow as tf
@@ -39,8 +38,6 @@ from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
 from contrastive_jax.core.errors import ResumeError
 from contrastive_jax.data import labelled
-from contrastive_jax.methods import ENCODER
-from contrastive_jax.methods import common
 from contrastive_jax.methods import encoder_variables
 from contrastive_jax.training import downstream
 from contrastive_jax.training import evaluators
@@ -143,36 +140,21 @@ def build(config, mesh, saved_config, workdir: str) -> runner.Task:
     if differences:
       raise ResumeError(f"{workdir}/checkpoints", differences, runner.MAY_CHANGE_ON_RESUME)
   record_subset(subset, workdir, resumed=saved_config is not None)
-  head = nn.Dense(source.num_classes, kernel_init=nn.initializers.zeros)
+  head = downstream.finetune_head(source.num_classes)
 
   def make_trainer(schedule):
-    # A random patch projection stays frozen, as the encoder was pretrained.
-    tx = downstream.build_finetune_optimizer(
-      config, schedule, freeze=encoder.pretrained.model.get("random_patch_projection", False)
-    )
+    tx = downstream.build_finetune_optimizer(config, schedule, encoder)
 
     def init_state(enc_vars):
-      params = {
-        ENCODER: enc_vars["params"],
-        "head": head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, encoder.dim)))["params"],
-      }
-      return common.TrainState.create(
-        params=params,
-        tx=tx,
-        rng=jax.random.PRNGKey(config.seed),
-        batch_stats={ENCODER: enc_vars["batch_stats"]},
-      )
-
-    def features(variables, images):
-      return models.encode(encoder.module, encoder_variables(variables), images)
-
-    def logits(variables, images):
-      return head.apply({"params": variables["params"]["head"]}, features(variables, images))
+      head_params = head.init(jax.random.PRNGKey(config.seed), jnp.zeros((1, encoder.dim)))
+      return downstream.finetune_state(tx, enc_vars, head_params["params"], config.seed)
 
     eval_model = evaluators.EvalModel(
       variables=lambda state: {"params": state.params, "batch_stats": state.batch_stats},
-      features=features,
-      logits=logits,
+      features=lambda variables, images: models.encode(
+        encoder.module, encoder_variables(variables), images
+      ),
+      logits=downstream.finetune_logits(encoder.module, head),
       dataset=None,
     )
     # The encoder's variables are an argument, not constants baked into the program.

@@ -16,13 +16,11 @@ encoder, the random baseline included); accuracy on every test image once
 """
 
 import jax
-import jax.numpy as jnp
 
 from contrastive_jax import methods
 from contrastive_jax import models
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
-from contrastive_jax.methods import common
 from contrastive_jax.methods import optim
 from contrastive_jax.training import downstream
 from contrastive_jax.training import evaluators
@@ -48,25 +46,6 @@ def check_config(config, num_devices: int):
     downstream.check_config(filled, num_devices)
     if filled.head.init not in downstream.HEAD_INITS:
       raise ConfigError("head.init", filled.head.init, f"one of {sorted(downstream.HEAD_INITS)}")
-
-
-def make_train_step(encoder, head, tx):
-  """Jitted (state, batch, encoder variables) -> (state, metrics); the encoder is never updated.
-
-  downstream.make_classifier_step with the head trained on the frozen encoder's h
-  (stop_gradient, eval-mode BN); state.params and state.batch_stats are the head's.
-  """
-
-  def inputs(images, enc_vars):
-    return jax.lax.stop_gradient(models.encode(encoder, enc_vars, images))
-
-  def forward(params, batch_stats, h):
-    logits, updates = head.apply(
-      {"params": params, "batch_stats": batch_stats}, h, train=True, mutable=["batch_stats"]
-    )
-    return logits, updates.get("batch_stats", {})
-
-  return downstream.make_classifier_step(inputs, forward, tx)
 
 
 def build(config, mesh, saved_config, workdir) -> runner.Task:
@@ -95,17 +74,9 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
     tx = optim.build_optimizer(config.optimizer, schedule)
 
     def init():
-      variables = head.init(
-        jax.random.PRNGKey(config.seed), jnp.zeros((1, encoder.dim)), train=False
-      )
-      return common.TrainState.create(
-        params=variables["params"],
-        tx=tx,
-        rng=jax.random.PRNGKey(config.seed),
-        batch_stats=variables.get("batch_stats", {}),
-      )
+      return downstream.probe_state(head, tx, encoder.dim, config.seed)
 
-    step_fn = make_train_step(encoder.module, head, tx)
+    step_fn = downstream.make_probe_step(head, tx, encoder.module)
 
     def logits(variables, images):
       enc, head_vars = variables

@@ -5,7 +5,9 @@ run's initialisation or a weights file), train a classifier on one random
 crop-and-flip per labelled image with cross-entropy, and are evaluated at the
 pretraining run's image size and eval crop. They differ only in what trains
 (the probe: a head on frozen h; fine-tuning: encoder and head) and in their
-presets: build_task is the rest.
+presets: build_task is the rest. The label-efficiency protocols (protocols.py)
+train the same heads with the same steps from the same states (make_probe_step,
+probe_state, finetune_head, finetune_state, make_finetune_step).
 """
 
 import functools
@@ -18,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
+from contrastive_jax import models
 from contrastive_jax.core import durations
 from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
@@ -27,6 +30,7 @@ from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.methods import ENCODER
 from contrastive_jax.methods import common
+from contrastive_jax.methods import encoder_variables
 from contrastive_jax.methods import optim
 from contrastive_jax.training import evaluators
 from contrastive_jax.training import restore
@@ -61,6 +65,18 @@ def eval_datasets(source, config, encoder: restore.Encoder):
     eval_crop=input_pipeline.EvalCrop.of(encoder.pretrained),
     threads=config.data_threads,
     cache=config.cache,
+  )
+
+
+def train_batches(data, config, mesh, encoder: restore.Encoder) -> Callable:
+  """input_pipeline.train_batches of `data` with config's crop and batch: one view per image,
+  at the encoder's pretraining image size, batches sharded over the mesh."""
+  return input_pipeline.train_batches(
+    data,
+    config,
+    mesh_lib.batch_sharded(mesh),
+    image_size=encoder.pretrained.image_size,
+    num_views=1,
   )
 
 
@@ -151,13 +167,7 @@ def build_task(
     config=config,
     init=trainer.init,
     train_step=trainer.train_step,
-    train_batches=input_pipeline.train_batches(
-      train_data,
-      config,
-      mesh_lib.batch_sharded(mesh),
-      image_size=encoder.pretrained.image_size,
-      num_views=1,
-    ),
+    train_batches=train_batches(train_data, config, mesh, encoder),
     num_steps=num_steps,
     steps_per_epoch=steps_per_epoch,
     global_batch=config.batch_size,
@@ -193,6 +203,69 @@ class LinearHead(nn.Module):
     return nn.Dense(self.num_classes, kernel_init=kernel_init, bias_init=bias_init)(h)
 
 
+def make_probe_step(head: LinearHead, tx, encoder=None):
+  """Jitted (state, batch[, encoder variables]) -> (state, metrics), state donated: the head
+  trained on frozen h (make_classifier_step); state.params and state.batch_stats are the head's.
+
+  With `encoder` (a models encoder module), batch['image'] holds uint8 crops and the step
+  takes the encoder's variables: h = models.encode in eval mode, outside the gradient
+  (stop_gradient), the encoder never updated. Without, batch['image'] holds h itself,
+  float32 [B, 1, D] (features computed once, as the label-efficiency probe trains).
+  """
+  if encoder is None:
+    inputs = lambda h: h
+  else:
+
+    def inputs(images, enc_vars):
+      return jax.lax.stop_gradient(models.encode(encoder, enc_vars, images))
+
+  def forward(params, batch_stats, h):
+    logits, updates = head.apply(
+      {"params": params, "batch_stats": batch_stats}, h, train=True, mutable=["batch_stats"]
+    )
+    return logits, updates.get("batch_stats", {})
+
+  return make_classifier_step(inputs, forward, tx)
+
+
+def probe_state(head: LinearHead, tx, dim: int, seed: int) -> common.TrainState:
+  """The probe's state at step 0: head initialised from PRNGKey(seed) on h of width dim."""
+  variables = head.init(jax.random.PRNGKey(seed), jnp.zeros((1, dim)), train=False)
+  return common.TrainState.create(
+    params=variables["params"],
+    tx=tx,
+    rng=jax.random.PRNGKey(seed),
+    batch_stats=variables.get("batch_stats", {}),
+  )
+
+
+def finetune_head(num_classes: int) -> nn.Module:
+  """Fine-tuning's head: a zero-initialised linear layer on h (SimCLR's, Appendix B.5)."""
+  return nn.Dense(num_classes, kernel_init=nn.initializers.zeros)
+
+
+def finetune_state(tx, enc_vars, head_params, seed: int) -> common.TrainState:
+  """Fine-tuning's state at step 0: params {'encoder': enc_vars['params'], 'head':
+  head_params}, batch_stats {'encoder': enc_vars['batch_stats']}, rng PRNGKey(seed)."""
+  return common.TrainState.create(
+    params={ENCODER: enc_vars["params"], "head": head_params},
+    tx=tx,
+    rng=jax.random.PRNGKey(seed),
+    batch_stats={ENCODER: enc_vars["batch_stats"]},
+  )
+
+
+def finetune_logits(encoder, head) -> Callable:
+  """(variables of a finetune_state, uint8 images [B, S, S, 3]) -> float32 logits [B, C]:
+  the fine-tuned encoder in eval mode (its running statistics), then the head."""
+
+  def logits(variables, images):
+    h = models.encode(encoder, encoder_variables(variables), images)
+    return head.apply({"params": variables["params"]["head"]}, h)
+
+  return logits
+
+
 def check_multipliers(config, prefix: str):
   """Raises ConfigError for a backbone_lr_multiplier not > 0 or a layer_decay not in (0, 1]
   (fields of config, named with prefix, e.g. 'finetune.')."""
@@ -204,10 +277,12 @@ def check_multipliers(config, prefix: str):
     raise ConfigError(f"{prefix}layer_decay", config.layer_decay, "in (0, 1] (1: no decay)")
 
 
-def build_finetune_optimizer(config, schedule, freeze: bool):
+def build_finetune_optimizer(config, schedule, encoder: restore.Encoder):
   """optim.build_optimizer of config.optimizer, with the per-leaf rates of
   learning_rate_multipliers when backbone_lr_multiplier or layer_decay is not 1 (only
-  then: the wrapper changes the optimizer state's structure, as freeze does)."""
+  then: the wrapper changes the optimizer state's structure, as freeze does). A random
+  patch projection (the encoder's model config) stays frozen, as it was pretrained."""
+  freeze = encoder.pretrained.model.get("random_patch_projection", False)
   tx = optim.build_optimizer(config.optimizer, schedule, freeze=freeze)
   if config.backbone_lr_multiplier == 1 and config.layer_decay == 1:
     return tx

@@ -55,6 +55,7 @@ MAY_CHANGE_ON_RESUME = (
   "data_dir",
   "cache",
   "init_from",
+  "eval_batch_size",  # The label-efficiency job's evaluation batch.
 )
 
 
@@ -168,12 +169,16 @@ def run(job, config: ml_collections.ConfigDict, workdir: str):
           files.remove_tree(workdir)
         raise
       if saved is not None:  # Compared with what build() resolved (e.g. the probe's preset).
-        differences = checkpointing.config_differences(
-          saved.to_dict(), task.config, MAY_CHANGE_ON_RESUME
-        )
-        if differences:
-          raise ResumeError(ckpt.directory, differences, MAY_CHANGE_ON_RESUME)
+        check_resume(saved.to_dict(), task.config, ckpt.directory)
       return _loop(task, workdir, ckpt, mesh)
+
+
+def check_resume(saved: dict, config: ml_collections.ConfigDict, directory: str):
+  """Raises ResumeError naming `directory` when config differs from the saved config (a dict,
+  as read back from JSON) in a field outside MAY_CHANGE_ON_RESUME: the one resume rule."""
+  differences = checkpointing.config_differences(saved, config, MAY_CHANGE_ON_RESUME)
+  if differences:
+    raise ResumeError(directory, differences, MAY_CHANGE_ON_RESUME)
 
 
 @contextlib.contextmanager
