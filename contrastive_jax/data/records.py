@@ -14,7 +14,6 @@ from typing import Optional
 
 import numpy as np
 import tensorflow as tf
-import tensorflow_datasets as tfds
 
 from contrastive_jax.core.errors import DataError
 from contrastive_jax.data import unreadable
@@ -89,9 +88,7 @@ class Records:
     # process's part names its records as the whole split does (ids_and_labels).
     self._source, self._spec = source, spec
     self._names = names or (str(spec), 0)
-    self._data = source._builder.as_data_source(  # pylint: disable=protected-access
-      spec, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES
-    )
+    self._data = source.data_source(spec)
     self._indices = indices
 
   def __len__(self) -> int:
@@ -120,8 +117,7 @@ class Records:
 
   def _unreadable(self, index: int, error: RuntimeError) -> DataError:
     """The DataError of record `index` of the spec: its shard file and its place in it."""
-    splits = self._source._builder.info.splits  # pylint: disable=protected-access
-    shards = splits[self._spec].file_instructions
+    shards = self._source.file_instructions(self._spec)
     ends = np.cumsum([shard.take for shard in shards])
     shard = int(np.searchsorted(ends, index, side="right"))
     path = shards[shard].filename
