@@ -18,6 +18,7 @@ import tensorflow as tf
 from contrastive_jax.core.errors import DataError
 from contrastive_jax.data import unreadable
 
+# Records fetched per call into Python when a dataset is read in order.
 READ_BATCH = 256
 
 
@@ -66,7 +67,7 @@ class Records:
   """Records of a TFDS dataset in a random-access format, by index: a tf.data bridge.
 
   Reads the serialized tf.Example records of one split spec through TFDS's
-  data source (builder.as_data_source with DeserializeMethod.RAW_BYTES,
+  data source (source.data_source: as_data_source with RAW_BYTES,
   batches of indices at once), and parses them in the tf.data graph with the
   builder's own feature spec. Record i is the split spec's i-th in TFDS's
   order (that of as_dataset for other formats); with `indices`, record i is
@@ -77,8 +78,11 @@ class Records:
   decode(image) (TFDS's decoding: uint8 [H, W, 3]) or crops.decode_random_resized_crops.
   Every record fetched adds one to the source's records_read. A record that
   cannot be read (a damaged shard file) fails the fetch, and the pipeline's
-  iterator raises a TF error that read_failure turns into a DataError naming
-  the file and the record.
+  iterator raises a TF error that unreadable.read_failure turns into a
+  DataError naming the file and the record.
+
+  source: the TfdsSource whose records these are (its data_source,
+  file_instructions, parse, features and count_read are used).
   """
 
   def __init__(
