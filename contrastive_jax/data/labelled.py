@@ -135,7 +135,7 @@ class LabelledSubset:
       ValueError: the source is not stored in a random-access format.
     """
     self._check(split)
-    self._source._check_random_access()  # pylint: disable=protected-access
+    self._source.check_random_access()
     return records_lib.Records(self._source, split, indices=self._part()[1])
 
   def read(

@@ -14,11 +14,11 @@ from typing import Optional
 
 import numpy as np
 import tensorflow as tf
-import tensorflow_datasets as tfds
 
 from contrastive_jax.core.errors import DataError
 from contrastive_jax.data import unreadable
 
+# Records fetched per call into Python when a dataset is read in order.
 READ_BATCH = 256
 
 
@@ -67,7 +67,7 @@ class Records:
   """Records of a TFDS dataset in a random-access format, by index: a tf.data bridge.
 
   Reads the serialized tf.Example records of one split spec through TFDS's
-  data source (builder.as_data_source with DeserializeMethod.RAW_BYTES,
+  data source (source.data_source: as_data_source with RAW_BYTES,
   batches of indices at once), and parses them in the tf.data graph with the
   builder's own feature spec. Record i is the split spec's i-th in TFDS's
   order (that of as_dataset for other formats); with `indices`, record i is
@@ -78,8 +78,11 @@ class Records:
   decode(image) (TFDS's decoding: uint8 [H, W, 3]) or crops.decode_random_resized_crops.
   Every record fetched adds one to the source's records_read. A record that
   cannot be read (a damaged shard file) fails the fetch, and the pipeline's
-  iterator raises a TF error that read_failure turns into a DataError naming
-  the file and the record.
+  iterator raises a TF error that unreadable.read_failure turns into a
+  DataError naming the file and the record.
+
+  source: the TfdsSource whose records these are (its data_source,
+  file_instructions, parse, features and count_read are used).
   """
 
   def __init__(
@@ -89,9 +92,7 @@ class Records:
     # process's part names its records as the whole split does (ids_and_labels).
     self._source, self._spec = source, spec
     self._names = names or (str(spec), 0)
-    self._data = source._builder.as_data_source(  # pylint: disable=protected-access
-      spec, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES
-    )
+    self._data = source.data_source(spec)
     self._indices = indices
 
   def __len__(self) -> int:
@@ -120,8 +121,7 @@ class Records:
 
   def _unreadable(self, index: int, error: RuntimeError) -> DataError:
     """The DataError of record `index` of the spec: its shard file and its place in it."""
-    splits = self._source._builder.info.splits  # pylint: disable=protected-access
-    shards = splits[self._spec].file_instructions
+    shards = self._source.file_instructions(self._spec)
     ends = np.cumsum([shard.take for shard in shards])
     shard = int(np.searchsorted(ends, index, side="right"))
     path = shards[shard].filename

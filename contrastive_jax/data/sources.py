@@ -174,7 +174,7 @@ class TfdsSource:
     Raises:
       ValueError: the dataset is not stored in a random-access format.
     """
-    self._check_random_access()
+    self.check_random_access()
     counts = self.process_counts(split, drop_remainder=True)
     return records_lib.Records(
       self,
@@ -205,7 +205,19 @@ class TfdsSource:
     )
     return parsed["image"], label, name
 
-  def _check_random_access(self):
+  def data_source(self, spec):
+    """TFDS's random-access data source of a split spec: serialized tf.Examples by index."""
+    return self._builder.as_data_source(
+      spec, deserialize_method=tfds.decode.DeserializeMethod.RAW_BYTES
+    )
+
+  def file_instructions(self, spec) -> list:
+    """The shard files of a split spec in read order, each with the records it gives (its
+    filename, skip and take)."""
+    return self._builder.info.splits[spec].file_instructions
+
+  def check_random_access(self):
+    """Raises ValueError, naming the format, unless the dataset is stored as ArrayRecord."""
     if not self.random_access:
       raise ValueError(
         f"{self.name} is stored as {self._builder.info.file_format.value}, "
