@@ -105,6 +105,7 @@ def run_method(name: str, workdir: str) -> dict:
   from contrastive_jax.core import mesh as mesh_lib
   from contrastive_jax.core import metrics
   from contrastive_jax.data import augment
+  from contrastive_jax.methods import common
   from contrastive_jax.methods import get_method
   from contrastive_jax.methods import optim
   from contrastive_jax.methods import run_keys
@@ -116,8 +117,11 @@ def run_method(name: str, workdir: str) -> dict:
       config.moco.bn_group_size = 1
   mesh = mesh_lib.make_mesh()
   method = get_method(config.method)
-  num_steps, t0 = 2, time.time()
-  schedule = optim.learning_rate_schedule(config.optimizer, config.batch_size, 16, num_steps)
+  length, t0 = common.RunLength(num_steps=2, steps_per_epoch=16), time.time()
+  num_steps = length.num_steps
+  schedule = optim.learning_rate_schedule(
+    config.optimizer, config.batch_size, length.steps_per_epoch, num_steps
+  )
   tx = optim.build_optimizer(config.optimizer, schedule)
   model = method.build_model(config)
   init_rng, rng = run_keys(config.seed)
@@ -129,7 +133,7 @@ def run_method(name: str, workdir: str) -> dict:
     augment.ViewAugment.from_config(config.augment[v], f"augment.{v}") for v in ("view1", "view2")
   )
   step_fn = jax.jit(
-    method.make_train_step(config, model, tx, views, mesh, num_steps), donate_argnums=0
+    method.make_train_step(config, model, tx, views, mesh, length), donate_argnums=0
   )
   images = np.random.default_rng(0).integers(
     0, 256, (num_steps, config.batch_size, 2, config.image_size, config.image_size, 3), np.uint8
