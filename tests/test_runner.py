@@ -2,6 +2,7 @@
 epochs, the non-finite stop, bad configs and workdirs."""
 
 import json
+import logging
 import os
 import shutil
 import subprocess
@@ -131,7 +132,8 @@ def test_batch_of_8_pictures_its_8_images_and_trains(tmp_path):
   check_views_picture(config, str(tmp_path / "augmented_views.png"))
 
 
-def test_batch_size_override_keeps_evaluation_intervals_in_epochs(tmp_path):
+def test_batch_size_override_keeps_evaluation_intervals_in_epochs(tmp_path, caplog):
+  caplog.set_level(logging.INFO)
   steps_with_knn = {}
   for batch_size in (16, 32):
     config = tiny_config()
@@ -150,6 +152,10 @@ def test_batch_size_override_keeps_evaluation_intervals_in_epochs(tmp_path):
       128 // batch_size,
     ]
   assert steps_with_knn == {16: [0, 4, 8], 32: [0, 2, 4]}
+  # Each evaluation is announced before it runs (it can take tens of seconds).
+  assert [l for l in caplog.messages if "evaluating" in l][-3:] == [
+    f"Step {step}: evaluating knn ..." for step in (0, 2, 4)
+  ]
 
 
 def test_diverging_run_stops_with_its_last_healthy_checkpoint_intact(tmp_path):

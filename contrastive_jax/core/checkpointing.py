@@ -252,6 +252,8 @@ class Checkpointer:
   def close(self):
     """Waits for pending writes, then releases the manager (also when a write failed)."""
     try:
+      if self._manager.is_saving_in_progress():  # A write that outlasted the job's last step.
+        logging.info("Waiting for the checkpoint write in progress (%s) ...", self.directory)
       self._manager.wait_until_finished()
     finally:
       self._manager.close()

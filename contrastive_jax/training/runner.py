@@ -257,6 +257,8 @@ def _loop(task: Task, workdir: str, ckpt, mesh):
   start_step = int(state.step)
 
   def evaluate(state, step, which):
+    if which:  # Tens of seconds on a CPU (the kNN embeds its bank): say so first.
+      logging.info("Step %d: evaluating %s ...", step, ", ".join(e.name for e in which))
     results = {}
     for evaluator in which:
       results.update(evaluator(state))
