@@ -72,7 +72,7 @@ def write(workdir: str, number: int, h: np.ndarray, rows: dict, unreadable: list
     unreadable: 'path<TAB>reason' lines of the shard's files without a row.
   """
   paths = {key: f"{workdir}/{name}" for key, name in names(number).items()}
-  for key in paths:
+  for key in ("embeddings", "metadata", "unreadable")[: 3 if unreadable else 2]:
     tf.io.gfile.makedirs(paths[key].rsplit("/", 1)[0])
   if unreadable:
     files.write_atomic(paths["unreadable"], "".join(line + "\n" for line in unreadable))
