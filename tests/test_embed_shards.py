@@ -6,6 +6,7 @@ import os
 import shutil
 
 import numpy as np
+from PIL import Image
 import pyarrow.parquet as pq
 import pytest
 from test_search import NUM
@@ -192,3 +193,33 @@ def test_an_index_of_format_3_still_loads_and_searches(sharded, tmp_path):
   assert index_lib.next_shard(old.meta) == 0 and index_lib.next_id(old.meta) == NUM
   results = neighbours.run(neighbours_config(str(workdir), query_rows="3"), str(tmp_path / "out"))
   assert results["queries"][0]["neighbours"][0]["row"] == 3
+
+
+def test_a_folders_undecodable_file_leaves_a_gap_in_its_shards_ids_and_is_listed(
+  pretrained,  # noqa: F811
+  tmp_path,
+):
+  images = [np.full((32, 32, 3), 60 * i, np.uint8) for i in range(3)]
+  folder = tmp_path / "photos"
+  (folder / "sub").mkdir(parents=True)
+  for image, rel in zip(images, ["b.png", "sub/a.png", "a.png"]):
+    Image.fromarray(image).save(folder / rel)
+  (folder / "broken.jpg").write_bytes(b"\xff\xd8\xff\xe0 not really a JPEG")
+  workdir = str(tmp_path / "index")
+  # Sorted paths a.png, b.png | broken.jpg, sub/a.png: shards of 2 positions.
+  embed.run(embed_config(pretrained, dataset=None, folder=str(folder), shard_rows=2), workdir)
+  tables = [pq.read_table(f"{workdir}/{shards_lib.names(i)['metadata']}") for i in range(2)]
+  assert [t["id"].to_pylist() for t in tables] == [[0, 1], [3]]
+  assert tables[1]["name"].to_pylist() == [str(folder / "sub/a.png")]
+  assert tables[1]["label"].to_pylist() == [None] and tables[1]["split"].to_pylist() == ["all"]
+  broken = f"{folder / 'broken.jpg'}\t"
+  shard_list = open(f"{workdir}/{shards_lib.names(1)['unreadable']}").read().splitlines()
+  assert len(shard_list) == 1 and shard_list[0].startswith(broken)
+  assert not os.path.exists(f"{workdir}/{shards_lib.names(0)['unreadable']}")
+  assert open(f"{workdir}/{index_lib.UNREADABLE}").read().splitlines() == shard_list
+  saved = index_lib.load_index(workdir)
+  assert [r["name"] for r in saved.rows] == [
+    str(folder / f) for f in ("a.png", "b.png", "sub/a.png")
+  ]
+  assert saved.meta["parts"][0]["ids"] == [0, 4] and saved.meta["unreadable"] == 1
+  assert not os.path.exists(f"{workdir}/{embed.PLAN}")  # Deleted once embed.json lists the part.
