@@ -29,6 +29,7 @@ setuptools.setup(
     "optax>=0.2.8,<0.3",
     "orbax-checkpoint>=0.12.8,<0.13",
     "pillow",
+    "pyarrow>=25.0.1,<26",  # search/shards.py: the embed job's metadata shards (parquet).
     "tensorboard",
     "tensorflow-cpu>=2.21.0,<3",
     "tensorflow-datasets>=4.9.10,<5",

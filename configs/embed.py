@@ -46,6 +46,7 @@ def get_config(arg: str = ""):
   config.max_pixels = 100_000_000  # Files whose header claims more are not decoded.
   config.batch_size = 256  # Global; a multiple of the device count.
   config.data_threads = 2
+  config.shard_rows = 100_000  # Images per shard file (docs/search.md): what a process holds.
   config.add = False  # True: add config.folder's new files to the index in --workdir.
   config.ann = ml_collections.ConfigDict(
     dict(

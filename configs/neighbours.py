@@ -5,10 +5,10 @@
   python -m contrastive_jax.main --config=configs/neighbours.py --workdir=DIR \
       --config.index_workdir=EMBED_DIR --config.query_rows=0,50,100
 
-Queries: image files or names of the index's rows (index.jsonl), comma-separated in
-queries or one per line in the text file queries_file (for names that have a comma:
-each line is taken as it is, blank lines skipped), and row numbers of the index in
-query_rows. Rows come first, then queries, then queries_file.
+Queries: image files or names of the index's rows (the name column of its metadata/
+shards), comma-separated in queries or one per line in the text file queries_file
+(for names that have a comma: each line is taken as it is, blank lines skipped), and
+row numbers of the index in query_rows. Rows come first, then queries, then queries_file.
 
 search: 'auto' searches the index's ANN index (ann.json) when it has one and
 exactly otherwise; 'exact' always exactly.

@@ -4,7 +4,6 @@ import json
 import os
 import shutil
 import sys
-import types
 import zlib
 
 from helpers import load_benchmark
@@ -25,6 +24,7 @@ from contrastive_jax.jobs import embed
 from contrastive_jax.jobs import neighbours
 from contrastive_jax.search import ann as ann_lib
 from contrastive_jax.search import index as index_lib
+from contrastive_jax.search import shards as shards_lib
 
 faiss = pytest.importorskip("faiss")
 CLOTHING = os.path.join(
@@ -221,11 +221,6 @@ def test_identical_rows_tie_in_the_calibration(monkeypatch):
   assert chosen[2] <= chosen[1] + 2 < 32, chosen
 
 
-def _unlabeled_folder(name):
-  """What index_lib.append reads of a sources.FolderSource without class folders."""
-  return types.SimpleNamespace(name=name, class_names=None)
-
-
 def _folder(tmp_path, name, classes, per_class=2):
   """A folder of real photos (clothing test images), `per_class` of each class; their paths."""
   folder = tmp_path / name
@@ -258,7 +253,7 @@ def test_embed_writes_an_ann_index_a_service_reads_with_faiss_alone(photos):
   assert (description["type"], description["rows"], description["dim"]) == ("hnsw", 6, meta["dim"])
   assert description["format_version"] == ann_lib.FORMAT_VERSION
   read = faiss.read_index(os.path.join(workdir, description["file"]))
-  embeddings = np.load(os.path.join(workdir, index_lib.EMBEDDINGS))
+  embeddings = np.load(os.path.join(workdir, shards_lib.names(0)["embeddings"]))
   _, rows = read.search(embeddings, 6)
   np.testing.assert_array_equal(rows, _exact(embeddings, embeddings, 6)[1])
 
@@ -291,7 +286,8 @@ def test_adding_files_embeds_only_new_ones_rows_continue_and_their_queries_find_
 ):
   workdir, folder = photos
   before = index_lib.load_index(workdir)
-  first_bytes = open(os.path.join(workdir, index_lib.EMBEDDINGS), "rb").read()
+  first_shard = os.path.join(workdir, shards_lib.names(0)["embeddings"])
+  first_bytes = open(first_shard, "rb").read()
   new = _folder(tmp_path, "photos", ["pants", "skirt"], per_class=1)  # Into the same folder.
   added = embed.run(embed_config(None, dataset=None, folder=folder, add=True), workdir)
   assert added.shape == (2, before.embeddings.shape[1])
@@ -308,8 +304,8 @@ def test_adding_files_embeds_only_new_ones_rows_continue_and_their_queries_find_
     {"name": name, "label": label} for name, label in zip(new_names, [3, 4])
   ]
   # The first part is as it was; the new rows are a new part, embedded as a fresh index does.
-  assert open(os.path.join(workdir, index_lib.EMBEDDINGS), "rb").read() == first_bytes
-  assert os.path.exists(os.path.join(workdir, "embeddings.1.npy"))
+  assert open(first_shard, "rb").read() == first_bytes
+  assert shards_lib.is_complete(workdir, 1)
   alone = str(tmp_path / "alone")
   only_new = _folder(tmp_path, "only_new", ["pants", "skirt"], per_class=1)
   embed.run(embed_config(pretrained, dataset=None, folder=only_new), alone)
@@ -343,7 +339,10 @@ def test_an_interrupted_add_leaves_the_previous_index_as_it_was(photos, tmp_path
   workdir, folder = photos
   before = index_lib.load_index(workdir)
   listing = {
-    f: open(os.path.join(workdir, f), "rb").read() for f in os.listdir(workdir) if f != files.LOCK
+    os.path.relpath(os.path.join(d, f), workdir): open(os.path.join(d, f), "rb").read()
+    for d, _, names in os.walk(workdir)
+    for f in names
+    if f != files.LOCK
   }
   _folder(tmp_path, "photos", ["pants"], per_class=1)
   original = files.write_atomic
@@ -462,13 +461,14 @@ def test_bad_indexes_and_adds_are_refused_in_one_line(pretrained, photos, tmp_pa
     refused(JobError, f"ann.0.faiss has CRC-32 [0-9]+: must have {crc} .*damaged", job, config)
   with open(ann_file, "wb") as f:
     f.write(ann_bytes)
-  embeddings = os.path.join(workdir, index_lib.EMBEDDINGS)
+  embeddings = os.path.join(workdir, shards_lib.names(0)["embeddings"])
   whole = open(embeddings, "rb").read()
   with open(embeddings, "wb") as f:
     f.write(whole[:200])
   refused(
     JobError,
-    "embeddings.npy and index.jsonl must be the files of 6 rows .*truncated",
+    "img_emb/img_emb_00000.npy and metadata/metadata_00000.parquet must be the files of 6 "
+    "rows .*truncated",
     neighbours,
     search,
   )
@@ -581,6 +581,19 @@ def test_a_flat_index_searched_exactly_still_has_its_file_checked_and_says_how(
   ) in caplog.text
 
 
+def _part(workdir, number, h, first_id, folder):
+  """Writes h as shard `number` of unlabelled rows named by their ids; its part's entry."""
+  ids = list(range(first_id, first_id + len(h)))
+  rows = {"id": ids, "name": [str(i) for i in ids], "label": [None] * len(h), "split": "all"}
+  shards_lib.write(workdir, number, h, rows, [])
+  return {
+    "shards": [shards_lib.entry(number, len(h))],
+    "num_images": len(h),
+    "ids": [first_id, first_id + len(h)],
+    "folder": folder,
+  }
+
+
 def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_ivf(tmp_path, monkeypatch):
   rng = np.random.default_rng(1)
   monkeypatch.setattr(ann_lib, "EXACT_BELOW", 150)
@@ -591,12 +604,10 @@ def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_ivf(tmp_path, monke
   description = index_lib._write_ann(workdir, config, first, generation=0, run_id=run_id)
   assert description["type"] == "flat"
   meta = {
-    "format_version": 2,
+    "format_version": index_lib.FORMAT_VERSION,
     "run_id": run_id,
     "config": {"folder": "/x"},
-    "image_size": 32,
-    "crop_fraction": 1.0,
-    "crop_resize": "bilinear",
+    "eval_crop": {"size": 32, "fraction": 1.0, "resize": "bilinear"},
     "num_images": 100,
     "dim": 16,
     "class_names": None,
@@ -604,18 +615,14 @@ def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_ivf(tmp_path, monke
     "parts": [],
     "ann": description,
   }
-  meta["parts"].append(
-    index_lib._write_part(workdir, 0, first, [{"name": str(i)} for i in range(100)], "/x")
-  )
+  meta["parts"].append(_part(workdir, 0, first, 0, "/x"))
   index_lib._commit(workdir, meta, None)
   index_lib.append(
     workdir,
     index_lib.load_index(workdir),
     config.ann,
-    second,
-    [-1] * 100,
-    [str(i) for i in range(100, 200)],
-    _unlabeled_folder("/y"),
+    _part(workdir, 1, second, 100, "/y"),
+    None,
     0,
   )
   grown = index_lib.load_index(workdir)
@@ -628,16 +635,7 @@ def test_an_add_that_crosses_the_exact_size_rebuilds_auto_as_ivf(tmp_path, monke
   # A further add grows the IVF-PQ index in place and calibrates its nprobe again, on 260 rows:
   # what calibrating the grown index afresh gives.
   third = _unit(rng, 60, 16)
-  index_lib.append(
-    workdir,
-    grown,
-    config.ann,
-    third,
-    [-1] * 60,
-    [str(i) for i in range(200, 260)],
-    _unlabeled_folder("/z"),
-    0,
-  )
+  index_lib.append(workdir, grown, config.ann, _part(workdir, 2, third, 200, "/z"), None, 0)
   again = index_lib.load_index(workdir)
   assert again.ann["file"] == "ann.2.faiss" and again.ann["calibration"]["queries"] == 260
   loaded = ann_lib.load(workdir, again.ann, where="x")
@@ -662,6 +660,13 @@ def test_an_index_from_before_ann_indexes_is_read_and_an_add_gives_it_one(photos
   del old["config"]["ann"], old["config"]["add"]
   crop = old.pop("eval_crop")  # Format 1 held the eval crop's size and fraction, no resize.
   old.update(image_size=crop["size"], crop_fraction=crop["fraction"])
+  # And its rows in one embeddings.npy and index.jsonl rather than shards.
+  saved = index_lib.load_index(workdir)
+  np.save(os.path.join(workdir, index_lib.EMBEDDINGS), np.asarray(saved.embeddings))
+  with open(os.path.join(workdir, index_lib.INDEX), "w") as f:
+    f.write("".join(json.dumps(row) + "\n" for row in saved.rows))
+  for folder_name in (shards_lib.EMBEDDINGS_DIR, shards_lib.METADATA_DIR):
+    shutil.rmtree(os.path.join(workdir, folder_name))
   with open(meta_path, "w") as f:
     json.dump(old, f)
   for name in (ann_lib.META, meta["ann"]["file"]):
@@ -676,6 +681,9 @@ def test_an_index_from_before_ann_indexes_is_read_and_an_add_gives_it_one(photos
   assert after.meta["format_version"] == index_lib.FORMAT_VERSION and len(after.rows) == 7
   assert after.ann["type"] == "flat" and after.ann["embed_run"] == after.meta["run_id"]
   assert after.rows[:6] == before.rows
+  # The added image is shard 0, its id numbered on from the old part's rows.
+  assert after.meta["parts"][1]["shards"] == [shards_lib.entry(0, 1)]
+  assert after.meta["parts"][1]["ids"] == [6, 7]
 
 
 def test_the_benchmark_measures_exact_search_and_each_index_against_it():

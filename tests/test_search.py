@@ -29,6 +29,7 @@ from contrastive_jax.jobs import neighbours
 from contrastive_jax.methods import common
 from contrastive_jax.search import exact
 from contrastive_jax.search import index as index_lib
+from contrastive_jax.search import shards as shards_lib
 from contrastive_jax.training import restore
 
 NUM = 20  # test[:20]: two global batches of 16, the second padded.
@@ -371,9 +372,7 @@ def test_a_workdir_another_job_holds_is_refused(pretrained, index, tmp_path):
   assert os.listdir(workdir) == [files.LOCK]
 
 
-def test_two_hosts_embed_their_parts_and_process_zero_writes_the_whole_split(
-  pretrained, index, tmp_path
-):
+def test_two_hosts_write_their_own_shards_and_no_process_gathers_every_row(pretrained, tmp_path):
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -382,9 +381,10 @@ def test_two_hosts_embed_their_parts_and_process_zero_writes_the_whole_split(
     os.environ,
     PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]),
   )
+  two = tmp_path / "two"
   procs = [
     subprocess.Popen(
-      [sys.executable, worker, str(i), str(port), str(tmp_path), TFDS_DIR, "embed", pretrained],
+      [sys.executable, worker, str(i), str(port), str(two), TFDS_DIR, "embed", pretrained],
       stdout=subprocess.PIPE,
       stderr=subprocess.STDOUT,
       text=True,
@@ -392,9 +392,22 @@ def test_two_hosts_embed_their_parts_and_process_zero_writes_the_whole_split(
     )
     for i in range(2)
   ]
-  for i, p in enumerate(procs):  # 10 images each: batches of 4, the last one half padding.
+  for i, p in enumerate(procs):  # Shards of 5 rows: process i writes shards i and i + 2.
     out = p.communicate(timeout=300)[0]
-    assert p.returncode == 0 and f"RESULT process={i} rows={NUM}" in out, out[-3000:]
-  saved, single = index_lib.load_index(str(tmp_path)), index_lib.load_index(index)
-  assert saved.rows == single.rows
+    assert p.returncode == 0, out[-3000:]
+    result = re.search(
+      r"RESULT process=(\d) rows=(\d+) written=\[(.*)\] held=(\d+) collected=(\d+)", out
+    )
+    assert result, out[-3000:]
+    process, rows, written, held, collected = result.groups()
+    assert (int(process), int(rows), written, int(held)) == (i, NUM, f"{i}, {i + 2}", 5)
+    # What the collectives carried: flags and counts, never the rows (NUM x D values).
+    assert 0 < int(collected) < NUM, out[-3000:]
+  one = str(tmp_path / "one")
+  embed.run(embed_config(pretrained, shard_rows=5), one)
+  saved, single = index_lib.load_index(str(two)), index_lib.load_index(one)
+  assert saved.rows == single.rows and saved.meta["parts"] == single.meta["parts"]
   np.testing.assert_allclose(saved.embeddings, single.embeddings, atol=1e-5)
+  for number in range(4):
+    name = shards_lib.names(number)["metadata"]
+    assert (two / name).read_bytes() == open(os.path.join(one, name), "rb").read()

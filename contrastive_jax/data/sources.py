@@ -240,7 +240,9 @@ class TfdsSource:
       (split, sum(counts[: jax.process_index()])),
     )
 
-  def read_range(self, split: str, start: int, stop: int, *, decode: bool = True):
+  def read_range(
+    self, split: str, start: int, stop: int, *, decode: bool = True, names: bool = False
+  ):
     """Examples start to stop - 1 of `split` in read order (that of ids_and_labels), as read().
 
     Every process that calls it reads the same examples; TFDS reads only the
@@ -257,7 +259,7 @@ class TfdsSource:
         )
       offset += last - first
     return self._read(
-      functools.reduce(operator.add, parts), decode, names=False, record_names=(split, start)
+      functools.reduce(operator.add, parts), decode, names=names, record_names=(split, start)
     )
 
   def ids_and_labels(self, split: str):
@@ -342,7 +344,8 @@ class FolderSource:
   unlabeled (label -1, num_classes and class_names None). The listing is
   images.list_files' (links followed, a link loop refused; hidden entries,
   names starting with '.', left out); other entries it skips (broken links,
-  special files) join `unreadable`. Its one split is SPLIT, the whole folder. Files are
+  special files) join `unreadable` (and are kept in `skipped`). Its one split
+  is SPLIT, the whole folder. Files are
   decoded when read (images.load_image: RGB, EXIF orientation applied, at
   most max_pixels pixels) and downscaled with antialiasing to a shorter side
   of at most shorter_side; a file that cannot be decoded is skipped, logged
@@ -368,13 +371,13 @@ class FolderSource:
     classes, names = layout.class_folders([f.split("/")[:-1] for f in files])
     self.class_names = classes or None
     self.num_classes = len(classes) or None
-    self._skipped = [(os.path.join(folder, f), why) for f, why in skipped if why != "hidden"]
+    self.skipped = [(os.path.join(folder, f), why) for f, why in skipped if why != "hidden"]
     label_of = {name: i for i, name in enumerate(classes)}
     self.files, self._labels = [], []
     for f, name in zip(files, names):
       path = os.path.join(folder, f)
       if classes and not name:
-        self._skipped.append((path, "not in a class folder (the folder has class folders)"))
+        self.skipped.append((path, "not in a class folder (the folder has class folders)"))
       elif path not in skip:
         self.files.append(path)
         self._labels.append(label_of[name] if name else -1)
@@ -409,12 +412,27 @@ class FolderSource:
       )
     counts = self.process_counts(split)
     start = sum(counts[: jax.process_index()])
-    end = start + counts[jax.process_index()]
-    files, labels = self.files[start:end], self._labels[start:end]
+    # The listing's skips are the whole folder's: process 0 reports them.
+    return self._files(start, start + counts[jax.process_index()], names, jax.process_index() == 0)
+
+  def read_range(
+    self, split: str, start: int, stop: int, *, decode: bool = True, names: bool = False
+  ) -> tf.data.Dataset:
+    """Files start to stop - 1 in path order, as read(); `unreadable` then lists theirs only."""
+    del split
+    if not decode:
+      raise ValueError("a FolderSource is read decoded: decode=True")
+    return self._files(start, stop, names, listing=False)
+
+  def _files(self, start: int, stop: int, names: bool, listing: bool) -> tf.data.Dataset:
+    """(image, label[, path]) of files start to stop - 1, those that cannot be decoded skipped.
+
+    Each pass rebuilds `unreadable`: the skipped files (and, with listing, `skipped`).
+    """
+    files, labels = self.files[start:stop], self._labels[start:stop]
 
     def examples():
-      # The listing's skips are the whole folder's: process 0 reports them.
-      self.unreadable = list(self._skipped) if jax.process_index() == 0 else []
+      self.unreadable = list(self.skipped) if listing else []
       for path, label in zip(files, labels):
         try:
           image = self._load(path)

@@ -16,13 +16,21 @@ does not hold yet (by path) are embedded with the index's own checkpoint and
 added to it as a new part, their rows numbered on from its last; the ANN
 index grows with them. A checkpoint other than the index's is refused.
 
-Not a training loop, so not run by runner.run. Each process embeds its own
-part of the images; process 0 gathers the parts and writes the files, in the
-order of the split or of the sorted file paths. A workdir that already holds
-an index is refused (nothing already written is lost); files an interrupted
-embed left without its embed.json, which marks an index complete, are
-written anew.
+Not a training loop, so not run by runner.run. The images (the split in
+order, or the sorted file paths) are cut into shards of config.shard_rows
+(search/shards.py); each process embeds and writes its own shards while it
+embeds, holding one shard's rows at a time, so that no process gathers
+every row and the files do not depend on the number of processes. Process 0
+then builds the ANN index from the shards, memory-mapped, and writes
+embed.json last. A workdir that already holds an index is refused (nothing
+already written is lost). An embed that was interrupted resumes at the
+shards it had not written, when run again with the same images, checkpoint
+and shard_rows (PLAN, written before the first shard, says which); a
+workdir whose shards are another run's is refused, never overwritten.
 """
+
+import hashlib
+import json
 
 from absl import logging
 from clu import periodic_actions
@@ -37,11 +45,14 @@ from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import JobError
-from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.search import ann as ann_lib
 from contrastive_jax.search import index as index_lib
+from contrastive_jax.search import shards as shards_lib
 from contrastive_jax.training import restore
+
+# What an unfinished embed's shards hold (_plan): a run that finds it resumes them.
+PLAN = "embed_plan.json"
 
 
 def check_config(config, num_devices: int):
@@ -62,7 +73,7 @@ def check_config(config, num_devices: int):
       "set when (and only when) config.dataset is not: the images are a "
       f"dataset's split or a folder's files (dataset={config.dataset!r})",
     )
-  for field in ("max_pixels", "data_threads"):
+  for field in ("max_pixels", "data_threads", "shard_rows"):
     if config[field] <= 0:
       raise ConfigError(field, config[field], "an integer > 0")
   if config.add and not config.folder:
@@ -147,8 +158,9 @@ def open_source(config, *, shorter_side: int, skip=frozenset()):
 def run(config, workdir: str):
   """Embeds the images config names with the checkpoint it names; writes the index to workdir.
 
-  Returns the embeddings written, float32 [N, D] (on every process); with
-  config.add, those of the files added (none: [0, D]).
+  Returns the embeddings written, float32 [N, D] (on every process: an
+  index.Parts of the shards, memory-mapped); with config.add, those of the
+  files added (none: [0, D]).
 
   Holds the workdir's lock (files.workdir_lock) once the inputs are checked.
 
@@ -156,7 +168,8 @@ def run(config, workdir: str):
     ConfigError: see check_config, _adding_config, restore.embed_model, open_source.
     JobError: a workdir that is a file, already holds an index (without
       config.add) or holds none (with it), or that another job is running
-      in; an index to add to whose files do not fit (index_lib.load_index); a
+      in; shards of another run (_shards_to_write); an index to add to
+      whose files do not fit (index_lib.load_index); a
       folder none of whose files can be decoded.
   """
   workdir = files.prepare_workdir(workdir)
@@ -214,73 +227,83 @@ def _refuse_existing_index(workdir: str):
   if index_lib.is_index(workdir):
     raise JobError(
       f"--workdir={workdir}: already holds embeddings ({index_lib.META}, "
-      f"{index_lib.EMBEDDINGS}); use a new workdir or delete them, or add "
+      f"{shards_lib.EMBEDDINGS_DIR}/); use a new workdir or delete them, or add "
       "config.folder's new files to them with --config.add=True"
-    )
-  if tf.io.gfile.exists(f"{workdir}/{index_lib.EMBEDDINGS}"):
-    logging.warning(
-      "%s/%s is left from an embed job that did not finish (no %s): embedding again.",
-      workdir,
-      index_lib.EMBEDDINGS,
-      index_lib.META,
     )
 
 
 def _embed_and_write(
   config, workdir: str, mesh, model: restore.EmbedModel, source, split: str, existing
 ):
-  """run's work once the inputs are checked and the workdir locked; returns the embeddings.
+  """run's work once the inputs are checked and the workdir locked; returns the part's rows.
 
-  existing: the index to add the embeddings to (index_lib.append), or None for a new one.
+  existing: the index to add the part to (index_lib.append), or None for a new one.
+  Each process embeds and writes its shards of the shards not yet complete
+  (_shards_to_write), in rounds of one shard per process; process 0 writes
+  the unreadable list, the ANN index and embed.json once every shard is.
   """
-  local_batch = config.batch_size // jax.process_count()
-  ds = input_pipeline.eval_dataset(
-    source,
-    split,
-    local_batch=local_batch,
-    eval_crop=model.eval_crop,
-    threads=config.data_threads,
-    names=True,
-  )
-  num_images = source.num_examples(split, "split")
-  num_batches = -(-max(source.process_counts(split)) // local_batch)
+  meta = existing.meta if existing else {"parts": []}
+  part = len(meta["parts"])
+  class_names, relabel = index_lib.classes_with(existing, source)
+  plan = _plan(config, model, source, split, meta, class_names)
+  shards = shards_lib.plan(plan["num_images"], config.shard_rows, plan["first_shard"])
+  missing = _shards_to_write(workdir, plan, shards)
+  count, index = jax.process_count(), jax.process_index()
+  local_batch = config.batch_size // count
   logging.info(
-    "Embedding %d images of %s (split %s) with the step-%d encoder of %s: %d batches of %d.",
-    num_images,
+    "Embedding %d images of %s (split %s) with the step-%d encoder of %s: %d shards of "
+    "%d, %d of them written already.",
+    plan["num_images"],
     source.name,
     split,
     model.step,
     config.pretrain_workdir,
-    num_batches,
-    config.batch_size,
+    len(shards),
+    config.shard_rows,
+    len(shards) - len(missing),
   )
-  h, labels, names = _embed(model, ds, mesh, num_batches)
-  h, labels, names = _gather(h), _gather(labels), _gather_strings(names)
-  unreadable = _gather_strings(
-    [f"{path}\t{reason}" for path, reason in (source.unreadable if config.folder else [])]
-  )
-  listed = index_lib.part_names(len(existing.meta["parts"]) if existing else 0)["unreadable"]
-  if jax.process_index() == 0:
-    tf.io.gfile.makedirs(workdir)
+  rows = {"split": split, "relabel": relabel, "labelled": bool(class_names)}
+  for first in range(0, len(missing), count):
+    group = missing[first : first + count]
+    num_batches = -(-max(shard.stop - shard.start for shard in group) // local_batch)
+    mine = group[index] if index < len(group) else None
+    ds = _shard_dataset(source, split, mine, model.eval_crop, local_batch, num_batches, config)
+    embedded = _embed(model, ds, mesh, num_batches)
+    if mine:
+      _write_shard(workdir, mine, embedded, source, plan["first_id"], rows)
+  multihost_utils.sync_global_devices("embed: every shard written")
+  written = [shards_lib.entry(s.number, shards_lib.count_rows(workdir, s.number)) for s in shards]
+  entry = {  # The part's entry of embed.json's parts.
+    "shards": written,
+    "num_images": sum(shard["num_images"] for shard in written),
+    "ids": [plan["first_id"], plan["first_id"] + plan["num_images"]],
+    "folder": source.name if config.folder else None,
+  }
+  listed = index_lib.unreadable_name(part)
+  unreadable = [f"{path}\t{why}" for path, why in (source.skipped if config.folder else [])]
+  unreadable += [line for s in shards for line in shards_lib.read_unreadable(workdir, s.number)]
+  if index == 0:
     if unreadable:
-      files.write_atomic(
-        f"{workdir}/{listed}", "".join(line + "\n" for line in unreadable).encode()
-      )
+      files.write_atomic(f"{workdir}/{listed}", "".join(line + "\n" for line in unreadable))
       logging.warning(
         "%d files could not be decoded and have no row; they are listed with why in %s/%s.",
         len(unreadable),
         workdir,
         listed,
       )
-    if len(h) and existing:
-      index_lib.append(workdir, existing, config.ann, h, labels, names, source, len(unreadable))
-    elif len(h):
-      index_lib.write(workdir, config, model, source, h, labels, names, len(unreadable))
-  if not len(h):
+    if entry["num_images"] and existing:
+      index_lib.append(workdir, existing, config.ann, entry, class_names, len(unreadable))
+    elif entry["num_images"]:
+      index_lib.write(workdir, config, model, source, entry, len(unreadable))
+    if entry["num_images"]:  # The part is in embed.json: nothing left to resume.
+      tf.io.gfile.remove(f"{workdir}/{PLAN}")
+  if not entry["num_images"]:
     raise JobError(
-      f"config.folder={config.folder!r}: none of its {num_images} files could be "
+      f"config.folder={config.folder!r}: none of its {plan['num_images']} files could be "
       f"decoded (listed with the reasons in {workdir}/{listed})"
     )
+  multihost_utils.sync_global_devices("embed: embed.json written")
+  h = index_lib.Parts(index_lib.part_arrays(workdir, entry, workdir))
   logging.info(
     "%s %d embeddings of dimension %d to %s.",
     "Added" if existing else "Wrote",
@@ -289,6 +312,134 @@ def _embed_and_write(
     workdir,
   )
   return h
+
+
+def _plan(config, model, source, split, meta: dict, class_names) -> dict:
+  """What the part's shards hold: PLAN's content, the same for a run and its resumption.
+
+  The batch size, threads and ANN fields are not in it: they change no row.
+  """
+  names = "\n".join(source.files) if config.folder else ""
+  return {
+    "part": len(meta["parts"]),
+    "first_shard": index_lib.next_shard(meta),
+    "first_id": index_lib.next_id(meta),
+    "shard_rows": config.shard_rows,
+    "num_images": source.num_examples(split, "split"),
+    "source": source.name,
+    "split": split,
+    "data_dir": config.data_dir,
+    "files_sha256": hashlib.sha256(names.encode()).hexdigest(),
+    "class_names": class_names,
+    "max_pixels": config.max_pixels,
+    "pretrain_workdir": config.pretrain_workdir,
+    "pretrain_step": model.step,
+    "random_init": config.random_init,
+    "eval_crop": model.eval_crop._asdict(),
+  }
+
+
+def _shards_to_write(workdir: str, plan: dict, shards: list) -> list:
+  """The shards not yet complete, by process 0's view; writes PLAN the first time.
+
+  Shards left by an interrupted run of the same plan are kept; PLAN of an
+  earlier, finished part (left by a run stopped between embed.json and its
+  removal) is replaced.
+
+  Raises:
+    JobError: PLAN is another run's (other images, checkpoint, crop or
+      shard_rows), or a shard of this part exists without PLAN: nothing is
+      overwritten.
+  """
+  path = f"{workdir}/{PLAN}"
+  saved = None
+  if tf.io.gfile.exists(path):
+    with tf.io.gfile.GFile(path) as f:
+      saved = json.load(f)
+    if saved.get("part", -1) < plan["part"]:  # A finished part's.
+      saved = None
+  if saved is not None and saved != plan:
+    differ = sorted(key for key in plan if saved.get(key) != plan[key])
+    raise JobError(
+      f"--workdir={workdir}: holds the shards of an unfinished embed of other images or "
+      f"another encoder ({PLAN} differs in {', '.join(differ)}); use a new workdir, or "
+      f"delete {PLAN}, {shards_lib.EMBEDDINGS_DIR}/ and {shards_lib.METADATA_DIR}/ to embed "
+      "these images anew"
+    )
+  if saved is None:
+    for shard in shards:
+      for name in shards_lib.names(shard.number).values():
+        if tf.io.gfile.exists(f"{workdir}/{name}"):
+          raise JobError(
+            f"--workdir={workdir}: holds {name} but no {PLAN} saying what it holds; use a "
+            f"new workdir, or delete {shards_lib.EMBEDDINGS_DIR}/ and "
+            f"{shards_lib.METADATA_DIR}/ to embed these images anew"
+          )
+  multihost_utils.sync_global_devices("embed: plan checked")
+  if jax.process_index() == 0 and saved is None:
+    files.write_atomic(path, json.dumps(plan, indent=1))
+  done = np.array([shards_lib.is_complete(workdir, s.number) for s in shards], bool)
+  done = np.asarray(multihost_utils.broadcast_one_to_all(done)) if len(shards) else done
+  if done.any():
+    logging.info("Resuming: %d of %d shards are written already.", done.sum(), len(shards))
+  return [shard for shard, complete in zip(shards, done) if not complete]
+
+
+def _shard_dataset(source, split, shard, eval_crop, local_batch: int, num_batches: int, config):
+  """This process's batches of `shard` (None: padding only), num_batches of local_batch.
+
+  Elements as input_pipeline.eval_dataset's with names: the rows past the
+  shard's are padding (mask False).
+  """
+  pad = tf.data.Dataset.from_tensors(
+    {
+      "image": tf.zeros([eval_crop.size, eval_crop.size, 3], tf.uint8),
+      "label": tf.constant(0, tf.int32),
+      "mask": False,
+      "name": tf.constant(""),
+    }
+  ).repeat()
+  ds = pad
+  if shard is not None:
+    ds = (
+      source.read_range(split, shard.start, shard.stop, names=True)
+      .map(
+        lambda image, label, name: {
+          "image": eval_crop.apply(image),
+          "label": label,
+          "mask": True,
+          "name": name,
+        },
+        num_parallel_calls=config.data_threads,
+      )
+      .concatenate(pad)
+    )
+  return ds.take(num_batches * local_batch).batch(local_batch, drop_remainder=True).prefetch(2)
+
+
+def _write_shard(workdir: str, shard, embedded: tuple, source, first_id: int, rows: dict):
+  """Writes the shard's embedded rows (h, labels, names: _embed's) with their metadata."""
+  h, labels, names = embedded
+  if isinstance(source, sources.FolderSource):  # Files that cannot be decoded have no row.
+    position = {path: i for i, path in enumerate(source.files[shard.start : shard.stop])}
+    positions = [position[name] for name in names]
+    unreadable = [f"{path}\t{why}" for path, why in source.unreadable]
+  else:
+    positions, unreadable = range(len(h)), []
+  shards_lib.write(
+    workdir,
+    shard.number,
+    h,
+    {
+      "id": [first_id + shard.start + p for p in positions],
+      "name": names,
+      "label": [
+        rows["relabel"][int(label)] if rows["labelled"] and label >= 0 else None for label in labels
+      ],
+      "split": rows["split"],
+    },
+    unreadable,
+  )
 
 
 def _embed(model: restore.EmbedModel, ds: tf.data.Dataset, mesh, num_batches: int):
@@ -316,22 +467,3 @@ def _embed(model: restore.EmbedModel, ds: tf.data.Dataset, mesh, num_batches: in
     progress(i + 1)
   collect(*pending)
   return np.concatenate(h), np.concatenate(labels), names
-
-
-def _gather(x: np.ndarray) -> np.ndarray:
-  """The processes' arrays x [n_p, ...] concatenated in process order, on every process."""
-  if jax.process_count() == 1:
-    return x
-  counts = multihost_utils.process_allgather(np.int64(len(x)))
-  padded = np.zeros((int(counts.max()),) + x.shape[1:], x.dtype)
-  padded[: len(x)] = x
-  gathered = multihost_utils.process_allgather(padded)
-  return np.concatenate([part[:count] for part, count in zip(gathered, counts)])
-
-
-def _gather_strings(strings) -> list:
-  """The processes' lists of strings concatenated in process order, on every process."""
-  if jax.process_count() == 1:
-    return list(strings)
-  encoded = np.frombuffer("".join(s + "\0" for s in strings).encode(), np.uint8)
-  return _gather(encoded).tobytes().decode().split("\0")[:-1]

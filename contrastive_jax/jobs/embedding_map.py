@@ -125,8 +125,7 @@ def check_config(config):
     raise ConfigError(
       "index_workdir",
       config.index_workdir,
-      f"the workdir of a finished embed job (holding {index_lib.META}, "
-      f"{index_lib.INDEX} and {index_lib.EMBEDDINGS})",
+      f"the workdir of a finished embed job (holding {index_lib.META} and the shards it lists)",
     )
 
 

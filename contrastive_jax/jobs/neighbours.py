@@ -53,6 +53,7 @@ from contrastive_jax.core.errors import ImageError
 from contrastive_jax.data import images
 from contrastive_jax.search import index as index_lib
 from contrastive_jax.search import searcher as searcher_lib
+from contrastive_jax.search import shards as shards_lib
 from contrastive_jax.training import restore
 
 RESULTS, PICTURE = "neighbours.json", "neighbours.png"
@@ -114,8 +115,7 @@ def check_config(config):
     raise ConfigError(
       "index_workdir",
       config.index_workdir,
-      f"the workdir of a finished embed job (holding {index_lib.META}, "
-      f"{index_lib.INDEX} and {index_lib.EMBEDDINGS})",
+      f"the workdir of a finished embed job (holding {index_lib.META} and the shards it lists)",
     )
 
 
@@ -155,7 +155,7 @@ def _queries(config, index: index_lib.Index):
         item,
         line,
         "an image file or the name of a row of the index "
-        f"(see {index_lib.INDEX}); there is no such file or name{hint}",
+        f"(see its {shards_lib.METADATA_DIR}/); there is no such file or name{hint}",
       )
     else:
       try:

@@ -1,13 +1,14 @@
 """The embedding index an embed job writes and the neighbours job reads: one folder of files.
 
-  embeddings.npy  float32 [N, D]: row i is image i's h (models.encode: the
-                  eval-mode encoder on the centre crop the pretraining run
-                  evaluated on), L2-normalised, so that a dot product of two
-                  rows is their cosine similarity.
-  index.jsonl     line i describes row i: {"name": ..., "label": ...}; the
-                  name is the file's path (folders), the 'file_name' feature
-                  (prepared image folders) or the TFDS id; "label" only for
-                  labelled datasets.
+  img_emb/, metadata/  the rows in shards (shards.py: the clip-retrieval / autofaiss layout):
+                  img_emb_{i:05d}.npy float32 [n, D], row r is image r's h
+                  (models.encode: the eval-mode encoder on the centre crop the
+                  pretraining run evaluated on), L2-normalised, so that a dot
+                  product of two rows is their cosine similarity; beside it
+                  metadata_{i:05d}.parquet, row r's id, name, label and split;
+                  the name is the file's path (folders), the 'file_name'
+                  feature (prepared image folders) or the TFDS id; the label
+                  only for labelled images.
   embed.json      what was embedded and how: the job's config (the
                   checkpoint step resolved), eval_crop (size, fraction, resize), N, D,
                   class names, format_version, run_id (this embed run's id),
@@ -19,12 +20,17 @@
   ann.G.faiss, ann.json  the ANN index of the rows and its description
                   (ann.py), unless config.ann.type is 'none'.
 
-Images added later (the embed job with config.add) are a new part:
-embeddings.P.npy, index.P.jsonl (and unreadable.P.txt) for part P = 1, 2,
-..., their rows numbered on from the previous parts'; embed.json's "parts"
-lists every part ({"embeddings", "rows", "num_images", "folder"}) and
+Images added later (the embed job with config.add) are a new part: new
+shards numbered on from the index's last (and unreadable.P.txt for part P =
+1, 2, ...), their ids numbered on from the previous parts'; embed.json's
+"parts" lists every part ({"shards": [{"embeddings", "metadata",
+"num_images"}], "num_images", "ids": [first, stop), "folder"}) and
 load_index reads them all, in order. Nothing already written is rewritten
 but the ANN index (a new generation, with the new rows added) and embed.json.
+
+An index of format_version 1 to 3 (one embeddings.npy and index.jsonl per
+part: embeddings.P.npy, index.P.jsonl for added ones) is read as one shard
+per part; images added to it go to shards.
 
 Every file is written atomically, embed.json after the files it lists, so an
 interrupted embed or add leaves the previous embed.json, whose files are
@@ -40,6 +46,7 @@ import uuid
 from absl import logging
 import ml_collections
 import numpy as np
+import pyarrow as pa
 import tensorflow as tf
 
 from contrastive_jax.core import files
@@ -48,45 +55,68 @@ from contrastive_jax.data import images
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import sources
 from contrastive_jax.search import ann as ann_lib
+from contrastive_jax.search import shards as shards_lib
 
-EMBEDDINGS, INDEX, META, UNREADABLE = (
-  "embeddings.npy",
-  "index.jsonl",
-  "embed.json",
-  "unreadable.txt",
-)
+# The files of an index of format_version 1 to 3 (its first part's).
+EMBEDDINGS, INDEX = "embeddings.npy", "index.jsonl"
+META, UNREADABLE = "embed.json", "unreadable.txt"
 # embed.json's format: 1 (no format_version field: one part, no ANN index), 2 (parts, run_id,
 # ann; the eval crop in image_size, crop_fraction and, where present, crop_resize), 3 (the
-# eval crop as "eval_crop"). load_index reads each through _upgrade_meta.
-FORMAT_VERSION = 3
+# eval crop as "eval_crop"), 4 (each part's rows in shards). load_index reads each through
+# _upgrade_meta.
+FORMAT_VERSION = 4
 
 
-def part_names(part: int) -> dict:
-  """{"embeddings", "rows", "unreadable"}: the file names of part `part` (0: the first embed)."""
-  if not part:
-    return {"embeddings": EMBEDDINGS, "rows": INDEX, "unreadable": UNREADABLE}
-  return {
-    "embeddings": f"embeddings.{part}.npy",
-    "rows": f"index.{part}.jsonl",
-    "unreadable": f"unreadable.{part}.txt",
-  }
+def unreadable_name(part: int) -> str:
+  """The file listing the files of part `part` (0: the first embed) that have no row."""
+  return f"unreadable.{part}.txt" if part else UNREADABLE
 
 
-def _write_part(workdir: str, part: int, h, rows: list, folder: Optional[str]) -> dict:
-  """Writes one part's embeddings and row descriptions; returns its entry of embed.json's parts."""
-  names = part_names(part)
-  buffer = io.BytesIO()
-  np.save(buffer, h.astype(np.float32))
-  files.write_atomic(f"{workdir}/{names['embeddings']}", buffer.getvalue())
-  files.write_atomic(
-    f"{workdir}/{names['rows']}", "".join(json.dumps(r) + "\n" for r in rows).encode()
+def next_shard(meta: dict) -> int:
+  """The number of the next shard an add writes: one past the index's last (0 for none)."""
+  return sum(
+    shard["embeddings"].startswith(shards_lib.EMBEDDINGS_DIR + "/")
+    for part in meta["parts"]
+    for shard in part["shards"]
   )
-  return {
-    "embeddings": names["embeddings"],
-    "rows": names["rows"],
-    "num_images": len(h),
-    "folder": folder,
-  }
+
+
+def next_id(meta: dict) -> int:
+  """The id of the first image an add embeds: one past the index's last part's."""
+  return meta["parts"][-1]["ids"][1] if meta["parts"] else 0
+
+
+def classes_with(index: Optional["Index"], source) -> tuple:
+  """(class_names or None, relabel): the index's classes and then source's new ones.
+
+  relabel[l] is the label, in class_names, of source's label l, so that old
+  labels keep their meaning; a new index (index None) has source's classes.
+  """
+  class_names = list((index.class_names if index else None) or [])
+  if source.class_names:
+    class_names += [name for name in source.class_names if name not in class_names]
+  return class_names or None, [class_names.index(name) for name in source.class_names or []]
+
+
+def part_arrays(workdir: str, part: dict, where: str) -> list:
+  """The embeddings of each of part's shards (float32 [n, D], memory-mapped where local).
+
+  Raises:
+    JobError: a shard's embeddings missing, damaged or of another row count than part says.
+  """
+  arrays = []
+  for shard in part["shards"]:
+    try:
+      array = _read_embeddings(f"{workdir}/{shard['embeddings']}")
+    except (ValueError, OSError, tf.errors.OpError) as e:
+      raise _shard_error(where, shard, e) from None
+    if len(array) != shard["num_images"]:
+      raise JobError(
+        f"{where}: {shard['embeddings']} holds {len(array)} rows: must be "
+        f"{shard['num_images']} ({META})"
+      )
+    arrays.append(array)
+  return arrays
 
 
 def _write_ann(workdir: str, config, h, *, generation: int, run_id: str):
@@ -120,19 +150,15 @@ def _commit(workdir: str, meta: dict, old_ann: Optional[dict]):
     tf.io.gfile.remove(f"{workdir}/{old_ann['file']}")
 
 
-def write(workdir, config, model, source, h, labels, names, num_unreadable: int):
-  """Writes a new index: embeddings.npy, index.jsonl, the ANN index and, last, embed.json.
+def write(workdir, config, model, source, part: dict, num_unreadable: int):
+  """Writes a new index of one part whose shards are written: the ANN index, then embed.json.
 
-  h: float32 [N, D] unit rows; labels: N ints (ignored for an unlabelled source);
-  names: N strings; model: the restore.EmbedModel that embedded them; config.ann:
-  which ANN index (ann.choose).
+  part: its entry of embed.json's parts (the embed job's); model: the
+  restore.EmbedModel that embedded its rows; source: what they were read from
+  (its class names); config.ann: which ANN index (ann.choose), built from the
+  shards' rows memory-mapped.
   """
-  labelled = source.num_classes is not None
-  rows = [
-    {"name": name, **({"label": int(label)} if labelled else {})}
-    for name, label in zip(names, labels)
-  ]
-  part = _write_part(workdir, 0, h, rows, config.folder)
+  h = Parts(part_arrays(workdir, part, workdir))
   run_id = uuid.uuid4().hex
   meta = {
     "format_version": FORMAT_VERSION,
@@ -149,54 +175,42 @@ def write(workdir, config, model, source, h, labels, names, num_unreadable: int)
   _commit(workdir, meta, None)
 
 
-def append(workdir, index: "Index", ann, h, labels, names, source, num_unreadable: int):
-  """Adds rows to the index in workdir: a new part, the ANN index grown, then embed.json.
+def append(workdir, index: "Index", ann, part: dict, class_names, num_unreadable: int):
+  """Adds a part whose shards are written to the index in workdir: the ANN index grown, then
+  embed.json.
 
-  The new rows are numbered on from index's. The ANN index is loaded, the
-  rows added, its search parameter calibrated again if it was calibrated
-  (ann.calibrate), and written as its next generation; when ann.type is 'auto'
-  and the new row count calls for another type (ann.choose), or the index
-  has none yet (one from before ANN indexes), it is built from every part
-  instead. Nothing else already written is changed.
+  The ANN index is loaded, the part's rows added, its search parameter
+  calibrated again if it was calibrated (ann.calibrate), and written as its
+  next generation; when ann.type is 'auto' and the new row count calls for
+  another type (ann.choose), or the index has none yet (one from before ANN
+  indexes), it is built from every part instead. Nothing else already written
+  is changed.
 
   Args:
     workdir: the index's folder.
     index: load_index(workdir).
     ann: config.ann (its type 'auto' follows the rows; another is kept).
-    h: float32 [M, D] unit rows; labels: M ints, indices into
-      source.class_names (ignored for an unlabeled source); names: M strings
-      (file paths).
-    source: the sources.FolderSource they come from. Its class names that
-      the index lacks join the index's after its own (so old labels keep
-      their meaning); rows of an unlabeled folder have no label.
+    part: the new part's entry of embed.json's parts (its shards numbered on
+      from index's, their labels those of class_names).
+    class_names: classes_with(index, source)'s.
     num_unreadable: files of the folder that could not be decoded.
   Raises:
-    JobError: h's dimension is not the index's.
+    JobError: the new rows' dimension is not the index's.
   """
-  if h.shape[1] != index.embeddings.shape[1]:
+  new = part_arrays(workdir, part, f"--workdir={workdir}")
+  if new[0].shape[1] != index.embeddings.shape[1]:
     raise JobError(
       f"--workdir={workdir}: holds embeddings of dimension "
-      f"{index.embeddings.shape[1]}; the new images' are {h.shape[1]}: it must be "
+      f"{index.embeddings.shape[1]}; the new images' are {new[0].shape[1]}: it must be "
       "the same encoder's"
     )
   meta = dict(index.meta)
-  number = len(meta["parts"])
-  class_names = list(index.class_names or [])
-  if source.class_names:
-    class_names += [name for name in source.class_names if name not in class_names]
-  # The index's label of each of the source's labels.
-  relabel = [class_names.index(name) for name in source.class_names or []]
-  rows = [
-    {"name": name, **({"label": relabel[label]} if label >= 0 else {})}
-    for name, label in zip(names, labels)
-  ]
-  part = _write_part(workdir, number, h, rows, source.name)
-  parts = Parts(
-    [*(index.embeddings.parts if isinstance(index.embeddings, Parts) else [index.embeddings]), h]
-  )
+  old = index.embeddings.parts if isinstance(index.embeddings, Parts) else [index.embeddings]
+  parts = Parts([*old, *new])
   old_ann = meta.get("ann")
   follow = ann.type == "auto" or not old_ann
   wanted = ann_lib.choose(len(parts), parts.shape[1], ann) if follow else old_ann
+  number = len(meta["parts"])
   generation = int(old_ann["file"].split(".")[1]) + 1 if old_ann else number
   if wanted and old_ann and wanted["type"] == old_ann["type"]:
     faiss_index = ann_lib.load(workdir, old_ann, where=f"--workdir={workdir}")
@@ -217,7 +231,7 @@ def append(workdir, index: "Index", ann, h, labels, names, source, num_unreadabl
     parts=[*meta["parts"], part],
     ann=new_ann,
     unreadable=meta["unreadable"] + num_unreadable,
-    class_names=class_names or None,
+    class_names=class_names,
   )
   _commit(workdir, meta, old_ann)
 
@@ -264,8 +278,8 @@ class Parts:
 class Index(NamedTuple):
   """An embed job's output, as load_index reads it.
 
-  embeddings: float32 [N, D] unit rows of every part, in order (a
-  memory-mapped array for one local part, a Parts of them for several).
+  embeddings: float32 [N, D] unit rows of every shard, in order (a
+  memory-mapped array for one local shard, a Parts of them for several).
   rows: N dicts {'name'[, 'label']}.
   config: the embed job's config; eval_crop: how its images were cropped
   (input_pipeline.EvalCrop); class_names: list or None.
@@ -326,10 +340,28 @@ def is_index(workdir: str) -> bool:
 
 
 def _read_embeddings(path: str):
+  """A shard's float32 [n, D] rows: memory-mapped where local, read whole from a bucket."""
   if "://" in path:
     with tf.io.gfile.GFile(path, "rb") as f:
       return np.load(io.BytesIO(f.read()))
   return np.load(path, mmap_mode="r")  # The neighbours job reads it chunk by chunk.
+
+
+def _read_rows(path: str) -> list:
+  """[{"name"[, "label"]}] of a shard's metadata: parquet (format 4) or JSON lines (1 to 3)."""
+  if path.endswith(".jsonl"):
+    with tf.io.gfile.GFile(path) as f:
+      return [json.loads(line) for line in f]
+  return shards_lib.read_rows(path)
+
+
+def _shard_error(where: str, shard: dict, error: Exception) -> JobError:
+  """The error line of a shard whose files cannot be read."""
+  return JobError(
+    f"{where}: {shard['embeddings']} and {shard['metadata']} must be the files of "
+    f"{shard['num_images']} rows {META} lists; they are missing, truncated or "
+    f"damaged ({str(error).splitlines()[0]})"
+  )
 
 
 def load_index(workdir: str, *, where: Optional[str] = None) -> Index:
@@ -340,9 +372,10 @@ def load_index(workdir: str, *, where: Optional[str] = None) -> Index:
     where: how the user named it, e.g. "config.index_workdir='/x'", to start
       each error's line (default: workdir).
   Raises:
-    JobError: embed.json of an unknown format_version or not JSON; a part's
-      file missing, truncated or of another row count or dimension than
-      embed.json says; ann.json missing, of an unknown format_version or
+    JobError: embed.json of an unknown format_version or not JSON; a shard's
+      embeddings or metadata missing, truncated or of another row count or
+      dimension than embed.json says (naming the file); ann.json missing,
+      of an unknown format_version or
       other than embed.json's copy (ann.check_meta_file); an ANN description
       that does not fit (ann.check).
   """
@@ -355,24 +388,22 @@ def load_index(workdir: str, *, where: Optional[str] = None) -> Index:
   meta = _upgrade_meta(meta, where)
   rows, arrays = [], []
   for part in meta["parts"]:
-    try:
-      with tf.io.gfile.GFile(f"{workdir}/{part['rows']}") as f:
-        part_rows = [json.loads(line) for line in f]
-      array = _read_embeddings(f"{workdir}/{part['embeddings']}")
-    except (ValueError, OSError, tf.errors.OpError) as e:
-      raise JobError(
-        f"{where}: {part['embeddings']} and {part['rows']} must be the files of "
-        f"{part['num_images']} rows {META} lists; they are missing, truncated or "
-        f"damaged ({str(e).splitlines()[0]})"
-      ) from None
-    if not len(part_rows) == len(array) == part["num_images"] or array.shape[1] != meta["dim"]:
-      raise JobError(
-        f"{where}: {part['embeddings']} holds {array.shape} and {part['rows']} "
-        f"{len(part_rows)} rows: must be {part['num_images']} rows of dimension "
-        f"{meta['dim']} ({META})"
-      )
-    rows += part_rows
-    arrays.append(array)
+    for shard in part["shards"]:
+      try:
+        shard_rows = _read_rows(f"{workdir}/{shard['metadata']}")
+        array = _read_embeddings(f"{workdir}/{shard['embeddings']}")
+      except (ValueError, OSError, tf.errors.OpError, pa.ArrowException) as e:
+        raise _shard_error(where, shard, e) from None
+      if not len(shard_rows) == len(array) == shard["num_images"] or array.shape[1:] != (
+        meta["dim"],
+      ):
+        raise JobError(
+          f"{where}: {shard['embeddings']} holds {array.shape} and {shard['metadata']} "
+          f"{len(shard_rows)} rows: must be {shard['num_images']} rows of dimension "
+          f"{meta['dim']} ({META})"
+        )
+      rows += shard_rows
+      arrays.append(array)
   if meta.get("ann"):
     ann_lib.check_meta_file(workdir, meta["ann"], where=where)
     ann_lib.check(
@@ -415,4 +446,22 @@ def _upgrade_meta(meta: dict, where: str) -> dict:
       "fraction": meta.pop("crop_fraction"),
       "resize": meta.pop("crop_resize", "pil_bilinear"),
     }
+  if version <= 3:  # A part's one embeddings file and JSON lines are its one shard.
+    parts, first = [], 0
+    for part in meta["parts"]:
+      shard = {
+        "embeddings": part["embeddings"],
+        "metadata": part["rows"],
+        "num_images": part["num_images"],
+      }
+      parts.append(
+        {
+          "shards": [shard],
+          "num_images": part["num_images"],
+          "ids": [first, first + part["num_images"]],
+          "folder": part["folder"],
+        }
+      )
+      first += part["num_images"]
+    meta = dict(meta, parts=parts)
   return dict(meta, format_version=FORMAT_VERSION)
