@@ -19,6 +19,9 @@ when FAISS is not installed), 'flat', 'hnsw', 'ivf', 'ivfpq' or 'none'; a
 parameter of 0 takes its measured default, but nprobe, which is calibrated: the
 smallest that finds `recall` of the 10 nearest of the index's own rows (a sample,
 against exact search), when the index is built and after each add.
+
+engine: 'jax' embeds on this job's processes (one or many hosts); 'beam' on an Apache Beam
+runner's workers (the [beam] extra; runner, num_workers, beam_options), the same shards.
 """
 
 import ml_collections
@@ -48,6 +51,10 @@ def get_config(arg: str = ""):
   config.data_threads = 2
   config.shard_rows = 100_000  # Images per shard file (docs/search.md): what a process holds.
   config.add = False  # True: add config.folder's new files to the index in --workdir.
+  config.engine = "jax"  # Who embeds: 'jax' (this job's processes) or 'beam' (docs/search.md).
+  config.runner = "DirectRunner"  # engine 'beam': the Beam runner, e.g. 'DataflowRunner'.
+  config.num_workers = 0  # engine 'beam', DirectRunner: worker processes; 0: one per core.
+  config.beam_options = ""  # engine 'beam': more Beam pipeline options, e.g. '--project=P'.
   config.ann = ml_collections.ConfigDict(
     dict(
       type="auto",

@@ -29,17 +29,17 @@ and shard_rows (PLAN, written before the first shard, says which); a
 workdir whose shards are another run's is refused, never overwritten.
 """
 
+import functools
 import hashlib
+import importlib.util
 import json
 
 from absl import logging
-from clu import periodic_actions
 import jax
 from jax.experimental import multihost_utils
 import ml_collections
 import numpy as np
 import tensorflow as tf
-import tensorflow_datasets as tfds
 
 from contrastive_jax.core import files
 from contrastive_jax.core import mesh as mesh_lib
@@ -48,11 +48,14 @@ from contrastive_jax.core.errors import JobError
 from contrastive_jax.data import sources
 from contrastive_jax.search import ann as ann_lib
 from contrastive_jax.search import index as index_lib
+from contrastive_jax.search import shard_embed
 from contrastive_jax.search import shards as shards_lib
 from contrastive_jax.training import restore
 
 # What an unfinished embed's shards hold (_plan): a run that finds it resumes them.
 PLAN = "embed_plan.json"
+# config.engine: who embeds the shards (docs/search.md).
+ENGINES = ("jax", "beam")
 
 
 def check_config(config, num_devices: int):
@@ -83,6 +86,55 @@ def check_config(config, num_devices: int):
       "a folder of image files when config.add is True: the images added to an index are files",
     )
   ann_lib.check_config(config.ann, adding=config.add)
+  if config.engine not in ENGINES:
+    raise ConfigError("engine", config.engine, f"one of {list(ENGINES)}")
+  if config.num_workers < 0:
+    raise ConfigError("num_workers", config.num_workers, "an integer >= 0 (0: one per core)")
+  if config.engine == "beam" and config.add:
+    raise ConfigError(
+      "engine",
+      config.engine,
+      "'jax' when config.add is True: the Beam embed writes new indexes only",
+    )
+  if config.engine == "beam" and jax.process_count() > 1:
+    raise ConfigError(
+      "engine",
+      config.engine,
+      f"'jax' on {jax.process_count()} processes: the Beam embed is run by one driver "
+      "process, its runner's workers embed",
+    )
+
+
+def _beam_runner(config):
+  """The Beam runner config names (config.engine 'beam'), checked; None for 'jax'.
+
+  Raises:
+    JobError: Apache Beam is not installed, or the runner is unknown, not installed
+      (naming its package) or DataflowRunner with a workdir its workers cannot reach.
+  """
+  if config.engine != "beam":
+    return None
+  if importlib.util.find_spec("apache_beam") is None:
+    raise JobError(
+      "config.engine='beam': Apache Beam is not installed: pip install -e '.[beam]' "
+      "(or pip install apache-beam==2.77.0); config.engine='jax' needs none"
+    )
+  from contrastive_jax.search import beam_embed  # pylint: disable=g-import-not-at-top
+
+  return beam_embed.choose_runner(config.runner, config.num_workers, config.beam_options)
+
+
+def worker_model(config_json: str) -> tuple:
+  """(model, mesh, source, split): a Beam worker's encoder and images, of the config's JSON.
+
+  What load_model of beam_embed.EncoderHandler calls, once per worker process: the
+  checkpoint is read there, the source opened (a folder listed) as the driver did.
+  """
+  config = ml_collections.ConfigDict(json.loads(config_json))
+  mesh = mesh_lib.make_mesh()
+  model = restore.embed_model(config, mesh)
+  source, split = open_source(config, shorter_side=model.eval_crop.shorter_side())
+  return model, mesh, source, split
 
 
 def _adding_config(config, existing: index_lib.Index):
@@ -174,6 +226,7 @@ def run(config, workdir: str):
   """
   workdir = files.prepare_workdir(workdir)
   check_config(config, jax.device_count())
+  runner = _beam_runner(config)
   existing = _index_to_add_to(workdir) if config.add else _refuse_existing_index(workdir)
   mesh = mesh_lib.make_mesh()
   config = config.copy_and_resolve_references()
@@ -191,7 +244,7 @@ def run(config, workdir: str):
     source, split = open_source(config, shorter_side=shorter)
     with files.workdir_lock(workdir):
       _refuse_existing_index(workdir)  # Again: a job that held the lock may have written one.
-      return _embed_and_write(config, workdir, mesh, model, source, split, None)
+      return _embed_and_write(config, workdir, mesh, model, source, split, None, runner)
   with files.workdir_lock(workdir):
     existing = _index_to_add_to(workdir)  # Again: another add may have grown it meanwhile.
     source, split = open_source(
@@ -200,7 +253,7 @@ def run(config, workdir: str):
     if not source.files:
       logging.info("Every file of %s is in the index already: nothing to add.", config.folder)
       return np.zeros((0, existing.embeddings.shape[1]), np.float32)
-    return _embed_and_write(config, workdir, mesh, model, source, split, existing)
+    return _embed_and_write(config, workdir, mesh, model, source, split, existing, runner)
 
 
 def _index_to_add_to(workdir: str) -> index_lib.Index:
@@ -233,14 +286,16 @@ def _refuse_existing_index(workdir: str):
 
 
 def _embed_and_write(
-  config, workdir: str, mesh, model: restore.EmbedModel, source, split: str, existing
+  config, workdir: str, mesh, model: restore.EmbedModel, source, split: str, existing, runner
 ):
   """run's work once the inputs are checked and the workdir locked; returns the part's rows.
 
   existing: the index to add the part to (index_lib.append), or None for a new one.
-  Each process embeds and writes its shards of the shards not yet complete
-  (_shards_to_write), in rounds of one shard per process; process 0 writes
-  the unreadable list, the ANN index and embed.json once every shard is.
+  runner: the Beam runner (config.engine 'beam': beam_embed.embed_shards embeds and
+  writes the shards on its workers) or None (config.engine 'jax': each process
+  embeds and writes its shards of the shards not yet complete (_shards_to_write),
+  in rounds of one shard per process). Process 0 writes the unreadable list, the
+  ANN index and embed.json once every shard is.
   """
   meta = existing.meta if existing else {"parts": []}
   part = len(meta["parts"])
@@ -263,14 +318,33 @@ def _embed_and_write(
     len(shards) - len(missing),
   )
   rows = {"split": split, "relabel": relabel, "labelled": bool(class_names)}
-  for first in range(0, len(missing), count):
-    group = missing[first : first + count]
-    num_batches = -(-max(shard.stop - shard.start for shard in group) // local_batch)
-    mine = group[index] if index < len(group) else None
-    ds = _shard_dataset(source, split, mine, model.eval_crop, local_batch, num_batches, config)
-    embedded = _embed(model, ds, mesh, num_batches)
-    if mine:
-      _write_shard(workdir, mine, embedded, source, plan["first_id"], rows)
+  if config.engine == "beam":
+    from contrastive_jax.search import beam_embed  # pylint: disable=g-import-not-at-top
+
+    beam_embed.embed_shards(
+      missing,
+      beam_embed.Embedding(
+        functools.partial(worker_model, config.to_json()),
+        workdir,
+        config.batch_size,
+        config.data_threads,
+        plan["first_id"],
+        rows,
+      ),
+      runner,
+    )
+  else:
+    for first in range(0, len(missing), count):
+      group = missing[first : first + count]
+      batches = shard_embed.num_batches(group, local_batch)
+      mine = group[index] if index < len(group) else None
+      ds = shard_embed.shard_dataset(
+        source, split, mine, model.eval_crop, local_batch, batches, config.data_threads
+      )
+      embedded = shard_embed.embed_batches(model, ds, mesh, batches)
+      if mine:
+        content = shard_embed.shard_content(mine, embedded, source, plan["first_id"], rows)
+        shard_embed.write_shard(workdir, mine, content)
   multihost_utils.sync_global_devices("embed: every shard written")
   written = [shards_lib.entry(s.number, shards_lib.count_rows(workdir, s.number)) for s in shards]
   entry = {  # The part's entry of embed.json's parts.
@@ -383,87 +457,3 @@ def _shards_to_write(workdir: str, plan: dict, shards: list) -> list:
   if done.any():
     logging.info("Resuming: %d of %d shards are written already.", done.sum(), len(shards))
   return [shard for shard, complete in zip(shards, done) if not complete]
-
-
-def _shard_dataset(source, split, shard, eval_crop, local_batch: int, num_batches: int, config):
-  """This process's batches of `shard` (None: padding only), num_batches of local_batch.
-
-  Elements as input_pipeline.eval_dataset's with names: the rows past the
-  shard's are padding (mask False).
-  """
-  pad = tf.data.Dataset.from_tensors(
-    {
-      "image": tf.zeros([eval_crop.size, eval_crop.size, 3], tf.uint8),
-      "label": tf.constant(0, tf.int32),
-      "mask": False,
-      "name": tf.constant(""),
-    }
-  ).repeat()
-  ds = pad
-  if shard is not None:
-    ds = (
-      source.read_range(split, shard.start, shard.stop, names=True)
-      .map(
-        lambda image, label, name: {
-          "image": eval_crop.apply(image),
-          "label": label,
-          "mask": True,
-          "name": name,
-        },
-        num_parallel_calls=config.data_threads,
-      )
-      .concatenate(pad)
-    )
-  return ds.take(num_batches * local_batch).batch(local_batch, drop_remainder=True).prefetch(2)
-
-
-def _write_shard(workdir: str, shard, embedded: tuple, source, first_id: int, rows: dict):
-  """Writes the shard's embedded rows (h, labels, names: _embed's) with their metadata."""
-  h, labels, names = embedded
-  if isinstance(source, sources.FolderSource):  # Files that cannot be decoded have no row.
-    position = {path: i for i, path in enumerate(source.files[shard.start : shard.stop])}
-    positions = [position[name] for name in names]
-    unreadable = [f"{path}\t{why}" for path, why in source.unreadable]
-  else:
-    positions, unreadable = range(len(h)), []
-  shards_lib.write(
-    workdir,
-    shard.number,
-    h,
-    {
-      "id": [first_id + shard.start + p for p in positions],
-      "name": names,
-      "label": [
-        rows["relabel"][int(label)] if rows["labelled"] and label >= 0 else None for label in labels
-      ],
-      "split": rows["split"],
-    },
-    unreadable,
-  )
-
-
-def _embed(model: restore.EmbedModel, ds: tf.data.Dataset, mesh, num_batches: int):
-  """This process's (h float32 [n, D], labels int32 [n], names [n]) of ds, in order, padding
-  dropped."""
-  sharding = mesh_lib.batch_sharded(mesh)
-  progress = periodic_actions.ReportProgress(num_train_steps=num_batches, every_secs=30)
-  h, labels, names = [], [], []
-
-  def collect(embedded, local):
-    keep = local["mask"]
-    rows = np.asarray(
-      multihost_utils.global_array_to_host_local_array(embedded, mesh, jax.P(mesh_lib.DATA_AXIS))
-    )
-    h.append(rows[keep])
-    labels.append(local["label"][keep])
-    names.extend(name.decode() for name in local["name"][keep])
-
-  pending = None
-  for i, local in enumerate(tfds.as_numpy(ds)):
-    embedded = model.embed(jax.make_array_from_process_local_data(sharding, local["image"]))
-    if pending is not None:  # Copied to the host while the device embeds the next batch.
-      collect(*pending)
-    pending = (embedded, local)
-    progress(i + 1)
-  collect(*pending)
-  return np.concatenate(h), np.concatenate(labels), names

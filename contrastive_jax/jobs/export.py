@@ -18,7 +18,11 @@ Formats (FORMATS; docs/weights.md says what reads each):
   'onnx': OUT/encoder.onnx (needs the onnx package), an ONNX model (models/onnx_graph.py)
       that takes uint8 images [N, S, S, 3] already centre-cropped to the checkpoint's image
       size S as the evaluation crops them (its metadata says how), scales and standardises
-      them inside and returns 'h' (and 'z' with config.projection), for ONNX Runtime.
+      them inside and returns 'h' (and 'z' with config.projection), for ONNX Runtime;
+  'vertex': not the encoder but the rows of the embed job's index in
+      config.index_workdir, as Vertex AI Vector Search's JSON input (search/vertex.py):
+      OUT/vertex/vertex_{i:05d}.json, one file of JSON lines per shard, written shard
+      by shard, the label as a restrict; no checkpoint is read.
 Beside it OUT/export.json records what was exported from where; it is written last,
 so a workdir holding it holds a complete export and is refused. Not a training loop,
 so not run by runner.run.
@@ -43,6 +47,7 @@ from contrastive_jax.data import input_pipeline
 from contrastive_jax.models import onnx_graph
 from contrastive_jax.models import resnet
 from contrastive_jax.models import state_dicts
+from contrastive_jax.search import vertex
 from contrastive_jax.training import restore
 
 FORMATS = {
@@ -50,6 +55,7 @@ FORMATS = {
   "pth": "encoder.pth",
   "saved_model": "saved_model",
   "onnx": "encoder.onnx",
+  "vertex": vertex.FOLDER,
 }
 SERVING = ("saved_model", "onnx")  # The formats that run the encoder, and can serve z too.
 META = restore.EXPORT_META
@@ -61,6 +67,17 @@ def check_config(config):
   projection asked of a format or an encoder that has none."""
   if config.format not in FORMATS:
     raise ConfigError("format", config.format, f"one of {list(FORMATS)}")
+  if (config.format == "vertex") != bool(config.index_workdir):
+    raise ConfigError(
+      "index_workdir",
+      config.index_workdir,
+      "an embed job's workdir when (and only when) config.format is 'vertex': the rows "
+      f"it exports (format={config.format!r})",
+    )
+  if config.format == "vertex" and config.projection:
+    raise ConfigError(
+      "projection", config.projection, "False for 'vertex': it exports the index's h only"
+    )
   if config.projection and config.format not in SERVING:
     raise ConfigError(
       "projection",
@@ -106,6 +123,8 @@ def run(config, workdir: str) -> str:
   workdir = files.prepare_workdir(workdir)
   check_config(config)
   _refuse_existing_export(workdir)
+  if config.format == "vertex":
+    return _export_index(config, workdir)
   mesh = mesh_lib.make_mesh()
   encoder = restore.restore_encoder(config, mesh)
   variables = jax.device_get(encoder.variables)
@@ -144,6 +163,26 @@ def run(config, workdir: str) -> str:
         "pretrained_config": encoder.pretrained.to_dict(),
       }
       files.write_atomic(f"{workdir}/{META}", json.dumps(meta, indent=1, default=str))
+  return path
+
+
+def _export_index(config, workdir: str) -> str:
+  """Writes the rows of config.index_workdir's index as Vertex JSON files (process 0), then
+  export.json; returns their folder.
+
+  Raises:
+    JobError: see vertex.write.
+  """
+  index_workdir = files.resolve_dir(config.index_workdir)
+  path = f"{workdir}/{FORMATS['vertex']}"
+  with files.workdir_lock(workdir):
+    _refuse_existing_export(workdir)
+    if jax.process_index() == 0:
+      written = vertex.write(
+        index_workdir, workdir, where=f"config.index_workdir={config.index_workdir!r}"
+      )
+      meta = {"format": config.format, "path": path, "index_workdir": index_workdir, **written}
+      files.write_atomic(f"{workdir}/{META}", json.dumps(meta, indent=1))
   return path
 
 

@@ -1,0 +1,83 @@
+"""The embed job on Apache Beam: the JAX engine's shards, from a RunInference handler."""
+
+import glob
+import json
+import os
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+from test_search import embed_config
+from test_search import pretrained  # noqa: F401
+
+from contrastive_jax.core.errors import ConfigError
+from contrastive_jax.core.errors import JobError
+from contrastive_jax.jobs import embed
+from contrastive_jax.search import index as index_lib
+from contrastive_jax.search import shards as shards_lib
+
+SHARD_ROWS = 6  # test[:20]: shards of 6, 6, 6 and 2 rows.
+
+
+def _names(workdir):
+  found = glob.glob(f"{workdir}/img_emb/*") + glob.glob(f"{workdir}/metadata/*")
+  return sorted(os.path.relpath(f, workdir) for f in found)
+
+
+def test_the_beam_embed_on_two_workers_writes_the_jax_jobs_shards(pretrained, tmp_path):  # noqa: F811
+  jax_dir, beam_dir = str(tmp_path / "jax"), str(tmp_path / "beam")
+  embed.run(embed_config(pretrained, shard_rows=SHARD_ROWS), jax_dir)
+  beam = embed_config(
+    pretrained, shard_rows=SHARD_ROWS, engine="beam", runner="DirectRunner", num_workers=2
+  )
+  embed.run(beam, beam_dir)
+  assert (
+    _names(beam_dir)
+    == _names(jax_dir)
+    == [
+      *(f"img_emb/img_emb_{i:05d}.npy" for i in range(4)),
+      *(f"metadata/metadata_{i:05d}.parquet" for i in range(4)),
+    ]
+  )
+  for number in range(4):
+    files = shards_lib.names(number)
+    h_beam = np.load(f"{beam_dir}/{files['embeddings']}")
+    h_jax = np.load(f"{jax_dir}/{files['embeddings']}")
+    assert h_beam.shape == h_jax.shape == ((SHARD_ROWS if number < 3 else 2), h_jax.shape[1])
+    np.testing.assert_allclose(h_beam, h_jax, atol=1e-5)
+    table_beam = pq.read_table(f"{beam_dir}/{files['metadata']}")
+    assert table_beam.equals(pq.read_table(f"{jax_dir}/{files['metadata']}"))
+    assert table_beam["id"].to_pylist() == list(range(6 * number, 6 * number + len(h_jax)))
+  meta_beam = json.load(open(f"{beam_dir}/{index_lib.META}"))
+  meta_jax = json.load(open(f"{jax_dir}/{index_lib.META}"))
+  assert meta_beam["parts"] == meta_jax["parts"]
+  for key in ("num_images", "dim", "class_names", "eval_crop", "format_version"):
+    assert meta_beam[key] == meta_jax[key], key
+  assert meta_beam["config"]["engine"] == "beam"
+  assert not os.path.exists(f"{beam_dir}/{embed.PLAN}")
+  loaded = index_lib.load_index(beam_dir)
+  np.testing.assert_allclose(
+    np.asarray(loaded.embeddings), np.asarray(index_lib.load_index(jax_dir).embeddings), atol=1e-5
+  )
+
+
+@pytest.mark.parametrize(
+  "overrides, message",
+  [
+    (dict(engine="spark"), "config.engine='spark'"),
+    (dict(engine="beam", num_workers=-1), "config.num_workers=-1"),
+    (dict(engine="beam", add=True, folder="/x", dataset=None), "config.engine='beam'"),
+  ],
+)
+def test_a_bad_engine_is_one_config_error(pretrained, tmp_path, overrides, message):  # noqa: F811
+  with pytest.raises(ConfigError, match=message) as raised:
+    embed.run(embed_config(pretrained, **overrides), str(tmp_path / "index"))
+  assert "\n" not in str(raised.value)
+
+
+def test_an_unknown_or_uninstalled_runner_is_one_line_naming_it(pretrained, tmp_path):  # noqa: F811
+  for runner, says in (("NoSuchRunner", "config.runner='NoSuchRunner'"),):
+    with pytest.raises(JobError, match=says) as raised:
+      embed.run(embed_config(pretrained, engine="beam", runner=runner), str(tmp_path / "i"))
+    assert "\n" not in str(raised.value)
+  assert not os.path.exists(tmp_path / "i" / index_lib.META)
