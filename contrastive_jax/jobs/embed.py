@@ -27,6 +27,10 @@ already written is lost). An embed that was interrupted resumes at the
 shards it had not written, when run again with the same images, checkpoint
 and shard_rows (PLAN, written before the first shard, says which); a
 workdir whose shards are another run's is refused, never overwritten.
+
+With config.engine='beam' the same shards are embedded and written by the workers
+of an Apache Beam runner (search/beam_embed.py: config.runner, num_workers,
+beam_options), one process running the job; the rest is the same.
 """
 
 import functools
@@ -105,12 +109,13 @@ def check_config(config, num_devices: int):
     )
 
 
-def _beam_runner(config):
+def _beam_runner(config, workdir: str):
   """The Beam runner config names (config.engine 'beam'), checked; None for 'jax'.
 
   Raises:
-    JobError: Apache Beam is not installed, or the runner is unknown, not installed
-      (naming its package) or DataflowRunner with a workdir its workers cannot reach.
+    JobError: Apache Beam is not installed; the runner is unknown or not installed
+      (naming its package); a runner other than DirectRunner (remote workers) with a
+      workdir, pretrain_workdir, folder or data_dir that is not a gs:// path its workers can reach.
   """
   if config.engine != "beam":
     return None
@@ -121,7 +126,19 @@ def _beam_runner(config):
     )
   from contrastive_jax.search import beam_embed  # pylint: disable=g-import-not-at-top
 
-  return beam_embed.choose_runner(config.runner, config.num_workers, config.beam_options)
+  runner = beam_embed.choose_runner(config.runner, config.num_workers, config.beam_options)
+  if runner.name != "FnApiRunner":
+    for flag, value in (
+      ("--workdir", workdir),
+      ("config.pretrain_workdir", config.pretrain_workdir),
+      ("config.folder" if config.folder else "config.data_dir", config.folder or config.data_dir),
+    ):
+      if not (value or "").startswith("gs://"):
+        raise JobError(
+          f"{flag}={value!r}: must be a gs:// path with config.runner={config.runner!r}, "
+          "whose workers run on other machines (or use config.runner='DirectRunner')"
+        )
+  return runner
 
 
 def worker_model(config_json: str) -> tuple:
@@ -226,7 +243,7 @@ def run(config, workdir: str):
   """
   workdir = files.prepare_workdir(workdir)
   check_config(config, jax.device_count())
-  runner = _beam_runner(config)
+  runner = _beam_runner(config, workdir)
   existing = _index_to_add_to(workdir) if config.add else _refuse_existing_index(workdir)
   mesh = mesh_lib.make_mesh()
   config = config.copy_and_resolve_references()
