@@ -24,9 +24,31 @@ def _names(workdir):
   return sorted(os.path.relpath(f, workdir) for f in found)
 
 
-def test_the_beam_embed_on_two_workers_writes_the_jax_jobs_shards(pretrained, tmp_path):  # noqa: F811
-  jax_dir, beam_dir = str(tmp_path / "jax"), str(tmp_path / "beam")
-  embed.run(embed_config(pretrained, shard_rows=SHARD_ROWS), jax_dir)
+class Killed(Exception):
+  """Stands for the end of a JAX embed killed while it writes its second shard."""
+
+
+@pytest.fixture(scope="module")
+def jax_dir(pretrained, tmp_path_factory):  # noqa: F811
+  """The JAX engine's embed of test[:20] in shards of SHARD_ROWS."""
+  workdir = str(tmp_path_factory.mktemp("jax"))
+  embed.run(embed_config(pretrained, shard_rows=SHARD_ROWS), workdir)
+  return workdir
+
+
+def _assert_same_shards(workdir, reference, numbers):
+  for number in numbers:
+    files = shards_lib.names(number)
+    h, expected = (np.load(f"{d}/{files['embeddings']}") for d in (workdir, reference))
+    assert h.shape == expected.shape == ((SHARD_ROWS if number < 3 else 2), expected.shape[1])
+    np.testing.assert_allclose(h, expected, atol=1e-5)
+    table = pq.read_table(f"{workdir}/{files['metadata']}")
+    assert table.equals(pq.read_table(f"{reference}/{files['metadata']}"))
+    assert table["id"].to_pylist() == list(range(6 * number, 6 * number + len(h)))
+
+
+def test_the_beam_embed_on_two_workers_writes_the_jax_jobs_shards(pretrained, jax_dir, tmp_path):  # noqa: F811
+  beam_dir = str(tmp_path / "beam")
   beam = embed_config(
     pretrained, shard_rows=SHARD_ROWS, engine="beam", runner="DirectRunner", num_workers=2
   )
@@ -39,15 +61,7 @@ def test_the_beam_embed_on_two_workers_writes_the_jax_jobs_shards(pretrained, tm
       *(f"metadata/metadata_{i:05d}.parquet" for i in range(4)),
     ]
   )
-  for number in range(4):
-    files = shards_lib.names(number)
-    h_beam = np.load(f"{beam_dir}/{files['embeddings']}")
-    h_jax = np.load(f"{jax_dir}/{files['embeddings']}")
-    assert h_beam.shape == h_jax.shape == ((SHARD_ROWS if number < 3 else 2), h_jax.shape[1])
-    np.testing.assert_allclose(h_beam, h_jax, atol=1e-5)
-    table_beam = pq.read_table(f"{beam_dir}/{files['metadata']}")
-    assert table_beam.equals(pq.read_table(f"{jax_dir}/{files['metadata']}"))
-    assert table_beam["id"].to_pylist() == list(range(6 * number, 6 * number + len(h_jax)))
+  _assert_same_shards(beam_dir, jax_dir, range(4))
   meta_beam = json.load(open(f"{beam_dir}/{index_lib.META}"))
   meta_jax = json.load(open(f"{jax_dir}/{index_lib.META}"))
   assert meta_beam["parts"] == meta_jax["parts"]
@@ -59,6 +73,40 @@ def test_the_beam_embed_on_two_workers_writes_the_jax_jobs_shards(pretrained, tm
   np.testing.assert_allclose(
     np.asarray(loaded.embeddings), np.asarray(index_lib.load_index(jax_dir).embeddings), atol=1e-5
   )
+
+
+def test_the_beam_embed_resumes_a_killed_jax_embed_at_its_first_missing_shard(
+  pretrained,  # noqa: F811
+  jax_dir,
+  tmp_path,
+  monkeypatch,
+):
+  write, written = shards_lib.write, []
+
+  def dies_on_the_second_shard(workdir, number, h, rows, unreadable):
+    if written:
+      raise Killed()
+    written.append(number)
+    write(workdir, number, h, rows, unreadable)
+
+  workdir = str(tmp_path / "resumed")
+  with monkeypatch.context() as patch:
+    patch.setattr(shards_lib, "write", dies_on_the_second_shard)
+    with pytest.raises(Killed):
+      embed.run(embed_config(pretrained, shard_rows=SHARD_ROWS), workdir)
+  first = os.stat(f"{workdir}/{shards_lib.names(0)['embeddings']}").st_mtime_ns
+  # One worker: DirectRunner runs it in this process, where shards_lib.write is watched.
+  written.clear()
+  monkeypatch.setattr(
+    shards_lib,
+    "write",
+    lambda workdir, number, *rest: written.append(number) or write(workdir, number, *rest),
+  )
+  embed.run(embed_config(pretrained, shard_rows=SHARD_ROWS, engine="beam", num_workers=1), workdir)
+  assert sorted(written) == [1, 2, 3]  # Shard 0, complete, was kept.
+  assert os.stat(f"{workdir}/{shards_lib.names(0)['embeddings']}").st_mtime_ns == first
+  assert _names(workdir) == _names(jax_dir)
+  _assert_same_shards(workdir, jax_dir, range(4))
 
 
 @pytest.mark.parametrize(
