@@ -16,6 +16,8 @@ from contrastive_jax.jobs import embed
 from contrastive_jax.search import index as index_lib
 from contrastive_jax.search import shards as shards_lib
 
+beam_embed = pytest.importorskip("contrastive_jax.search.beam_embed")  # Needs the [beam] extra.
+
 SHARD_ROWS = 6  # test[:20]: shards of 6, 6, 6 and 2 rows.
 
 
@@ -129,3 +131,20 @@ def test_an_unknown_or_uninstalled_runner_is_one_line_naming_it(pretrained, tmp_
       embed.run(embed_config(pretrained, engine="beam", runner=runner), str(tmp_path / "i"))
     assert "\n" not in str(raised.value)
   assert not os.path.exists(tmp_path / "i" / index_lib.META)
+
+
+def _unreadable_checkpoint():
+  raise ValueError("the checkpoint cannot be read\nits details")
+
+
+def test_a_failed_pipeline_is_one_line_naming_the_runner_and_the_workers_error(tmp_path):
+  embedding = beam_embed.Embedding(_unreadable_checkpoint, str(tmp_path), 2, 1, 0, {})
+  with pytest.raises(JobError) as raised:
+    beam_embed.embed_shards(
+      [shards_lib.Shard(0, 0, 2)], embedding, beam_embed.choose_runner("DirectRunner", 1, "")
+    )
+  assert str(raised.value).startswith(
+    "config.engine='beam': the pipeline failed on FnApiRunner: ValueError: the checkpoint "
+    "cannot be read (run with --runner=FnApiRunner"
+  )
+  assert "\n" not in str(raised.value) and not os.listdir(tmp_path)

@@ -15,6 +15,7 @@ then writes the unreadable list, the ANN index and embed.json as the JAX engine 
 """
 
 import dataclasses
+import re
 import shlex
 from typing import Any, Callable, NamedTuple
 
@@ -25,6 +26,9 @@ from contrastive_jax.core.errors import JobError
 from contrastive_jax.data import prepare_beam
 from contrastive_jax.search import shard_embed
 from contrastive_jax.search import shards as shards_lib
+
+# The line of a traceback that names the exception: 'ValueError: why'.
+_EXCEPTION_LINE = re.compile(r"^[A-Za-z_][\w.]*(Error|Exception|Interrupt): ")
 
 
 class Embedding(NamedTuple):
@@ -148,7 +152,11 @@ def embed_shards(shards: list, embedding: Embedding, runner: prepare_beam.Runner
       )
   except Exception as e:  # pylint: disable=broad-except  (any runner's, any failure)
     lines = [line.strip() for line in str(e).splitlines() if line.strip()] or [type(e).__name__]
+    # A worker process's failure comes as its traceback flattened: its exception's line.
+    cause = next(
+      (line for line in lines if _EXCEPTION_LINE.match(line)), f"{type(e).__name__}: {lines[0]}"
+    )
     raise JobError(
-      f"config.engine='beam': the pipeline failed on {runner.name}: "
-      f"{type(e).__name__}: {lines[-1]} (run with {shlex.join(runner.args)})"
+      f"config.engine='beam': the pipeline failed on {runner.name}: {cause} "
+      f"(run with {shlex.join(runner.args)})"
     ) from None
