@@ -25,6 +25,7 @@ from contrastive_jax import recipes
 from contrastive_jax.core import tensor_files
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.core.errors import WeightsError
+from contrastive_jax.models import onnx_graph
 from contrastive_jax.models import state_dicts
 from contrastive_jax.models import vit
 
@@ -265,6 +266,22 @@ def test_dinov2_recipes_have_the_published_shapes(name):
   if config.name == "vit_giant":
     assert shapes["blocks.0.mlp.w12.weight"] == (8192, 1536)
     assert shapes["blocks.0.mlp.w3.weight"] == (1536, 4096)
+
+
+@pytest.mark.parametrize("case", list(make.CASES))
+def test_onnx_graph_gives_the_references_class_token(case):
+  import onnxruntime  # pylint: disable=import-outside-toplevel
+
+  config = make.model_config(case)
+  variables = _import(make.random_state_dict(case), case)
+  for size in make.SIZES[:2]:
+    tensors = state_dicts.to_state_dict(config, variables, size)
+    session = onnxruntime.InferenceSession(
+      onnx_graph.build(config, tensors, size).SerializeToString(),
+      providers=["CPUExecutionProvider"],
+    )
+    h = session.run([onnx_graph.H], {onnx_graph.INPUT: make.images(case, size)})[0]
+    assert _relative(h, _committed(case, size)[:, 0]) < TOLERANCE
 
 
 @pytest.fixture(scope="module")
