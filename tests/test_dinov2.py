@@ -284,6 +284,40 @@ def test_onnx_graph_gives_the_references_class_token(case):
     assert _relative(h, _committed(case, size)[:, 0]) < TOLERANCE
 
 
+def test_downstream_jobs_read_a_dinov2_file_with_its_config(tmp_path):
+  """restore.restore_encoder (probe, fine-tuning, label efficiency, embed) of a DINOv2 ViT-S/14
+  reg4 file in timm's names with configs/dinov2.py: DINOv2's 37 x 37 position grid used at
+  224 px; the model without registers refuses it in one line."""
+  from helpers import load_config  # pylint: disable=import-outside-toplevel
+
+  from contrastive_jax.core import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from contrastive_jax.core.errors import JobError  # pylint: disable=import-outside-toplevel
+  from contrastive_jax.training import restore  # pylint: disable=import-outside-toplevel
+
+  model = "model=vit_small_patch14_reg4_dinov2,dtype=float32"
+  pretrained = load_config("dinov2", model)
+  rng = np.random.default_rng(0)
+  tensors = {
+    entry.name: (rng.normal(size=shape) * 0.02).astype(np.float32)
+    for entry, shape in state_dicts.torch_shapes(pretrained.model, 518)
+  }
+  path = str(tmp_path / "vit_small_patch14_reg4_dinov2.safetensors")
+  tensor_files.write(path, _timm_names("", tensors))
+  config = load_config("linear_probe")
+  config.update(pretrain_workdir=path, pretrain_config=f"configs/dinov2.py:{model}")
+  encoder = restore.restore_encoder(config, mesh_lib.make_mesh())
+  assert (encoder.dim, encoder.step, encoder.pretrained.image_size) == (384, 0, 224)
+  # timm's names fold the class token's position into cls_token: the same function.
+  want = state_dicts.from_state_dict(tensors, "x", pretrained.model, 224)
+  assert want["params"]["pos_embed"].shape == (1, 1 + 37 * 37, 384)
+  images = rng.integers(0, 256, (2, 224, 224, 3), dtype=np.uint8)
+  h = models.encode(encoder.module, jax.device_get(encoder.variables), images)
+  assert _relative(h, models.encode(models.build_encoder(pretrained.model), want, images)) < 1e-5
+  config.pretrain_config = "configs/dinov2.py:model=vit_small_patch14_dinov2,dtype=float32"
+  with pytest.raises(JobError, match=r"has a tensor 'register_tokens' .*registers=4$"):
+    restore.restore_encoder(config, mesh_lib.make_mesh())
+
+
 @pytest.fixture(scope="module")
 def live_outputs(tmp_path_factory):
   """make_dinov2.py's outputs made now, with timm's own initialisations, in a process of its
