@@ -5,7 +5,9 @@ layouts: torchvision resnet.py's ResNet (conv1, bn1, layer1.0.conv1, ...,
 downsample.0/1; BN running statistics and num_batches_tracked) and timm
 vision_transformer.py's VisionTransformer, which MoCo v3's vits.py subclasses
 (patch_embed.proj, cls_token, pos_embed, blocks.i.{norm1, attn.qkv, attn.proj,
-norm2, mlp.fc1, mlp.fc2}, norm). Convolution weights are [O, I, kh, kw] there
+norm2, mlp.fc1, mlp.fc2}, norm), with DINOv2's tensors where the model has them
+(register_tokens, mask_token, blocks.i.ls1.gamma / ls2.gamma, SwiGLU's mlp.w12 / mlp.w3;
+timm's names for them read too: _vit_reference_names). Convolution weights are [O, I, kh, kw] there
 and [kh, kw, I, O] here; Linear weights [out, in] there, [in, out] here.
 
 The encoder has no classifier: a stock model loads an exported dict with

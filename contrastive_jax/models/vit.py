@@ -25,6 +25,12 @@ Precision: parameters float32; dense layers and the convolution compute in
 `dtype` (bfloat16 on accelerators); LayerNorm statistics, attention logits
 and softmax in float32; h float32.
 
+DINOv2's backbones (Oquab et al. 2024, facebookresearch/dinov2
+vision_transformer.py; registers: Darcet et al. 2024) are this ViT with options, each
+off by default: layer scale (ls1 / ls2), register tokens, a learned position embedding
+stored for a grid of its own and resized as DINOv2 resizes it (offset bicubic, or
+antialiased bicubic for the _reg models), and ViT-g's SwiGLU MLP (recipes.DINOV2_MODELS).
+
 Written here in Flax Linen: no maintained Flax ViT package offers the fixed
 2-D sin-cos embedding, the frozen patch projection and this module's
 parameter layout together (flax's examples and big_vision are not libraries
