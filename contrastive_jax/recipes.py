@@ -298,6 +298,39 @@ def vit_model(name: str, patch_size: int, dtype: str, random_patch_projection: b
   )
 
 
+# DINOv2's published backbones (facebookresearch/dinov2 hubconf.py, backbones.py; timm's
+# names): recipe name -> (vit.SPECS size, heads, register tokens, MLP). Patch 14, layer
+# scale, a learned position embedding for 518 px (a 37 x 37 grid), interpolated with the
+# 0.1 offset without registers and antialiased to the size with them.
+DINOV2_MODELS = {
+  "vit_small_patch14_dinov2": ("vit_small", 6, 0, "gelu"),
+  "vit_small_patch14_reg4_dinov2": ("vit_small", 6, 4, "gelu"),
+  "vit_base_patch14_dinov2": ("vit_base", 12, 0, "gelu"),
+  "vit_base_patch14_reg4_dinov2": ("vit_base", 12, 4, "gelu"),
+  "vit_large_patch14_dinov2": ("vit_large", 16, 0, "gelu"),
+  "vit_large_patch14_reg4_dinov2": ("vit_large", 16, 4, "gelu"),
+  "vit_giant_patch14_dinov2": ("vit_giant", 24, 0, "swiglu"),
+  "vit_giant_patch14_reg4_dinov2": ("vit_giant", 24, 4, "swiglu"),
+}
+
+
+def dinov2_model(name: str, dtype: str) -> dict:
+  """The model config of a DINOv2 backbone (a DINOV2_MODELS name): vit_model's fields and
+  DINOv2's heads, position embedding (trained grid 37), interpolation, layer scale,
+  registers and MLP; inputs ImageNet-standardised as DINOv2's transforms."""
+  size, heads, registers, mlp = DINOV2_MODELS[name]
+  return dict(
+    vit_model(size, 14, dtype, False),
+    num_heads=heads,
+    position_embedding="learned",
+    position_grid=37,
+    position_interpolation="antialias" if registers else "offset",
+    layer_scale=True,
+    registers=registers,
+    mlp=mlp,
+  )
+
+
 def runlocal(config):
   """Shrinks a CIFAR-10 config to 4 to 6 minutes on a 2-core CPU (the ResNets of SimCLR, MoCo
   and BYOL, docs/results.md), same code path.

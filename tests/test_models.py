@@ -25,6 +25,8 @@ H_DIMS = {
   "vit_tiny": 192,
   "vit_small": 384,
   "vit_base": 768,
+  "vit_large": 1024,
+  "vit_giant": 1536,
 }
 # models.FAMILIES key -> a model config of the name given, at width 1.
 FAMILY_CONFIGS = {
@@ -71,7 +73,8 @@ def test_every_family_owns_its_names_and_builds_each_model_at_its_width():
   with pytest.raises(
     ConfigError,
     match=r"config.model.name='resnet7': must be one of "
-    r"\['resnet10', 'resnet18', 'resnet34', 'resnet50', 'vit_base', 'vit_small', 'vit_tiny'\]",
+    r"\['resnet10', 'resnet18', 'resnet34', 'resnet50', 'vit_base', 'vit_giant', 'vit_large', "
+    r"'vit_small', 'vit_tiny'\]",
   ):
     models.encoder_width(ml_collections.ConfigDict(dict(name="resnet7")))
 

@@ -1,7 +1,7 @@
 """The model registry: encoders by model family, projection heads (heads.py), by config.
 
 A model family is a module that owns its spec table and builds the encoders
-of its names: resnet.py (ResNet-10/18/34/50) and vit.py (ViT-Tiny/Small/Base),
+of its names: resnet.py (ResNet-10/18/34/50) and vit.py (ViT-Tiny/Small/Base/Large/Giant),
 each one entry of FAMILIES. A family module provides
 
   SPECS: {model name: spec}

@@ -167,8 +167,21 @@ def _linear(g: _Graph, x: str, tensors, name: str) -> str:
   return g.op("Add", y, g.const(tensors[f"{name}.bias"]))
 
 
+def _slice(g: _Graph, x: str, start: int, end: int, axis: int) -> str:
+  """x[..., start:end, ...] on `axis`."""
+  const = lambda v: g.const([v], np.int64)
+  return g.op("Slice", x, const(start), const(end), const(axis))
+
+
+def _tokens(g: _Graph, x: str, start: int, end: int) -> str:
+  """Tokens start:end of x [N, T, D]."""
+  return _slice(g, x, start, end, 1)
+
+
 def _vit(g: _Graph, x: str, size: int, model_config, tensors) -> str:
-  """vit.ViT's forward pass on NCHW x; returns h [N, D] (the class token after the last LN)."""
+  """vit.ViT's forward pass on NCHW x; returns h [N, D] (the class token after the last LN).
+  DINOv2's options come from the state dict's tensors: register_tokens, ls1 / ls2 gammas,
+  SwiGLU's mlp.w12 / mlp.w3."""
   d, heads = models.encoder_width(model_config), vit.num_heads(model_config)
   p = model_config.patch_size
   x, grid = _conv(
@@ -189,8 +202,21 @@ def _vit(g: _Graph, x: str, size: int, model_config, tensors) -> str:
     g.const(tensors["cls_token"]),
     g.op("Concat", batch, g.const([1, d], np.int64), axis=0),
   )
-  # pos_embed: learned, or the sin-cos table with the class token's row zero (state_dicts).
-  x = g.op("Add", g.op("Concat", cls, x, axis=1), g.const(tensors["pos_embed"]))
+  # pos_embed: learned (resized to this grid as vit.py resizes it), or the sin-cos table
+  # with the class token's row zero (state_dicts).
+  pos_embed = vit.interpolate_position_embedding(
+    tensors["pos_embed"], grid, vit.config_field(model_config, "position_interpolation")
+  )
+  x = g.op("Add", g.op("Concat", cls, x, axis=1), g.const(np.asarray(pos_embed, np.float32)))
+  registers = tensors.get("register_tokens")
+  if registers is not None:  # Between the class token and the patches, no position.
+    registers = g.op(
+      "Expand",
+      g.const(registers),
+      g.op("Concat", batch, g.const(list(registers.shape[1:]), np.int64), axis=0),
+    )
+    x = g.op("Concat", _tokens(g, x, 0, 1), registers, _tokens(g, x, 1, grid * grid + 1), axis=1)
+  scaled = lambda y, gamma: g.op("Mul", y, g.const(tensors[gamma])) if gamma in tensors else y
   head_dim = d // heads
   for i in range(model_config.depth):
     name = f"blocks.{i}"
@@ -205,15 +231,23 @@ def _vit(g: _Graph, x: str, size: int, model_config, tensors) -> str:
     weights = g.op("Softmax", g.op("Div", logits, g.const(head_dim**0.5)), axis=-1)
     out = g.op("Transpose", g.op("MatMul", weights, v), perm=[0, 2, 1, 3])
     out = g.op("Reshape", out, g.const([0, 0, d], np.int64))
-    x = g.op("Add", x, _linear(g, out, tensors, f"{name}.attn.proj"))
-    y = _linear(g, _layer_norm(g, x, tensors, f"{name}.norm2"), tensors, f"{name}.mlp.fc1")
-    # Exact GELU, y * (1 + erf(y / sqrt(2))) / 2 (vit.py: approximate=False).
-    y = g.op(
-      "Mul",
-      g.op("Mul", y, g.const(0.5)),
-      g.op("Add", g.const(1.0), g.op("Erf", g.op("Div", y, g.const(2.0**0.5)))),
-    )
-    x = g.op("Add", x, _linear(g, y, tensors, f"{name}.mlp.fc2"))
+    x = g.op("Add", x, scaled(_linear(g, out, tensors, f"{name}.attn.proj"), f"{name}.ls1.gamma"))
+    y = _layer_norm(g, x, tensors, f"{name}.norm2")
+    if f"{name}.mlp.w12.weight" in tensors:  # SwiGLU: w3(silu(a) * b), [a, b] = w12(y).
+      y = _linear(g, y, tensors, f"{name}.mlp.w12")
+      hidden = tensors[f"{name}.mlp.w3.weight"].shape[1]
+      a, b = (_slice(g, y, start, start + hidden, 2) for start in (0, hidden))
+      y = _linear(g, g.op("Mul", g.op("Mul", a, g.op("Sigmoid", a)), b), tensors, f"{name}.mlp.w3")
+    else:
+      y = _linear(g, y, tensors, f"{name}.mlp.fc1")
+      # Exact GELU, y * (1 + erf(y / sqrt(2))) / 2 (vit.py: approximate=False).
+      y = g.op(
+        "Mul",
+        g.op("Mul", y, g.const(0.5)),
+        g.op("Add", g.const(1.0), g.op("Erf", g.op("Div", y, g.const(2.0**0.5)))),
+      )
+      y = _linear(g, y, tensors, f"{name}.mlp.fc2")
+    x = g.op("Add", x, scaled(y, f"{name}.ls2.gamma"))
   x = _layer_norm(g, x, tensors, "norm")
   return g.op("Gather", x, g.const(0, np.int64), axis=1)
 

@@ -5,7 +5,9 @@ layouts: torchvision resnet.py's ResNet (conv1, bn1, layer1.0.conv1, ...,
 downsample.0/1; BN running statistics and num_batches_tracked) and timm
 vision_transformer.py's VisionTransformer, which MoCo v3's vits.py subclasses
 (patch_embed.proj, cls_token, pos_embed, blocks.i.{norm1, attn.qkv, attn.proj,
-norm2, mlp.fc1, mlp.fc2}, norm). Convolution weights are [O, I, kh, kw] there
+norm2, mlp.fc1, mlp.fc2}, norm), with DINOv2's tensors where the model has them
+(register_tokens, mask_token, blocks.i.ls1.gamma / ls2.gamma, SwiGLU's mlp.w12 / mlp.w3;
+timm's names for them read too: _vit_reference_names). Convolution weights are [O, I, kh, kw] there
 and [kh, kw, I, O] here; Linear weights [out, in] there, [in, out] here.
 
 The encoder has no classifier: a stock model loads an exported dict with
@@ -51,13 +53,22 @@ class Entry(NamedTuple):
   collection: 'params' or 'batch_stats'; path: the key path in it; layout: 'conv'
   ([O, I, kh, kw] <-> [kh, kw, I, O]), 'dense' ([out, in] <-> [in, out]) or 'same';
   'fixed' for a ViT's sin-cos pos_embed (not a variable); 'counter' for a BN's
-  num_batches_tracked (written as 0, ignored on import).
+  num_batches_tracked (written as 0, ignored on import); 'unused' for DINOv2's mask_token
+  (written as zeros, optional and ignored on import).
   """
 
   name: str
   collection: str
   path: tuple
   layout: str
+
+
+# DINOv2 state dicts (dinov2 vision_transformer.py DinoVisionTransformer) hold mask_token
+# [1, D], used only by masked-image pretraining: left out on import, written as zeros on
+# export (layout 'unused') so that the reference loads the export strictly.
+MASK_TOKEN = "mask_token"
+# Tensors that only a DINOv3 ViT (dinov3 vision_transformer.py: RoPE, storage tokens) holds.
+DINOV3_TENSORS = ("storage_tokens", "rope_embed.periods")
 
 
 def variable_shapes(model_config, image_size: int):
@@ -115,9 +126,16 @@ def _vit_entries(model_config, params) -> List[Entry]:
       ("pos_embed",) if learned else (),
       "same" if learned else "fixed",
     ),
+  ]
+  if "register_tokens" in params:
+    entries.append(Entry("register_tokens", "params", ("register_tokens",), "same"))
+  if "ls1" in params["block0"]:  # DINOv2's layout.
+    entries.append(Entry(MASK_TOKEN, "", (), "unused"))
+  entries += [
     Entry("patch_embed.proj.weight", "params", (patch, "kernel"), "conv"),
     Entry("patch_embed.proj.bias", "params", (patch, "bias"), "same"),
   ]
+  swiglu = "w12" in params["block0"]
   for i in range(model_config.depth):
     block, name = f"block{i}", f"blocks.{i}"
     for ours, theirs in (("norm1", "norm1"), ("norm2", "norm2")):
@@ -125,11 +143,19 @@ def _vit_entries(model_config, params) -> List[Entry]:
         Entry(f"{name}.{theirs}.weight", "params", (block, ours, "scale"), "same"),
         Entry(f"{name}.{theirs}.bias", "params", (block, ours, "bias"), "same"),
       ]
+    entries += [
+      Entry(f"{name}.{scale}.gamma", "params", (block, scale), "same")
+      for scale in ("ls1", "ls2")
+      if scale in params[block]
+    ]
     for ours, theirs in (
       (("attn", "qkv"), "attn.qkv"),
       (("attn", "proj"), "attn.proj"),
-      (("fc1",), "mlp.fc1"),
-      (("fc2",), "mlp.fc2"),
+      *(
+        ((("w12",), "mlp.w12"), (("w3",), "mlp.w3"))
+        if swiglu
+        else ((("fc1",), "mlp.fc1"), (("fc2",), "mlp.fc2"))
+      ),
     ):
       entries += [
         Entry(f"{name}.{theirs}.weight", "params", (block, *ours, "kernel"), "dense"),
@@ -142,14 +168,37 @@ def _vit_entries(model_config, params) -> List[Entry]:
   return entries
 
 
+def _vit_reference_names(found: Dict[str, np.ndarray], model_config) -> Dict[str, np.ndarray]:
+  """A ViT's tensors in timm's names (vision_transformer.py's _convert_dinov2 made them from
+  DINOv2's) in the reference's: reg_token -> register_tokens, and pos_embed without
+  the class token's row (timm's no_embed_class, where the class token holds the reference's
+  cls_token + pos_embed[:, 0]) given a zero row, which adds the same; a SwiGLU model's
+  mlp.fc1 / mlp.fc2 -> mlp.w12 / mlp.w3. Other names are kept."""
+  out = dict(found)
+  if "reg_token" in out:
+    out["register_tokens"] = out.pop("reg_token")
+    pos = out.get("pos_embed")
+    if pos is not None and pos.ndim == 3 and round(pos.shape[1] ** 0.5) ** 2 == pos.shape[1]:
+      out["pos_embed"] = np.concatenate([np.zeros_like(pos[:, :1]), pos], axis=1)
+  if vit.config_field(model_config, "mlp") == "swiglu":
+    renames = {".mlp.fc1.": ".mlp.w12.", ".mlp.fc2.": ".mlp.w3."}
+    out = {
+      next((name.replace(a, b) for a, b in renames.items() if a in name), name): value
+      for name, value in out.items()
+    }
+  return out
+
+
 def _describe_resnet(model_config) -> str:
   return f"{model_config.name} (width {model_config.width}, stem {model_config.stem!r})"
 
 
 def _describe_vit(model_config) -> str:
+  field = lambda name: vit.config_field(model_config, name)
   return (
     f"{model_config.name} (D {models.encoder_width(model_config)}, depth "
-    f"{model_config.depth}, patch {model_config.patch_size})"
+    f"{model_config.depth}, patch {model_config.patch_size}, registers {field('registers')}, "
+    f"layer_scale {field('layer_scale')}, mlp {field('mlp')!r})"
   )
 
 
@@ -163,13 +212,20 @@ class _Layout(NamedTuple):
   head_prefixes: tuple
   entries: Callable
   describe: Callable
+  reference_names: Callable = lambda found, model_config: found
+  mismatch: Callable = None
 
 
 # models.FAMILIES key -> its layout.
 _LAYOUTS = {
   "resnet": _Layout("ResNet", "conv1.weight", ("fc.",), _resnet_entries, _describe_resnet),
   "vit": _Layout(
-    "ViT", "patch_embed.proj.weight", ("head.", "fc_norm."), _vit_entries, _describe_vit
+    "ViT",
+    "patch_embed.proj.weight",
+    ("head.", "fc_norm."),
+    _vit_entries,
+    _describe_vit,
+    _vit_reference_names,
   ),
 }
 
@@ -178,6 +234,23 @@ def entries(model_config, image_size: int) -> List[Entry]:
   """The encoder's tensors in the reference's order (see Entry)."""
   params = variable_shapes(model_config, image_size)["params"]
   return _LAYOUTS[models.family(model_config)].entries(model_config, params)
+
+
+def torch_shapes(model_config, image_size: int) -> List[tuple]:
+  """[(Entry, shape in the reference's layout)] of the encoder's tensors that are not fixed
+  (a sin-cos pos_embed) or BN counters, in the reference's order; mask_token [1, D]."""
+  params = variable_shapes(model_config, image_size)
+  params = {c: flax.traverse_util.flatten_dict(params[c]) for c in params}
+  return [
+    (
+      entry,
+      (1, models.encoder_width(model_config))
+      if entry.layout == "unused"
+      else _torch_shape(params[entry.collection][entry.path].shape, entry.layout),
+    )
+    for entry in entries(model_config, image_size)
+    if entry.layout not in ("fixed", "counter")
+  ]
 
 
 def _to_torch(array: np.ndarray, layout: str) -> np.ndarray:
@@ -218,6 +291,8 @@ def to_state_dict(model_config, variables, image_size: int) -> Dict[str, np.ndar
   for entry in entries(model_config, image_size):
     if entry.layout == "counter":
       out[entry.name] = np.zeros((), np.int64)
+    elif entry.layout == "unused":
+      out[entry.name] = np.zeros((1, models.encoder_width(model_config)), np.float32)
     elif entry.layout == "fixed":
       out[entry.name] = fixed_position_embedding(model_config, image_size)
     else:
@@ -232,7 +307,8 @@ def encoder_tensors(
 ) -> Dict[str, np.ndarray]:
   """The encoder's tensors of a file: under the first of ENCODER_PREFIXES that holds the
   model family's first tensor, that prefix removed, classifier and projection heads and BN
-  counters left out.
+  counters left out, in the reference's names (timm's DINOv2 names mapped:
+  _vit_reference_names).
 
   Raises:
     WeightsError: no prefix holds the family's first tensor (naming another family when
@@ -260,13 +336,33 @@ def encoder_tensors(
       f"none; {what}",
     )
   heads = layout.head_prefixes
-  return {
+  found = {
     name[len(prefix) :]: value
     for name, value in tensors.items()
     if name.startswith(prefix)
     and not name[len(prefix) :].startswith(heads)
     and not name.endswith("num_batches_tracked")
   }
+  return layout.reference_names(found, model_config)
+
+
+def _vit_mismatch(names: List[str], found: Dict[str, np.ndarray], missing: bool) -> str:
+  """Why a ViT file's tensors named so (missing from it when `missing`, else extra in it) do
+  not fit the config: the DINOv3 tensors, register tokens, layer scale or the SwiGLU MLP
+  (naming the config field to set), or another architecture or depth."""
+  dinov3 = [name for name in DINOV3_TENSORS if name in found]
+  if dinov3:
+    return f"it holds a DINOv3 ViT ({', '.join(dinov3)}: RoPE and storage tokens), not this ViT"
+  if "register_tokens" in names:
+    count = found["register_tokens"].shape[1] if not missing else 0
+    return f"the file's ViT has {count} register tokens: --config.model.registers={count}"
+  if any(name.endswith((".ls1.gamma", ".ls2.gamma")) for name in names):
+    return f"the file's ViT has{' no' if missing else ''} layer scale: " + (
+      f"--config.model.layer_scale={not missing}"
+    )
+  if any(".mlp.w12." in name or ".mlp.w3." in name for name in [*names, *found]):
+    return "the file's ViT has SwiGLU (mlp.w12, mlp.w3): --config.model.mlp=swiglu"
+  return "another architecture or depth"
 
 
 def _mismatch(names: List[str], stage_projection: str) -> str:
@@ -299,22 +395,29 @@ def from_state_dict(
   found = encoder_tensors(tensors, path, model_config)
   shapes = variable_shapes(model_config, image_size)
   shapes = {c: flax.traverse_util.flatten_dict(shapes[c]) for c in shapes}
-  expected = [e for e in entries(model_config, image_size) if e.layout != "counter"]
-  names = {e.name for e in expected}
+  every = entries(model_config, image_size)
+  names = {e.name for e in every}
+  expected = [e for e in every if e.layout not in ("counter", "unused")]
   describe = _LAYOUTS[models.family(model_config)].describe(model_config)
+  vit_family = models.family(model_config) == "vit"
+  why = lambda names, missing: (
+    _vit_mismatch(names, found, missing)
+    if vit_family
+    else _mismatch(names, "False" if missing else "True")
+  )
   missing = [e.name for e in expected if e.name not in found]
   if missing:
     raise WeightsError(
       path,
       f"has no tensor {missing[0]!r} ({len(missing)} of the "
-      f"{len(expected)} tensors of a {describe} are missing): " + _mismatch(missing, "False"),
+      f"{len(expected)} tensors of a {describe} are missing): " + why(missing, True),
     )
   unexpected = sorted(name for name in found if name not in names)
   if unexpected:
     raise WeightsError(
       path,
       f"has a tensor {unexpected[0]!r} that a {describe} does not have "
-      f"({len(unexpected)} such): " + _mismatch(unexpected, "True"),
+      f"({len(unexpected)} such): " + why(unexpected, False),
     )
   flat = {"params": {}, "batch_stats": {}}
   for entry in expected:

@@ -25,6 +25,12 @@ Precision: parameters float32; dense layers and the convolution compute in
 `dtype` (bfloat16 on accelerators); LayerNorm statistics, attention logits
 and softmax in float32; h float32.
 
+DINOv2's backbones (Oquab et al. 2024, facebookresearch/dinov2
+vision_transformer.py; registers: Darcet et al. 2024) are this ViT with options, each
+off by default: layer scale (ls1 / ls2), register tokens, a learned position embedding
+stored for a grid of its own and resized as DINOv2 resizes it (offset bicubic, or
+antialiased bicubic for the _reg models), and ViT-g's SwiGLU MLP (recipes.DINOV2_MODELS).
+
 Written here in Flax Linen: no maintained Flax ViT package offers the fixed
 2-D sin-cos embedding, the frozen patch projection and this module's
 parameter layout together (flax's examples and big_vision are not libraries
@@ -47,20 +53,40 @@ from contrastive_jax.models import common
 # name -> (width D, depth, heads). Tiny is DeiT-Ti (Touvron et al. 2021, Table 1); Small
 # and Base are MoCo v3's (vits.py): its ViT-S has 12 heads where DeiT-S has 6 (the
 # parameters are the same, the attention finer).
+# Large and Giant are DINOv2's (dinov2 vision_transformer.py: vit_large, vit_giant2, the
+# latter 1536 wide with 24 heads of 64).
 SPECS = {
   "vit_tiny": (192, 12, 3),
   "vit_small": (384, 12, 12),
   "vit_base": (768, 12, 12),
+  "vit_large": (1024, 24, 16),
+  "vit_giant": (1536, 40, 24),
 }
 # 'sincos': MoCo v3's fixed 2-D sine-cosine embedding, none on the class token (vits.py);
 # 'learned': a learned [1 + grid^2, D] embedding added to the class token and the patches
 # (timm's VisionTransformer, pos_embed, truncated normal std 0.02 there), resized to other
 # grids as DINO's interpolate_pos_encoding.
 POSITION_EMBEDDINGS = ("sincos", "learned")
+# How a learned position embedding is resized to another grid (DINOv2's
+# interpolate_pos_encoding): 'offset', bicubic with scale factor (grid + 0.1) / G (DINO's,
+# DINOv2's models without registers); 'antialias', antialiased bicubic to the size grid
+# (DINOv2's _reg models: interpolate_antialias=True, interpolate_offset=0).
+POSITION_INTERPOLATIONS = ("offset", "antialias")
+# The feed-forward network of a block: 'gelu', Linear GELU Linear (ratio 4); 'swiglu',
+# DINOv2's SwiGLUFFNFused (ViT-g): w3(silu(a) * b) with [a, b] = w12(x).
+MLPS = ("gelu", "swiglu")
 FROZEN_PREFIX = "frozen_"  # Modules named so get no optimizer update (methods/optim.py).
 LN_EPSILON = 1e-6
 # The value of each field a ViT config may leave out (MoCo v3's recipes do).
-_DEFAULTS = dict(position_embedding="sincos")
+# MoCo v3's, DINO's and timm's ViTs have no layer scale, no register tokens, GELU MLPs.
+_DEFAULTS = dict(
+  position_embedding="sincos",
+  position_interpolation="offset",
+  position_grid=0,
+  layer_scale=False,
+  registers=0,
+  mlp="gelu",
+)
 
 
 def sincos_position_embedding(grid: int, dim: int, temperature: float = 10000.0) -> np.ndarray:
@@ -121,18 +147,50 @@ def bicubic_resize_matrix(in_size: int, out_size: int, scale: float) -> np.ndarr
   return out
 
 
-def interpolate_position_embedding(pos_embed, grid: int):
+def antialiased_bicubic_resize_matrix(in_size: int, out_size: int) -> np.ndarray:
+  """float64 [out_size, in_size]: 1-D resizing as torch's F.interpolate(size=out_size,
+  mode='bicubic', antialias=True, align_corners=False) computes it (PIL's filter).
+
+  With s = in_size / out_size, output i is centred on c = s (i + 0.5) in input
+  coordinates; the filter's support is 2 max(s, 1) input pixels, its weights the
+  cubic convolution with a = -0.5 (not -0.75 as without antialiasing) at
+  (j + 0.5 - c) / max(s, 1) for the inputs j in [int(c - support + 0.5),
+  int(c + support + 0.5)) clipped to the image, normalised to sum 1 (no border
+  repetition): torch's _compute_indices_weights_aa.
+  """
+  scale = in_size / out_size
+  stretch = max(scale, 1.0)
+  support = 2.0 * stretch
+  out = np.zeros((out_size, in_size))
+  for i in range(out_size):
+    centre = scale * (i + 0.5)
+    lo = max(int(centre - support + 0.5), 0)
+    hi = min(int(centre + support + 0.5), in_size)
+    x = np.abs((np.arange(lo, hi) + 0.5 - centre) / stretch)
+    weights = np.where(
+      x < 1,
+      (1.5 * x - 2.5) * x * x + 1,
+      np.where(x < 2, ((-0.5 * x + 2.5) * x - 4) * x + 2, 0.0),
+    )
+    out[i, lo:hi] = weights / weights.sum()
+  return out
+
+
+def interpolate_position_embedding(pos_embed, grid: int, method: str = "offset"):
   """The learned position embedding of a G x G patch grid resized to grid x grid.
 
-  As DINO's interpolate_pos_encoding (facebookresearch/dino vision_transformer.py):
-  the class token's row kept, the patch rows as a G x G x D image resized by
-  bicubic interpolation with scale factor (grid + 0.1) / G on both axes (the
-  reference's +0.1 against floating point error, which also sets the sampling
-  positions: bicubic_resize_matrix), the same embedding when grid == G.
+  As DINOv2's interpolate_pos_encoding (facebookresearch/dinov2
+  vision_transformer.py; DINO's for 'offset'): the class token's row kept, the
+  patch rows as a G x G x D image resized on both axes, the same embedding when
+  grid == G. method 'offset': bicubic interpolation with scale factor
+  (grid + 0.1) / G (the reference's +0.1 against floating point error, which also
+  sets the sampling positions: bicubic_resize_matrix); 'antialias': antialiased
+  bicubic to grid x grid (antialiased_bicubic_resize_matrix).
 
   Args:
     pos_embed: float [1, 1 + G^2, D].
     grid: patches a side of the images it is for.
+    method: a POSITION_INTERPOLATIONS name.
   Returns:
     [1, 1 + grid^2, D], pos_embed's dtype.
   """
@@ -140,7 +198,11 @@ def interpolate_position_embedding(pos_embed, grid: int):
   trained = int(round(n**0.5))
   if grid == trained:
     return pos_embed
-  w = jnp.asarray(bicubic_resize_matrix(trained, grid, (grid + 0.1) / trained), pos_embed.dtype)
+  if method == "antialias":
+    w = antialiased_bicubic_resize_matrix(trained, grid)
+  else:
+    w = bicubic_resize_matrix(trained, grid, (grid + 0.1) / trained)
+  w = jnp.asarray(w, pos_embed.dtype)
   patches = pos_embed[0, 1:].reshape(trained, trained, d)
   patches = jnp.einsum("iy,jx,yxd->ijd", w, w, patches, precision=jax.lax.Precision.HIGHEST)
   return jnp.concatenate([pos_embed[:, :1], patches.reshape(1, grid * grid, d)], axis=1)
@@ -187,14 +249,27 @@ def drop_path(x, rate: float, key):
   return x * (keep.astype(x.dtype) / jnp.asarray(1.0 - rate, x.dtype))
 
 
+def swiglu_hidden(width: int) -> int:
+  """The hidden width of DINOv2's SwiGLUFFNFused for D = width at MLP ratio 4: 2/3 of 4 D
+  rounded up to a multiple of 8 (dinov2 layers/swiglu_ffn.py; 4096 for ViT-g's 1536)."""
+  return (int(4 * width * 2 / 3) + 7) // 8 * 8
+
+
 class Block(nn.Module):
   """Pre-norm Transformer block: x + MHSA(LN(x)), then x + MLP(LN(x)); in training with
-  drop_rate > 0 each branch goes through drop_path, with keys of the 'drop_path' rng."""
+  drop_rate > 0 each branch goes through drop_path, with keys of the 'drop_path' rng.
+
+  layer_scale: each branch multiplied by a learned per-channel gamma [D] before the
+  residual sum (CaiT's LayerScale as DINOv2's ls1 / ls2, initialised at 1e-5 as timm's
+  DINOv2 models). mlp: an MLPS name.
+  """
 
   num_heads: int
   mlp_ratio: int = 4
   dtype: Any = jnp.float32
   drop_rate: float = 0.0
+  layer_scale: bool = False
+  mlp: str = "gelu"
 
   @nn.compact
   def __call__(self, x, train: bool = False):
@@ -208,9 +283,20 @@ class Block(nn.Module):
       if train and self.drop_rate > 0
       else y
     )
-    x = x + dropped(SelfAttention(self.num_heads, self.dtype, name="attn")(norm("norm1")(x)))
-    y = dense(self.mlp_ratio * d, "fc1")(norm("norm2")(x))
-    return x + dropped(dense(d, "fc2")(nn.gelu(y, approximate=False)))
+    scaled = lambda y, name: (
+      y * self.param(name, nn.initializers.constant(1e-5), (d,), jnp.float32).astype(y.dtype)
+      if self.layer_scale
+      else y
+    )
+    y = SelfAttention(self.num_heads, self.dtype, name="attn")(norm("norm1")(x))
+    x = x + dropped(scaled(y, "ls1"))
+    if self.mlp == "swiglu":
+      a, b = jnp.split(dense(2 * swiglu_hidden(d), "w12")(norm("norm2")(x)), 2, axis=-1)
+      y = dense(d, "w3")(nn.silu(a) * b)
+    else:
+      y = dense(self.mlp_ratio * d, "fc1")(norm("norm2")(x))
+      y = dense(d, "fc2")(nn.gelu(y, approximate=False))
+    return x + dropped(scaled(y, "ls2"))
 
 
 class ViT(nn.Module):
@@ -226,6 +312,16 @@ class ViT(nn.Module):
     position_embedding: a POSITION_EMBEDDINGS name; 'learned' is a parameter for
       the patch grid of the images the model is initialised on, interpolated to
       any other grid (interpolate_position_embedding).
+    position_interpolation: a POSITION_INTERPOLATIONS name, how a learned embedding
+      is resized.
+    position_grid: the patch grid a learned embedding is a parameter for (DINOv2's
+      37, trained at 518 px with patch 14); 0: the grid of the images the model is
+      initialised on.
+    layer_scale: ls1 / ls2 in every block (Block).
+    registers: R learned register tokens [1, R, D] (Darcet et al. 2024, DINOv2's
+      register_tokens), inserted between the class token and the patches after the
+      position embedding is added (they get none) and dropped from the output.
+    mlp: an MLPS name.
     input_mean, input_std: per-channel (R, G, B) standardisation of the [0, 1] input.
     drop_path_rate: stochastic depth in training, block i's branches dropped with
       probability drop_path_rate * i / (depth - 1) (DINO's vision_transformer.py: a
@@ -240,6 +336,11 @@ class ViT(nn.Module):
   dtype: Any = jnp.float32
   random_patch_projection: bool = False
   position_embedding: str = "sincos"
+  position_interpolation: str = "offset"
+  position_grid: int = 0
+  layer_scale: bool = False
+  registers: int = 0
+  mlp: str = "gelu"
   input_mean: Sequence[float] = (0.0, 0.0, 0.0)
   input_std: Sequence[float] = (1.0, 1.0, 1.0)
   drop_path_rate: float = 0.0
@@ -249,6 +350,10 @@ class ViT(nn.Module):
     """Maps images [N, S, S, 3] (float, values in [0, 1]) to h [N, width] float32.
 
     train: stochastic depth on (drop_path_rate > 0); nothing else differs in training.
+    The final LayerNorm's tokens, float32 [N, 1 + (S/p)^2, D] (class token and patches
+    in row-major order, registers left out: DINOv2's x_norm_clstoken and
+    x_norm_patchtokens), are sown as intermediates 'tokens' (apply with
+    mutable=['intermediates'] to get them).
     """
     p, d = self.patch_size, self.width
     x = (x - jnp.asarray(self.input_mean, jnp.float32)) / jnp.asarray(self.input_std, jnp.float32)
@@ -278,16 +383,31 @@ class ViT(nn.Module):
       if self.has_variable("params", "pos_embed"):
         pos_embed = self.get_variable("params", "pos_embed")
       else:
+        stored = self.position_grid or grid
         pos_embed = self.param(
-          "pos_embed", nn.initializers.normal(0.02), (1, 1 + grid * grid, d), jnp.float32
+          "pos_embed", nn.initializers.normal(0.02), (1, 1 + stored * stored, d), jnp.float32
         )
-      x = x + interpolate_position_embedding(pos_embed, grid).astype(self.dtype)
+      pos_embed = interpolate_position_embedding(pos_embed, grid, self.position_interpolation)
+      x = x + pos_embed.astype(self.dtype)
+    r = self.registers
+    if r:
+      registers = self.param("register_tokens", nn.initializers.normal(1e-6), (1, r, d))
+      registers = jnp.zeros_like(x[:, :1]) + registers.astype(self.dtype)
+      x = jnp.concatenate([x[:, :1], registers, x[:, 1:]], axis=1)
     rates = np.linspace(0.0, self.drop_path_rate, self.depth)
     for i in range(self.depth):
-      x = Block(self.num_heads, dtype=self.dtype, drop_rate=float(rates[i]), name=f"block{i}")(
-        x, train
-      )
+      x = Block(
+        self.num_heads,
+        dtype=self.dtype,
+        drop_rate=float(rates[i]),
+        layer_scale=self.layer_scale,
+        mlp=self.mlp,
+        name=f"block{i}",
+      )(x, train)
     x = nn.LayerNorm(epsilon=LN_EPSILON, dtype=self.dtype, name="norm")(x)
+    if r:
+      x = jnp.concatenate([x[:, :1], x[:, 1 + r :]], axis=1)
+    self.sow("intermediates", "tokens", x.astype(jnp.float32))
     return x[:, 0].astype(jnp.float32)
 
 
@@ -304,6 +424,11 @@ def num_heads(model_config) -> int:
   number): timm's vit_small_patch16_224 has 6 where SPECS' vit_small has 12.
   """
   return model_config.get("num_heads") or SPECS[model_config.name][2]
+
+
+def config_field(model_config, name: str):
+  """model_config's field `name`, or its _DEFAULTS value when the config has none."""
+  return model_config.get(name, _DEFAULTS[name])
 
 
 def check_config(model_config, image_size: int = None):
@@ -329,9 +454,26 @@ def check_config(model_config, image_size: int = None):
       patch,
       "an integer > 0" + (f" that divides image_size ({image_size})" if image_size else ""),
     )
-  position = model_config.get("position_embedding", _DEFAULTS["position_embedding"])
-  if position not in POSITION_EMBEDDINGS:
-    raise ConfigError("model.position_embedding", position, f"one of {list(POSITION_EMBEDDINGS)}")
+  for field, allowed in (
+    ("position_embedding", POSITION_EMBEDDINGS),
+    ("position_interpolation", POSITION_INTERPOLATIONS),
+    ("mlp", MLPS),
+  ):
+    if config_field(model_config, field) not in allowed:
+      raise ConfigError(
+        f"model.{field}", config_field(model_config, field), f"one of {list(allowed)}"
+      )
+  if not isinstance(config_field(model_config, "layer_scale"), bool):
+    raise ConfigError(
+      "model.layer_scale", config_field(model_config, "layer_scale"), "True or False"
+    )
+  for field, what in (
+    ("registers", "register tokens"),
+    ("position_grid", "patches a side of the learned embedding; 0: the image's grid"),
+  ):
+    value = config_field(model_config, field)
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+      raise ConfigError(f"model.{field}", value, f"an integer >= 0 ({what})")
   if not isinstance(model_config.get("random_patch_projection"), bool):
     raise ConfigError(
       "model.random_patch_projection", model_config.get("random_patch_projection"), "True or False"
@@ -341,7 +483,9 @@ def check_config(model_config, image_size: int = None):
 
 def build_encoder(model_config, bn_axis_name=None) -> ViT:
   """The ViT of a checked config: fields name (SPECS), width, depth, patch_size, dtype,
-  random_patch_projection, position_embedding, num_heads, input_mean, input_std;
+  random_patch_projection, position_embedding, position_interpolation, position_grid,
+  layer_scale, registers, mlp (each of these six _DEFAULTS' when absent), num_heads, input_mean,
+  input_std;
   D = encoder_width(model_config), num_heads(model_config) heads. bn_axis_name is
   accepted for the family API; a ViT has no BN."""
   del bn_axis_name
@@ -353,7 +497,12 @@ def build_encoder(model_config, bn_axis_name=None) -> ViT:
     model_config.patch_size,
     dtype=common.DTYPES[model_config.dtype],
     random_patch_projection=model_config.random_patch_projection,
-    position_embedding=model_config.get("position_embedding", _DEFAULTS["position_embedding"]),
+    position_embedding=config_field(model_config, "position_embedding"),
+    position_interpolation=config_field(model_config, "position_interpolation"),
+    position_grid=config_field(model_config, "position_grid"),
+    layer_scale=config_field(model_config, "layer_scale"),
+    registers=config_field(model_config, "registers"),
+    mlp=config_field(model_config, "mlp"),
     input_mean=input_mean,
     input_std=input_std,
   )

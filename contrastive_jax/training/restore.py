@@ -246,7 +246,8 @@ def _imported_encoder(config, mesh) -> Encoder:
   EXPORT_META beside it; that config's image size and eval crop, step 0.
 
   Raises:
-    ConfigError: no pretrain_config, random_init set, a model_name that differs.
+    ConfigError: no pretrain_config, random_init set, a model_name that differs, a model
+      that cannot be built on the config's image size.
     JobError: a config file that cannot be loaded; a weights file that does not fit.
   """
   path = config.pretrain_workdir
@@ -274,6 +275,8 @@ def _imported_encoder(config, mesh) -> Encoder:
       config.model_name,
       f"{pretrained.model.name!r}, the model of {config.pretrain_config}",
     )
+  # Before the file is read: a patch size that does not divide the image size.
+  models.check_model_config(pretrained.model, pretrained.image_size)
   variables = jax.device_put(
     state_dicts.from_state_dict(
       tensor_files.read(path), path, pretrained.model, pretrained.image_size
