@@ -205,3 +205,25 @@ def test_the_neighbours_job_searches_a_budget_index_with_reranking(pretrained, t
   assert result["search"]["method"] == "ann" and result["search"]["type"] == "ivfsq8"
   found = [[n["row"] for n in q["neighbours"]] for q in result["queries"]]
   np.testing.assert_array_equal(found, _numpy_top(bank[:4], bank, 4))
+
+
+def test_the_benchmark_measures_the_indexes_within_a_budget_against_exact_search():
+  from helpers import load_benchmark  # pylint: disable=g-import-not-at-top
+
+  bench = load_benchmark("ann")
+  rng = np.random.default_rng(0)
+  rows = bench.clustered_rows(rng, 3100, 16, 30)
+  np.testing.assert_allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-5)
+  table = bench.measure_budget(
+    rows[:3000], rows[3000:], k=10, threads=1, max_memory="100KB", indexes=2
+  )
+  assert [name for name, *_ in table] == [
+    "exact: faiss IndexFlatIP",
+    "IVF64,SQ8 (chosen)",  # 3,000 x 16 x 4 = 192 KB of vectors: over the budget.
+    "IVF64,PQ8x8np",
+  ]
+  for name, estimate, size, nprobe, calibrated, found, qps, ratio in table[1:]:
+    assert size <= 100_000 and abs(size - estimate) <= 512 and 1 <= nprobe <= 64
+    assert calibrated >= 0.95 and 0.9 <= found <= 1.0 and qps > 0 and ratio > 0
+  lines = bench.report_budget(table, 10).splitlines()
+  assert len(lines) == len(table) + 2 and lines[3].startswith("| IVF64,SQ8 (chosen) | 0.")
