@@ -104,6 +104,9 @@ def define_flags():
   )
   flags.DEFINE_integer("budget_indexes", 3, "Indexes measured within --max_memory.")
   flags.DEFINE_integer(
+    "pca", 0, "With --max_memory: also measure IVF-SQ8 after a PCA to this many dimensions."
+  )
+  flags.DEFINE_integer(
     "clusters",
     0,
     "With random rows: draw them around this many random centres (0: uniform on the sphere).",
@@ -138,11 +141,14 @@ def clustered_rows(rng, n: int, d: int, clusters: int, spread: float = 0.25) -> 
   return x
 
 
-def measure_budget(bank, queries, *, k: int, threads: int, max_memory: str, indexes: int):
+def measure_budget(
+  bank, queries, *, k: int, threads: int, max_memory: str, indexes: int, pca: int = 0
+):
   """Within a memory budget: [(index, estimated bytes, FAISS bytes, nprobe, calibrated recall,
   recall@k, queries/s, queries/s over exact's)], exact search (FAISS IndexFlatIP) first, then
   the index 'auto' chooses within max_memory and the smaller candidates that fit (ann.candidates),
-  at most `indexes`, each built, calibrated and searched as the jobs do (re-ranked with bank).
+  at most `indexes`, each built, calibrated and searched as the jobs do (re-ranked with bank);
+  then, with pca > 0, 'ivfsq8' after a PCA to pca dimensions, where it fits.
   """
   faiss = ann_lib.faiss_module("ann.type", "auto", "'none'")
   faiss.omp_set_num_threads(threads)
@@ -158,7 +164,13 @@ def measure_budget(bank, queries, *, k: int, threads: int, max_memory: str, inde
   budget = ann_lib.max_memory(config)
   chosen = ann_lib.choose(n, d, config)
   specs = [s for s in ann_lib.candidates(n, d, config) if ann_lib.estimate_bytes(s, n, d) <= budget]
-  for spec in specs[:indexes]:
+  specs = specs[:indexes]
+  if pca:
+    projected = ml_collections.ConfigDict(dict(config, type="ivfsq8", pca=pca, max_memory=""))
+    specs += [ann_lib.choose(n, d, projected)]
+  for spec in specs:
+    if ann_lib.estimate_bytes(spec, n, d) > budget:
+      continue
     spec = dict(spec, memory={"budget": budget, "estimate": ann_lib.estimate_bytes(spec, n, d)})
     built, spec = ann_lib.build(bank, spec, threads=threads)
     rerank = ann_lib.reranker(spec, bank)
@@ -433,6 +445,7 @@ def main(argv):
       threads=FLAGS.threads,
       max_memory=FLAGS.max_memory,
       indexes=FLAGS.budget_indexes,
+      pca=FLAGS.pca,
     )
     print(f"\nload average at end {os.getloadavg()[0]:.1f}\n")
     print(f"Within --max_memory={FLAGS.max_memory} (raw vectors: {bank.nbytes / 1e6:.1f} MB):")

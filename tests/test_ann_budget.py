@@ -72,8 +72,15 @@ def test_max_memory_takes_bytes_or_units_and_refuses_anything_else_in_one_line()
 def test_the_estimate_is_faiss_serialized_size(data):
   """Codes + ids + centroids + the quantizers' tables, by hand, and FAISS's own bytes."""
   bank = data[0][:5000]
-  for kind, pq_m in (("flat", 0), ("ivf", 0), ("ivfsq8", 0), ("ivfpq8", 4), ("ivfpq", 0)):
-    spec = ann_lib.choose(len(bank), D, _ann(type=kind, pq_m=pq_m, nprobe=4))
+  for kind, pq_m, pca in (
+    ("flat", 0, 0),
+    ("ivf", 0, 0),
+    ("ivfsq8", 0, 0),
+    ("ivfsq8", 0, 16),
+    ("ivfpq8", 4, 0),
+    ("ivfpq", 0, 0),
+  ):
+    spec = ann_lib.choose(len(bank), D, _ann(type=kind, pq_m=pq_m, pca=pca, nprobe=4))
     nlist = spec["params"].get("nlist", 0)
     lists = nlist * (4 * D + 8) + 8 * len(bank)
     by_hand = {
@@ -82,6 +89,10 @@ def test_the_estimate_is_faiss_serialized_size(data):
       "ivfsq8": lists + len(bank) * D + 2 * 4 * D,
       "ivfpq8": lists + len(bank) * 4 + 256 * 4 * D,
     }
+    if pca:  # Lists and codes of 16 dimensions; the PCA: D x 16 and D x D floats and 3 vectors.
+      assert spec["factory"] == "PCAR16,IVF128,SQ8"
+      by_hand[kind] = nlist * (4 * 16 + 8) + 8 * len(bank) + len(bank) * 16 + 2 * 4 * 16
+      by_hand[kind] += 4 * (D * 16 + D * D + 16 + 2 * D)
     estimate = ann_lib.estimate_bytes(spec, len(bank), D)
     if kind in by_hand:
       assert estimate == by_hand[kind], kind
@@ -123,11 +134,9 @@ def test_a_budget_chooses_the_largest_index_that_fits_and_its_reranked_recall_re
     score = spec["score"]
     assert score["k"] == 10 and score["queries"] == 500 and score["held_out"]
     assert score["recall"] >= 0.9 and score["queries_per_second"] > 0
-    chosen[want] = spec
+    chosen[want] = built
   # Without re-ranking, the codes alone rank the candidates worse.
-  pq = chosen["IVF512,PQ4x8np"]
-  built, _ = ann_lib.build(bank, pq, threads=1)
-  _, coded = ann_lib.search(built, queries, 10)
+  _, coded = ann_lib.search(chosen["IVF512,PQ4x8np"], queries, 10)
   assert np.mean([len(set(a) & set(b)) / 10 for a, b in zip(coded, exact)]) < 0.9
 
 
@@ -215,12 +224,13 @@ def test_the_benchmark_measures_the_indexes_within_a_budget_against_exact_search
   rows = bench.clustered_rows(rng, 3100, 16, 30)
   np.testing.assert_allclose(np.linalg.norm(rows, axis=1), 1.0, atol=1e-5)
   table = bench.measure_budget(
-    rows[:3000], rows[3000:], k=10, threads=1, max_memory="100KB", indexes=2
+    rows[:3000], rows[3000:], k=10, threads=1, max_memory="100KB", indexes=2, pca=8
   )
   assert [name for name, *_ in table] == [
     "exact: faiss IndexFlatIP",
     "IVF64,SQ8 (chosen)",  # 3,000 x 16 x 4 = 192 KB of vectors: over the budget.
     "IVF64,PQ8x8np",
+    "PCAR8,IVF64,SQ8",
   ]
   for name, estimate, size, nprobe, calibrated, found, qps, ratio in table[1:]:
     assert size <= 100_000 and abs(size - estimate) <= 512 and 1 <= nprobe <= 64

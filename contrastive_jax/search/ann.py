@@ -273,7 +273,8 @@ def choose(num_rows: int, dim: int, ann) -> dict:
   from there; a parameter of 0 takes its default (IVF: nlist 4 sqrt(N)
   rounded to a power of two, FAISS's guideline, at most N / MIN_ROWS_PER_LIST;
   'ivfpq': dim / 2 codes of 4 bits, k_factor IVFPQ_K_FACTOR; 'ivfsq8' and
-  'ivfpq8': k_factor RERANK_K_FACTOR, 'ivfpq8' dim / 4 bytes of code (pq_m);
+  'ivfpq8': k_factor RERANK_K_FACTOR, 'ivfpq8' dim / 4 bytes of code (pq_m),
+  'ivfsq8' a PCA to ann.pca dimensions first when it is > 0;
   HNSW: efSearch HNSW_EF_SEARCH). When IVF's nprobe is 0, "calibration" is
   {"param": "nprobe", "target": ann.recall} and params holds None for it:
   build calibrates it. Otherwise "calibration" is None.
@@ -321,7 +322,9 @@ def _spec(kind: str, num_rows: int, dim: int, ann, pq_m: int = 0) -> dict:
   if kind in RERANKED:
     params = dict(params, k_factor=ann.k_factor or RERANK_K_FACTOR)
     if kind == "ivfsq8":
-      factory = f"IVF{nlist},SQ8"
+      pca = ann.get("pca", 0)
+      factory = f"PCAR{pca},IVF{nlist},SQ8" if pca else f"IVF{nlist},SQ8"
+      params = dict(params, pca=pca) if pca else params
     else:
       m = pq_m or ann.get("pq_m", 0) or max(dim // 4, 1)
       # 'np': no polysemous training (a slow reordering of the codes for Hamming
@@ -342,8 +345,9 @@ def estimate_bytes(spec: dict, num_rows: int, dim: int) -> int:
 
   What it holds in memory once built: per row its code (4 D bytes for the
   vectors themselves, D for SQ8, m for PQ with 8-bit codes, D / 4 for
-  'ivfpq''s 4-bit codes plus the vectors it re-ranks with) and, in an
-  inverted file, its int64 id; per list its centroid (4 D bytes) and size;
+  'ivfpq''s 4-bit codes plus the vectors it re-ranks with; 'ivfsq8' with
+  pca: pca bytes, and the PCA's matrices) and, in an inverted file, its
+  int64 id; per list its centroid (4 D bytes) and size;
   the quantizers' tables (SQ8: a minimum and a range per dimension; PQ: 2^bits
   centroids of each sub-vector). HNSW: the vectors and M int32 links per row
   on average over its levels (2 M on level 0), an upper bound within a few
@@ -358,6 +362,11 @@ def estimate_bytes(spec: dict, num_rows: int, dim: int) -> int:
   lists = params["nlist"] * (4 * dim + 8) + 8 * n  # Centroids, list sizes, ids.
   if kind == "ivf":
     return lists + vectors
+  if kind == "ivfsq8" and params.get("pca"):  # The lists in pca dimensions, and the PCA.
+    kept = params["pca"]
+    # The projection and its bias; the mean, eigenvalues and whole PCA matrix FAISS keeps.
+    pca = 4 * (dim * kept + kept + 2 * dim + dim * dim)
+    return params["nlist"] * (4 * kept + 8) + 8 * n + n * kept + 2 * 4 * kept + pca
   if kind == "ivfsq8":
     return lists + n * dim + 2 * 4 * dim
   if kind == "ivfpq8":
