@@ -185,6 +185,12 @@ def test_budgets_refused_in_one_line(data):
     ConfigError, match=r"config.ann.max_memory='100KB': must be at least .*ann.type='auto'"
   ):
     ann_lib.choose(5000, D, _ann(type="ivf", max_memory="100KB"))
+  with pytest.raises(ConfigError, match=rf"config.ann.pq_m=5: must be a divisor of .*\({D}\)"):
+    ann_lib.choose(5000, D, _ann(type="ivfpq8", pq_m=5))
+  with pytest.raises(ConfigError, match=rf"config.ann.pca=64: must be at most .*\({D}\)"):
+    ann_lib.choose(5000, D, _ann(type="ivfsq8", pca=64))
+  with pytest.raises(ConfigError, match=r"config.ann.pca=-1: must be an integer >= 0"):
+    ann_lib.check_config(_ann(pca=-1))
   # Fits, but one candidate re-ranked per neighbour of 1-byte codes cannot find 0.999.
   spec = ann_lib.choose(5000, D, _ann(max_memory=str(smallest), k_factor=1, recall=0.999))
   with pytest.raises(ConfigError) as raised:

@@ -186,7 +186,8 @@ def check_config(ann, *, adding: bool = False):
     raise ConfigError("ann.type", ann.type, f"one of {TYPES}")
   if ann.type not in ("none", "auto") and not adding:
     faiss_module("ann.type", ann.type, "'auto' or 'none'")
-  for field in ("hnsw_m", "ef_construction", "ef_search", "nlist", "nprobe", "k_factor"):
+  fields = ("hnsw_m", "ef_construction", "ef_search", "nlist", "nprobe", "k_factor", "pq_m", "pca")
+  for field in (f for f in fields if f in ann):
     if ann[field] < 0:
       raise ConfigError(f"ann.{field}", ann[field], "an integer >= 0 (0: chosen from the rows)")
   if ann.threads < 0:
@@ -280,7 +281,8 @@ def choose(num_rows: int, dim: int, ann) -> dict:
   build calibrates it. Otherwise "calibration" is None.
 
   Raises:
-    ConfigError: config.ann.max_memory is below what the index needs (choose_within).
+    ConfigError: config.ann.max_memory is below what the index needs
+      (choose_within); pq_m does not divide dim, or pca exceeds it.
   """
   kind = ann.type
   if kind == "none":
@@ -323,10 +325,16 @@ def _spec(kind: str, num_rows: int, dim: int, ann, pq_m: int = 0) -> dict:
     params = dict(params, k_factor=ann.k_factor or RERANK_K_FACTOR)
     if kind == "ivfsq8":
       pca = ann.get("pca", 0)
+      if pca > dim:
+        raise ConfigError("ann.pca", pca, f"at most the embeddings' dimension ({dim}); 0: none")
       factory = f"PCAR{pca},IVF{nlist},SQ8" if pca else f"IVF{nlist},SQ8"
       params = dict(params, pca=pca) if pca else params
     else:
       m = pq_m or ann.get("pq_m", 0) or max(dim // 4, 1)
+      if dim % m:
+        raise ConfigError(
+          "ann.pq_m", m, f"a divisor of the embeddings' dimension ({dim}); 0: D / 4"
+        )
       # 'np': no polysemous training (a slow reordering of the codes for Hamming
       # filtering, which the search does not use).
       factory, params = f"IVF{nlist},PQ{m}x8np", dict(params, m=m)
