@@ -18,6 +18,7 @@ from contrastive_jax.jobs import embed
 from contrastive_jax.jobs import neighbours
 from contrastive_jax.search import ann as ann_lib
 from contrastive_jax.search import index as index_lib
+from contrastive_jax.search import shards as shards_lib
 
 faiss = pytest.importorskip("faiss")
 N, D, CLUSTERS = 20_000, 32, 200
@@ -243,3 +244,66 @@ def test_the_benchmark_measures_the_indexes_within_a_budget_against_exact_search
     assert calibrated >= 0.95 and 0.9 <= found <= 1.0 and qps > 0 and ratio > 0
   lines = bench.report_budget(table, 10).splitlines()
   assert len(lines) == len(table) + 2 and lines[3].startswith("| IVF64,SQ8 (chosen) | 0.")
+
+
+def _part(workdir, number, h, first_id):
+  """Writes h as shard `number` of unlabelled rows named by their ids; its part's entry."""
+  ids = list(range(first_id, first_id + len(h)))
+  rows = {"id": ids, "name": [str(i) for i in ids], "label": [None] * len(h), "split": "all"}
+  shards_lib.write(workdir, number, h, rows, [])
+  return {
+    "shards": [shards_lib.entry(number, len(h))],
+    "num_images": len(h),
+    "ids": [first_id, first_id + len(h)],
+    "folder": "/x",
+  }
+
+
+def test_an_add_grows_a_budget_index_in_place_until_another_index_is_chosen(
+  data, tmp_path, monkeypatch
+):
+  bank = data[0][:2700, :16] / np.linalg.norm(data[0][:2700, :16], axis=1, keepdims=True)
+  workdir = str(tmp_path)
+  ann = _ann(max_memory="100KB")  # 2,000 x 16 x 4 = 128 KB of vectors: SQ8 codes.
+  part = _part(workdir, 0, bank[:2000], 0)
+  meta = {
+    "format_version": index_lib.FORMAT_VERSION,
+    "run_id": "r",
+    "config": {"folder": "/x"},
+    "eval_crop": {"size": 32, "fraction": 1.0, "resize": "bilinear"},
+    "num_images": 2000,
+    "dim": 16,
+    "class_names": None,
+    "unreadable": 0,
+    "parts": [part],
+    "ann": index_lib._write_ann(
+      workdir,
+      ml_collections.ConfigDict({"ann": ann.to_dict()}),
+      index_lib.Parts(index_lib.part_arrays(workdir, part, "x")),
+      generation=0,
+      run_id="r",
+    ),
+  }
+  assert meta["ann"]["factory"] == "IVF32,SQ8"  # 2,000 / 39 rows a list.
+  index_lib._commit(workdir, meta, None)
+  builds = []
+  build = ann_lib.build
+  monkeypatch.setattr(ann_lib, "build", lambda *a, **kw: builds.append(1) or build(*a, **kw))
+  for number, (begin, stop, factory, built) in enumerate(
+    ((2000, 2100, "IVF32,SQ8", 0), (2100, 2700, "IVF64,SQ8", 1)), start=1
+  ):
+    index = index_lib.load_index(workdir)
+    index_lib.append(workdir, index, ann, _part(workdir, number, bank[begin:stop], begin), None, 0)
+    grown = index_lib.load_index(workdir).ann
+    assert len(builds) == built  # The first add grows the index; the second builds another.
+    assert (grown["factory"], grown["rows"], grown["file"]) == (
+      factory,
+      stop,
+      f"ann.{number}.faiss",
+    )
+    assert grown["memory"]["estimate"] <= grown["memory"]["budget"] == 100_000
+    assert grown["bytes"] <= 100_000 and grown["score"]["recall"] >= 0.9
+    loaded = ann_lib.load(workdir, grown, where="x")
+    rerank = ann_lib.reranker(grown, bank[:stop])
+    _, rows = ann_lib.search(loaded, bank[begin:stop], 1, rerank)
+    np.testing.assert_array_equal(rows[:, 0], np.arange(begin, stop))  # Each finds itself.

@@ -224,8 +224,13 @@ def append(workdir, index: "Index", ann, part: dict, class_names, num_unreadable
   generation = int(old_ann["file"].split(".")[1]) + 1 if old_ann else number
   # Within a memory budget the grown index is rebuilt when another one fits it (fewer bytes
   # of code a row, or more lists).
-  kept = wanted["factory"] == old_ann["factory"] if wanted and wanted.get("memory") else True
-  if wanted and old_ann and wanted["type"] == old_ann["type"] and kept:
+  budgeted = bool(wanted and wanted.get("memory"))
+  if (
+    wanted
+    and old_ann
+    and wanted["type"] == old_ann["type"]
+    and (not budgeted or wanted["factory"] == old_ann["factory"])
+  ):
     faiss_index = ann_lib.load(workdir, old_ann, where=f"--workdir={workdir}")
     ann_lib.add(faiss_index, parts, len(index.rows))
     spec = {key: old_ann.get(key) for key in ("type", "factory", "params", "calibration")}
