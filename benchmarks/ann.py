@@ -95,6 +95,22 @@ def define_flags():
   )
   flags.DEFINE_string("k_factors", "10", "IVFPQ k_factor values measured besides the default.")
   flags.DEFINE_bool("scann", True, "Measure ScaNN too, when it loads.")
+  flags.DEFINE_string(
+    "max_memory",
+    "",
+    "A memory budget (config.ann.max_memory, e.g. '40MB'): instead of the types above, "
+    "measure the indexes 'auto' chooses from within it (ann.candidates that fit, the "
+    "chosen one first, up to --budget_indexes of them), re-ranked as the jobs search them.",
+  )
+  flags.DEFINE_integer("budget_indexes", 3, "Indexes measured within --max_memory.")
+  flags.DEFINE_integer(
+    "pca", 0, "With --max_memory: also measure IVF-SQ8 after a PCA to this many dimensions."
+  )
+  flags.DEFINE_integer(
+    "clusters",
+    0,
+    "With random rows: draw them around this many random centres (0: uniform on the sphere).",
+  )
 
 
 def unit_rows(rng, n: int, d: int) -> np.ndarray:
@@ -114,6 +130,84 @@ def new_images_views(rng, rows: np.ndarray, image: np.ndarray, num: int) -> tupl
   held_out = np.isin(image, new)
   _, first = np.unique(image[held_out], return_index=True)
   return rows[~held_out], rows[held_out][first]
+
+
+def clustered_rows(rng, n: int, d: int, clusters: int, spread: float = 0.25) -> np.ndarray:
+  """float32 [n, d] unit rows: a random centre of `clusters` each, plus spread x a random
+  unit vector, normalised. Synthetic structure, not photos' neighbourhoods."""
+  centres = unit_rows(rng, clusters, d)
+  x = centres[rng.integers(clusters, size=n)] + spread * unit_rows(rng, n, d)
+  x /= np.linalg.norm(x, axis=1, keepdims=True)
+  return x
+
+
+def measure_budget(
+  bank, queries, *, k: int, threads: int, max_memory: str, indexes: int, pca: int = 0
+):
+  """Within a memory budget: [(index, estimated bytes, FAISS bytes, nprobe, calibrated recall,
+  recall@k, queries/s, queries/s over exact's)], exact search (FAISS IndexFlatIP) first, then
+  the index 'auto' chooses within max_memory and the smaller candidates that fit (ann.candidates),
+  at most `indexes`, each built, calibrated and searched as the jobs do (re-ranked with bank);
+  then, with pca > 0, 'ivfsq8' after a PCA to pca dimensions, where it fits.
+  """
+  faiss = ann_lib.faiss_module("ann.type", "auto", "'none'")
+  faiss.omp_set_num_threads(threads)
+  n, d = bank.shape
+  flat = faiss.IndexFlatIP(d)
+  flat.add(bank)
+  exact_rows, exact_s = timed_search(lambda q: flat.search(q, k)[1], queries)
+  table = [
+    ("exact: faiss IndexFlatIP", n * d * 4, n * d * 4, None, 1.0, 1.0, len(queries) / exact_s, 1.0)
+  ]
+  config = config_files.load_config_file(CONFIG, "CONFIG").ann
+  config = ml_collections.ConfigDict(dict(config, max_memory=max_memory, threads=threads))
+  budget = ann_lib.max_memory(config)
+  chosen = ann_lib.choose(n, d, config)
+  specs = [s for s in ann_lib.candidates(n, d, config) if ann_lib.estimate_bytes(s, n, d) <= budget]
+  specs = specs[:indexes]
+  if pca:
+    projected = ml_collections.ConfigDict(dict(config, type="ivfsq8", pca=pca, max_memory=""))
+    specs += [ann_lib.choose(n, d, projected)]
+  for spec in specs:
+    if ann_lib.estimate_bytes(spec, n, d) > budget:
+      continue
+    spec = dict(spec, memory={"budget": budget, "estimate": ann_lib.estimate_bytes(spec, n, d)})
+    built, spec = ann_lib.build(bank, spec, threads=threads)
+    rerank = ann_lib.reranker(spec, bank)
+    found, seconds = timed_search(
+      lambda q, b=built, r=rerank: ann_lib.search(b, q, k, r)[1], queries
+    )
+    mark = " (chosen)" if spec["factory"] == chosen["factory"] else ""
+    table.append(
+      (
+        spec["factory"] + mark,
+        spec["memory"]["estimate"],
+        len(faiss.serialize_index(built)),
+        spec["params"].get("nprobe"),
+        (spec["calibration"] or {}).get("recall", 1.0),
+        recall(found, exact_rows),
+        len(queries) / seconds,
+        exact_s / seconds,
+      )
+    )
+    print("  measured:", table[-1], flush=True)
+    del built
+  return table
+
+
+def report_budget(table: list, k: int) -> str:
+  """measure_budget's table in markdown."""
+  lines = [
+    f"| index | estimated (MB) | FAISS file (MB) | nprobe | calibrated | recall@{k} | queries/s "
+    "| x exact |",
+    "|---|---|---|---|---|---|---|---|",
+  ]
+  lines += [
+    f"| {name} | {estimate / 1e6:.2f} | {size / 1e6:.2f} | {nprobe or ''} | {calibrated:.3f} "
+    f"| {rec:.3f} | {qps:.0f} | {ratio:.1f} |"
+    for name, estimate, size, nprobe, calibrated, rec, qps, ratio in table
+  ]
+  return "\n".join(lines)
 
 
 def recall(found: np.ndarray, exact: np.ndarray) -> float:
@@ -331,6 +425,10 @@ def main(argv):
     with np.load(FLAGS.views_file) as saved:
       bank, queries = new_images_views(rng, saved["embeddings"], saved["image"], FLAGS.queries)
     what = f"views of images ({FLAGS.views_file}; the queries a view each of {len(queries)} others)"
+  elif FLAGS.clusters:
+    rows = clustered_rows(rng, FLAGS.rows + FLAGS.queries, FLAGS.dim, FLAGS.clusters)
+    bank, queries = rows[: FLAGS.rows], rows[FLAGS.rows :]
+    what = f"random unit vectors around {FLAGS.clusters} random centres (spread 0.25)"
   else:
     bank = unit_rows(rng, FLAGS.rows, FLAGS.dim)
     queries = unit_rows(rng, FLAGS.queries, FLAGS.dim)
@@ -339,6 +437,20 @@ def main(argv):
     f"{len(bank)} x {bank.shape[1]} {what}, {len(queries)} queries, k={FLAGS.k}, "
     f"{FLAGS.threads} FAISS threads, load average at start {os.getloadavg()[0]:.1f}"
   )
+  if FLAGS.max_memory:
+    table = measure_budget(
+      bank,
+      queries,
+      k=FLAGS.k,
+      threads=FLAGS.threads,
+      max_memory=FLAGS.max_memory,
+      indexes=FLAGS.budget_indexes,
+      pca=FLAGS.pca,
+    )
+    print(f"\nload average at end {os.getloadavg()[0]:.1f}\n")
+    print(f"Within --max_memory={FLAGS.max_memory} (raw vectors: {bank.nbytes / 1e6:.1f} MB):")
+    print(report_budget(table, FLAGS.k))
+    return
   table = measure(
     bank,
     queries,

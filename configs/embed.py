@@ -15,7 +15,10 @@ the index's checkpoint (pretrain_workdir may be left unset).
 
 ann: the ANN index built beside the embeddings (jobs/ann.py, docs/search.md):
 type 'auto' (exact 'flat' below 100,000 rows, 'ivf' from there; none, with a warning,
-when FAISS is not installed), 'flat', 'hnsw', 'ivf', 'ivfpq' or 'none'; a
+when FAISS is not installed; within max_memory, the first of those, then 'ivfsq8', then
+'ivfpq8' of fewer bytes a row, that fits), 'flat', 'hnsw', 'ivf', 'ivfpq', 'ivfsq8',
+'ivfpq8' (IVF lists of SQ8 or 8-bit PQ codes, re-ranked with the rows of the shards) or
+'none'; a
 parameter of 0 takes its measured default, but nprobe, which is calibrated: the
 smallest that finds `recall` of the 10 nearest of the index's own rows (a sample,
 against exact search), when the index is built and after each add.
@@ -63,7 +66,10 @@ def get_config(arg: str = ""):
       ef_search=0,  # HNSW: candidates kept while searching (efSearch); 0: 256.
       nlist=0,  # IVF, IVFPQ: k-means lists; 0: 4 sqrt(N), a power of two.
       nprobe=0,  # IVF, IVFPQ: lists searched per query; 0: calibrated.
-      k_factor=0,  # IVFPQ: candidates re-ranked exactly per neighbour; 0: 50.
+      k_factor=0,  # IVFPQ: candidates re-ranked exactly per neighbour; 0: 50 (IVFSQ8, IVFPQ8: 10).
+      pca=0,  # IVFSQ8: dimensions a PCA keeps before the lists and codes; 0: no PCA.
+      pq_m=0,  # IVFPQ8: bytes of code per row (divides D); 0: D / 4, or what max_memory fits.
+      max_memory="",  # The index's memory budget, e.g. '4GB' or bytes; '': none (docs/search.md).
       recall=0.95,  # What nprobe at 0 is calibrated to: recall@10.
       threads=0,  # FAISS threads while building; 0: every core.
     )

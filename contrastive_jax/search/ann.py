@@ -10,11 +10,13 @@ the index with FAISS alone, without this package:
   ann.json     what it is: {"format_version", "library": "faiss",
                "library_version", "file", "bytes", "crc32" (zlib's CRC-32
                of the file's bytes; an ann.json without it is checked by its
-               size only), "type" ('flat', 'hnsw',
-               'ivf' or 'ivfpq'), "factory" (faiss.index_factory's string),
-               "params" (build and search parameters), "calibration" (how
-               the search parameter was chosen, or null), "metric", "rows",
-               "dim", "embed_run" (embed.json's run_id)}.
+               size only), "type" (TYPES but 'auto' and 'none'),
+               "factory" (faiss.index_factory's string), "params" (build
+               and search parameters), "calibration" (how the search
+               parameter was chosen, or null), "memory" (within a budget:
+               {"budget", "estimate"} in bytes), "score" (recall@10 and
+               speed: score; not for 'flat'), "metric", "rows", "dim",
+               "embed_run" (embed.json's run_id)}.
 
 The type comes from the row count by default (choose): an exact flat index
 below EXACT_BELOW rows, 'ivf' (IVF-Flat: k-means lists of the vectors
@@ -44,6 +46,19 @@ row's near-copies are easy to find. Not so in an HNSW graph, where each row is l
 neighbours when it is added (0.95 on the rows, 0.85 on new queries): its
 efSearch is not calibrated.
 
+Within a memory budget (config.ann.max_memory: choose_within), 'auto' takes
+the first of candidates whose estimated bytes (estimate_bytes: codes, ids,
+centroids, the quantizers' tables) fit: today's choice, then IVF lists of
+SQ8 codes ('ivfsq8', D bytes a row), then of 8-bit PQ codes ('ivfpq8', D / 2,
+D / 4, ... bytes). Those two keep no vector: the best k_factor x k candidates
+by their codes are re-ranked exactly with the rows read from the shards,
+memory-mapped (Rerank), so the index's memory is its codes. nprobe is
+calibrated as above, with the re-ranking; a budget whose index cannot reach
+ann.recall is refused, saying the recall it reaches. The index is trained on
+a sample and filled shard by shard (add); each built index is scored on rows
+held out of the calibration (score: recall@10, queries/s), as autofaiss's
+score_index reports an index.
+
 FAISS is an extra (pip install 'contrastive_jax[search]'), imported only
 when an index is built or read.
 
@@ -56,11 +71,14 @@ search with quick ADC" (4-bit codes scanned with SIMD lookups); Guo et al.
 2020, "Accelerating large-scale inference with anisotropic vector
 quantization" (ScaNN, 2 dimensions per 4-bit code); the FAISS documentation
 (github.com/facebookresearch/faiss/wiki: index_factory strings, HNSW and IVF
-parameters, fast-scan PQ).
+parameters, fast-scan PQ, scalar quantizers); autofaiss (github.com/criteo/autofaiss:
+a memory budget, max_index_memory_usage; score_index's recall and search speed).
 """
 
 import json
 import logging
+import time
+from typing import NamedTuple, Optional
 import zlib
 
 import numpy as np
@@ -72,7 +90,29 @@ from contrastive_jax.core.errors import JobError
 
 FORMAT_VERSION = 1
 META = "ann.json"
-TYPES = ("auto", "none", "flat", "hnsw", "ivf", "ivfpq")
+TYPES = ("auto", "none", "flat", "hnsw", "ivf", "ivfpq", "ivfsq8", "ivfpq8")
+# The types whose candidates are re-ranked with the rows read from the shards on disk
+# (memory-mapped), not with vectors the index keeps: what fits a memory budget below
+# the raw vectors (choose_within).
+RERANKED = ("ivfsq8", "ivfpq8")
+# Candidates re-ranked per neighbour by a RERANKED type (k_factor 0).
+RERANK_K_FACTOR = 10
+# config.ann.max_memory's units (decimal and binary), case-insensitive.
+MEMORY_UNITS = {
+  "B": 1,
+  "KB": 10**3,
+  "MB": 10**6,
+  "GB": 10**9,
+  "TB": 10**12,
+  "KiB": 2**10,
+  "MiB": 2**20,
+  "GiB": 2**30,
+  "TiB": 2**40,
+}
+# The score (score): recall@SCORE_K of up to SCORE_QUERIES rows held out of the
+# calibration's sample, each searched alone (as autofaiss's score_index times them).
+SCORE_K, SCORE_QUERIES = 10, 500
+_RERANK_BYTES = 1 << 26  # Candidate rows gathered at a time for re-ranking (64 MB).
 # Below this many rows the exact flat index is chosen: exact search took 1.5 ms
 # per query per 1,000,000 rows here (batched; it grows with the rows), so at
 # most about 0.15 ms below 100,000 rows, where the indexes measured were at most
@@ -146,7 +186,8 @@ def check_config(ann, *, adding: bool = False):
     raise ConfigError("ann.type", ann.type, f"one of {TYPES}")
   if ann.type not in ("none", "auto") and not adding:
     faiss_module("ann.type", ann.type, "'auto' or 'none'")
-  for field in ("hnsw_m", "ef_construction", "ef_search", "nlist", "nprobe", "k_factor"):
+  fields = ("hnsw_m", "ef_construction", "ef_search", "nlist", "nprobe", "k_factor", "pq_m", "pca")
+  for field in (f for f in fields if f in ann):
     if ann[field] < 0:
       raise ConfigError(f"ann.{field}", ann[field], "an integer >= 0 (0: chosen from the rows)")
   if ann.threads < 0:
@@ -155,6 +196,44 @@ def check_config(ann, *, adding: bool = False):
     raise ConfigError(
       "ann.recall", ann.recall, "a recall@10 in (0, 1] that nprobe left at 0 is calibrated to"
     )
+  max_memory(ann)
+
+
+def max_memory(ann):
+  """config.ann.max_memory in bytes (int), or None for no budget ('' or 0).
+
+  It is an integer of bytes or a string: digits, optionally with a decimal
+  point, then a unit of MEMORY_UNITS ('4GB', '1.5GiB', '800mb'; decimal GB
+  is 10^9 bytes, GiB 2^30).
+
+  Raises:
+    ConfigError: anything else, or a negative number.
+  """
+  value = ann.get("max_memory", "")
+  text = str(value).strip().upper().replace(" ", "")
+  number = text.rstrip("KMGTIB")
+  unit = text[len(number) :] or "B"
+  units = {name.upper(): size for name, size in MEMORY_UNITS.items()}
+  try:
+    size = float(number) * units[unit] if number else None
+  except (KeyError, ValueError):
+    size = None
+  if size is None and text not in ("", "0") or size is not None and size < 0:
+    raise ConfigError(
+      "ann.max_memory",
+      value,
+      "the ANN index's memory budget: bytes (an integer), or a number with a unit of "
+      f"{'/'.join(MEMORY_UNITS)} such as '4GB'; '' for none",
+    )
+  return int(size) if size else None
+
+
+def human_bytes(size: int) -> str:
+  """size in the largest decimal unit of at least 1, 3 significant digits: '1.23 GB'."""
+  for unit in ("TB", "GB", "MB", "KB"):
+    if size >= MEMORY_UNITS[unit]:
+      return f"{size / MEMORY_UNITS[unit]:.3g} {unit}"
+  return f"{size} B"
 
 
 def has_faiss() -> bool:
@@ -189,20 +268,35 @@ def check_add(ann, description):
 def choose(num_rows: int, dim: int, ann) -> dict:
   """The index type and parameters for num_rows rows of dimension dim: config.ann's, or chosen.
 
-  Returns {"type", "factory", "params", "calibration"}, or None for ann.type
-  'none'. 'auto' is 'flat' below EXACT_BELOW rows and 'ivf' from there; a
-  parameter of 0 takes its default (IVF: nlist 4 sqrt(N) rounded to a power
-  of two, FAISS's guideline, at most N / MIN_ROWS_PER_LIST; 'ivfpq': dim / 2
-  codes of 4 bits, k_factor
-  IVFPQ_K_FACTOR; HNSW: efSearch HNSW_EF_SEARCH). When IVF's nprobe is 0,
-  "calibration" is {"param": "nprobe", "target": ann.recall} and params
-  holds None for it: build calibrates it. Otherwise "calibration" is None.
+  Returns {"type", "factory", "params", "calibration"} (and "memory" within a
+  budget: choose_within), or None for ann.type 'none'. Without
+  config.ann.max_memory, 'auto' is 'flat' below EXACT_BELOW rows and 'ivf'
+  from there; a parameter of 0 takes its default (IVF: nlist 4 sqrt(N)
+  rounded to a power of two, FAISS's guideline, at most N / MIN_ROWS_PER_LIST;
+  'ivfpq': dim / 2 codes of 4 bits, k_factor IVFPQ_K_FACTOR; 'ivfsq8' and
+  'ivfpq8': k_factor RERANK_K_FACTOR, 'ivfpq8' dim / 4 bytes of code (pq_m),
+  'ivfsq8' a PCA to ann.pca dimensions first when it is > 0;
+  HNSW: efSearch HNSW_EF_SEARCH). When IVF's nprobe is 0, "calibration" is
+  {"param": "nprobe", "target": ann.recall} and params holds None for it:
+  build calibrates it. Otherwise "calibration" is None.
+
+  Raises:
+    ConfigError: config.ann.max_memory is below what the index needs
+      (choose_within); pq_m does not divide dim, or pca exceeds it.
   """
   kind = ann.type
   if kind == "none":
     return None
+  budget = max_memory(ann)
+  if budget is not None:
+    return choose_within(budget, num_rows, dim, ann)
   if kind == "auto":
     kind = "flat" if num_rows < EXACT_BELOW else "ivf"
+  return _spec(kind, num_rows, dim, ann)
+
+
+def _spec(kind: str, num_rows: int, dim: int, ann, pq_m: int = 0) -> dict:
+  """choose's spec of the named type `kind` (not 'auto' or 'none'); pq_m: 'ivfpq8''s bytes."""
   if kind == "flat":
     return {"type": "flat", "factory": "Flat", "params": {}, "calibration": None}
   if kind == "hnsw":
@@ -227,6 +321,24 @@ def choose(num_rows: int, dim: int, ann) -> dict:
       "params": params,
       "calibration": calibration,
     }
+  if kind in RERANKED:
+    params = dict(params, k_factor=ann.k_factor or RERANK_K_FACTOR)
+    if kind == "ivfsq8":
+      pca = ann.get("pca", 0)
+      if pca > dim:
+        raise ConfigError("ann.pca", pca, f"at most the embeddings' dimension ({dim}); 0: none")
+      factory = f"PCAR{pca},IVF{nlist},SQ8" if pca else f"IVF{nlist},SQ8"
+      params = dict(params, pca=pca) if pca else params
+    else:
+      m = pq_m or ann.get("pq_m", 0) or max(dim // 4, 1)
+      if dim % m:
+        raise ConfigError(
+          "ann.pq_m", m, f"a divisor of the embeddings' dimension ({dim}); 0: D / 4"
+        )
+      # 'np': no polysemous training (a slow reordering of the codes for Hamming
+      # filtering, which the search does not use).
+      factory, params = f"IVF{nlist},PQ{m}x8np", dict(params, m=m)
+    return {"type": kind, "factory": factory, "params": params, "calibration": calibration}
   codes = dim // 2 if dim % 2 == 0 else dim  # 2 dimensions per 4-bit code (1 if dim is odd).
   return {
     "type": "ivfpq",
@@ -236,11 +348,92 @@ def choose(num_rows: int, dim: int, ann) -> dict:
   }
 
 
+def estimate_bytes(spec: dict, num_rows: int, dim: int) -> int:
+  """The bytes of spec's index of num_rows rows of dimension dim, as FAISS serializes it.
+
+  What it holds in memory once built: per row its code (4 D bytes for the
+  vectors themselves, D for SQ8, m for PQ with 8-bit codes, D / 4 for
+  'ivfpq''s 4-bit codes plus the vectors it re-ranks with; 'ivfsq8' with
+  pca: pca bytes, and the PCA's matrices) and, in an inverted file, its
+  int64 id; per list its centroid (4 D bytes) and size;
+  the quantizers' tables (SQ8: a minimum and a range per dimension; PQ: 2^bits
+  centroids of each sub-vector). HNSW: the vectors and M int32 links per row
+  on average over its levels (2 M on level 0), an upper bound within a few
+  percent. The FAISS headers (a few hundred bytes) are left out.
+  """
+  n, vectors = num_rows, 4 * num_rows * dim
+  kind, params = spec["type"], spec["params"]
+  if kind == "flat":
+    return vectors
+  if kind == "hnsw":
+    return vectors + n * (2 * params["M"] * 4 + 8 + 4 + 4)
+  lists = params["nlist"] * (4 * dim + 8) + 8 * n  # Centroids, list sizes, ids.
+  if kind == "ivf":
+    return lists + vectors
+  if kind == "ivfsq8" and params.get("pca"):  # The lists in pca dimensions, and the PCA.
+    kept = params["pca"]
+    # The projection and its bias; the mean, eigenvalues and whole PCA matrix FAISS keeps.
+    pca = 4 * (dim * kept + kept + 2 * dim + dim * dim)
+    return params["nlist"] * (4 * kept + 8) + 8 * n + n * kept + 2 * 4 * kept + pca
+  if kind == "ivfsq8":
+    return lists + n * dim + 2 * 4 * dim
+  if kind == "ivfpq8":
+    return lists + n * params["m"] + 256 * 4 * dim
+  codes = dim // 2 if dim % 2 == 0 else dim  # 'ivfpq': 4-bit codes, in blocks of 32 rows.
+  blocks = -(-n // 32) + params["nlist"]
+  return lists + blocks * 32 * codes // 2 + 16 * 4 * dim + vectors
+
+
+def candidates(num_rows: int, dim: int, ann) -> list:
+  """The specs 'auto' chooses from within a memory budget, the largest (and most accurate) first.
+
+  today's choice without a budget ('flat' below EXACT_BELOW rows, 'ivf' from
+  there: the vectors themselves), then IVF lists of codes re-ranked from the
+  shards on disk: SQ8 (D bytes a row), then PQ with 8-bit codes of D / 2, D / 4,
+  ... bytes (m dividing D, down to 1). A finer code ranks the candidates better,
+  so the target recall takes fewer lists probed (benchmarks/ann.py, docs/search.md).
+  """
+  first = "flat" if num_rows < EXACT_BELOW else "ivf"
+  specs = [_spec(first, num_rows, dim, ann), _spec("ivfsq8", num_rows, dim, ann)]
+  m = dim // 2
+  while m >= 1:
+    if dim % m == 0:
+      specs.append(_spec("ivfpq8", num_rows, dim, ann, pq_m=m))
+    m //= 2
+  return specs
+
+
+def choose_within(budget: int, num_rows: int, dim: int, ann) -> dict:
+  """choose's spec within budget bytes: ann.type's, or for 'auto' the first of candidates that fits.
+
+  Returns the spec with "memory": {"budget", "estimate"} (estimate_bytes).
+
+  Raises:
+    ConfigError: no index fits the budget (for 'auto' the smallest of
+      candidates, else the type named): names the bytes the smallest needs.
+  """
+  specs = (
+    candidates(num_rows, dim, ann) if ann.type == "auto" else [_spec(ann.type, num_rows, dim, ann)]
+  )
+  for spec in specs:
+    need = estimate_bytes(spec, num_rows, dim)
+    if need <= budget:
+      return dict(spec, memory={"budget": budget, "estimate": need})
+  other = "" if ann.type == "auto" else " (or ann.type='auto' to choose one that fits)"
+  raise ConfigError(
+    "ann.max_memory",
+    ann.max_memory,
+    f"at least {need} bytes ({human_bytes(need)}): the smallest index of {num_rows} rows "
+    f"of dimension {dim} that works, {spec['factory']}, needs that for its codes, ids "
+    f"and centroids{other}",
+  )
+
+
 def set_search_params(faiss, index, spec: dict):
   """Sets the spec's search-time parameters (efSearch, nprobe, k_factor) on a FAISS index."""
   if spec["type"] == "hnsw":
     faiss.downcast_index(index).hnsw.efSearch = spec["params"]["efSearch"]
-  if spec["type"] in ("ivf", "ivfpq"):
+  if spec["type"] in ("ivf", "ivfpq", *RERANKED):
     faiss.extract_index_ivf(index).nprobe = spec["params"]["nprobe"]
   if spec["type"] == "ivfpq":
     faiss.downcast_index(index).k_factor = spec["params"]["k_factor"]
@@ -257,9 +450,13 @@ def build(embeddings, spec: dict, *, threads: int = 0):
   Returns:
     (the faiss.Index, its search parameters set; the spec as built, its
     params complete and its calibration calibrate's). An IVF index trains its
-    k-means (and product quantizer) on
-    at most 64 rows per list or 65,536 rows, whichever is more, drawn with a
-    fixed seed.
+    k-means (and scalar or product quantizer) on at most 64 rows per list or
+    65,536 rows, whichever is more, drawn with a fixed seed; then it is
+    filled shard by shard (add), so that no more rows than the sample and
+    one chunk are held in memory besides the index.
+  Raises:
+    ConfigError: a spec within a memory budget whose calibration cannot
+      reach its target recall (calibrate).
   """
   faiss = faiss_module("ann.type", spec["type"], "'none'")
   if threads:
@@ -268,7 +465,7 @@ def build(embeddings, spec: dict, *, threads: int = 0):
   index = faiss.index_factory(dim, spec["factory"], faiss.METRIC_INNER_PRODUCT)
   if spec["type"] == "hnsw":
     faiss.downcast_index(index).hnsw.efConstruction = spec["params"]["efConstruction"]
-  if spec["type"] in ("ivf", "ivfpq"):
+  if spec["type"] in ("ivf", "ivfpq", *RERANKED):
     count = min(len(embeddings), max(64 * spec["params"]["nlist"], 65_536))
     sample = np.sort(np.random.default_rng(0).choice(len(embeddings), count, replace=False))
     index.train(np.ascontiguousarray(embeddings[sample], np.float32))
@@ -276,6 +473,8 @@ def build(embeddings, spec: dict, *, threads: int = 0):
   if spec["calibration"]:
     spec = calibrate(index, embeddings, spec)
   set_search_params(faiss, index, spec)
+  if spec["type"] != "flat":
+    spec = score(index, embeddings, spec)
   return index, spec
 
 
@@ -336,16 +535,16 @@ def calibrate(index, embeddings, spec: dict) -> dict:
   queries = np.ascontiguousarray(embeddings[rows], np.float32)
   measured = {}
 
+  rerank = reranker(spec, embeddings)
+
   def recall_at(value):
     if value not in measured:
       set_search_params(faiss, index, dict(spec, params=dict(spec["params"], **{param: value})))
-      scores, found = index.search(queries, k + 1)
-      hits = (
-        [np.sum(s[(f != r) & (f >= 0)][:k] >= t) for s, f, r, t in zip(scores, found, rows, kth)]
-        if k
-        else [0]
-      )
-      measured[value] = float(np.mean(hits) / k) if k else 1.0
+      if rerank is None:
+        scores, found = index.search(queries, k + 1)
+      else:
+        scores, found = search(index, queries, k + 1, rerank)
+      measured[value] = _recall(scores, found, rows, kth, k)
     return measured[value]
 
   def smallest(low, high, wanted):  # The smallest value in [low, high] reaching `wanted`.
@@ -359,6 +558,15 @@ def calibrate(index, embeddings, spec: dict) -> dict:
 
   most = spec["params"]["nlist"]
   value = smallest(1, most, target)
+  if recall_at(value) < target and spec.get("memory"):
+    raise ConfigError(
+      "ann.max_memory",
+      spec["memory"]["budget"],
+      f"more than {human_bytes(spec['memory']['budget'])}, or ann.recall at most "
+      f"{measured[most]:.3f}: the index that fits it, {spec['factory']} (k_factor "
+      f"{spec['params']['k_factor']}), finds {measured[most]:.3f} of the {k} nearest at "
+      f"most (all {most} lists probed), less than ann.recall={target}",
+    )
   if recall_at(value) < target:
     value = smallest(1, most, recall_at(most) - SHORTFALL_TOLERANCE)
     logging.warning(
@@ -396,10 +604,100 @@ def calibrate(index, embeddings, spec: dict) -> dict:
   )
 
 
+def _recall(scores, found, rows, kth, k) -> float:
+  """Recall@k of search results (scores, found: [Q, >= k + 1]) of rows of the index: the
+  share of the k best other rows found that score at least kth (per query), averaged."""
+  if not k:
+    return 1.0
+  hits = [np.sum(s[(f != r) & (f >= 0)][:k] >= t) for s, f, r, t in zip(scores, found, rows, kth)]
+  return float(np.mean(hits) / k)
+
+
+def score(index, embeddings, spec: dict) -> dict:
+  """spec with "score": the index's recall@10 and speed, measured as autofaiss's score_index does.
+
+  On up to SCORE_QUERIES rows of the index drawn with a fixed seed and held
+  out of the calibration's sample (all rows when there are too few others):
+  "recall" is recall@k (k = SCORE_K, as calibrate counts it: the row itself
+  left out, ties within TIE_TOLERANCE of the k-th exact score found); each
+  query is searched alone, as a service would, giving "single_query_ms"
+  {"mean", "p99"}; "queries_per_second" is the batch of them searched at once
+  and "exact_queries_per_second" exact search's (exact_neighbours, numpy) of
+  the same batch. Times are wall-clock with FAISS's threads at the time
+  (one untimed warm-up search first), so they vary between runs and machines.
+
+  Args:
+    index: the faiss.Index of spec holding every row of embeddings (its
+      search parameters are set to spec's).
+    embeddings: float32 [N, D] unit rows (memory-mapped shards), row i FAISS id i.
+    spec: the index's spec (its type; a RERANKED type re-ranks with the rows).
+  Returns:
+    A new spec with "score": {"recall", "k", "queries", "held_out",
+    "queries_per_second", "exact_queries_per_second", "single_query_ms"}.
+  """
+  n = len(embeddings)
+  k = min(SCORE_K, n - 1)
+  if k < 1:
+    return spec
+  set_search_params(faiss_module("ann.type", spec["type"], "'none'"), index, spec)
+  calibrated = np.random.default_rng(0).choice(n, min(CALIBRATION_QUERIES, n), replace=False)
+  pool = np.random.default_rng(1).choice(n, min(n, SCORE_QUERIES + len(calibrated)), replace=False)
+  held_out = pool[~np.isin(pool, calibrated)][:SCORE_QUERIES]
+  rows = np.sort(held_out if len(held_out) else pool[:SCORE_QUERIES])
+  start = time.perf_counter()
+  kth = exact_neighbours(embeddings, rows, k)[0][:, -1] - TIE_TOLERANCE
+  exact_s = time.perf_counter() - start
+  queries = np.ascontiguousarray(embeddings[rows], np.float32)
+  rerank = reranker(spec, embeddings)
+  search(index, queries[:1], k + 1, rerank)  # Warm-up.
+  times = []
+  for query in queries:
+    start = time.perf_counter()
+    search(index, query[None], k + 1, rerank)
+    times.append(time.perf_counter() - start)
+  start = time.perf_counter()
+  scores, found = search(index, queries, k + 1, rerank)
+  batch_s = time.perf_counter() - start
+  result = {
+    "recall": _recall(scores, found, rows, kth, k),
+    "k": k,
+    "queries": len(rows),
+    "held_out": bool(len(held_out)),
+    "queries_per_second": len(rows) / max(batch_s, 1e-9),
+    "exact_queries_per_second": len(rows) / max(exact_s, 1e-9),
+    "single_query_ms": {
+      "mean": 1e3 * float(np.mean(times)),
+      "p99": 1e3 * float(np.percentile(times, 99)),
+    },
+  }
+  logging.info(
+    "Scored the %s index: recall@%d %.3f on %d rows%s; %.0f queries/s in a batch "
+    "(exact search %.0f), %.3f ms a query alone (p99 %.3f ms).",
+    spec["factory"],
+    k,
+    result["recall"],
+    len(rows),
+    " held out of the calibration" if result["held_out"] else "",
+    result["queries_per_second"],
+    result["exact_queries_per_second"],
+    result["single_query_ms"]["mean"],
+    result["single_query_ms"]["p99"],
+  )
+  return dict(spec, score=result)
+
+
 def add(index, embeddings, start: int):
-  """Adds rows start.. of embeddings (float32 [N, D]) to a FAISS index, in chunks."""
-  for begin in range(start, len(embeddings), _ADD_CHUNK):
-    index.add(np.ascontiguousarray(embeddings[begin : begin + _ADD_CHUNK], np.float32))
+  """Adds rows start.. of embeddings (float32 [N, D]) to a FAISS index, shard by shard.
+
+  embeddings: an array, or index.Parts of the shards (its "parts"): each
+  shard is added on its own, in chunks of at most _ADD_CHUNK rows, so that
+  one chunk of one shard is in memory at a time.
+  """
+  offset = 0
+  for shard in getattr(embeddings, "parts", [embeddings]):
+    for begin in range(max(start - offset, 0), len(shard), _ADD_CHUNK):
+      index.add(np.ascontiguousarray(shard[begin : begin + _ADD_CHUNK], np.float32))
+    offset += len(shard)
 
 
 def write(workdir: str, index, spec: dict, *, generation: int, embed_run: str) -> dict:
@@ -424,6 +722,7 @@ def write(workdir: str, index, spec: dict, *, generation: int, embed_run: str) -
     "factory": spec["factory"],
     "params": spec["params"],
     "calibration": spec.get("calibration"),
+    **{key: spec[key] for key in ("memory", "score") if spec.get(key)},
     "metric": "inner_product",
     "rows": int(index.ntotal),
     "dim": int(index.d),
@@ -580,17 +879,62 @@ def load(workdir: str, description: dict, *, where: str):
   return index
 
 
-def search(index, queries: np.ndarray, k: int):
+class Rerank(NamedTuple):
+  """What a RERANKED index's search re-ranks with: the rows (float32 [N, D], memory-mapped
+  shards: an array or index.Parts) and the candidates per neighbour (k_factor)."""
+
+  embeddings: object
+  k_factor: int
+
+
+def reranker(description: dict, embeddings):
+  """The Rerank of an index of description's type over embeddings, or None (not RERANKED)."""
+  if description["type"] not in RERANKED:
+    return None
+  return Rerank(embeddings, description["params"]["k_factor"])
+
+
+def search(index, queries: np.ndarray, k: int, rerank: Optional[Rerank] = None):
   """(scores float32 [Q, k], rows int64 [Q, k]) of the k best rows per query, best first.
 
   queries: float32 [Q, D] unit vectors. At least CALIBRATION_K rows are
   searched for and the best k kept: an IVF-PQ index re-ranks k_factor x k
   candidates, and fewer than its calibration's would find less than it was
   calibrated to (at k=3 a new photo of a 21,000-photo index missed itself
-  where k=10 found it). An approximate index may find fewer than k rows for a
-  query (IVF with few lists probed); the missing ones are row -1 with score
-  -inf, last.
+  where k=10 found it). An index of a RERANKED type needs `rerank`
+  (reranker): its best k_factor x max(k, CALIBRATION_K) candidates by their
+  codes are scored exactly with their rows read from the shards, and the best
+  k of those kept. An approximate index may find fewer than k rows for a query
+  (IVF with few lists probed); the missing ones are row -1 with score -inf, last.
   """
-  scores, rows = index.search(np.ascontiguousarray(queries, np.float32), max(k, CALIBRATION_K))
+  queries = np.ascontiguousarray(queries, np.float32)
+  wanted = max(k, CALIBRATION_K)
+  if rerank is None:
+    scores, rows = index.search(queries, wanted)
+  else:
+    scores, rows = _reranked(rerank, queries, index.search(queries, wanted * rerank.k_factor)[1])
   scores, rows = scores[:, :k], rows[:, :k]
   return np.where(rows < 0, -np.inf, scores).astype(np.float32), rows
+
+
+def _reranked(rerank: Rerank, queries: np.ndarray, candidates: np.ndarray):
+  """(scores, rows) [Q, C] of candidates (int64 [Q, C], -1 for none) sorted by exact score.
+
+  The rows are gathered from rerank.embeddings in blocks of queries of at
+  most _RERANK_BYTES, each row read once per block (sorted, for the memory map).
+  """
+  dim = queries.shape[1]
+  block = max(1, _RERANK_BYTES // (4 * dim * max(candidates.shape[1], 1)))
+  all_scores = np.full(candidates.shape, -np.inf, np.float32)
+  for begin in range(0, len(queries), block):
+    rows = candidates[begin : begin + block]
+    found = rows >= 0
+    unique = np.unique(rows[found])
+    if not len(unique):
+      continue
+    vectors = np.asarray(rerank.embeddings[unique], np.float32)
+    gathered = vectors[np.searchsorted(unique, np.where(found, rows, unique[0]))]
+    scores = np.einsum("qd,qcd->qc", queries[begin : begin + block], gathered)
+    all_scores[begin : begin + block] = np.where(found, scores, -np.inf)
+  order = np.argsort(-all_scores, axis=1, kind="stable")
+  return np.take_along_axis(all_scores, order, axis=1), np.take_along_axis(candidates, order, 1)

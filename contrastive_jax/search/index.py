@@ -134,7 +134,17 @@ def _write_ann(workdir: str, config, h, *, generation: int, run_id: str):
       len(h),
     )
     return None
-  logging.info("Building a FAISS %s index (%s) of %d rows.", spec["type"], spec["params"], len(h))
+  memory = spec.get("memory")
+  logging.info(
+    "Building a FAISS %s index (%s) of %d rows%s.",
+    spec["type"],
+    spec["params"],
+    len(h),
+    f", about {ann_lib.human_bytes(memory['estimate'])} within ann.max_memory="
+    f"{ann_lib.human_bytes(memory['budget'])}"
+    if memory
+    else "",
+  )
   built, spec = ann_lib.build(h, spec, threads=config.ann.threads)
   return ann_lib.write(workdir, built, spec, generation=generation, embed_run=run_id)
 
@@ -212,12 +222,24 @@ def append(workdir, index: "Index", ann, part: dict, class_names, num_unreadable
   wanted = ann_lib.choose(len(parts), parts.shape[1], ann) if follow else old_ann
   number = len(meta["parts"])
   generation = int(old_ann["file"].split(".")[1]) + 1 if old_ann else number
-  if wanted and old_ann and wanted["type"] == old_ann["type"]:
+  # Within a memory budget the grown index is rebuilt when another one fits it (fewer bytes
+  # of code a row, or more lists).
+  budgeted = bool(wanted and wanted.get("memory"))
+  if (
+    wanted
+    and old_ann
+    and wanted["type"] == old_ann["type"]
+    and (not budgeted or wanted["factory"] == old_ann["factory"])
+  ):
     faiss_index = ann_lib.load(workdir, old_ann, where=f"--workdir={workdir}")
     ann_lib.add(faiss_index, parts, len(index.rows))
     spec = {key: old_ann.get(key) for key in ("type", "factory", "params", "calibration")}
+    if wanted.get("memory"):
+      spec["memory"] = wanted["memory"]
     if spec["calibration"]:  # The grown index may need another nprobe for its target.
       spec = ann_lib.calibrate(faiss_index, parts, spec)
+    if spec["type"] != "flat":
+      spec = ann_lib.score(faiss_index, parts, spec)
     new_ann = ann_lib.write(
       workdir, faiss_index, spec, generation=generation, embed_run=meta["run_id"]
     )
@@ -268,7 +290,17 @@ class Parts:
         raise IndexError(f"row {int(rows)} outside [0, {len(self)})")
       part = int(np.searchsorted(self.starts, row, side="right")) - 1
       return np.asarray(self.parts[part][row - self.starts[part]])
-    return np.stack([self[int(r)] for r in rows.ravel()]).reshape(rows.shape + self.shape[1:])
+    flat = rows.ravel().astype(np.int64)
+    flat = np.where(flat < 0, flat + len(self), flat)
+    outside = (flat < 0) | (flat >= len(self))
+    if outside.any():
+      raise IndexError(f"row {int(rows.ravel()[np.argmax(outside)])} outside [0, {len(self)})")
+    part = np.searchsorted(self.starts, flat, side="right") - 1
+    out = np.empty((len(flat), self.shape[1]), self.dtype)
+    for p in np.unique(part):  # Each part's rows in one fancy index (memory-mapped: read once).
+      chosen = part == p
+      out[chosen] = self.parts[p][flat[chosen] - self.starts[p]]
+    return out.reshape(rows.shape + self.shape[1:])
 
   def __array__(self, dtype=None, copy=None):
     del copy  # Always a new array.

@@ -19,8 +19,10 @@ class Searcher:
   """Searches the rows of an index for the nearest of queries by cosine similarity.
 
   With mode 'auto' and an approximate ANN index beside the embeddings (HNSW or
-  IVF: ann.py), FAISS searches it; otherwise (no ANN index, an exact 'flat'
-  one, or mode 'exact') exact.top_k_cosine does, streaming the embeddings
+  IVF: ann.py), FAISS searches it (an index of codes only, ann.RERANKED,
+  re-ranks its candidates with the rows, memory-mapped from the shards);
+  otherwise (no ANN index, an exact 'flat' one, or mode 'exact')
+  exact.top_k_cosine does, streaming the embeddings
   through the device in chunks of chunk_size rows. An ANN file that is not
   searched is still checked to be there whole (ann.verify: its size and, when
   ann.json records it, its CRC-32), so a broken file is never passed over in
@@ -45,16 +47,19 @@ class Searcher:
     self._ann = None
     if mode == "auto" and described and described["type"] != "flat":
       self._ann = ann_lib.load(index_workdir, described, where=where)
+      # Codes that rank candidates only: re-ranked with the rows, memory-mapped from the shards.
+      self._rerank = ann_lib.reranker(described, index.embeddings)
       self.description = {
         "method": "ann",
         **{key: described[key] for key in ("type", "params", "file")},
       }
       logging.info(
-        "Searching the %d rows through the %s ANN index %s (%s).",
+        "Searching the %d rows through the %s ANN index %s (%s)%s.",
         len(index.rows),
         described["type"],
         described["file"],
         ann_lib.checked_by(described),
+        ", its candidates re-ranked with the rows of the shards" if self._rerank else "",
       )
       return
     self.description = {"method": "exact"}
@@ -85,7 +90,7 @@ class Searcher:
     if self._ann is None:
       return exact.top_k_cosine(queries, self._embeddings, k, chunk_size=self._chunk_size)
     found = [
-      ann_lib.search(self._ann, np.asarray(queries[start : start + _QUERY_BLOCK]), k)
+      ann_lib.search(self._ann, np.asarray(queries[start : start + _QUERY_BLOCK]), k, self._rerank)
       for start in range(0, len(queries), _QUERY_BLOCK)
     ]
     return np.concatenate([s for s, _ in found]), np.concatenate([r for _, r in found])
