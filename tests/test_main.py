@@ -67,6 +67,7 @@ INTEGER_FIELDS = {
   "queue_size",
   "seed",
   "seeds",
+  "shard_rows",
   "shuffle_buffer",
   "size",
   "threads",
