@@ -69,6 +69,7 @@ INTEGER_FIELDS = {
   "registers",
   "seed",
   "seeds",
+  "shard_rows",
   "shuffle_buffer",
   "size",
   "threads",
