@@ -44,7 +44,9 @@ def read_metrics(workdir):
     return [json.loads(line) for line in f]
 
 
-@pytest.mark.parametrize("method", ["simclr", "moco_v2", "byol"])
+# SimCLR and MoCo v2's queue and key encoder; BYOL's target network is restored as the key
+# encoder is (a tree of the train state, the same Orbax restore).
+@pytest.mark.parametrize("method", ["simclr", "moco_v2"])
 def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, method):
   config = tiny_config(method)
   config.checkpoint_every = "3 steps"  # So the checkpoint of step 2 is the preemption's own.
