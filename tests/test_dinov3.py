@@ -130,18 +130,15 @@ def test_each_dinov3_option_changes_the_tokens(fields, reference, committed):
   assert _relative(tokens, committed[f"tokens_{size}"]) > 1e-4
 
 
-def test_norm_epsilon_reaches_every_layer_norm():
-  """A small ViT whose weights are scaled to 1e-3, so that its tokens' variance is near eps:
-  its output moves with norm_epsilon (1e-5 vs 1e-6); nothing else differs."""
-  fields = dict(make.CASES[CASE][0], width=1 / 24, depth=1, num_heads=2)
-  config = ml_collections.ConfigDict(fields)
-  encoder = models.build_encoder(config)
-  x = jax.random.uniform(jax.random.PRNGKey(0), (1, 32, 32, 3))
-  variables = encoder.init(jax.random.PRNGKey(1), x, train=False)
-  variables = jax.tree.map(lambda v: v * 1e-3, variables)
-  apply = lambda e: jax.jit(encoder.clone(norm_epsilon=e).apply, static_argnames="train")
-  h = {e: apply(e)(variables, x, train=False) for e in (1e-5, 1e-6)}
-  assert _relative(h[1e-6], np.asarray(h[1e-5])) > 0.1
+def test_norm_epsilon_reaches_every_layer_norm(reference):
+  """The case's weights scaled by 1e-3, so that the tokens' variance is near eps: the output
+  moves with norm_epsilon (1e-5 vs DINOv2's 1e-6)."""
+  config = make.model_config(CASE)
+  variables = jax.tree.map(lambda v: v * 1e-3, _import(reference))
+  images = make.images(CASE, make.SIZES[1])
+  h = _tokens(config, variables, images)[2]
+  config.norm_epsilon = 1e-6
+  assert _relative(_tokens(config, variables, images)[2], h) > 0.1
 
 
 def test_rope_tables_are_dinov3s_by_hand():
@@ -160,6 +157,21 @@ def test_rope_tables_are_dinov3s_by_hand():
   a, b = x[:, 1:, :, :4], x[:, 1:, :, 4:]
   want = x[:, 1:] * cos[:2, None] + np.concatenate([-b, a], -1) * sin[:2, None]
   np.testing.assert_allclose(got[:, 1:], want, rtol=1e-6, atol=1e-5)
+
+
+def test_onnx_graph_gives_the_references_class_token(reference, committed):
+  import onnxruntime  # pylint: disable=import-outside-toplevel
+
+  from contrastive_jax.models import onnx_graph  # pylint: disable=import-outside-toplevel
+
+  config, size = make.model_config(CASE), make.SIZES[1]
+  tensors = state_dicts.to_state_dict(config, _import(reference), size)
+  session = onnxruntime.InferenceSession(
+    onnx_graph.build(config, tensors, size).SerializeToString(),
+    providers=["CPUExecutionProvider"],
+  )
+  h = session.run([onnx_graph.H], {onnx_graph.INPUT: make.images(CASE, size)})[0]
+  assert _relative(h, committed[f"tokens_{size}"][:, 0]) < TOLERANCE
 
 
 def test_export_writes_dinov3s_state_dict(reference):
