@@ -540,10 +540,28 @@ def from_state_dict(
       raise WeightsError(
         path,
         f"tensor {entry.name!r} has shape {list(value.shape)} where a "
-        f"{describe} on {image_size} px images needs {list(want)}",
+        f"{describe} on {image_size} px images needs {list(want)}"
+        + _more_misfits(expected, found, shapes, entry),
       )
     flat[entry.collection][entry.path] = _from_torch(value, entry.layout)
   return {c: flax.traverse_util.unflatten_dict(flat[c]) for c in flat}
+
+
+def _more_misfits(expected: List[Entry], found, shapes, first: Entry) -> str:
+  """'' or how many of the tensors after `first` in `expected` have other shapes than the
+  model's, the next two named with both shapes (a file of another size)."""
+  after = expected[expected.index(first) + 1 :]
+  misfits = [
+    (e.name, list(np.shape(found[e.name])), list(want))
+    for e in after
+    if e.layout != "fixed"
+    and np.shape(found[e.name])
+    != (want := _torch_shape(shapes[e.collection][e.path].shape, e.layout))
+  ]
+  if not misfits:
+    return ""
+  named = ", ".join(f"{name!r} {got} for {want}" for name, got, want in misfits[:2])
+  return f" (and {len(misfits)} more of other shapes: {named}{', ...' if len(misfits) > 2 else ''})"
 
 
 def _dino_head_entries(head) -> List[Entry]:
