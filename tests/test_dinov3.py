@@ -204,7 +204,9 @@ REFUSALS = [
     dict(name="vit_base", num_heads=12),
     r"tensor 'cls_token' has shape \[1, 1, 384\] where a vit_base \(D 768, depth 3, patch 16, "
     r"registers 4, layer_scale True, mlp 'gelu', position_embedding 'rope', mask_key_bias True\) "
-    r"on 224 px images needs \[1, 1, 768\]",
+    r"on 224 px images needs \[1, 1, 768\] \(and 47 more of other shapes: 'storage_tokens' "
+    r"\[1, 4, 384\] for \[1, 4, 768\], 'patch_embed.proj.weight' \[384, 3, 16, 16\] for "
+    r"\[768, 3, 16, 16\], \.\.\.\)$",
   ),
   (None, dict(depth=2), "has a tensor 'blocks.2.attn.proj.bias'"),
   (None, dict(patch_size=14), r"patch_embed.proj.weight' has shape \[384, 3, 16, 16\]"),
