@@ -233,27 +233,29 @@ def test_a_file_of_another_size_or_kind_is_refused_in_one_line(change, fields, m
   assert str(error.value).startswith("w.pth: ") and "\n" not in str(error.value)
 
 
-@pytest.mark.parametrize("names", ["reference", "timm"])
-def test_dinov3_and_dinov2_files_for_each_other_are_refused_naming_the_tensors(names, reference):
-  """A DINOv3 file given as DINOv2 and the reverse, in the reference's or timm's names: one
+def test_dinov3_and_dinov2_files_for_each_other_are_refused_naming_the_tensors(reference):
+  """A DINOv3 file given as DINOv2 and the reverse, in the reference's and timm's names: one
   line naming the tensors that tell the families apart, with their shapes."""
-  dinov3 = _timm_names(reference) if names == "timm" else reference
-  dinov2_case = "dinov2_vit_small_reg4"
-  dinov2 = make_dinov2.random_state_dict(dinov2_case)
-  if names == "timm":
-    dinov2 = {"reg_token" if k == "register_tokens" else k: v for k, v in dinov2.items()}
-    dinov2["pos_embed"] = dinov2["pos_embed"][:, 1:]
-  with pytest.raises(WeightsError, match=r"has no tensor 'pos_embed'") as error:
-    state_dicts.from_state_dict(dinov3, "w.pth", make_dinov2.model_config(dinov2_case), 112)
-  message = str(error.value)
-  assert "it holds a DINOv3 ViT (storage_tokens [1, 4, 384]" in message
-  assert ("rope_embed.periods [16]" in message) == (names == "reference")
-  assert message.endswith("configs/dinov3.py describes DINOv3's") and "\n" not in message
-  with pytest.raises(WeightsError, match=r"has no tensor 'storage_tokens'") as error:
-    state_dicts.from_state_dict(dinov2, "w.pth", make.model_config(CASE), 224)
-  message = str(error.value)
-  assert "a learned position embedding (pos_embed [1, 65, 384]; DINOv2's" in message
-  assert message.endswith("configs/dinov2.py describes DINOv2's") and "\n" not in message
+  dinov2_config = make_dinov2.model_config("dinov2_vit_small_reg4")
+  dinov2_config.depth = make.DEPTH
+  dinov2 = {
+    e.name: np.zeros(s, np.float32) for e, s in state_dicts.torch_shapes(dinov2_config, 112)
+  }
+  timm_dinov2 = {"reg_token" if k == "register_tokens" else k: v for k, v in dinov2.items()}
+  timm_dinov2["pos_embed"] = timm_dinov2["pos_embed"][:, 1:]
+  for dinov3, periods in ((reference, True), (_timm_names(reference), False)):
+    with pytest.raises(WeightsError, match=r"has no tensor 'pos_embed'") as error:
+      state_dicts.from_state_dict(dinov3, "w.pth", dinov2_config, 112)
+    message = str(error.value)
+    assert "it holds a DINOv3 ViT (storage_tokens [1, 4, 384]" in message
+    assert ("rope_embed.periods [16]" in message) == periods
+    assert message.endswith("configs/dinov3.py describes DINOv3's") and "\n" not in message
+  for tensors in (dinov2, timm_dinov2):
+    with pytest.raises(WeightsError, match=r"has no tensor 'storage_tokens'") as error:
+      state_dicts.from_state_dict(tensors, "w.pth", make.model_config(CASE), 224)
+    message = str(error.value)
+    assert "a learned position embedding (pos_embed [1, 65, 384]; DINOv2's" in message
+    assert message.endswith("configs/dinov2.py describes DINOv2's") and "\n" not in message
 
 
 def test_an_image_size_that_is_not_a_multiple_of_the_patch_is_refused():
@@ -293,50 +295,27 @@ def test_dinov3_recipes_have_the_published_shapes(name):
   assert state_dicts.fixed_tensor("rope_embed.periods", config, 224).shape == (16,)
 
 
-def test_the_dinov3_state_dict_layout():
-  """The reference's tensors of vit_small_patch16_dinov3: storage_tokens, rope_embed.periods
-  and a bias_mask per block, fixed (not variables), no pos_embed."""
-  config = ml_collections.ConfigDict(recipes.dinov3_model("vit_small_patch16_dinov3", "float32"))
-  entries = state_dicts.entries(config, 224)
-  assert "pos_embed" not in {e.name for e in entries}
-  fixed = {e.name for e in entries if e.layout == "fixed"}
-  assert fixed == {"rope_embed.periods"} | {f"blocks.{i}.attn.qkv.bias_mask" for i in range(12)}
-  shapes = dict((e.name, s) for e, s in state_dicts.torch_shapes(config, 224))
-  assert shapes["storage_tokens"] == (1, 4, 384)
-  assert shapes["patch_embed.proj.weight"] == (384, 3, 16, 16)
-  assert shapes["blocks.11.attn.qkv.bias"] == (3 * 384,)
-
-
-def test_downstream_jobs_read_a_dinov3_file_with_its_config(tmp_path):
-  """The linear probe restores a DINOv3 file in timm's names (q_bias and v_bias, no key bias)
-  through configs/dinov3.py; configs/dinov2.py refuses it in one line."""
+def test_configs_dinov3_reads_a_full_size_file_in_timms_names():
+  """configs/dinov3.py's vit_small_patch16_dinov3 (12 blocks, no pos_embed) reads a file of it
+  in timm's names (q_bias and v_bias, no key bias, no periods or masks) into the variables.
+  (The reference's layout, fixed tensors included: test_export_writes_dinov3s_state_dict.)"""
   from helpers import load_config  # pylint: disable=import-outside-toplevel
 
-  from contrastive_jax.core import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
-  from contrastive_jax.core.errors import JobError  # pylint: disable=import-outside-toplevel
-  from contrastive_jax.training import restore  # pylint: disable=import-outside-toplevel
-
-  model = "model=vit_small_patch16_dinov3,dtype=float32,image_size=256"
-  pretrained = load_config("dinov3", model)
+  pretrained = load_config("dinov3", "model=vit_small_patch16_dinov3,dtype=float32,image_size=256")
+  assert (pretrained.image_size, pretrained.eval_crop_fraction) == (256, 0.875)
   rng = np.random.default_rng(0)
   tensors = {
     entry.name: (rng.normal(size=shape) * 0.02).astype(np.float32)
-    for entry, shape in state_dicts.torch_shapes(pretrained.model, 224)
+    for entry, shape in state_dicts.torch_shapes(pretrained.model, 256)
   }
-  path = str(tmp_path / "vit_small_patch16_dinov3_qkvb.safetensors")
-  tensor_files.write(path, _timm_names(tensors))
-  config = load_config("linear_probe")
-  config.update(pretrain_workdir=path, pretrain_config=f"configs/dinov3.py:{model}")
-  encoder = restore.restore_encoder(config, mesh_lib.make_mesh())
-  assert (encoder.dim, encoder.step, encoder.pretrained.image_size) == (384, 0, 256)
-  params = jax.device_get(encoder.variables["params"])
+  assert "pos_embed" not in tensors and tensors["storage_tokens"].shape == (1, 4, 384)
+  assert tensors["patch_embed.proj.weight"].shape == (384, 3, 16, 16)
+  params = state_dicts.from_state_dict(_timm_names(tensors), "x", pretrained.model, 256)["params"]
   np.testing.assert_array_equal(params["register_tokens"], tensors["storage_tokens"])
-  bias = params["block11"]["attn"]["qkv"]["bias"]
   q, k, v = np.split(tensors["blocks.11.attn.qkv.bias"], 3)
-  np.testing.assert_array_equal(bias, np.concatenate([q, np.zeros_like(k), v]))
-  config.pretrain_config = "configs/dinov2.py:model=vit_small_patch14_reg4_dinov2,dtype=float32"
-  with pytest.raises(JobError, match=r"it holds a DINOv3 ViT .*configs/dinov3.py"):
-    restore.restore_encoder(config, mesh_lib.make_mesh())
+  np.testing.assert_array_equal(
+    params["block11"]["attn"]["qkv"]["bias"], np.concatenate([q, np.zeros_like(k), v])
+  )
 
 
 @pytest.fixture(scope="module")
