@@ -13,9 +13,9 @@ Arguments (--config.pretrain_config=configs/dinov2.py:ARG,ARG...):
       position embedding, trained for 518 px, is interpolated as the reference does;
   `dtype=bfloat16` (the default) or `dtype=float32`.
 
-The evaluation crop is DINOv2's (dinov2/data/transforms.py make_classification_eval_transform:
-resize the shorter side to 256 bicubic, centre crop 224: fraction 0.875), ImageNet
-standardisation. The method is DINO's, so that the probe's `auto` preset is DINO's.
+The evaluation crop is DINOv2's (recipes.foundation_backbone: resize the shorter side to 256
+bicubic, centre crop 224: fraction 0.875), ImageNet standardisation. The method is DINO's,
+so that the probe's `auto` preset is DINO's. DINOv3's ViTs: configs/dinov3.py.
 
 The files, the architecture and the refusals: docs/weights.md.
 """
@@ -33,12 +33,6 @@ VARIANTS = {name: f"model={name}" for name in recipes.DINOV2_MODELS}
 
 def get_config(arg: str = ""):
   args = config_files.parse_args(arg, ARGS, VARIANTS)
-  config = recipes.base_config()
-  config.method = "dino"
-  recipes.imagenet(config, batch_size=64, num_epochs=100, reference="torchvision")
-  config.image_size = args.image_size
-  config.eval_crop_fraction = 0.875
-  config.crop = recipes.crop("torchvision", 0.4, "pil_bicubic")
-  config.dino = recipes.dino()
-  config.model = recipes.dinov2_model(args.model, args.dtype)
-  return config
+  return recipes.foundation_backbone(
+    recipes.base_config(), recipes.dinov2_model(args.model, args.dtype), args.image_size
+  )

@@ -331,6 +331,49 @@ def dinov2_model(name: str, dtype: str) -> dict:
   )
 
 
+# DINOv3's published ViTs (facebookresearch/dinov3 hub/backbones.py dinov3_vits16 / vitb16
+# / vitl16; timm's names): recipe name -> (vit.SPECS size, heads). Patch 16, RoPE of base 100
+# (coordinates normalised separately on each axis), 4 storage tokens, layer scale, the key
+# bias masked, LayerNorm eps 1e-5 ('layernormbf16'), GELU MLPs of ratio 4.
+DINOV3_MODELS = {
+  "vit_small_patch16_dinov3": ("vit_small", 6),
+  "vit_base_patch16_dinov3": ("vit_base", 12),
+  "vit_large_patch16_dinov3": ("vit_large", 16),
+}
+
+
+def dinov3_model(name: str, dtype: str) -> dict:
+  """The model config of a DINOv3 ViT (a DINOV3_MODELS name): vit_model's fields and
+  DINOv3's heads, RoPE, storage tokens (the registers field), layer scale, masked key bias
+  and LayerNorm eps; inputs ImageNet-standardised as DINOv3's transforms."""
+  size, heads = DINOV3_MODELS[name]
+  return dict(
+    vit_model(size, 16, dtype, False),
+    num_heads=heads,
+    position_embedding="rope",
+    layer_scale=True,
+    registers=4,
+    mask_key_bias=True,
+    norm_epsilon=1e-5,
+  )
+
+
+def foundation_backbone(config, model: dict, image_size: int):
+  """Makes `config` (base_config's) the pretraining config of a DINOv2 or DINOv3 backbone's
+  weights file: DINO's method (so that the probe's `auto` preset is DINO's), ImageNet's
+  recipe, the images' side, the references' evaluation crop (dinov2 and dinov3
+  data/transforms.py make_classification_eval_transform: shorter side resized to 256
+  bicubic, centre crop 224: fraction 0.875), ImageNet standardisation (in `model`)."""
+  config.method = "dino"
+  imagenet(config, batch_size=64, num_epochs=100, reference="torchvision")
+  config.image_size = image_size
+  config.eval_crop_fraction = 0.875
+  config.crop = crop("torchvision", 0.4, "pil_bicubic")
+  config.dino = dino()
+  config.model = model
+  return config
+
+
 def runlocal(config):
   """Shrinks a CIFAR-10 config to 4 to 6 minutes on a 2-core CPU (the ResNets of SimCLR, MoCo
   and BYOL, docs/results.md), same code path.

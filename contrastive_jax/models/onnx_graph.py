@@ -150,14 +150,14 @@ def _resnet(g: _Graph, x: str, size: int, model_config, tensors) -> str:
   return g.op("Flatten", g.op("GlobalAveragePool", x), axis=1)
 
 
-def _layer_norm(g: _Graph, x: str, tensors, name: str) -> str:
+def _layer_norm(g: _Graph, x: str, tensors, name: str, epsilon: float = vit.LN_EPSILON) -> str:
   return g.op(
     "LayerNormalization",
     x,
     g.const(tensors[f"{name}.weight"]),
     g.const(tensors[f"{name}.bias"]),
     axis=-1,
-    epsilon=vit.LN_EPSILON,
+    epsilon=epsilon,
   )
 
 
@@ -181,9 +181,16 @@ def _tokens(g: _Graph, x: str, start: int, end: int) -> str:
 def _vit(g: _Graph, x: str, size: int, model_config, tensors) -> str:
   """vit.ViT's forward pass on NCHW x; returns h [N, D] (the class token after the last LN).
   DINOv2's options come from the state dict's tensors: register_tokens, ls1 / ls2 gammas,
-  SwiGLU's mlp.w12 / mlp.w3."""
+  SwiGLU's mlp.w12 / mlp.w3; DINOv3's too (storage_tokens, each block's qkv.bias_mask
+  applied to its bias), with the config's RoPE (_rope) and LayerNorm eps."""
   d, heads = models.encoder_width(model_config), vit.num_heads(model_config)
   p = model_config.patch_size
+  epsilon = vit.config_field(model_config, "norm_epsilon")
+  norm = lambda x, name: _layer_norm(g, x, tensors, name, epsilon)
+  tensors = {
+    name: value * tensors[name + "_mask"] if name + "_mask" in tensors else value
+    for name, value in tensors.items()
+  }  # DINOv3's masked key bias: bias * bias_mask.
   x, grid = _conv(
     g,
     x,
@@ -202,13 +209,16 @@ def _vit(g: _Graph, x: str, size: int, model_config, tensors) -> str:
     g.const(tensors["cls_token"]),
     g.op("Concat", batch, g.const([1, d], np.int64), axis=0),
   )
-  # pos_embed: learned (resized to this grid as vit.py resizes it), or the sin-cos table
-  # with the class token's row zero (state_dicts).
-  pos_embed = vit.interpolate_position_embedding(
-    tensors["pos_embed"], grid, vit.config_field(model_config, "position_interpolation")
-  )
-  x = g.op("Add", g.op("Concat", cls, x, axis=1), g.const(np.asarray(pos_embed, np.float32)))
-  registers = tensors.get("register_tokens")
+  x = g.op("Concat", cls, x, axis=1)
+  rope = vit.config_field(model_config, "position_embedding") == "rope"
+  if not rope:
+    # pos_embed: learned (resized to this grid as vit.py resizes it), or the sin-cos table
+    # with the class token's row zero (state_dicts).
+    pos_embed = vit.interpolate_position_embedding(
+      tensors["pos_embed"], grid, vit.config_field(model_config, "position_interpolation")
+    )
+    x = g.op("Add", x, g.const(np.asarray(pos_embed, np.float32)))
+  registers = tensors.get("storage_tokens" if rope else "register_tokens")
   if registers is not None:  # Between the class token and the patches, no position.
     registers = g.op(
       "Expand",
@@ -220,19 +230,22 @@ def _vit(g: _Graph, x: str, size: int, model_config, tensors) -> str:
   head_dim = d // heads
   for i in range(model_config.depth):
     name = f"blocks.{i}"
-    qkv = _linear(g, _layer_norm(g, x, tensors, f"{name}.norm1"), tensors, f"{name}.attn.qkv")
+    qkv = _linear(g, norm(x, f"{name}.norm1"), tensors, f"{name}.attn.qkv")
     qkv = g.op(
       "Transpose",
       g.op("Reshape", qkv, g.const([0, 0, 3, heads, head_dim], np.int64)),
       perm=[2, 0, 3, 1, 4],
     )  # [3, N, heads, T, head_dim]
     q, k, v = (g.op("Gather", qkv, g.const(j, np.int64), axis=0) for j in range(3))
+    if rope:
+      prefix = 1 + (0 if registers is None else tensors["storage_tokens"].shape[1])
+      q, k = (_rope(g, y, prefix, grid, head_dim) for y in (q, k))
     logits = g.op("MatMul", q, g.op("Transpose", k, perm=[0, 1, 3, 2]))
     weights = g.op("Softmax", g.op("Div", logits, g.const(head_dim**0.5)), axis=-1)
     out = g.op("Transpose", g.op("MatMul", weights, v), perm=[0, 2, 1, 3])
     out = g.op("Reshape", out, g.const([0, 0, d], np.int64))
     x = g.op("Add", x, scaled(_linear(g, out, tensors, f"{name}.attn.proj"), f"{name}.ls1.gamma"))
-    y = _layer_norm(g, x, tensors, f"{name}.norm2")
+    y = norm(x, f"{name}.norm2")
     if f"{name}.mlp.w12.weight" in tensors:  # SwiGLU: w3(silu(a) * b), [a, b] = w12(y).
       y = _linear(g, y, tensors, f"{name}.mlp.w12")
       hidden = tensors[f"{name}.mlp.w3.weight"].shape[1]
@@ -248,8 +261,24 @@ def _vit(g: _Graph, x: str, size: int, model_config, tensors) -> str:
       )
       y = _linear(g, y, tensors, f"{name}.mlp.fc2")
     x = g.op("Add", x, scaled(y, f"{name}.ls2.gamma"))
-  x = _layer_norm(g, x, tensors, "norm")
+  x = norm(x, "norm")
   return g.op("Gather", x, g.const(0, np.int64), axis=1)
+
+
+def _rope(g: _Graph, x: str, prefix: int, grid: int, head_dim: int) -> str:
+  """vit.apply_rope on x [N, heads, prefix + grid^2, head_dim]: the last grid^2 tokens rotated
+  by vit.rope_sin_cos's tables, the prefix (class and storage tokens) kept."""
+  sin, cos = vit.rope_sin_cos(grid, head_dim)
+  end, half = prefix + grid * grid, head_dim // 2
+  patches = _slice(g, x, prefix, end, 2)
+  rotated = g.op(
+    "Concat",
+    g.op("Neg", _slice(g, patches, half, head_dim, 3)),
+    _slice(g, patches, 0, half, 3),
+    axis=3,
+  )
+  patches = g.op("Add", g.op("Mul", patches, g.const(cos)), g.op("Mul", rotated, g.const(sin)))
+  return g.op("Concat", _slice(g, x, 0, prefix, 2), patches, axis=2)
 
 
 # models.FAMILIES key -> the encoder's forward pass, (g, NCHW x, S, model_config, state dict)

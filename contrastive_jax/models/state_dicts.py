@@ -7,7 +7,9 @@ vision_transformer.py's VisionTransformer, which MoCo v3's vits.py subclasses
 (patch_embed.proj, cls_token, pos_embed, blocks.i.{norm1, attn.qkv, attn.proj,
 norm2, mlp.fc1, mlp.fc2}, norm), with DINOv2's tensors where the model has them
 (register_tokens, mask_token, blocks.i.ls1.gamma / ls2.gamma, SwiGLU's mlp.w12 / mlp.w3;
-timm's names for them read too: _vit_reference_names). Convolution weights are [O, I, kh, kw] there
+timm's names for them read too: _vit_reference_names), and a DINOv3 ViT's (dinov3
+vision_transformer.py: storage_tokens, rope_embed.periods, blocks.i.attn.qkv.bias_mask, no
+pos_embed; timm's eva.py names read too). Convolution weights are [O, I, kh, kw] there
 and [kh, kw, I, O] here; Linear weights [out, in] there, [in, out] here.
 
 The encoder has no classifier: a stock model loads an exported dict with
@@ -52,7 +54,8 @@ class Entry(NamedTuple):
 
   collection: 'params' or 'batch_stats'; path: the key path in it; layout: 'conv'
   ([O, I, kh, kw] <-> [kh, kw, I, O]), 'dense' ([out, in] <-> [in, out]) or 'same';
-  'fixed' for a ViT's sin-cos pos_embed (not a variable); 'counter' for a BN's
+  'fixed' for a tensor that is not a variable but a function of the config (a ViT's sin-cos
+  pos_embed, DINOv3's rope_embed.periods and bias_mask: fixed_tensor); 'counter' for a BN's
   num_batches_tracked (written as 0, ignored on import); 'unused' for DINOv2's mask_token
   (written as zeros, optional and ignored on import).
   """
@@ -69,6 +72,9 @@ class Entry(NamedTuple):
 MASK_TOKEN = "mask_token"
 # Tensors that only a DINOv3 ViT (dinov3 vision_transformer.py: RoPE, storage tokens) holds.
 DINOV3_TENSORS = ("storage_tokens", "rope_embed.periods")
+# DINOv3's buffer of each block's qkv (LinearKMaskedBias): 1 on the query and value thirds
+# of the bias, 0 on the key third.
+BIAS_MASK = ".attn.qkv.bias_mask"
 
 
 def variable_shapes(model_config, image_size: int):
@@ -118,23 +124,28 @@ def _resnet_entries(model_config, params) -> List[Entry]:
 def _vit_entries(model_config, params) -> List[Entry]:
   patch = [name for name in params if name.endswith("patch_embed")][0]
   learned = "pos_embed" in params
-  entries = [
-    Entry("cls_token", "params", ("cls_token",), "same"),
-    Entry(
-      "pos_embed",
-      "params" if learned else "",
-      ("pos_embed",) if learned else (),
-      "same" if learned else "fixed",
-    ),
-  ]
+  rope = vit.config_field(model_config, "position_embedding") == "rope"
+  entries = [Entry("cls_token", "params", ("cls_token",), "same")]
+  if not rope:
+    entries.append(
+      Entry(
+        "pos_embed",
+        "params" if learned else "",
+        ("pos_embed",) if learned else (),
+        "same" if learned else "fixed",
+      )
+    )
   if "register_tokens" in params:
-    entries.append(Entry("register_tokens", "params", ("register_tokens",), "same"))
-  if "ls1" in params["block0"]:  # DINOv2's layout.
+    name = "storage_tokens" if rope else "register_tokens"
+    entries.append(Entry(name, "params", ("register_tokens",), "same"))
+  if "ls1" in params["block0"]:  # DINOv2's and DINOv3's layout.
     entries.append(Entry(MASK_TOKEN, "", (), "unused"))
   entries += [
     Entry("patch_embed.proj.weight", "params", (patch, "kernel"), "conv"),
     Entry("patch_embed.proj.bias", "params", (patch, "bias"), "same"),
   ]
+  if rope:
+    entries.append(Entry("rope_embed.periods", "", (), "fixed"))
   swiglu = "w12" in params["block0"]
   for i in range(model_config.depth):
     block, name = f"block{i}", f"blocks.{i}"
@@ -148,6 +159,8 @@ def _vit_entries(model_config, params) -> List[Entry]:
       for scale in ("ls1", "ls2")
       if scale in params[block]
     ]
+    if vit.config_field(model_config, "mask_key_bias"):
+      entries.append(Entry(name + BIAS_MASK, "", (), "fixed"))
     for ours, theirs in (
       (("attn", "qkv"), "attn.qkv"),
       (("attn", "proj"), "attn.proj"),
@@ -169,12 +182,15 @@ def _vit_entries(model_config, params) -> List[Entry]:
 
 
 def _vit_reference_names(found: Dict[str, np.ndarray], model_config) -> Dict[str, np.ndarray]:
-  """A ViT's tensors in timm's names (vision_transformer.py's _convert_dinov2 made them from
-  DINOv2's) in the reference's: reg_token -> register_tokens, and pos_embed without
-  the class token's row (timm's no_embed_class, where the class token holds the reference's
-  cls_token + pos_embed[:, 0]) given a zero row, which adds the same; a SwiGLU model's
-  mlp.fc1 / mlp.fc2 -> mlp.w12 / mlp.w3. Other names are kept."""
+  """A ViT's tensors in timm's names in the reference's. DINOv2 (timm vision_transformer.py's
+  _convert_dinov2 made them from DINOv2's): reg_token -> register_tokens, and pos_embed
+  without the class token's row (timm's no_embed_class, where the class token holds the
+  reference's cls_token + pos_embed[:, 0]) given a zero row, which adds the same; a SwiGLU
+  model's mlp.fc1 / mlp.fc2 -> mlp.w12 / mlp.w3. DINOv3 (timm eva.py's Eva, recognised by
+  its blocks' gamma_1): _dinov3_reference_names. Other names are kept."""
   out = dict(found)
+  if "blocks.0.gamma_1" in out:
+    return _dinov3_reference_names(out, model_config)
   if "reg_token" in out:
     out["register_tokens"] = out.pop("reg_token")
     pos = out.get("pos_embed")
@@ -189,16 +205,52 @@ def _vit_reference_names(found: Dict[str, np.ndarray], model_config) -> Dict[str
   return out
 
 
+def _dinov3_reference_names(found: Dict[str, np.ndarray], model_config) -> Dict[str, np.ndarray]:
+  """A DINOv3 ViT's tensors in timm's names (eva.py checkpoint_filter_fn made them from
+  DINOv3's) in the reference's: reg_token -> storage_tokens, blocks.i.gamma_1 / gamma_2 ->
+  ls1.gamma / ls2.gamma, attn.q_bias and attn.v_bias -> attn.qkv.bias with the key third 0
+  (timm drops it, held at 0 by the mask), or a zero qkv.bias for timm's models without one
+  (vit_*_patch16_dinov3: the same function). The buffers timm drops, rope_embed.periods and
+  each block's bias_mask, are added as the config computes them (fixed_tensor) when it is a
+  RoPE ViT with the masked key bias."""
+  out = {}
+  for name, value in found.items():
+    name = name.replace(".gamma_1", ".ls1.gamma").replace(".gamma_2", ".ls2.gamma")
+    out["storage_tokens" if name == "reg_token" else name] = value
+  blocks = sorted({name.split(".")[1] for name in out if name.startswith("blocks.")}, key=int)
+  for i in blocks:
+    prefix = f"blocks.{i}.attn."
+    weight = out.get(prefix + "qkv.weight")
+    q, v = out.pop(prefix + "q_bias", None), out.pop(prefix + "v_bias", None)
+    if weight is None or prefix + "qkv.bias" in out:
+      continue
+    zeros = np.zeros(weight.shape[0] // 3, np.float32)
+    q, v = (zeros if b is None else np.asarray(b, np.float32) for b in (q, v))
+    out[prefix + "qkv.bias"] = np.concatenate([q, zeros, v])
+  if vit.config_field(model_config, "position_embedding") == "rope":
+    out.setdefault("rope_embed.periods", fixed_tensor("rope_embed.periods", model_config, 0))
+    if vit.config_field(model_config, "mask_key_bias"):
+      for i in blocks:
+        name = f"blocks.{i}{BIAS_MASK}"
+        out.setdefault(name, fixed_tensor(name, model_config, 0))
+  return out
+
+
 def _describe_resnet(model_config) -> str:
   return f"{model_config.name} (width {model_config.width}, stem {model_config.stem!r})"
 
 
 def _describe_vit(model_config) -> str:
   field = lambda name: vit.config_field(model_config, name)
+  rope = (
+    f", position_embedding 'rope', mask_key_bias {field('mask_key_bias')}"
+    if field("position_embedding") == "rope"
+    else ""
+  )
   return (
     f"{model_config.name} (D {models.encoder_width(model_config)}, depth "
     f"{model_config.depth}, patch {model_config.patch_size}, registers {field('registers')}, "
-    f"layer_scale {field('layer_scale')}, mlp {field('mlp')!r})"
+    f"layer_scale {field('layer_scale')}, mlp {field('mlp')!r}{rope})"
   )
 
 
@@ -222,7 +274,9 @@ _LAYOUTS = {
   "vit": _Layout(
     "ViT",
     "patch_embed.proj.weight",
-    ("head.", "fc_norm."),
+    # local_cls_norm: the DINOv3 ViT-L SAT493M file's norm of local crops' class tokens, used
+    # only in its pretraining (dinov3 vision_transformer.py untie_global_and_local_cls_norm).
+    ("head.", "fc_norm.", "local_cls_norm."),
     _vit_entries,
     _describe_vit,
     _vit_reference_names,
@@ -278,6 +332,33 @@ def fixed_position_embedding(model_config, image_size: int) -> np.ndarray:
   return np.concatenate([np.zeros((1, d), np.float32), table])[None]
 
 
+def fixed_tensor(name: str, model_config, image_size: int) -> np.ndarray:
+  """The value of a 'fixed' entry, float32: pos_embed (fixed_position_embedding, for
+  image_size), DINOv3's rope_embed.periods (vit.rope_periods of a head's width) or a block's
+  bias_mask [3D] (1, 0, 1 on the query, key and value thirds)."""
+  d = models.encoder_width(model_config)
+  if name == "rope_embed.periods":
+    return vit.rope_periods(d // vit.num_heads(model_config))
+  if name.endswith(BIAS_MASK):
+    return np.concatenate([np.ones(d), np.zeros(d), np.ones(d)]).astype(np.float32)
+  return fixed_position_embedding(model_config, image_size)
+
+
+def _fixed_refusal(name: str, model_config, image_size: int, describe: str, diff: str) -> str:
+  """Why a file's fixed tensor `name` is refused: it is not the config's (diff says how)."""
+  if name == "rope_embed.periods":
+    return (
+      f"rope_embed.periods are not the RoPE periods of base {vit.ROPE_BASE:g} of a {describe} "
+      f"({diff}): another RoPE than DINOv3's ViTs'"
+    )
+  if name.endswith(BIAS_MASK):
+    return f"{name} is not DINOv3's key-bias mask (1, 0, 1 on the thirds; {diff})"
+  return (
+    f"pos_embed is not the fixed 2-D sin-cos embedding of a {describe} on {image_size} px "
+    f"images ({diff}): a learned one needs --config.model.position_embedding=learned"
+  )
+
+
 def to_state_dict(model_config, variables, image_size: int) -> Dict[str, np.ndarray]:
   """The encoder's variables as the reference's state dict (float32; num_batches_tracked int64 0).
 
@@ -294,7 +375,7 @@ def to_state_dict(model_config, variables, image_size: int) -> Dict[str, np.ndar
     elif entry.layout == "unused":
       out[entry.name] = np.zeros((1, models.encoder_width(model_config)), np.float32)
     elif entry.layout == "fixed":
-      out[entry.name] = fixed_position_embedding(model_config, image_size)
+      out[entry.name] = fixed_tensor(entry.name, model_config, image_size)
     else:
       out[entry.name] = np.ascontiguousarray(
         _to_torch(np.asarray(flat[entry.collection][entry.path], np.float32), entry.layout)
@@ -346,16 +427,36 @@ def encoder_tensors(
   return layout.reference_names(found, model_config)
 
 
-def _vit_mismatch(names: List[str], found: Dict[str, np.ndarray], missing: bool) -> str:
+def _vit_mismatch(
+  model_config, names: List[str], found: Dict[str, np.ndarray], missing: bool
+) -> str:
   """Why a ViT file's tensors named so (missing from it when `missing`, else extra in it) do
-  not fit the config: the DINOv3 tensors, register tokens, layer scale or the SwiGLU MLP
-  (naming the config field to set), or another architecture or depth."""
+  not fit the config: a DINOv3 file for another ViT or the reverse (naming the tensors that
+  tell, with their shapes), register tokens, layer scale, the masked key bias or the SwiGLU
+  MLP (naming the config field to set), or another architecture or depth."""
+  shapes = lambda tensors: ", ".join(f"{n} {list(np.shape(found[n]))}" for n in tensors)
+  rope = vit.config_field(model_config, "position_embedding") == "rope"
   dinov3 = [name for name in DINOV3_TENSORS if name in found]
-  if dinov3:
-    return f"it holds a DINOv3 ViT ({', '.join(dinov3)}: RoPE and storage tokens), not this ViT"
-  if "register_tokens" in names:
-    count = found["register_tokens"].shape[1] if not missing else 0
-    return f"the file's ViT has {count} register tokens: --config.model.registers={count}"
+  if dinov3 and not rope:
+    return (
+      f"it holds a DINOv3 ViT ({shapes(dinov3)}: RoPE and storage tokens), not this ViT: "
+      "configs/dinov3.py describes DINOv3's"
+    )
+  if rope and "pos_embed" in found:
+    return (
+      f"it holds a ViT with a learned position embedding ({shapes(['pos_embed'])}; DINOv2's "
+      "or timm's), not a DINOv3 ViT (RoPE, no pos_embed): configs/dinov2.py describes DINOv2's"
+    )
+  if all(name.endswith(BIAS_MASK) for name in names):
+    return f"the file's ViT {'does not mask' if missing else 'masks'} its key bias: " + (
+      f"--config.model.mask_key_bias={not missing}"
+    )
+  for tokens in ("register_tokens", "storage_tokens"):
+    if tokens in names:
+      count = found[tokens].shape[1] if not missing else 0
+      return f"the file's ViT has {count} {tokens.replace('_', ' ')}: " + (
+        f"--config.model.registers={count}"
+      )
   if any(name.endswith((".ls1.gamma", ".ls2.gamma")) for name in names):
     return f"the file's ViT has{' no' if missing else ''} layer scale: " + (
       f"--config.model.layer_scale={not missing}"
@@ -401,7 +502,7 @@ def from_state_dict(
   describe = _LAYOUTS[models.family(model_config)].describe(model_config)
   vit_family = models.family(model_config) == "vit"
   why = lambda names, missing: (
-    _vit_mismatch(names, found, missing)
+    _vit_mismatch(model_config, names, found, missing)
     if vit_family
     else _mismatch(names, "False" if missing else "True")
   )
@@ -423,18 +524,15 @@ def from_state_dict(
   for entry in expected:
     value = np.asarray(found[entry.name], np.float32)
     if entry.layout == "fixed":
-      want = fixed_position_embedding(model_config, image_size)
-      if value.shape != want.shape or not np.allclose(value, want, atol=1e-5):
+      want = fixed_tensor(entry.name, model_config, image_size)
+      if value.shape != want.shape or not np.allclose(value, want, rtol=1e-5, atol=1e-5):
         diff = (
           f"max difference {np.max(np.abs(value - want)):.3g}"
           if value.shape == want.shape
-          else f"shape {list(value.shape)}"
+          else f"shape {list(value.shape)} where it needs {list(want.shape)}"
         )
         raise WeightsError(
-          path,
-          f"pos_embed is not the fixed 2-D sin-cos embedding of a "
-          f"{describe} on {image_size} px images ({diff}): a learned one "
-          "needs --config.model.position_embedding=learned",
+          path, _fixed_refusal(entry.name, model_config, image_size, describe, diff)
         )
       continue
     want = _torch_shape(shapes[entry.collection][entry.path].shape, entry.layout)
@@ -442,10 +540,28 @@ def from_state_dict(
       raise WeightsError(
         path,
         f"tensor {entry.name!r} has shape {list(value.shape)} where a "
-        f"{describe} on {image_size} px images needs {list(want)}",
+        f"{describe} on {image_size} px images needs {list(want)}"
+        + _more_misfits(expected, found, shapes, entry),
       )
     flat[entry.collection][entry.path] = _from_torch(value, entry.layout)
   return {c: flax.traverse_util.unflatten_dict(flat[c]) for c in flat}
+
+
+def _more_misfits(expected: List[Entry], found, shapes, first: Entry) -> str:
+  """'' or how many of the tensors after `first` in `expected` have other shapes than the
+  model's, the next two named with both shapes (a file of another size)."""
+  after = expected[expected.index(first) + 1 :]
+  misfits = [
+    (e.name, list(np.shape(found[e.name])), list(want))
+    for e in after
+    if e.layout != "fixed"
+    and np.shape(found[e.name])
+    != (want := _torch_shape(shapes[e.collection][e.path].shape, e.layout))
+  ]
+  if not misfits:
+    return ""
+  named = ", ".join(f"{name!r} {got} for {want}" for name, got, want in misfits[:2])
+  return f" (and {len(misfits)} more of other shapes: {named}{', ...' if len(misfits) > 2 else ''})"
 
 
 def _dino_head_entries(head) -> List[Entry]:

@@ -30,6 +30,12 @@ vision_transformer.py; registers: Darcet et al. 2024) are this ViT with options,
 off by default: layer scale (ls1 / ls2), register tokens, a learned position embedding
 stored for a grid of its own and resized as DINOv2 resizes it (offset bicubic, or
 antialiased bicubic for the _reg models), and ViT-g's SwiGLU MLP (recipes.DINOV2_MODELS).
+DINOv3's (Simeoni et al. 2025, facebookresearch/dinov3 models/vision_transformer.py,
+layers/) add: no position embedding added to the tokens but RoPE on the patches' queries and
+keys (position_embedding 'rope': rope_sin_cos), 4 storage tokens where DINOv2's registers
+go, a query-key-value bias whose key third is held at zero (mask_key_bias: the reference's
+LinearKMaskedBias and its bias_mask) and LayerNorm eps 1e-5 (norm_epsilon;
+recipes.DINOV3_MODELS).
 
 Written here in Flax Linen: no maintained Flax ViT package offers the fixed
 2-D sin-cos embedding, the frozen patch projection and this module's
@@ -66,7 +72,9 @@ SPECS = {
 # 'learned': a learned [1 + grid^2, D] embedding added to the class token and the patches
 # (timm's VisionTransformer, pos_embed, truncated normal std 0.02 there), resized to other
 # grids as DINO's interpolate_pos_encoding.
-POSITION_EMBEDDINGS = ("sincos", "learned")
+# 'rope': none added; DINOv3's rotary embedding of the patches' queries and keys in every
+# block (rope_sin_cos), for any grid.
+POSITION_EMBEDDINGS = ("sincos", "learned", "rope")
 # How a learned position embedding is resized to another grid (DINOv2's
 # interpolate_pos_encoding): 'offset', bicubic with scale factor (grid + 0.1) / G (DINO's,
 # DINOv2's models without registers); 'antialias', antialiased bicubic to the size grid
@@ -77,6 +85,8 @@ POSITION_INTERPOLATIONS = ("offset", "antialias")
 MLPS = ("gelu", "swiglu")
 FROZEN_PREFIX = "frozen_"  # Modules named so get no optimizer update (methods/optim.py).
 LN_EPSILON = 1e-6
+# DINOv3's RoPE (dinov3 layers/rope_position_encoding.py, its ViTs' pos_embed_rope_base).
+ROPE_BASE = 100.0
 # The value of each field a ViT config may leave out (MoCo v3's recipes do).
 # MoCo v3's, DINO's and timm's ViTs have no layer scale, no register tokens, GELU MLPs.
 _DEFAULTS = dict(
@@ -86,6 +96,8 @@ _DEFAULTS = dict(
   layer_scale=False,
   registers=0,
   mlp="gelu",
+  mask_key_bias=False,
+  norm_epsilon=LN_EPSILON,
 )
 
 
@@ -113,6 +125,45 @@ def sincos_position_embedding(grid: int, dim: int, temperature: float = 10000.0)
   return np.concatenate(
     [np.sin(out_r), np.cos(out_r), np.sin(out_c), np.cos(out_c)], axis=1
   ).astype(np.float32)
+
+
+def rope_periods(head_dim: int, base: float = ROPE_BASE) -> np.ndarray:
+  """DINOv3's RoPE periods, float32 [head_dim / 4]: base^(2 i / (head_dim / 2)), i <
+  head_dim / 4 (dinov3 layers/rope_position_encoding.py _init_weights with `base`; its
+  checkpoints store them as rope_embed.periods)."""
+  quarter = head_dim // 4
+  return (base ** (2.0 * np.arange(quarter, dtype=np.float64) / (head_dim // 2))).astype(np.float32)
+
+
+def rope_sin_cos(grid: int, head_dim: int) -> tuple:
+  """DINOv3's RoPE of a grid x grid patch grid: (sin, cos), each float32 [grid^2, head_dim].
+
+  As dinov3 RopePositionEmbedding.forward in evaluation, normalize_coords 'separate': the
+  patch in row r and column c (row-major, as the convolution's output) sits at
+  (y, x) = (2 (r + 0.5) / grid - 1, 2 (c + 0.5) / grid - 1) in [-1, 1]; its angles are
+  2 pi y / periods followed by 2 pi x / periods (head_dim / 2), repeated twice
+  (head_dim). The reference's training-time shift, jitter and rescale of the
+  coordinates are not applied (it applies them only in training). Computed in float64.
+  """
+  coords = (np.arange(grid, dtype=np.float64) + 0.5) / grid * 2.0 - 1.0
+  rows, cols = np.meshgrid(coords, coords, indexing="ij")
+  yx = np.stack([rows.reshape(-1), cols.reshape(-1)], axis=1)  # [grid^2, 2]
+  periods = rope_periods(head_dim).astype(np.float64)
+  angles = 2.0 * np.pi * yx[:, :, None] / periods[None, None, :]
+  angles = np.tile(angles.reshape(grid * grid, -1), 2)
+  return np.sin(angles).astype(np.float32), np.cos(angles).astype(np.float32)
+
+
+def apply_rope(x, sin, cos):
+  """Rotates the last T tokens of x [N, T', H, hd] by (sin, cos) [T, hd] as dinov3's
+  rope_apply (x cos + rotate_half(x) sin, rotate_half([a, b]) = [-b, a] on the last axis's
+  halves), in float32; the first T' - T tokens (class and storage tokens) are kept. Returns
+  x's dtype."""
+  prefix = x.shape[1] - sin.shape[0]
+  y = x[:, prefix:].astype(jnp.float32)
+  a, b = jnp.split(y, 2, axis=-1)
+  y = y * cos[:, None] + jnp.concatenate([-b, a], axis=-1) * sin[:, None]
+  return jnp.concatenate([x[:, :prefix], y.astype(x.dtype)], axis=1)
 
 
 def _cubic_weights(t: float, a: float = -0.75) -> np.ndarray:
@@ -221,18 +272,48 @@ def _qkv_init(key, shape, dtype=jnp.float32):
   return _uniform((6.0 / (fan_in + fan_out)) ** 0.5)(key, shape, dtype)
 
 
-class SelfAttention(nn.Module):
-  """Multi-head self-attention, [N, T, D] -> [N, T, D]; logits and softmax in float32."""
+class MaskedKeyBiasDense(nn.Module):
+  """nn.Dense [.., D] -> [.., 3D] (parameters 'kernel' [D, 3D], 'bias' [3D]) whose bias's
+  middle third, the keys', is multiplied by 0: dinov3 layers/attention.py's
+  LinearKMaskedBias with the bias_mask its init_weights_vit sets (1, 0, 1 on the thirds)."""
 
-  num_heads: int
+  features: int
   dtype: Any = jnp.float32
 
   @nn.compact
   def __call__(self, x):
+    kernel = self.param("kernel", _qkv_init, (x.shape[-1], self.features), jnp.float32)
+    bias = self.param("bias", nn.initializers.zeros, (self.features,), jnp.float32)
+    third = self.features // 3
+    mask = np.ones(self.features, np.float32)
+    mask[third : 2 * third] = 0.0
+    y = jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
+    return y + (bias * mask).astype(self.dtype)
+
+
+class SelfAttention(nn.Module):
+  """Multi-head self-attention, [N, T, D] -> [N, T, D]; logits and softmax in float32.
+
+  rope: (sin, cos) [T_patches, head_dim] (rope_sin_cos), applied to the queries and keys of
+  the last T_patches tokens (apply_rope), or None. mask_key_bias: qkv's key bias held at 0
+  (MaskedKeyBiasDense).
+  """
+
+  num_heads: int
+  dtype: Any = jnp.float32
+  mask_key_bias: bool = False
+
+  @nn.compact
+  def __call__(self, x, rope=None):
     n, t, d = x.shape
     head_dim = d // self.num_heads
-    qkv = nn.Dense(3 * d, dtype=self.dtype, kernel_init=_qkv_init, name="qkv")(x)
+    if self.mask_key_bias:
+      qkv = MaskedKeyBiasDense(3 * d, dtype=self.dtype, name="qkv")(x)
+    else:
+      qkv = nn.Dense(3 * d, dtype=self.dtype, kernel_init=_qkv_init, name="qkv")(x)
     q, k, v = jnp.moveaxis(qkv.reshape(n, t, 3, self.num_heads, head_dim), 2, 0)
+    if rope is not None:
+      q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     logits = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32)
     weights = jax.nn.softmax(logits / head_dim**0.5, axis=-1).astype(self.dtype)
     out = jnp.einsum("nhqk,nkhd->nqhd", weights, v).reshape(n, t, d)
@@ -261,7 +342,8 @@ class Block(nn.Module):
 
   layer_scale: each branch multiplied by a learned per-channel gamma [D] before the
   residual sum (CaiT's LayerScale as DINOv2's ls1 / ls2, initialised at 1e-5 as timm's
-  DINOv2 models). mlp: an MLPS name.
+  DINOv2 models). mlp: an MLPS name. mask_key_bias: SelfAttention's. norm_epsilon: the
+  LayerNorms' eps. rope: SelfAttention's, passed to __call__.
   """
 
   num_heads: int
@@ -270,11 +352,13 @@ class Block(nn.Module):
   drop_rate: float = 0.0
   layer_scale: bool = False
   mlp: str = "gelu"
+  mask_key_bias: bool = False
+  norm_epsilon: float = LN_EPSILON
 
   @nn.compact
-  def __call__(self, x, train: bool = False):
+  def __call__(self, x, train: bool = False, rope=None):
     d = x.shape[-1]
-    norm = lambda name: nn.LayerNorm(epsilon=LN_EPSILON, dtype=self.dtype, name=name)
+    norm = lambda name: nn.LayerNorm(epsilon=self.norm_epsilon, dtype=self.dtype, name=name)
     dense = lambda width, name: nn.Dense(
       width, dtype=self.dtype, name=name, kernel_init=nn.initializers.xavier_uniform()
     )
@@ -288,7 +372,8 @@ class Block(nn.Module):
       if self.layer_scale
       else y
     )
-    y = SelfAttention(self.num_heads, self.dtype, name="attn")(norm("norm1")(x))
+    attention = SelfAttention(self.num_heads, self.dtype, self.mask_key_bias, name="attn")
+    y = attention(norm("norm1")(x), rope)
     x = x + dropped(scaled(y, "ls1"))
     if self.mlp == "swiglu":
       a, b = jnp.split(dense(2 * swiglu_hidden(d), "w12")(norm("norm2")(x)), 2, axis=-1)
@@ -311,7 +396,7 @@ class ViT(nn.Module):
     random_patch_projection: freeze the patch projection (MoCo v3 Sec. 4.2).
     position_embedding: a POSITION_EMBEDDINGS name; 'learned' is a parameter for
       the patch grid of the images the model is initialised on, interpolated to
-      any other grid (interpolate_position_embedding).
+      any other grid (interpolate_position_embedding); 'rope' none, the blocks' RoPE.
     position_interpolation: a POSITION_INTERPOLATIONS name, how a learned embedding
       is resized.
     position_grid: the patch grid a learned embedding is a parameter for (DINOv2's
@@ -319,9 +404,12 @@ class ViT(nn.Module):
       initialised on.
     layer_scale: ls1 / ls2 in every block (Block).
     registers: R learned register tokens [1, R, D] (Darcet et al. 2024, DINOv2's
-      register_tokens), inserted between the class token and the patches after the
-      position embedding is added (they get none) and dropped from the output.
+      register_tokens; DINOv3's storage_tokens), inserted between the class token and the
+      patches after the position embedding is added (they get none, nor RoPE) and
+      dropped from the output.
     mlp: an MLPS name.
+    mask_key_bias: the attention's key bias held at 0 (DINOv3's mask_k_bias).
+    norm_epsilon: every LayerNorm's eps (DINOv3's 1e-5; LN_EPSILON otherwise).
     input_mean, input_std: per-channel (R, G, B) standardisation of the [0, 1] input.
     drop_path_rate: stochastic depth in training, block i's branches dropped with
       probability drop_path_rate * i / (depth - 1) (DINO's vision_transformer.py: a
@@ -341,6 +429,8 @@ class ViT(nn.Module):
   layer_scale: bool = False
   registers: int = 0
   mlp: str = "gelu"
+  mask_key_bias: bool = False
+  norm_epsilon: float = LN_EPSILON
   input_mean: Sequence[float] = (0.0, 0.0, 0.0)
   input_std: Sequence[float] = (1.0, 1.0, 1.0)
   drop_path_rate: float = 0.0
@@ -353,7 +443,8 @@ class ViT(nn.Module):
     The final LayerNorm's tokens, float32 [N, 1 + (S/p)^2, D] (class token and patches
     in row-major order, registers left out: DINOv2's x_norm_clstoken and
     x_norm_patchtokens), are sown as intermediates 'tokens' (apply with
-    mutable=['intermediates'] to get them).
+    mutable=['intermediates'] to get them), and with registers theirs, float32 [N, R, D]
+    (DINOv3's x_storage_tokens), as 'registers'.
     """
     p, d = self.patch_size, self.width
     x = (x - jnp.asarray(self.input_mean, jnp.float32)) / jnp.asarray(self.input_std, jnp.float32)
@@ -394,6 +485,9 @@ class ViT(nn.Module):
       registers = self.param("register_tokens", nn.initializers.normal(1e-6), (1, r, d))
       registers = jnp.zeros_like(x[:, :1]) + registers.astype(self.dtype)
       x = jnp.concatenate([x[:, :1], registers, x[:, 1:]], axis=1)
+    rope = None
+    if self.position_embedding == "rope":
+      rope = tuple(jnp.asarray(t) for t in rope_sin_cos(grid, d // self.num_heads))
     rates = np.linspace(0.0, self.drop_path_rate, self.depth)
     for i in range(self.depth):
       x = Block(
@@ -402,10 +496,13 @@ class ViT(nn.Module):
         drop_rate=float(rates[i]),
         layer_scale=self.layer_scale,
         mlp=self.mlp,
+        mask_key_bias=self.mask_key_bias,
+        norm_epsilon=self.norm_epsilon,
         name=f"block{i}",
-      )(x, train)
-    x = nn.LayerNorm(epsilon=LN_EPSILON, dtype=self.dtype, name="norm")(x)
+      )(x, train, rope)
+    x = nn.LayerNorm(epsilon=self.norm_epsilon, dtype=self.dtype, name="norm")(x)
     if r:
+      self.sow("intermediates", "registers", x[:, 1 : 1 + r].astype(jnp.float32))
       x = jnp.concatenate([x[:, :1], x[:, 1 + r :]], axis=1)
     self.sow("intermediates", "tokens", x.astype(jnp.float32))
     return x[:, 0].astype(jnp.float32)
@@ -443,7 +540,7 @@ def check_config(model_config, image_size: int = None):
       "model.width",
       model_config.width,
       f"> 0, making D = {SPECS[model_config.name][0]} x width a multiple "
-      f"of 4 x {heads} heads (the 2-D sin-cos embedding splits D in 4)",
+      f"of 4 x {heads} heads (the 2-D sin-cos embedding splits D in 4, RoPE a head's)",
     )
   if not isinstance(model_config.get("depth"), int) or model_config.depth <= 0:
     raise ConfigError("model.depth", model_config.get("depth"), "an integer > 0 (blocks)")
@@ -463,10 +560,13 @@ def check_config(model_config, image_size: int = None):
       raise ConfigError(
         f"model.{field}", config_field(model_config, field), f"one of {list(allowed)}"
       )
-  if not isinstance(config_field(model_config, "layer_scale"), bool):
-    raise ConfigError(
-      "model.layer_scale", config_field(model_config, "layer_scale"), "True or False"
-    )
+  for field in ("layer_scale", "mask_key_bias"):
+    if not isinstance(config_field(model_config, field), bool):
+      raise ConfigError(f"model.{field}", config_field(model_config, field), "True or False")
+  epsilon = config_field(model_config, "norm_epsilon")
+  if not isinstance(epsilon, float) or not 0 < epsilon < 1:
+    raise ConfigError("model.norm_epsilon", epsilon, "a float in (0, 1) (the LayerNorms' eps)")
+
   for field, what in (
     ("registers", "register tokens"),
     ("position_grid", "patches a side of the learned embedding; 0: the image's grid"),
@@ -484,8 +584,8 @@ def check_config(model_config, image_size: int = None):
 def build_encoder(model_config, bn_axis_name=None) -> ViT:
   """The ViT of a checked config: fields name (SPECS), width, depth, patch_size, dtype,
   random_patch_projection, position_embedding, position_interpolation, position_grid,
-  layer_scale, registers, mlp (each of these six _DEFAULTS' when absent), num_heads, input_mean,
-  input_std;
+  layer_scale, registers, mlp, mask_key_bias, norm_epsilon (each of these eight _DEFAULTS'
+  when absent), num_heads, input_mean, input_std;
   D = encoder_width(model_config), num_heads(model_config) heads. bn_axis_name is
   accepted for the family API; a ViT has no BN."""
   del bn_axis_name
@@ -503,6 +603,8 @@ def build_encoder(model_config, bn_axis_name=None) -> ViT:
     layer_scale=config_field(model_config, "layer_scale"),
     registers=config_field(model_config, "registers"),
     mlp=config_field(model_config, "mlp"),
+    mask_key_bias=config_field(model_config, "mask_key_bias"),
+    norm_epsilon=config_field(model_config, "norm_epsilon"),
     input_mean=input_mean,
     input_std=input_std,
   )
