@@ -160,10 +160,11 @@ def _steps(config, mesh, batches):
   return jax.device_get(state), jax.device_get(metrics)
 
 
-@pytest.mark.parametrize("loss", ["v2", "v3"])
-def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(loss, teacher_dir):
+def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(teacher_dir):
   # The tiny ViT config has no photometric augmentation, so the views do not depend on the
-  # device a row is on; the mix-up and the queue are the global batch's.
+  # device a row is on; the mix-up and the queue are the global batch's. v3 runs v1's
+  # global term and a local one; v2's step runs in tests/test_methods.py's contract test.
+  loss = "v3"
   config = tiny_distill_config(teacher_dir, loss)
   config.optimizer.warmup_epochs = 0.0
   batches = [_batch(config, 0), _batch(config, 1)]
@@ -182,13 +183,13 @@ def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(
     # Two global batches of 16 keys written into the queue of 32: every row, unit norm.
     np.testing.assert_allclose(np.linalg.norm(eight.extra["queue"], axis=1), 1.0, rtol=1e-5)
     assert {"global_loss", "local_loss"} <= set(m8)
-  teacher = distillation.load_teacher(config, mesh_lib.make_mesh())
+  teacher = jax.device_get(distillation.load_teacher(config, mesh_lib.make_mesh()))
   x = jnp.asarray(_batch(config)["image"][:, 0], jnp.float32) / 255
   module = distillation.teacher_encoder(config)
   assert module.dtype == jnp.bfloat16
   # Its outputs carry no gradient to its weights.
   grads = jax.grad(
-    lambda v: sum(jnp.sum(o) for o in distillation._teacher_forward(module, v, x, 2))  # noqa: SLF001
+    lambda v: sum(jnp.sum(o) for o in distillation.teacher_forward(module, v, x, 2))
   )(teacher)
   assert all(not np.any(g) for g in jax.tree.leaves(grads))
 
@@ -236,9 +237,7 @@ def test_bad_input_is_one_line_before_any_compute(teacher_dir):
   # A patch-14 teacher and 32 px images: the two cannot share the input.
   patch14 = config.copy_and_resolve_references()
   patch14.distill.teacher_model = ml_collections.ConfigDict(dict(TINY_TEACHER, patch_size=14))
-  with pytest.raises(
-    ConfigError, match="image_size=32: a size both the student .* and the teacher"
-  ):
+  with pytest.raises(ConfigError, match="image_size=32: .* teacher's patch size 14 .* student's 4"):
     distillation.check_config(patch14, 256)
   for field, value, match in (
     ("loss", "v4", "one of"),

@@ -381,17 +381,20 @@ def check_teacher(config):
 
 
 def check_shared_input(config):
-  """Raises ConfigError for a teacher that cannot take the student's images (a patch size
-  that does not divide config.image_size)."""
-  try:
-    models.check_model_config(config.distill.teacher_model, config.image_size)
-  except ConfigError as e:
+  """Raises ConfigError for a teacher that cannot take the student's images: a ViT teacher
+  whose patch does not divide config.image_size (both see the same images)."""
+  teacher = config.distill.teacher_model
+  patch = teacher.get("patch_size") if "depth" in teacher else None
+  if patch and config.image_size % patch:
+    student = config.model.get("patch_size") if "depth" in config.model else None
+    theirs = f", the student's {student}" if student else ""
     raise ConfigError(
       "image_size",
       config.image_size,
-      f"a size both the student ({config.model.name}) and the teacher "
-      f"({config.distill.teacher_model.name}) take, as they see the same images: {e}",
-    ) from None
+      f"a multiple of the teacher's patch size {patch} (distill.teacher_model "
+      f"{teacher.name}){theirs}: student and teacher see the same images",
+    )
+  models.check_model_config(teacher, config.image_size)
 
 
 def teacher_encoder(config):
@@ -513,7 +516,7 @@ def init_state(config, model, tx, init_rng, rng) -> common.TrainState:
   )
 
 
-def _student_forward(model, params, batch_stats, x):
+def student_forward(model, params, batch_stats, x):
   """Train-mode student: (h, z [b, D_t], spatial features [b, h, w, C], new batch_stats)."""
   encoder = model.encoder
   variables = {"params": {k: params[k] for k in ("encoder", "projector")}}
@@ -530,7 +533,7 @@ def _student_forward(model, params, batch_stats, x):
   return h, z, features, out.get("batch_stats", {})
 
 
-def _teacher_forward(encoder, variables, x, blocks: int):
+def teacher_forward(encoder, variables, x, blocks: int):
   """Eval-mode teacher under stop_gradient: (h float32 [b, D_t], spatial features)."""
   h, out = encoder.apply(
     variables,
@@ -559,11 +562,11 @@ def make_train_step(config, model, tx, views, mesh, length: common.RunLength, pr
   local = local_projector(config)
   view = views[0]
 
-  def per_device(state, images):
+  def per_device(state, images, teacher_variables):
     device = jax.lax.axis_index(mesh_lib.DATA_AXIS)
     x = augment.augment_batch(images[:, 0], common.view_key(state.rng, state.step, device, 0), view)
     x = mixup(x, common.shuffle_key(state.rng, state.step), mesh_lib.DATA_AXIS)
-    t_global, t_local = _teacher_forward(teacher, teacher_variables, x, blocks)
+    t_global, t_local = teacher_forward(teacher, teacher_variables, x, blocks)
     grid = t_local.shape[1:3]
     t_local = t_local.reshape(t_local.shape[0], -1, t_local.shape[-1])
     t_global = common.l2_normalize(t_global)
@@ -574,7 +577,7 @@ def make_train_step(config, model, tx, views, mesh, length: common.RunLength, pr
       extra = {"queue": queue, "queue_ptr": ptr}
 
     def loss_fn(params):
-      h, z, s_local, stats = _student_forward(model, params, state.batch_stats, x)
+      h, z, s_local, stats = student_forward(model, params, state.batch_stats, x)
       metrics = {}
       loss = jnp.zeros((), jnp.float32)
       if local is not None:
@@ -603,4 +606,4 @@ def make_train_step(config, model, tx, views, mesh, length: common.RunLength, pr
     )
     return grads, stats, extra, dict(metrics, loss=loss), outputs
 
-  return common.build_train_step(per_device, tx, mesh, probe=probe)
+  return common.build_train_step(per_device, tx, mesh, probe=probe, frozen=teacher_variables)
