@@ -188,8 +188,8 @@ def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(
   module = distillation.teacher_encoder(config)
   assert module.dtype == jnp.bfloat16
   # Its outputs carry no gradient to its weights.
-  grads = jax.grad(
-    lambda v: sum(jnp.sum(o) for o in distillation.teacher_forward(module, v, x, 2))
+  grads = jax.jit(
+    jax.grad(lambda v: sum(jnp.sum(o) for o in distillation.teacher_forward(module, v, x, 2)))
   )(teacher)
   assert all(not np.any(g) for g in jax.tree.leaves(grads))
 
@@ -202,6 +202,7 @@ def test_resumes_bit_for_bit_across_an_epoch_boundary_without_the_teacher_in_che
   config.train_split = "train[:48]"
   config.duration = "6 steps"
   config.checkpoint_every = "3 steps"
+  config.evaluators = {}  # Their compiles would double the test's time; runner's own tests.
   straight, _ = runner.run(pretrain, config, str(tmp_path / "straight"))
   with monkeypatch.context() as m:
     sigterm_after_first_train_batch(m)
@@ -218,6 +219,23 @@ def test_resumes_bit_for_bit_across_an_epoch_boundary_without_the_teacher_in_che
   # The teacher file's digest was recorded; its weights are in no checkpoint (the saved
   # state is the TrainState, which has none of them).
   assert saved.distill.teacher_sha256 == distillation.file_sha256(config.distill.teacher)
+  # A workdir of this package as the teacher: its latest step, model and evaluated encoder
+  # recorded, the encoder restored from the checkpoint.
+  as_teacher = config.copy_and_resolve_references()
+  as_teacher.distill.teacher = str(tmp_path / "straight")
+  del as_teacher.distill["teacher_model"]
+  as_teacher.distill.teacher_model = None
+  recorded = distillation.recorded_config(
+    as_teacher, lambda name: methods.optional_attributes(name).evaluated_encoder
+  )
+  assert recorded.distill.teacher_step == 6
+  assert recorded.distill.teacher_model.to_dict() == config.model.to_dict()
+  variables = distillation.load_teacher(recorded, mesh_lib.make_mesh())
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    jax.device_get(variables["params"]),
+    jax.device_get(straight.params["encoder"]),
+  )
   with pytest.raises(ConfigError, match="distill.teacher_sha256"):
     changed = config.copy_and_resolve_references()
     changed.distill.teacher_sha256 = "0" * 64
