@@ -229,7 +229,10 @@ def test_resumes_bit_for_bit_across_an_epoch_boundary_without_the_teacher_in_che
     as_teacher, lambda name: methods.optional_attributes(name).evaluated_encoder
   )
   assert recorded.distill.teacher_step == 6
-  assert recorded.distill.teacher_model.to_dict() == config.model.to_dict()
+  teacher_model = recorded.distill.teacher_model
+  assert [teacher_model[k] for k in ("name", "width", "depth", "patch_size")] == [
+    config.model[k] for k in ("name", "width", "depth", "patch_size")
+  ]
   variables = distillation.load_teacher(recorded, mesh_lib.make_mesh())
   jax.tree.map(
     np.testing.assert_array_equal,
