@@ -12,11 +12,13 @@ import numpy as np
 import pytest
 
 from contrastive_jax import methods
+from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.jobs import pretrain
 from contrastive_jax.methods import distillation
+from contrastive_jax.methods import optim
 from contrastive_jax.methods import pretraining
 from contrastive_jax.training import runner
 
@@ -271,3 +273,32 @@ def test_bad_input_is_one_line_before_any_compute(teacher_dir):
       distillation.check_config(bad, 256)
   assert distillation.reference_queue_size(50_000) == 8192
   assert distillation.reference_queue_size(300) == 128
+
+
+def test_optimisers_are_the_references_and_clip_the_global_norm():
+  # lr x sqrt(B / 1536) as base_lr x sqrt(B): at the reference batch, the reference's rate.
+  for loss, vit, name, lr, wd in (
+    ("v1", False, "lars", 1.8, 1e-6),
+    ("v2", False, "lars", 9.0, 1e-6),
+    ("v3", False, "adamw", 5e-4, 1e-6),
+    ("v3", True, "adamw", 5e-4, 0.04),
+  ):
+    cfg = ml_collections.ConfigDict(recipes.distillation_optimizer(loss, vit, 100))
+    assert (cfg.name, cfg.weight_decay, cfg.warmup_epochs) == (name, wd, 10.0)
+    assert optim.peak_learning_rate(cfg, 1536) == pytest.approx(lr)
+  assert recipes.distillation_optimizer("v3", True, 20)["warmup_epochs"] == 2.0
+  # torch.nn.utils.clip_grad_norm_(max_norm=1): gradients of global norm 5 scaled to norm 1,
+  # of norm 0.5 left alone (plain SGD at lr 1 shows the gradient it steps with).
+  cfg = ml_collections.ConfigDict(
+    recipes.optimizer(
+      "sgd", 1.0, 0.0, momentum=0.0, warmup_epochs=0, weight_decay_mask="all", clip_global_norm=1.0
+    )
+  )
+  tx = optim.build_optimizer(cfg, lambda step: 1.0)
+  params = {"a": jnp.zeros(3), "b": jnp.zeros(4)}
+  for scale, expected in ((1.0, 0.2), (0.1, 1.0)):
+    grads = {"a": jnp.asarray([3.0, 0, 0]) * scale, "b": jnp.asarray([4.0, 0, 0, 0]) * scale}
+    updates, _ = tx.update(grads, tx.init(params), params)
+    jax.tree.map(
+      lambda u, g: np.testing.assert_allclose(-u, g * expected, rtol=1e-6), updates, grads
+    )

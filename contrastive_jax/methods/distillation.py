@@ -76,9 +76,9 @@ from contrastive_jax.models.common import DTYPES
 LOSSES = ("v1", "v2", "v3")
 LOCAL_PROJECTOR = "local_projector"
 
-# The reference's queue size for a train split of n images (DistillationArgs.resolve_auto:
-# about half of the smallest and a quarter of the largest split of each bucket): the first
-# (limit, size) with n < limit... as _scaling.get_bucket_value reads its buckets.
+# The reference's queue size for a train split of n images (DistillationArgs.resolve_auto,
+# about half of the smallest and a quarter of the largest split of each bucket): the size of
+# the first (limit, size) with n < limit, as its _scaling.get_bucket_value reads them.
 QUEUE_BUCKETS = (
   (50, 16),
   (100, 32),

@@ -17,6 +17,8 @@ decay from weight_decay to it (its wd_schedule); clip_per_tensor, each
 gradient tensor's L2 norm clipped on its own (utils.clip_gradients); and
 freeze_last_layer_epochs, the epochs during which a module named 'last_layer'
 (heads.DINOHead's) is held still (utils.cancel_gradients_last_layer).
+LightlyTrain's distillation adds clip_global_norm, the gradients' global L2 norm clipped
+(its configure_gradient_clipping: torch.nn.utils.clip_grad_norm_ at 1.0).
 """
 
 import math
