@@ -24,10 +24,10 @@ The teacher (models.build_encoder of its model config, computing in bfloat16 wit
 weights) runs inside the same jitted step and shard_map as the student, under
 stop_gradient: its variables are read once by make_train_step (load_teacher: a weights
 file through models/state_dicts.py, as the downstream jobs read one, or the evaluated
-encoder of a pretraining workdir of this package), replicated on the mesh and passed to the
-compiled step as arguments (JAX hoists a closed-over array larger than
-jax_embedded_constants_max_bytes into a parameter of the executable; the HLO holds no
-weights). They are not part of the TrainState, so no checkpoint holds them; the run records
+encoder of a pretraining workdir of this package) and replicated on the mesh. They enter
+shard_map as an input (common.build_train_step's frozen) and the jitted step as closed-over
+arrays, which JAX passes to the executable as arguments (any constant larger than
+jax_embedded_constants_max_bytes is hoisted out of the program: the HLO holds no weights). They are not part of the TrainState, so no checkpoint holds them; the run records
 what it read (config.distill.teacher_sha256 of a weights file, teacher_step of a workdir's
 checkpoint) when it starts (recorded_config), and a resumed run whose file changed stops
 with the resume check's line naming that field. Why re-read rather than save once: a
@@ -43,6 +43,8 @@ Where this departs from the reference, and why:
     rows does not change it.
   - The host pipeline's two crops arrive; only the first is used (augmented with view 1's
     settings).
+  - A ResNet student's BN statistics are the global batch's (the reference's DDP: each
+    GPU's), for the same reason.
 
 The student is any encoder of the registry; its spatial features are a ViT's patch tokens
 (after its final norm) or a ResNet's last block's output map. The projection heads are
