@@ -27,8 +27,9 @@ file through models/state_dicts.py, as the downstream jobs read one, or the eval
 encoder of a pretraining workdir of this package) and replicated on the mesh. They enter
 shard_map as an input (common.build_train_step's frozen) and the jitted step as closed-over
 arrays, which JAX passes to the executable as arguments (any constant larger than
-jax_embedded_constants_max_bytes is hoisted out of the program: the HLO holds no weights). They are not part of the TrainState, so no checkpoint holds them; the run records
-what it read (config.distill.teacher_sha256 of a weights file, teacher_step of a workdir's
+jax_embedded_constants_max_bytes is hoisted out of the program: the HLO holds no weights).
+They are not part of the TrainState, so no checkpoint holds them; the run records what it
+read (config.distill.teacher_sha256 of a weights file, teacher_step of a workdir's
 checkpoint) when it starts (recorded_config), and a resumed run whose file changed stops
 with the resume check's line naming that field. Why re-read rather than save once: a
 ViT-L teacher is 1.2 GB, which a copy in every workdir would double, while a changed file
