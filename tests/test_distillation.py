@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import ml_collections
 import numpy as np
+import optax
 import pytest
 
 from contrastive_jax import methods
@@ -155,7 +156,7 @@ def _batch(config, seed=0):
 
 
 def _steps(config, mesh, batches):
-  run = pretraining.setup(config, mesh, steps_per_epoch=16, num_steps=100, num_classes=10)
+  run = pretraining.setup(config, mesh, steps_per_epoch=16, num_steps=100)
   state = run.init()
   for batch in batches:
     state, metrics = run.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
@@ -185,7 +186,18 @@ def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(
     # Two global batches of 16 keys written into the queue of 32: every row, unit norm.
     np.testing.assert_allclose(np.linalg.norm(eight.extra["queue"], axis=1), 1.0, rtol=1e-5)
     assert {"global_loss", "local_loss"} <= set(m8)
-  teacher = jax.device_get(distillation.load_teacher(config, mesh_lib.make_mesh()))
+  mesh = mesh_lib.make_mesh()
+  teacher = distillation.load_teacher(config, mesh)
+  # The teacher is an argument of the compiled step, not a constant of its program.
+  model, tx = distillation.build_model(config), optax.identity()
+  step = distillation.make_train_step(config, model, tx, pretraining.views(config), mesh, None)
+  keys = jax.random.split(jax.random.PRNGKey(0))
+  state = jax.eval_shape(lambda: distillation.init_state(config, model, tx, *keys))
+  batch = jax.device_put(_batch(config), mesh_lib.batch_sharded(mesh))
+  hlo = jax.jit(step).lower(state, batch, teacher).as_text()
+  kernel = np.asarray(jax.device_get(teacher["params"]["patch_embed"]["kernel"]), np.float32)
+  assert kernel.tobytes().hex().upper()[:64] not in hlo.upper()
+  teacher = jax.device_get(teacher)
   x = jnp.asarray(_batch(config)["image"][:, 0], jnp.float32) / 255
   module = distillation.teacher_encoder(config)
   assert module.dtype == jnp.bfloat16

@@ -50,6 +50,11 @@ optional_attributes(name), never from the module itself:
       (distillation's frozen teacher): the config with what it read recorded (a file's
       digest, a checkpoint's step); the pretraining job runs with it, so a resumed
       run whose source changed stops at the resume check.
+  frozen_variables(config, mesh) -> pytree (default None)
+      Variables the step reads and nothing updates, out of the TrainState and so out of
+      every checkpoint (distillation's teacher): make_train_step's train_step then is
+      train_step(state, batch, frozen), and pretraining.setup reads them once and passes
+      them to every step (arguments of the executable, not constants of its program).
   imported_state(entries, path, config) -> variables or None, with
   with_imported(state, variables) -> state (both or neither; default None)
       For a method whose reference saves checkpoints this package can continue
@@ -142,6 +147,10 @@ class OptionalAttributes:
       distillation teacher's file digest or checkpoint step), evaluated_encoder(method
       name) giving another method's evaluated_encoder; the pretraining job runs with it,
       so a resumed run whose source changed stops at the resume check. None: nothing read.
+    frozen_variables (frozen_variables): (config, mesh) -> a pytree replicated on the mesh
+      that the step reads and nothing updates, kept out of the TrainState (distillation's
+      teacher); the method's train_step then takes it as a third argument, which
+      pretraining.setup passes. None: the step reads the state and the batch only.
   """
 
   local_crops: bool = _attribute("LOCAL_CROPS", False)
@@ -149,6 +158,7 @@ class OptionalAttributes:
   imported_state: Optional[Callable] = _attribute("imported_state", None)
   with_imported: Optional[Callable] = _attribute("with_imported", None)
   recorded_config: Optional[Callable] = _attribute("recorded_config", None)
+  frozen_variables: Optional[Callable] = _attribute("frozen_variables", None)
 
 
 def optional_attributes(name: str) -> OptionalAttributes:

@@ -22,12 +22,12 @@ step):
 
 The teacher (models.build_encoder of its model config, computing in bfloat16 with float32
 weights) runs inside the same jitted step and shard_map as the student, under
-stop_gradient: its variables are read once by make_train_step (load_teacher: a weights
+stop_gradient: its variables are read once by pretraining.setup (load_teacher: a weights
 file through models/state_dicts.py, as the downstream jobs read one, or the evaluated
-encoder of a pretraining workdir of this package) and replicated on the mesh. They enter
-shard_map as an input (common.build_train_step's frozen) and the jitted step as closed-over
-arrays, which JAX passes to the executable as arguments (any constant larger than
-jax_embedded_constants_max_bytes is hoisted out of the program: the HLO holds no weights).
+encoder of a pretraining workdir of this package) and replicated on the mesh. They are an
+argument of the jitted step and an input of its shard_map (common.build_train_step's
+frozen), so that the executable takes them as parameters: a closed-over array would be a
+constant of the program, the whole teacher in its HLO.
 They are not part of the TrainState, so no checkpoint holds them; the run records what it
 read (config.distill.teacher_sha256 of a weights file, teacher_step of a workdir's
 checkpoint) when it starts (recorded_config), and a resumed run whose file changed stops
@@ -448,6 +448,11 @@ def load_teacher(config, mesh) -> dict:
   return {"params": found[0], "batch_stats": found[1]}
 
 
+# The teacher's variables, read once by pretraining.setup and passed to every step
+# (methods.OptionalAttributes.frozen_variables).
+frozen_variables = load_teacher
+
+
 # ---------------------------------------------------------------------------------------
 # The method contract.
 
@@ -550,17 +555,20 @@ def teacher_forward(encoder, variables, x, blocks: int):
 
 
 def make_train_step(config, model, tx, views, mesh, length: common.RunLength, probe=None):
-  """Returns train_step(state, batch) -> (state, metrics), to be jitted.
+  """Returns
+
+  train_step(state, batch, teacher_variables) -> (state, metrics), to be jitted: the
+  teacher's variables (frozen_variables) are its third argument, which pretraining.setup
+  passes (methods.OptionalAttributes.frozen_variables).
 
   Per step, on each device's rows: view 1's augmentation of the first crop, the mix-up over
   the global batch, the teacher's forward (bfloat16, stop_gradient), the queue written with
-  the global batch's teacher embeddings (v1, v3) and then the loss. Reads the teacher here
-  (load_teacher). length is not used (no schedule of the method's own).
+  the global batch's teacher embeddings (v1, v3) and then the loss. length is not used (no
+  schedule of the method's own).
   """
   del length
   d = config.distill
   teacher = teacher_encoder(config)
-  teacher_variables = load_teacher(config, mesh)
   blocks = d.teacher_blocks if d.loss == "v2" else 1
   local = local_projector(config)
   view = views[0]
@@ -609,4 +617,4 @@ def make_train_step(config, model, tx, views, mesh, length: common.RunLength, pr
     )
     return grads, stats, extra, dict(metrics, loss=loss), outputs
 
-  return common.build_train_step(per_device, tx, mesh, probe=probe, frozen=teacher_variables)
+  return common.build_train_step(per_device, tx, mesh, probe=probe, frozen=True)
