@@ -200,6 +200,85 @@ def dino(**overrides) -> dict:
   )
 
 
+def distillation_views() -> dict:
+  """LightlyTrain's distillation view (distillation*_transform.py, the same in v1, v2 and
+  v3), on both of config.augment's views (the method reads view 1 only): ColorJitter
+  strength 0.5 of (0.8, 0.8, 0.4, 0.2), i.e. (0.4, 0.4, 0.2, 0.1), with p 0.8
+  (albumentations' ColorJitter: torchvision's ops in random order), grayscale p 0.2, no
+  solarisation. Its GaussianBlur (p 1.0, sigma in (0, 0.1) px) is left out: at sigma 0.1
+  a neighbour's weight is below e^-50, the identity to float32."""
+  view = dict(
+    brightness=0.4,
+    contrast=0.4,
+    saturation=0.2,
+    hue=0.1,
+    color_jitter_prob=0.8,
+    grayscale_prob=0.2,
+    blur_prob=0.0,
+    solarize_prob=0.0,
+    color_ops="torchvision",
+    brightness_op="multiply",
+    blur_padding="edge",
+  )
+  return dict(view1=dict(view), view2=dict(view))
+
+
+# The reference's learning rates at its reference batch of 1536 images, scaled by
+# sqrt(B / 1536) (lr_scale_method 'sqrt'): base_lr x sqrt(B) with base_lr = lr / sqrt(1536).
+DISTILLATION_REFERENCE_BATCH = 1536
+
+
+def distillation(loss: str, teacher_model, **overrides) -> dict:
+  """config.distill at LightlyTrain's defaults (DistillationArgs, DistillationV2Args,
+  DistillationV3Args), overrides applied: the loss ('v1', 'v2', 'v3'); the teacher, a
+  weights file of teacher_model (a model config) or a pretraining workdir (teacher_model
+  None: recorded from it); temperatures 0.07 (v1's temperature, v3's temperature_global
+  and temperature_local); v3's loss_local_weight 1.0; v2's n_teacher_blocks 2; a queue of
+  8192 (the reference's 'auto' for a split of 20,000 images or more). What the run reads
+  of the teacher is recorded in teacher_sha256 / teacher_step / teacher_paths
+  (methods/distillation.py)."""
+  return dict(
+    dict(
+      loss=loss,
+      teacher="",
+      teacher_model=teacher_model,
+      teacher_sha256="",
+      teacher_step=-1,
+      teacher_paths=[],
+      queue_size=8192,
+      temperature=0.07,
+      temperature_local=0.07,
+      local_weight=1.0,
+      teacher_blocks=2,
+    ),
+    **overrides,
+  )
+
+
+def distillation_optimizer(loss: str, student_is_vit: bool, num_epochs: float) -> dict:
+  """LightlyTrain's optimiser for a distillation loss: v1 LARS at lr 1.8 (DistillationLARSArgs),
+  v2 LARS at 9.0 (DistillationV2LARSArgs), both momentum 0.9, weight decay 1e-6, trust
+  coefficient 0.001; v3 AdamW at 5e-4 (DistillationV3AdamWArgs: its 'auto' optimiser),
+  weight decay 0.04 for a transformer student and 1e-6 for a convolutional one (its
+  'auto'); each lr at batch 1536, scaled by sqrt(B / 1536). No decay on biases and norms
+  (kernels). Warm-up over min(10, epochs / 10) epochs, then cosine to 0
+  (Method.configure_optimizers, CosineWarmupScheduler); gradients clipped at global norm
+  1.0 (configure_gradient_clipping)."""
+  lr = {"v1": 1.8, "v2": 9.0, "v3": 5e-4}[loss]
+  if loss == "v3":
+    name, weight_decay = "adamw", 0.04 if student_is_vit else 1e-6
+  else:
+    name, weight_decay = "lars", 1e-6
+  return optimizer(
+    name,
+    base_lr=lr / DISTILLATION_REFERENCE_BATCH**0.5,
+    weight_decay=weight_decay,
+    lr_scaling="sqrt",
+    warmup_epochs=min(10.0, num_epochs / 10),
+    clip_global_norm=1.0,
+  )
+
+
 def dino_optimizer(name: str, base_lr: float, weight_decay: float, weight_decay_end) -> dict:
   """DINO's optimizer (main_dino.py): `name` ('adamw' or 'sgd', momentum 0.9) at base_lr x
   B/256 after 10 linear warm-up epochs, cosine to --min_lr 1e-6; weight decay from

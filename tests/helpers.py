@@ -73,6 +73,48 @@ def tiny_config(method: str = "simclr", variant: str = "runlocal"):
   return config
 
 
+# A 2-block ViT of D = 12 at patch 4: the distillation tests' teacher.
+TINY_TEACHER = dict(
+  name="vit_tiny",
+  width=0.0625,
+  depth=2,
+  patch_size=4,
+  dtype="float32",
+  random_patch_projection=False,
+  input_mean=(0.485, 0.456, 0.406),
+  input_std=(0.229, 0.224, 0.225),
+)
+
+
+def tiny_teacher_file(directory, image_size: int = 32, seed: int = 7) -> str:
+  """Writes a randomly initialised TINY_TEACHER as a safetensors state dict in `directory`
+  (touches the device when called); returns its path."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import ml_collections  # pylint: disable=g-import-not-at-top
+
+  from contrastive_jax import models  # pylint: disable=g-import-not-at-top
+  from contrastive_jax.core import tensor_files  # pylint: disable=g-import-not-at-top
+  from contrastive_jax.models import state_dicts  # pylint: disable=g-import-not-at-top
+
+  model = ml_collections.ConfigDict(TINY_TEACHER)
+  x = jnp.zeros((1, image_size, image_size, 3), jnp.float32)
+  variables = models.build_encoder(model).init(jax.random.PRNGKey(seed), x, train=False)
+  path = os.path.join(str(directory), f"teacher_{seed}.safetensors")
+  tensor_files.write(path, state_dicts.to_state_dict(model, variables, image_size))
+  return path
+
+
+def tiny_distill_config(directory, loss: str = "v3"):
+  """tiny_config of configs/distill_cifar10.py:runlocal,model=vit_tiny with TINY_TEACHER
+  written in `directory` as its teacher and a queue of 32."""
+  config = tiny_config("distill", f"runlocal,model=vit_tiny,loss={loss}")
+  config.distill.teacher = tiny_teacher_file(directory, config.image_size)
+  config.distill.teacher_model = dict(TINY_TEACHER)
+  config.distill.queue_size = 32
+  return config
+
+
 def sigterm_after_first_train_batch(monkeypatch):
   """Sends SIGTERM while the loop runs step 2, so the job stops after it."""
   from contrastive_jax.core import mesh as mesh_lib  # pylint: disable=g-import-not-at-top

@@ -8,7 +8,9 @@ import socket
 import subprocess
 import sys
 
+from helpers import TINY_TEACHER
 from helpers import tiny_config
+from helpers import tiny_teacher_file
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,6 +32,8 @@ CONFIGS = {
   "mocov3": "mocov3:runlocal_vit",
   "byol": "byol",
   "dino": "dino",
+  # Distillation's v2 (v3 and v1 in tests/test_distillation.py), with a tiny teacher file.
+  "distillation": "distill:runlocal,model=vit_tiny,loss=v2",
 }
 
 
@@ -67,11 +71,16 @@ def test_every_method_has_a_config_here():
 
 
 @pytest.mark.parametrize("name", sorted(CONFIGS))
-def test_method_meets_the_contract_and_its_online_probe_leaves_the_encoder_unchanged(name):
+def test_method_meets_the_contract_and_its_online_probe_leaves_the_encoder_unchanged(
+  name, tmp_path
+):
   method = methods.get_method(name)
   for fn, params in CONTRACT.items():
     assert list(inspect.signature(getattr(method, fn)).parameters) == params, fn
   config = tiny_config(*CONFIGS[name].split(":"))
+  if name == "distillation":
+    config.distill.teacher = tiny_teacher_file(tmp_path, config.image_size)
+    config.distill.teacher_model = dict(TINY_TEACHER)
   if config.optimizer.name == "adamw":
     # SGD instead (the ViTs' recipes use AdamW): Adam's division by sqrt(v) turns gradients
     # that are float32 rounding noise into full steps, which the comparison with and

@@ -1,4 +1,5 @@
-"""The pretraining job (config.job='pretrain'): SimCLR, MoCo v1/v2, MoCo v3, BYOL or DINO.
+"""The pretraining job (config.job='pretrain'): SimCLR, MoCo v1/v2, MoCo v3, BYOL, DINO or
+distillation from a frozen teacher.
 
 Builds what runner.run() steps: the method's model, optimizer, state and
 train step, the host input pipeline (or, with config.on_device_data, the
@@ -9,7 +10,10 @@ Every random draw is a function of (seed, step), so a resumed run continues
 bit for bit. With config.init_from=FILE (a torchvision / timm / MoCo / DINO
 weights file) every network starts from that file's encoder and the heads
 from the method's initialisation; a DINO run from DINO's own training
-checkpoint starts its student, teacher (encoders and heads) and centre from it.
+checkpoint starts its student, teacher (encoders and heads) and centre from it. A method
+that reads something outside the workdir at every start (distillation's teacher) has it
+recorded in the config first (methods.OptionalAttributes.recorded_config), so that the
+resume check stops a run whose teacher changed.
 """
 
 import jax
@@ -78,6 +82,9 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   """
   del workdir
   method = get_method(config.method)
+  recorded = optional_attributes(config.method).recorded_config
+  if recorded is not None:  # What the run reads from outside (a teacher), recorded.
+    config = recorded(config, lambda name: optional_attributes(name).evaluated_encoder)
   # Read before any compute, and only when starting: a resumed run restores its state.
   start = imported_start(config) if config.get("init_from") and saved_config is None else None
   source = sources.get_source(config, {"train_split": config.train_split})

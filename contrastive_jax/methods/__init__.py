@@ -45,6 +45,16 @@ optional_attributes(name), never from the module itself:
       The (params, batch_stats) key paths in the TrainState of the encoder the
       method's paper evaluates (DINO: the teacher's); the kNN monitor
       (evaluated_encoder) and the downstream jobs' partial restore read it there.
+  recorded_config(config, evaluated_encoder) -> config (default None)
+      For a method that reads something outside its workdir at every start
+      (distillation's frozen teacher): the config with what it read recorded (a file's
+      digest, a checkpoint's step); the pretraining job runs with it, so a resumed
+      run whose source changed stops at the resume check.
+  frozen_variables(config, mesh) -> pytree (default None)
+      Variables the step reads and nothing updates, out of the TrainState and so out of
+      every checkpoint (distillation's teacher): make_train_step's train_step then is
+      train_step(state, batch, frozen), and pretraining.setup reads them once and passes
+      them to every step (arguments of the executable, not constants of its program).
   imported_state(entries, path, config) -> variables or None, with
   with_imported(state, variables) -> state (both or neither; default None)
       For a method whose reference saves checkpoints this package can continue
@@ -65,11 +75,19 @@ import optax
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.methods import byol
 from contrastive_jax.methods import dino
+from contrastive_jax.methods import distillation
 from contrastive_jax.methods import moco
 from contrastive_jax.methods import mocov3
 from contrastive_jax.methods import simclr
 
-METHODS = {"byol": byol, "dino": dino, "moco": moco, "mocov3": mocov3, "simclr": simclr}
+METHODS = {
+  "byol": byol,
+  "dino": dino,
+  "distillation": distillation,
+  "moco": moco,
+  "mocov3": mocov3,
+  "simclr": simclr,
+}
 ENCODER = "encoder"
 
 
@@ -124,12 +142,23 @@ class OptionalAttributes:
       for a method without such checkpoints.
     with_imported (with_imported): (state, variables) -> state, the state at step 0
       with imported_state's variables; None where imported_state is.
+    recorded_config (recorded_config): (config, evaluated_encoder) -> config, the config
+      with what the run reads from outside its workdir recorded in its fields (the
+      distillation teacher's file digest or checkpoint step), evaluated_encoder(method
+      name) giving another method's evaluated_encoder; the pretraining job runs with it,
+      so a resumed run whose source changed stops at the resume check. None: nothing read.
+    frozen_variables (frozen_variables): (config, mesh) -> a pytree replicated on the mesh
+      that the step reads and nothing updates, kept out of the TrainState (distillation's
+      teacher); the method's train_step then takes it as a third argument, which
+      pretraining.setup passes. None: the step reads the state and the batch only.
   """
 
   local_crops: bool = _attribute("LOCAL_CROPS", False)
   evaluated_encoder: tuple = _attribute("EVALUATED_ENCODER", STUDENT_ENCODER)
   imported_state: Optional[Callable] = _attribute("imported_state", None)
   with_imported: Optional[Callable] = _attribute("with_imported", None)
+  recorded_config: Optional[Callable] = _attribute("recorded_config", None)
+  frozen_variables: Optional[Callable] = _attribute("frozen_variables", None)
 
 
 def optional_attributes(name: str) -> OptionalAttributes:

@@ -246,7 +246,13 @@ class OnlineProbe(NamedTuple):
 
 
 def build_train_step(
-  per_device, tx, mesh, after_update=None, probe: OnlineProbe = None, local_views: bool = False
+  per_device,
+  tx,
+  mesh,
+  after_update=None,
+  probe: OnlineProbe = None,
+  local_views: bool = False,
+  frozen: bool = False,
 ):
   """A method's train_step(state, batch) -> (state, metrics), to be jitted.
 
@@ -263,6 +269,11 @@ def build_train_step(
     after_update: optional state -> state run after the optimizer update
       (BYOL's target EMA, which uses the updated online parameters).
     probe: an OnlineProbe trained on outputs['h'] and batch['label'], or None.
+    frozen: whether per_device also reads variables that nothing updates (distillation's
+      teacher, methods.OptionalAttributes.frozen_variables): train_step then takes them as
+      a third argument, replicated on the mesh, and passes them to per_device as its last
+      argument (through shard_map as an input: a jitted function's argument, so that they
+      are parameters of the executable, not constants of its program).
   Returns:
     train_step whose metrics add 'projection_std' (see projection_std), the
     norms of apply_gradients and, with a probe, 'online_probe_loss' and
@@ -271,8 +282,11 @@ def build_train_step(
 
   num_images = 2 if local_views else 1
 
+  held = 1 if frozen else 0
+
   def sharded_part(state, *arrays):
-    grads, batch_stats, extra, metrics, outputs = per_device(state, *arrays[:num_images])
+    arrays, fixed = arrays[held:], arrays[:held]
+    grads, batch_stats, extra, metrics, outputs = per_device(state, *arrays[:num_images], *fixed)
     labels = arrays[num_images] if probe is not None else None
     metrics = dict(metrics, projection_std=projection_std(outputs["z"], DATA_AXIS))
     probe_grads = None
@@ -288,13 +302,13 @@ def build_train_step(
   sharded = jax.shard_map(
     sharded_part,
     mesh=mesh,
-    in_specs=(jax.P(),) + (jax.P(DATA_AXIS),) * len(inputs),
+    in_specs=(jax.P(),) * (1 + held) + (jax.P(DATA_AXIS),) * len(inputs),
     out_specs=jax.P(),
   )
 
-  def train_step(state, batch):
+  def train_step(state, batch, *fixed):
     grads, batch_stats, extra, metrics, probe_grads = sharded(
-      state, *(batch[name] for name in inputs)
+      state, *fixed, *(batch[name] for name in inputs)
     )
     state, health = apply_gradients(state, grads, tx, batch_stats=batch_stats, extra=extra)
     if after_update is not None:

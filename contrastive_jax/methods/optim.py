@@ -17,6 +17,8 @@ decay from weight_decay to it (its wd_schedule); clip_per_tensor, each
 gradient tensor's L2 norm clipped on its own (utils.clip_gradients); and
 freeze_last_layer_epochs, the epochs during which a module named 'last_layer'
 (heads.DINOHead's) is held still (utils.cancel_gradients_last_layer).
+LightlyTrain's distillation adds clip_global_norm, the gradients' global L2 norm clipped
+(its configure_gradient_clipping: torch.nn.utils.clip_grad_norm_ at 1.0).
 """
 
 import math
@@ -68,6 +70,8 @@ def check_optimizer_config(cfg):
     )
   if cfg.get("clip_per_tensor", 0.0) < 0:
     raise ConfigError("optimizer.clip_per_tensor", cfg.clip_per_tensor, ">= 0 (0: no clipping)")
+  if cfg.get("clip_global_norm", 0.0) < 0:
+    raise ConfigError("optimizer.clip_global_norm", cfg.clip_global_norm, ">= 0 (0: no clipping)")
   if cfg.get("freeze_last_layer_epochs", 0.0) < 0:
     raise ConfigError("optimizer.freeze_last_layer_epochs", cfg.freeze_last_layer_epochs, ">= 0")
   epochs = list(cfg.decay_epochs)
@@ -287,7 +291,8 @@ def build_optimizer(
   of decay_mask, as torch.optim.AdamW), b1 = momentum, b2 = 0.999 and eps 1e-8
   (PyTorch's defaults, which MoCo v3 keeps); nesterov, lr_before_momentum and
   trust_coefficient are unused; with weight_decay_end the decay follows
-  weight_decay_schedule. clip_per_tensor > 0 clips each gradient tensor first.
+  weight_decay_schedule. clip_per_tensor > 0 clips each gradient tensor first;
+  clip_global_norm > 0 clips the gradients' global L2 norm.
 
   freeze: the leaves frozen_labels marks get a zero update (no step, no
   decay), as PyTorch leaves a parameter with requires_grad False alone (MoCo
@@ -330,6 +335,9 @@ def _optimizer(cfg, schedule, total_steps: int = 0, offset: int = 0):
   """The optimizer of cfg; its weight-decay schedule starts at step `offset`."""
   mask = lambda params: decay_mask(params, cfg.weight_decay_mask)
   steps = [clip_per_tensor(cfg.clip_per_tensor)] if cfg.get("clip_per_tensor", 0.0) > 0 else []
+  if cfg.get("clip_global_norm", 0.0) > 0:
+    # torch.nn.utils.clip_grad_norm_ over all parameters (LightlyTrain's methods: 1.0).
+    steps.append(optax.clip_by_global_norm(cfg.clip_global_norm))
   if cfg.name == "adamw":
     if cfg.get("weight_decay_end") is None and not steps:
       return optax.adamw(

@@ -17,6 +17,7 @@ from contrastive_jax.data import augment
 from contrastive_jax.methods import common
 from contrastive_jax.methods import get_method
 from contrastive_jax.methods import optim
+from contrastive_jax.methods import optional_attributes
 from contrastive_jax.methods import run_keys
 
 
@@ -102,4 +103,8 @@ def setup(
     ),
     donate_argnums=0,
   )
+  read_frozen = optional_attributes(config.method).frozen_variables
+  if read_frozen is not None:  # Arguments of the executable, not constants of its program.
+    frozen, step = read_frozen(config, mesh), train_step
+    train_step = lambda state, batch: step(state, batch, frozen)
   return Run(model, schedule, init_state, train_step, probe)

@@ -10,6 +10,14 @@ from contrastive_jax import recipes
 # preset keeps the encoder frozen in eval mode, as all three references do
 # (SimCLR's model_fn: "Finetune just supervised (linear) head will not update
 # BN stats"), and trains on random crops and flips without color changes.
+_STANDARDISED = dict(
+  batch_size=256,
+  duration="100 epochs",
+  crop=recipes.crop("torchvision", 0.2, "pil_bilinear"),
+  head=dict(standardize=True, init="zeros"),
+  optimizer=recipes.optimizer("sgd", 0.1, 0.0, warmup_epochs=0),
+)
+
 LINEAR_PROBE_PRESETS = {
   # SimCLR README, CIFAR-10 fine-tuning of the linear head (run.py
   # --train_mode=finetune --fine_tune_after_block=4): momentum optimizer
@@ -85,13 +93,11 @@ LINEAR_PROBE_PRESETS = {
   # affine-free BN (a fixed per-feature affine map, so the classifier stays
   # linear), so that one learning rate fits every encoder, a random one too;
   # SGD momentum 0.9, lr 0.1 x B/256, cosine, no weight decay, crop 0.2-1.
-  "standardised": dict(
-    batch_size=256,
-    duration="100 epochs",
-    crop=recipes.crop("torchvision", 0.2, "pil_bilinear"),
-    head=dict(standardize=True, init="zeros"),
-    optimizer=recipes.optimizer("sgd", 0.1, 0.0, warmup_epochs=0),
-  ),
+  "standardised": _STANDARDISED,
+  # Distillation: LightlyTrain publishes no linear evaluation of its own (its students are
+  # evaluated by the user's task); this project's standardised probe, whose one learning
+  # rate fits whatever student.
+  "distillation": _STANDARDISED,
 }
 
 
