@@ -179,8 +179,8 @@ def test_a_batch_spanning_two_epochs_reads_the_end_of_one_and_the_start_of_the_n
 
 @pytest.mark.parametrize(
   "method, variant",
-  [("simclr", "runlocal"), ("dino", "runlocal_resnet"), ("dino", "runlocal_resnet,local_crops=2")],
-)  # TF's crops; torchvision's, bicubic; with multi-crop's local views.
+  [("simclr", "runlocal"), ("dino", "runlocal_resnet,local_crops=2")],
+)  # TF's crops; torchvision's, bicubic, with multi-crop's local views.
 def test_pretraining_on_the_device_trains_with_a_finite_loss(tmp_path, method, variant):
   config = tiny_config(method, variant)
   if method == "dino":
