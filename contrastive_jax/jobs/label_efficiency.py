@@ -150,9 +150,10 @@ def check_config(config, num_devices: int):
 def weights_files(config) -> dict:
   """{init: (weights file, its model's configs/X.py[:ARG] or None)} of config.inits' weights
   inits (every init but INITS), in inits order, from config.weights and config.weights_config:
-  entries 'NAME=VALUE' separated by ';' (config_files.named_entries; the older one-file form,
-  a bare value, names the init 'weights'). A file without a config entry must be one the
-  export job wrote (restore.weights_config reads its run's config beside it).
+  entries 'NAME=VALUE' separated by ';' (config_files.named_entries; run reads its config
+  through config_files.upgrade_config, which turns the older one-file form, a bare value,
+  into the init 'weights'). A file without a config entry must be one the export job wrote
+  (restore.weights_config reads its run's config beside it).
 
   Raises:
     ConfigError: an entry that is not 'NAME=VALUE', a name given twice, an entry for a name
