@@ -275,6 +275,7 @@ def plan(config, num_devices: int, *, num_train: int = 0, num_classes: int = -1)
       f"{num_devices} devices asked for, {len(devices)} present: set "
       "jax_num_cpu_devices before JAX starts (benchmarks/capacity.py --devices)"
     )
+  config = pretrain.with_init_model(config)  # The model of init_config's file, if it names one.
   num_train, num_classes = dataset_sizes(config, num_train, num_classes)
   pretrain.check_config(config, num_devices)
   # MoCo's check reads jax.device_count(), which the script sets to num_devices.

@@ -5,13 +5,25 @@
 
 Set --config.pretrain_workdir=DIR (the pretraining job's --workdir). For each
 init of `inits` ('pretrained': its checkpoint; 'random': its encoder at
-initialisation; 'weights': the weights file `weights` read as the model of
-`weights_config`, e.g. public supervised weights), each label count of
+initialisation; any other name: the weights file `weights` gives that name, read
+as the model `weights_config` gives it, e.g. public supervised or DINOv2 weights),
+each label count of
 `labels` (integers, or fractions of train_split), each of `seeds` seeds and each
 protocol of `protocols`, a class-balanced subset of the train split is drawn,
 validation_fraction of it held out for the protocol's choices, and the chosen
 model scores the test split (jobs/label_efficiency.py). The first init's gain
 over the others, with a 95% interval paired by seed, is in summary.json.
+
+Several weights files, each an init of its own name (pretrain_workdir may be left
+unset when no init is 'pretrained' or 'random'):
+
+  --config.inits=pretrained,dinov2_s,dinov2_b,random \
+  --config.weights='dinov2_s=/w/dinov2_vits14_pretrain.pth;dinov2_b=/w/dinov2_vitb14_pretrain.pth' \
+  --config.weights_config='dinov2_s=configs/dinov2.py:model=vit_small_patch14_dinov2;dinov2_b=configs/dinov2.py:model=vit_base_patch14_dinov2'
+
+A file the export job wrote needs no weights_config entry. The one-file form of
+older configs, --config.inits=pretrained,weights --config.weights=FILE
+--config.weights_config=configs/X.py, still names its init 'weights'.
 
 Protocols: weighted kNN of the frozen h (temperature 0.07 as Wu et al. 2018;
 k of knn.k chosen by validation); a linear probe on the frozen h (this
@@ -59,8 +71,9 @@ def get_config(arg: str = ""):
   config.seeds = 3
   config.validation_fraction = 0.2  # Of each class's share of a subset, at least one image.
   config.inits = "pretrained,random"  # The first init's gain over each other one is reported.
-  config.weights = config_dict.placeholder(str)  # A weights file, for the 'weights' init.
-  config.weights_config = config_dict.placeholder(str)  # configs/X.py[:ARG] of its model.
+  # 'NAME=FILE;NAME=FILE...': the weights file of each init of inits but pretrained and random.
+  config.weights = config_dict.placeholder(str)
+  config.weights_config = config_dict.placeholder(str)  # 'NAME=configs/X.py[:ARG];...'.
   config.protocols = "knn,linear_probe,finetune"
   config.auroc = True
   config.curve_metric = "top1"  # curve.png's: 'top1', 'balanced_accuracy' or 'auroc'.

@@ -11,6 +11,7 @@ plain fields.
 import importlib.machinery
 import importlib.util
 import os
+import re
 from typing import Optional
 
 import ml_collections
@@ -121,7 +122,9 @@ def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDic
   - a fine-tuning config without backbone_lr_multiplier and layer_decay trained every
     layer at one rate: 1 and 1; one without projector_layers fine-tuned from h: 0;
   - a label-efficiency config without linear_probe.lr_grid or finetune.lr_grid fitted the
-    base rate alone: '1'; one without finetune.projector_layers fine-tuned from h: 0;
+    base rate alone: '1'; one without finetune.projector_layers fine-tuned from h: 0; one
+    whose weights (and weights_config) is a bare value, not named entries (named_entries),
+    read one file as the init 'weights': 'weights=VALUE';
   - a model without input_mean and input_std took its [0, 1] inputs as they were:
     (0, 0, 0) and (1, 1, 1); a ResNet without zero_init_residual, conv_init, padding
     and stage_projection: True, 'he_normal', 'legacy' (resnet.PADDINGS) and False.
@@ -161,10 +164,44 @@ def upgrade_config(saved: ml_collections.ConfigDict) -> ml_collections.ConfigDic
     for part in ("linear_probe", "finetune"):
       fields.get(part, {}).setdefault("lr_grid", "1")
     fields.get("finetune", {}).setdefault("projector_layers", 0)
+    for field in ("weights", "weights_config"):  # Older ones held one file, the init 'weights'.
+      value = fields.get(field)
+      if value and not _NAMED.match(value.strip()):
+        fields[field] = f"weights={value}"
   if isinstance(fields.get("model"), dict):
     _upgrade_model(fields["model"])
   fields["format_version"] = FORMAT_VERSION
   return ml_collections.ConfigDict(fields)
+
+
+# A label-efficiency init's name, and an entry 'NAME=VALUE' of its weights fields: a name
+# holds no '/', ':' or '.', so that a bare path or configs/X.py:ARG=V is never read as named.
+_INIT_NAME = r"[A-Za-z][A-Za-z0-9_-]*"
+_NAMED = re.compile(rf"({_INIT_NAME})=(.*)", re.DOTALL)
+
+
+def is_init_name(name: str) -> bool:
+  """Whether name can name a label-efficiency init: letters, digits, _ and -, a letter first."""
+  return re.fullmatch(_INIT_NAME, name) is not None
+
+
+def named_entries(value) -> dict:
+  """{name: value} of a field of entries 'NAME=VALUE' separated by ';' (the label-efficiency
+  job's weights and weights_config), in their order; None or '' gives {}.
+
+  Raises:
+    ValueError: an entry that is not NAME=VALUE with a non-empty value, or a name given twice.
+  """
+  entries = {}
+  for entry in filter(None, (e.strip() for e in (value or "").split(";"))):
+    match = _NAMED.fullmatch(entry)
+    if not match or not match.group(2).strip():
+      raise ValueError(f"{entry!r} is not NAME=VALUE")
+    name = match.group(1)
+    if name in entries:
+      raise ValueError(f"{name!r} is given twice")
+    entries[name] = match.group(2).strip()
+  return entries
 
 
 def _upgrade_model(model: dict):

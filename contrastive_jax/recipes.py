@@ -100,6 +100,9 @@ def base_config() -> ml_collections.ConfigDict:
   # A weights file (.safetensors; .pth with torch) of a torchvision ResNet or a timm /
   # MoCo v3 ViT that every network starts from (jobs/pretrain.py, docs/weights.md).
   config.init_from = config_dict.placeholder(str)
+  # The config (configs/X.py[:ARG], e.g. configs/dinov2.py:MODEL) whose model init_from holds:
+  # the run's model becomes its (jobs/pretrain.py with_init_model). Unset: config.model.
+  config.init_config = config_dict.placeholder(str)
   return config
 
 

@@ -364,3 +364,80 @@ def test_a_pth_that_is_not_a_plain_state_dict_is_refused(tmp_path):
     make.model_config("dinov2_vit_small"), variables, make.images("dinov2_vit_small", 112)
   )
   assert _relative(tokens, _committed("dinov2_vit_small", 112)) < TOLERANCE
+
+
+# A DINOv2-shaped ViT small enough for a DINO step in a test: D 24 (vit_small at width
+# 1/16), one block, 4 registers, layer scale, patch 14 and a 2 x 2 position grid.
+TINY_DINOV2 = """
+from contrastive_jax import recipes
+
+def get_config(arg=""):
+  config = recipes.base_config()
+  config.model = dict(
+    recipes.dinov2_model("vit_small_patch14_reg4_dinov2", "float32"),
+    width=1 / 16, depth=1, position_grid=2,
+  )
+  return config
+"""
+
+
+def test_dino_continues_a_dinov2_file_student_and_teacher_from_it_heads_new(tmp_path):
+  """init_from a DINOv2-shaped file with init_config naming its model: the run's model is the
+  file's, student and teacher encoders at step 0 are exactly the file's weights, the DINO
+  heads are the method's fresh initialisation, and one step trains the student."""
+  from helpers import tiny_config  # pylint: disable=import-outside-toplevel
+
+  from contrastive_jax.core import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from contrastive_jax.jobs import pretrain  # pylint: disable=import-outside-toplevel
+  from contrastive_jax.methods import pretraining  # pylint: disable=import-outside-toplevel
+
+  config_file = tmp_path / "tiny_dinov2.py"
+  config_file.write_text(TINY_DINOV2)
+  config = tiny_config("dino", "runlocal")
+  config.image_size = 28  # The 2 x 2 grid of patch 14.
+  bare = config.copy_and_resolve_references()
+  bare.init_config = str(config_file)
+  with pytest.raises(ConfigError, match=r"init_config.*unset without init_from"):
+    pretrain.check_config(bare, jax.device_count())
+  model = ml_collections.ConfigDict(
+    dict(recipes.dinov2_model("vit_small_patch14_reg4_dinov2", "float32"))
+  )
+  model.update(width=1 / 16, depth=1, position_grid=2)
+  rng = np.random.default_rng(0)
+  tensors = {
+    entry.name: (rng.normal(size=shape) * 0.3).astype(np.float32)
+    for entry, shape in state_dicts.torch_shapes(model, 28)
+  }
+  assert tensors["register_tokens"].shape == (1, 4, 24) and "blocks.0.ls1.gamma" in tensors
+  path = str(tmp_path / "dinov2_tiny.safetensors")
+  tensor_files.write(path, tensors)
+  config.update(init_from=path, init_config=str(config_file))
+  pretrain.check_config(config, jax.device_count())
+  resolved = pretrain.with_init_model(config)
+  assert resolved.model.to_dict() == model.to_dict() and config.model.name == "vit_tiny"
+  mesh = mesh_lib.make_mesh()
+  run = pretraining.setup(resolved, mesh, 10, 20, 10, pretrain.imported_start(resolved))
+  start = run.init()
+  state = jax.device_get(start)
+  fresh = jax.device_get(pretraining.setup(resolved, mesh, 10, 20, 10).init())
+  want = state_dicts.from_state_dict(tensors, path, model, 28)["params"]
+  for params in (state.params, state.extra["teacher_params"]):
+    jax.tree.map(np.testing.assert_array_equal, params["encoder"], want)
+  # The heads are the method's initialisation, as a run without the file draws them.
+  jax.tree.map(np.testing.assert_array_equal, state.params["projector"], fresh.params["projector"])
+  jax.tree.map(
+    np.testing.assert_array_equal,
+    state.extra["teacher_params"]["projector"],
+    fresh.extra["teacher_params"]["projector"],
+  )
+  batch = {
+    "image": rng.integers(0, 256, (16, 2, 28, 28, 3), dtype=np.uint8),
+    "label": np.zeros(16, np.int32),
+  }
+  batch = jax.device_put(batch, mesh_lib.batch_sharded(mesh))
+  after = start
+  for _ in range(2):  # Step 0's learning rate is the warm-up's 0.
+    after, metrics = run.train_step(after, batch)
+    assert np.isfinite(float(metrics["loss"]))
+  moved = jax.device_get(after.params["encoder"])
+  assert not np.array_equal(moved["cls_token"], want["cls_token"])

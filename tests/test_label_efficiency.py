@@ -333,6 +333,13 @@ def test_choices_are_made_without_the_test_split(curve, pretrained, tmp_path):
       dict(inits="pretrained,weights", weights="/absent/w.safetensors"),
       r"config.weights_config=None: must be the pretraining config",
     ),
+    (
+      dict(inits="pretrained,dino", weights="dino=/a.pth;dinov2=/b.pth"),
+      r"config.weights=.*'dinov2' is not one: add it to inits",
+    ),
+    (dict(inits="pretrained,dino,b"), r"config.weights=None: .*none for 'dino'"),
+    (dict(inits="pretrained,dino", weights="dino=/a.pth;/b.pth"), r"'/b.pth' is not NAME="),
+    (dict(inits="pretrained,di/no"), r"config.inits='pretrained,di/no': must be distinct"),
     (dict(test_split="test[:5]"), r"config.auroc=True: .* class \d has 0 of the 5 images"),
     (dict(finetune=dict(layer_decay=0.0)), r"config.finetune.layer_decay=0.0: must be in \(0, 1\]"),
     (
@@ -410,15 +417,14 @@ def test_an_lr_grid_keeps_the_rate_validation_picks(pretrained, tmp_path):
 
 def _weights_file(tmp_path, model_name: str, variables=None):
   """A .safetensors of helpers.tiny_config()'s encoder as `model_name` (its variables, or
-  zeros of its shapes), and a config file (configs/X.py) of that model."""
+  its initialisation), and a config file (configs/X.py) of that model."""
   config = helpers.tiny_config()
   config.model.name = model_name
   if variables is None:
     encoder = models.build_encoder(config.model)
-    shapes = jax.eval_shape(
-      lambda: encoder.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)
+    variables = jax.device_get(
+      encoder.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)
     )
-    variables = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), shapes)
   path = str(tmp_path / f"{model_name}.safetensors")
   tensor_files.write(path, state_dicts.to_state_dict(config.model, variables, 32))
   config_file = tmp_path / f"{model_name}.py"
@@ -430,28 +436,83 @@ def _weights_file(tmp_path, model_name: str, variables=None):
   return path, str(config_file)
 
 
-def test_a_weights_file_init_is_read_as_its_config_says(pretrained, tmp_path):
-  """The checkpoint's own encoder as a weights file scores what the checkpoint scores; a
-  file of another model is refused before any compute."""
+def test_weights_files_are_inits_of_their_names_beside_the_checkpoint(pretrained, tmp_path):
+  """Two weights files in one run, each an init of its own name: the checkpoint's own encoder
+  as a file scores what the checkpoint scores; a file of another model (a ResNet-18 beside
+  the checkpoint's ResNet-10) is an init like it; the gains are over both; a job started
+  again computes only the missing cells."""
   config = tiny_config(pretrained, labels="20", seeds=1, protocols="knn")
   variables = restore.restore_encoder(config, mesh_lib.make_mesh()).variables
   path, config_file = _weights_file(tmp_path, "resnet10", variables)
-  config.update(inits="pretrained,weights", weights=path, weights_config=config_file)
-  main.run_job(config, str(tmp_path / "same"))
-  with open(tmp_path / "same" / "curve.csv") as f:
+  other, other_file = _weights_file(tmp_path, "resnet18")
+  config.update(
+    inits="own,pretrained,other-net",
+    weights=f"own={path}; other-net={other}",
+    weights_config=f"own={config_file};other-net={other_file}",
+  )
+  workdir = str(tmp_path / "files")
+  summary = main.run_job(config, workdir)
+  with open(f"{workdir}/curve.csv") as f:
     rows = {r["init"]: r for r in csv.DictReader(f)}
+  assert set(rows) == {"own", "pretrained", "other-net"}
   for field in ("top1", "auroc", "balanced_accuracy", "val_top1", "choice"):
-    assert rows["weights"][field] == rows["pretrained"][field], field
-  config.update(protocols="finetune", finetune=dict(projector_layers=1))
+    assert rows["own"][field] == rows["pretrained"][field], field
+  assert 0 <= float(rows["other-net"]["top1"]) <= 1
+  assert set(summary["labels"]["20"]["gain"]) == {"pretrained", "other-net"}
+  assert summary["labels"]["20"]["gain"]["pretrained"]["top1"]["mean"] == 0
+  with open(f"{workdir}/config.json") as f:
+    assert json.load(f)["pretrain_step"] >= 0  # The checkpoint's step, not a file's 0.
+  # Started again: the other file's missing cell alone is computed.
+  kept = f"{workdir}/cells/own-knn-20-0.json"
+  with open(kept) as f:
+    row = json.load(f)
+  with open(kept, "w") as f:
+    json.dump(dict(row, marked=True), f)
+  os.remove(f"{workdir}/cells/other-net-knn-20-0.json")
+  main.run_job(config, workdir)
+  with open(kept) as f:
+    assert json.load(f)["marked"]
+  with open(f"{workdir}/curve.csv") as f:
+    assert {r["init"]: r for r in csv.DictReader(f)}["other-net"] == rows["other-net"]
+  with pytest.raises(ResumeError, match=r"config.weights="):
+    main.run_job(
+      dict_with(
+        config,
+        weights=f"own={path};other-net={path}",
+        weights_config=f"own={config_file};other-net={config_file}",
+      ),
+      workdir,
+    )
+  config.update(
+    inits="own", weights=f"own={path}", weights_config=f"own={config_file}", protocols="finetune"
+  )
+  config.finetune.projector_layers = 1
   with pytest.raises(
     ConfigError, match=r"config.finetune.projector_layers=1: must be 0: a weights file holds no"
   ):
     main.run_job(config, str(tmp_path / "head"))
-  config.update(protocols="knn", finetune=dict(projector_layers=0))
-  other, other_file = _weights_file(tmp_path, "resnet18")
-  config.update(weights=other, weights_config=other_file)
-  with pytest.raises(
-    ConfigError, match=r"config.weights=.*checkpoint's model 'resnet10', not 'resnet18'"
-  ):
-    main.run_job(config, str(tmp_path / "other"))
-  assert not os.path.exists(tmp_path / "other" / "cells")
+
+
+def test_the_older_one_file_form_is_the_init_weights():
+  """A config saved (or given) with one bare file in weights names the init 'weights'."""
+  saved = tiny_config("/absent", inits="pretrained,weights").to_dict()
+  saved.update(weights="/w/r50.safetensors", weights_config="configs/dinov2.py:model=x,dtype=y")
+  upgraded = config_files.upgrade_config(ml_collections.ConfigDict(saved))
+  assert upgraded.weights == "weights=/w/r50.safetensors"
+  assert upgraded.weights_config == "weights=configs/dinov2.py:model=x,dtype=y"
+  assert label_efficiency.weights_files(upgraded) == {
+    "weights": ("/w/r50.safetensors", "configs/dinov2.py:model=x,dtype=y")
+  }
+  again = config_files.upgrade_config(upgraded)  # The named form is kept as it is.
+  assert (again.weights, again.weights_config) == (upgraded.weights, upgraded.weights_config)
+  assert config_files.named_entries(" a=1 ; b-2=x=y;") == {"a": "1", "b-2": "x=y"}
+  for bad in ("a=1;a=2", "a=", "/w.pth", "1a=x"):
+    with pytest.raises(ValueError):
+      config_files.named_entries(bad)
+
+
+def dict_with(config, **fields):
+  """A copy of config with fields set."""
+  config = config.copy_and_resolve_references()
+  config.update(fields)
+  return config

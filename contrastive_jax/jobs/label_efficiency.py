@@ -4,9 +4,9 @@
       --config.pretrain_workdir=PRETRAIN_DIR --config.labels=100,500,1000 --workdir=DIR
 
 For each init (config.inits: 'pretrained', the checkpoint of pretrain_workdir;
-'random', that run's initialisation of the encoder; 'weights', the weights file
-config.weights read as the model of config.weights_config), label count, seed
-and protocol (config.protocols) it runs one cell:
+'random', that run's initialisation of the encoder; any other name, the weights
+file config.weights gives it, read as the model config.weights_config gives it:
+weights_files), label count, seed and protocol (config.protocols) it runs one cell:
 training/label_efficiency.draw_subset draws the class-balanced labelled subset
 of the count for the seed from train_split, with a validation part held out of
 it; the protocol fits on the subset's train part and makes every choice on its
@@ -56,7 +56,7 @@ from contrastive_jax.training import protocols as protocols_lib
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
 
-INITS = ("pretrained", "random", "weights")
+INITS = ("pretrained", "random")  # The checkpoint's inits; every other init is a weights file's.
 PROTOCOLS = tuple(protocols_lib.PROTOCOLS)
 CELLS = "cells"
 CONFIG_FILE = "config.json"
@@ -72,10 +72,18 @@ def check_config(config, num_devices: int):
   if jax.process_count() > 1:
     raise ConfigError("job", config.job, "run on one process (a multi-host run is not supported)")
   inits = protocols_lib.listed(config.inits)
-  if not inits or any(i not in INITS for i in inits) or len(set(inits)) < len(inits):
-    raise ConfigError("inits", config.inits, f"distinct comma-separated names of {list(INITS)}")
-  if "weights" in inits and not config.weights:
-    raise ConfigError("weights", config.weights, "a weights file, with 'weights' in inits")
+  if (
+    not inits
+    or any(not config_files.is_init_name(i) for i in inits)
+    or len(set(inits)) < len(inits)
+  ):
+    raise ConfigError(
+      "inits",
+      config.inits,
+      f"distinct comma-separated names: {list(INITS)} or the names of weights files in "
+      "config.weights (letters, digits, _ and -, a letter first)",
+    )
+  weights_files(config)
   protocols = protocols_lib.listed(config.protocols)
   if not protocols or any(p not in PROTOCOLS for p in protocols):
     raise ConfigError("protocols", config.protocols, f"comma-separated names of {list(PROTOCOLS)}")
@@ -139,6 +147,49 @@ def check_config(config, num_devices: int):
     )
 
 
+def weights_files(config) -> dict:
+  """{init: (weights file, its model's configs/X.py[:ARG] or None)} of config.inits' weights
+  inits (every init but INITS), in inits order, from config.weights and config.weights_config:
+  entries 'NAME=VALUE' separated by ';' (config_files.named_entries; run reads its config
+  through config_files.upgrade_config, which turns the older one-file form, a bare value,
+  into the init 'weights'). A file without a config entry must be one the export job wrote
+  (restore.weights_config reads its run's config beside it).
+
+  Raises:
+    ConfigError: an entry that is not 'NAME=VALUE', a name given twice, an entry for a name
+      that is not a weights init of inits, a weights init without a file.
+  """
+  inits = [i for i in protocols_lib.listed(config.inits) if i not in INITS]
+  entries = {}
+  for field in ("weights", "weights_config"):
+    try:
+      entries[field] = config_files.named_entries(config.get(field))
+    except ValueError as e:
+      raise ConfigError(
+        field,
+        config.get(field),
+        f"entries NAME=VALUE separated by ';', each name once ({e}), "
+        "e.g. 'dinov2_b=/w/dinov2_vitb14_pretrain.pth;dinov2_l=/w/dinov2_vitl14_pretrain.pth'",
+      ) from None
+    stray = [name for name in entries[field] if name not in inits]
+    if stray:
+      raise ConfigError(
+        field,
+        config.get(field),
+        f"entries for weights inits of inits ({', '.join(inits) or 'none'}); {stray[0]!r} "
+        "is not one: add it to inits",
+      )
+  missing = [init for init in inits if init not in entries["weights"]]
+  if missing:
+    raise ConfigError(
+      "weights",
+      config.get("weights"),
+      f"a weights file for each init of inits but {list(INITS)}: "
+      f"none for {missing[0]!r} (give it as {missing[0]}=FILE)",
+    )
+  return {init: (entries["weights"][init], entries["weights_config"].get(init)) for init in inits}
+
+
 def run(config, workdir: str) -> dict:
   """Runs every cell not yet finished in workdir, then writes the curve; returns the summary.
 
@@ -151,6 +202,8 @@ def run(config, workdir: str) -> dict:
     ResumeError: the workdir's cells were computed with another config.
   """
   workdir = files.prepare_workdir(workdir)
+  # Read as a saved config is, so that the older one-file form of weights names its init.
+  config = config_files.upgrade_config(config)
   check_config(config, jax.device_count())
   source = downstream.labelled_source(config, "the label-efficiency job")
   source.num_examples(config.test_split, "test_split")
@@ -259,7 +312,7 @@ def _resume(config, workdir: str, mesh):
     if config.pretrain_step < 0:
       config.pretrain_step = saved.get("pretrain_step", -1)
   encoders, tuned = _restore_inits(config, mesh)
-  config.pretrain_step = next((e.step for i, e in encoders.items() if i != "weights"), -1)
+  config.pretrain_step = next((e.step for i, e in encoders.items() if i in INITS), -1)
   if saved is None:
     files.write_atomic(path, json.dumps(config.to_dict(), indent=1, sort_keys=True))
     return config, encoders, tuned
@@ -271,34 +324,30 @@ def _restore_inits(config, mesh):
   """({init: restore.Encoder} in config.inits order, {init: the encoder fine-tuning trains}:
   the same, or with finetune.projector_layers of its projection head after it).
 
+  Each weights file is read as the model its config gives (weights_files), whatever the
+  checkpoint's: a foundation model's ViT beside this run's ResNet is the comparison asked.
+
   Raises:
-    ConfigError: see restore.restore_encoder and restore.with_head_layers; a weights file
-      whose model is not the checkpoint's (when 'pretrained' or 'random' is also an init).
+    ConfigError: see restore.restore_encoder and restore.with_head_layers, a weights init's
+      named as this job's fields (weights, weights_config) with the init's entry.
   """
   encoders, tuned = {}, {}
+  files_of = weights_files(config)
   for init in protocols_lib.listed(config.inits):
     view = config.copy_and_resolve_references()
     with view.unlocked():
       view.random_init = init == "random"
-      if init == "weights":
-        view.pretrain_workdir, view.pretrain_config = config.weights, config.weights_config
+      if init in files_of:
+        view.pretrain_workdir, view.pretrain_config = files_of[init]
     try:
       encoders[init] = restore.restore_encoder(view, mesh)
     except ConfigError as e:  # Named as this job's config names the weights init's fields.
-      field = WEIGHTS_FIELDS.get(e.field) if init == "weights" else None
+      field = WEIGHTS_FIELDS.get(e.field) if init in files_of else None
       if field is None:
         raise
-      raise ConfigError(field, config[field], e.allowed) from None
+      raise ConfigError(field, view[e.field], f"{e.allowed} (init {init!r})") from None
     tuned[init] = restore.with_head_layers(
       view, encoders[init], config.finetune.projector_layers, "finetune.projector_layers", mesh
-    )
-  names = {init: e.pretrained.model.name for init, e in encoders.items()}
-  if "weights" in names and len(set(names.values())) > 1:
-    checkpoint = names.get("pretrained", names.get("random"))
-    raise ConfigError(
-      "weights",
-      config.weights,
-      f"a weights file of the checkpoint's model {checkpoint!r}, not {names['weights']!r}",
     )
   return encoders, tuned
 

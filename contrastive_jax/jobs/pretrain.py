@@ -10,7 +10,11 @@ Every random draw is a function of (seed, step), so a resumed run continues
 bit for bit. With config.init_from=FILE (a torchvision / timm / MoCo / DINO
 weights file) every network starts from that file's encoder and the heads
 from the method's initialisation; a DINO run from DINO's own training
-checkpoint starts its student, teacher (encoders and heads) and centre from it. A method
+checkpoint starts its student, teacher (encoders and heads) and centre from it.
+With config.init_config too (the config of the file's model, as the downstream
+jobs' pretrain_config: e.g. configs/dinov2.py:MODEL for a DINOv2 backbone) the
+run's model is that config's (with_init_model), so that a DINO run continues a
+foundation model: student and teacher from the file, the DINO heads new. A method
 that reads something outside the workdir at every start (distillation's teacher) has it
 recorded in the config first (methods.OptionalAttributes.recorded_config), so that the
 resume check stops a run whose teacher changed.
@@ -42,6 +46,7 @@ from contrastive_jax.methods import pretraining
 from contrastive_jax.methods import with_encoder
 from contrastive_jax.models import state_dicts
 from contrastive_jax.training import evaluators
+from contrastive_jax.training import restore
 from contrastive_jax.training import runner
 
 
@@ -49,8 +54,9 @@ def check_config(config: ml_collections.ConfigDict, num_devices: int):
   """Raises ConfigError, naming the field, for a config that cannot run.
 
   Runs before any compute; dataset, evaluator and method checks follow in
-  build(), once the dataset is known.
+  build(), once the dataset is known. Checks the config with_init_model gives.
   """
+  config = with_init_model(config)
   runner.check_config(config, num_devices)
   get_method(config.method)
   if config.image_size <= 0:
@@ -81,6 +87,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
       cannot run.
   """
   del workdir
+  config = with_init_model(config)
   method = get_method(config.method)
   recorded = optional_attributes(config.method).recorded_config
   if recorded is not None:  # What the run reads from outside (a teacher), recorded.
@@ -153,6 +160,33 @@ def on_device_batches(config, source, mesh, num_steps: int):
   return device_samplers.train_batches(
     device_data.to_mesh(images, labels, mesh), config, mesh, image_size=config.image_size
   )
+
+
+def with_init_model(config) -> ml_collections.ConfigDict:
+  """config, or with config.init_config set, a copy whose model is that config's: the model of
+  the weights file config.init_from (restore.weights_config, the downstream jobs' reading of
+  a file's model), with its architecture, compute dtype and input standardisation; the run's
+  data, views, method and image size stay its own. The checkpoints save the copy, so that the
+  downstream jobs read the run's model from them, and a resumed run (given the same fields)
+  computes the same one.
+
+  Raises:
+    ConfigError: init_config without init_from.
+    JobError: an init_config that cannot be loaded.
+  """
+  if not config.get("init_config"):
+    return config
+  if not config.get("init_from"):
+    raise ConfigError(
+      "init_config",
+      config.init_config,
+      "unset without init_from: it names the model of the weights file init_from",
+    )
+  model = restore.weights_config(config.init_from, config.init_config, "init_config").model
+  config = config.copy_and_resolve_references()
+  with config.unlocked():
+    config.model = model
+  return config
 
 
 def imported_start(config):

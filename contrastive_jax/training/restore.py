@@ -257,18 +257,7 @@ def _imported_encoder(config, mesh) -> Encoder:
       config.random_init,
       "False with a weights file: its run's initialisation is not in it",
     )
-  if config.get("pretrain_config"):
-    pretrained = config_files.load_config_file(config.pretrain_config, "config.pretrain_config")
-  else:
-    pretrained = _exported_config(path)
-    if pretrained is None:
-      raise ConfigError(
-        "pretrain_config",
-        config.get("pretrain_config"),
-        "the pretraining config (configs/X.py[:VARIANT]) whose model the "
-        f"weights file {path} holds, e.g. configs/moco_v2_imagenet.py (a file "
-        f"the export job wrote has it in its {EXPORT_META})",
-      )
+  pretrained = weights_config(path, config.get("pretrain_config"), "pretrain_config")
   if config.model_name and config.model_name != pretrained.model.name:
     raise ConfigError(
       "model_name",
@@ -285,6 +274,31 @@ def _imported_encoder(config, mesh) -> Encoder:
   )
   encoder = models.build_encoder(pretrained.model)
   return Encoder(encoder, variables, pretrained, 0, models.encoder_width(pretrained.model))
+
+
+def weights_config(path: str, config_file, field: str) -> ml_collections.ConfigDict:
+  """The pretraining config that describes the model of the weights file `path`: config_file's
+  (configs/X.py[:ARG], e.g. configs/dinov2.py:model=vit_base_patch14_dinov2), or, with
+  config_file None, the one the export job recorded beside a file it wrote (EXPORT_META).
+  The one reading of a weights file's model, for every job that takes a file (the downstream
+  jobs' pretrain_config, the label-efficiency job's weights_config, pretraining's init_config).
+
+  Raises:
+    ConfigError (named `field`): config_file None for a file the export job did not write.
+    JobError: a config file that cannot be loaded (config_files.load_config_file).
+  """
+  if config_file:
+    return config_files.load_config_file(config_file, f"config.{field}")
+  pretrained = _exported_config(path)
+  if pretrained is None:
+    raise ConfigError(
+      field,
+      config_file,
+      "the pretraining config (configs/X.py[:VARIANT]) whose model the "
+      f"weights file {path} holds, e.g. configs/moco_v2_imagenet.py (a file "
+      f"the export job wrote has it in its {EXPORT_META})",
+    )
+  return pretrained
 
 
 def _exported_config(path: str):
