@@ -76,6 +76,8 @@ INTEGER_FIELDS = {
   "shard_rows",
   "shuffle_buffer",
   "size",
+  "teacher_blocks",
+  "teacher_step",
   "threads",
   "thumbnail",
   "warmup_teacher_temp_epochs",
