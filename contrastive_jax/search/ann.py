@@ -95,6 +95,10 @@ TYPES = ("auto", "none", "flat", "hnsw", "ivf", "ivfpq", "ivfsq8", "ivfpq8")
 # (memory-mapped), not with vectors the index keeps: what fits a memory budget below
 # the raw vectors (choose_within).
 RERANKED = ("ivfsq8", "ivfpq8")
+# 'auto' within a budget tries OPQ before a PQ code whose sub-vectors have at least this
+# many dimensions: there it raised recall (D = 128: 16 bytes, +0.03 at nprobe 16); with
+# finer codes (32 bytes) it gained 0.001 for 15 times the build (docs/search.md).
+OPQ_MIN_SUBDIM = 8
 # Candidates re-ranked per neighbour by a RERANKED type (k_factor 0).
 RERANK_K_FACTOR = 10
 # config.ann.max_memory's units (decimal and binary), case-insensitive.
@@ -399,17 +403,19 @@ def candidates(num_rows: int, dim: int, ann) -> list:
   today's choice without a budget ('flat' below EXACT_BELOW rows, 'ivf' from
   there: the vectors themselves), then IVF lists of codes re-ranked from the
   shards on disk: SQ8 (D bytes a row), then PQ with 8-bit codes of D / 2, D / 4,
-  ... bytes (m dividing D, down to 1), each first after an OPQ rotation (4 D^2 bytes
-  more) and then without. A finer code ranks the candidates better, and OPQ's codes
-  better than plain PQ's of the same bytes, so the target recall takes fewer lists
-  probed (benchmarks/ann.py, docs/search.md).
+  ... bytes (m dividing D, down to 1), those of sub-vectors of OPQ_MIN_SUBDIM or more
+  dimensions first after an OPQ rotation (4 D^2 bytes more) and then without. A finer
+  code ranks the candidates better, and OPQ's codes better than plain PQ's of the same
+  bytes where the code is coarse, so the target recall takes fewer lists probed
+  (benchmarks/ann.py, docs/search.md).
   """
   first = "flat" if num_rows < EXACT_BELOW else "ivf"
   specs = [_spec(first, num_rows, dim, ann), _spec("ivfsq8", num_rows, dim, ann)]
   m = dim // 2
   while m >= 1:
     if dim % m == 0:
-      specs.append(_spec("ivfpq8", num_rows, dim, ann, pq_m=m, opq=True))
+      if dim // m >= OPQ_MIN_SUBDIM:
+        specs.append(_spec("ivfpq8", num_rows, dim, ann, pq_m=m, opq=True))
       specs.append(_spec("ivfpq8", num_rows, dim, ann, pq_m=m, opq=False))
     m //= 2
   return specs
