@@ -148,7 +148,7 @@ def main(argv):
   del argv
   truth = ground_truth(flags.FLAGS.manifest)
   train, test = (index_lib.load_index(d) for d in (flags.FLAGS.train_index, flags.FLAGS.test_index))
-  ids = [_image_id(r["name"]) for r in train.rows + test.rows]
+  ids = [_image_id(r["name"]) for r in [*train.rows, *test.rows]]
   embeddings = np.concatenate([np.asarray(train.embeddings), np.asarray(test.embeddings)])
   with open(os.path.join(flags.FLAGS.audit, audit.SUMMARY)) as f:
     summary = json.load(f)

@@ -69,6 +69,7 @@ def get_config(arg: str = ""):
       k_factor=0,  # IVFPQ: candidates re-ranked exactly per neighbour; 0: 50 (IVFSQ8, IVFPQ8: 10).
       pca=0,  # IVFSQ8: dimensions a PCA keeps before the lists and codes; 0: no PCA.
       pq_m=0,  # IVFPQ8: bytes of code per row (divides D); 0: D / 4, or what max_memory fits.
+      opq=False,  # IVFPQ8: an OPQ rotation before the codes ('auto' in a budget tries it first).
       max_memory="",  # The index's memory budget, e.g. '4GB' or bytes; '': none (docs/search.md).
       recall=0.95,  # What nprobe at 0 is calibrated to: recall@10.
       threads=0,  # FAISS threads while building; 0: every core.

@@ -300,7 +300,7 @@ def test_adding_files_embeds_only_new_ones_rows_continue_and_their_queries_find_
   # Class folders label the rows; the new classes join the index's after its own.
   assert [r["label"] for r in before.rows] == [0, 0, 1, 1, 2, 2]
   assert after.class_names == ["dress", "hat", "shoes", "pants", "skirt"]
-  assert after.rows == before.rows + [
+  assert list(after.rows) == list(before.rows) + [
     {"name": name, "label": label} for name, label in zip(new_names, [3, 4])
   ]
   # The first part is as it was; the new rows are a new part, embedded as a fresh index does.
@@ -359,7 +359,7 @@ def test_an_interrupted_add_leaves_the_previous_index_as_it_was(photos, tmp_path
   for name, content in listing.items():  # Every file of the index unchanged ...
     assert open(os.path.join(workdir, name), "rb").read() == content, name
   again = index_lib.load_index(workdir)  # ... and it loads and searches as it did.
-  assert again.rows == before.rows and again.meta == before.meta
+  assert list(again.rows) == list(before.rows) and again.meta == before.meta
   results = neighbours.run(neighbours_config(workdir, query_rows="5"), str(tmp_path / "search"))
   assert results["queries"][0]["neighbours"][0]["row"] == 5
   # The add, run again, completes over what the interrupted one left.
@@ -680,7 +680,7 @@ def test_an_index_from_before_ann_indexes_is_read_and_an_add_gives_it_one(photos
   after = index_lib.load_index(workdir)
   assert after.meta["format_version"] == index_lib.FORMAT_VERSION and len(after.rows) == 7
   assert after.ann["type"] == "flat" and after.ann["embed_run"] == after.meta["run_id"]
-  assert after.rows[:6] == before.rows
+  assert after.rows[:6] == list(before.rows)
   # The added image is shard 0, its id numbered on from the old part's rows.
   assert after.meta["parts"][1]["shards"] == [shards_lib.entry(0, 1)]
   assert after.meta["parts"][1]["ids"] == [6, 7]

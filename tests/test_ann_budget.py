@@ -73,15 +73,16 @@ def test_max_memory_takes_bytes_or_units_and_refuses_anything_else_in_one_line()
 def test_the_estimate_is_faiss_serialized_size(data):
   """Codes + ids + centroids + the quantizers' tables, by hand, and FAISS's own bytes."""
   bank = data[0][:5000]
-  for kind, pq_m, pca in (
-    ("flat", 0, 0),
-    ("ivf", 0, 0),
-    ("ivfsq8", 0, 0),
-    ("ivfsq8", 0, 16),
-    ("ivfpq8", 4, 0),
-    ("ivfpq", 0, 0),
+  for kind, pq_m, pca, opq in (
+    ("flat", 0, 0, False),
+    ("ivf", 0, 0, False),
+    ("ivfsq8", 0, 0, False),
+    ("ivfsq8", 0, 16, False),
+    ("ivfpq8", 4, 0, False),
+    ("ivfpq8", 4, 0, True),
+    ("ivfpq", 0, 0, False),
   ):
-    spec = ann_lib.choose(len(bank), D, _ann(type=kind, pq_m=pq_m, pca=pca, nprobe=4))
+    spec = ann_lib.choose(len(bank), D, _ann(type=kind, pq_m=pq_m, pca=pca, opq=opq, nprobe=4))
     nlist = spec["params"].get("nlist", 0)
     lists = nlist * (4 * D + 8) + 8 * len(bank)
     by_hand = {
@@ -94,6 +95,9 @@ def test_the_estimate_is_faiss_serialized_size(data):
       assert spec["factory"] == "PCAR16,IVF128,SQ8"
       by_hand[kind] = nlist * (4 * 16 + 8) + 8 * len(bank) + len(bank) * 16 + 2 * 4 * 16
       by_hand[kind] += 4 * (D * 16 + D * D + 16 + 2 * D)
+    if opq:  # The rotation: D x D floats before the lists.
+      assert spec["factory"] == "OPQ4,IVF128,PQ4x8np"
+      by_hand[kind] += 4 * D * D
     estimate = ann_lib.estimate_bytes(spec, len(bank), D)
     if kind in by_hand:
       assert estimate == by_hand[kind], kind
@@ -109,7 +113,7 @@ def test_a_budget_chooses_the_largest_index_that_fits_and_its_reranked_recall_re
   bank, queries = data
   exact = _numpy_top(queries, bank, 10)
   chosen = {}
-  for budget, want in (("3MB", "Flat"), ("1MB", "IVF512,SQ8"), ("400KB", "IVF512,PQ4x8np")):
+  for budget, want in (("3MB", "Flat"), ("1MB", "IVF512,SQ8"), ("400KB", "OPQ4,IVF512,PQ4x8np")):
     spec = ann_lib.choose(N, D, _ann(max_memory=budget))
     assert spec["factory"] == want
     assert (
@@ -137,7 +141,7 @@ def test_a_budget_chooses_the_largest_index_that_fits_and_its_reranked_recall_re
     assert score["recall"] >= 0.9 and score["queries_per_second"] > 0
     chosen[want] = built
   # Without re-ranking, the codes alone rank the candidates worse.
-  _, coded = ann_lib.search(chosen["IVF512,PQ4x8np"], queries, 10)
+  _, coded = ann_lib.search(chosen["OPQ4,IVF512,PQ4x8np"], queries, 10)
   assert np.mean([len(set(a) & set(b)) / 10 for a, b in zip(coded, exact)]) < 0.9
 
 
@@ -236,7 +240,7 @@ def test_the_benchmark_measures_the_indexes_within_a_budget_against_exact_search
   assert [name for name, *_ in table] == [
     "exact: faiss IndexFlatIP",
     "IVF64,SQ8 (chosen)",  # 3,000 x 16 x 4 = 192 KB of vectors: over the budget.
-    "IVF64,PQ8x8np",
+    "IVF64,PQ8x8np",  # Sub-vectors of 2 dimensions: no OPQ tried before it.
     "PCAR8,IVF64,SQ8",
   ]
   for name, estimate, size, nprobe, calibrated, found, qps, ratio in table[1:]:

@@ -3,8 +3,10 @@
 import glob
 import json
 import os
+import shutil
 
 import numpy as np
+from PIL import Image
 import pyarrow.parquet as pq
 import pytest
 from test_search import embed_config
@@ -111,12 +113,50 @@ def test_the_beam_embed_resumes_a_killed_jax_embed_at_its_first_missing_shard(
   _assert_same_shards(workdir, jax_dir, range(4))
 
 
+def test_the_beam_engine_adds_a_folders_new_files_as_the_jax_engine_does(pretrained, tmp_path):  # noqa: F811
+  folder = tmp_path / "photos"
+  (folder / "a").mkdir(parents=True)
+  (folder / "b").mkdir()
+  pixels = np.random.default_rng(0).integers(0, 256, (6, 32, 32, 3), np.uint8)
+
+  def save(i, cls):
+    Image.fromarray(pixels[i]).save(folder / cls / f"{i}.png")
+
+  for i, cls in enumerate("aabb"):
+    save(i, cls)
+  first = embed_config(pretrained, dataset=None, folder=str(folder), shard_rows=3)
+  jax_dir, beam_dir = str(tmp_path / "jax"), str(tmp_path / "beam")
+  embed.run(first, jax_dir)
+  shutil.copytree(jax_dir, beam_dir)
+  save(4, "a")  # New files of a class the index has and of a new one.
+  (folder / "c").mkdir()
+  save(5, "c")
+  add = dict(dataset=None, folder=str(folder), add=True)
+  embed.run(embed_config(None, **add), jax_dir)
+  embed.run(embed_config(None, engine="beam", num_workers=1, **add), beam_dir)
+  assert _names(beam_dir) == _names(jax_dir)
+  assert "metadata/metadata_00002.parquet" in _names(jax_dir)  # The added part's shard.
+  files = shards_lib.names(2)
+  np.testing.assert_allclose(
+    np.load(f"{beam_dir}/{files['embeddings']}"),
+    np.load(f"{jax_dir}/{files['embeddings']}"),
+    atol=1e-5,
+  )
+  table = pq.read_table(f"{beam_dir}/{files['metadata']}")
+  assert table.equals(pq.read_table(f"{jax_dir}/{files['metadata']}"))
+  assert table["name"].to_pylist() == [str(folder / "a/4.png"), str(folder / "c/5.png")]
+  assert table["id"].to_pylist() == [4, 5]
+  jax_index, beam_index = index_lib.load_index(jax_dir), index_lib.load_index(beam_dir)
+  assert jax_index.meta["parts"] == beam_index.meta["parts"] and len(beam_index.rows) == 6
+  assert list(beam_index.rows) == list(jax_index.rows)
+  assert beam_index.class_names == jax_index.class_names == ["a", "b", "c"]
+
+
 @pytest.mark.parametrize(
   "overrides, message",
   [
     (dict(engine="spark"), "config.engine='spark'"),
     (dict(engine="beam", num_workers=-1), "config.num_workers=-1"),
-    (dict(engine="beam", add=True, folder="/x", dataset=None), "config.engine='beam'"),
   ],
 )
 def test_a_bad_engine_is_one_config_error(pretrained, tmp_path, overrides, message):  # noqa: F811

@@ -78,7 +78,7 @@ def test_a_killed_embed_resumes_at_its_first_missing_shard_and_writes_the_same_b
   for name in names:
     assert open(f"{workdir}/{name}", "rb").read() == open(f"{sharded}/{name}", "rb").read(), name
   resumed, whole = index_lib.load_index(workdir), index_lib.load_index(sharded)
-  assert resumed.rows == whole.rows and resumed.meta["parts"] == whole.meta["parts"]
+  assert list(resumed.rows) == list(whole.rows) and resumed.meta["parts"] == whole.meta["parts"]
 
 
 def test_an_unfinished_embed_of_other_images_is_refused_not_overwritten(
@@ -130,7 +130,7 @@ def test_shards_read_with_numpy_and_pyarrow_as_clip_retrieval_and_autofaiss_do(s
   assert columns["id"] == list(range(NUM))
   assert columns["split"] == [f"test[:{NUM}]"] * NUM
   assert [{"name": n, "label": label} for n, label in zip(columns["name"], columns["label"])] == (
-    saved.rows
+    list(saved.rows)
   )
   with open(f"{sharded}/{index_lib.META}") as f:
     meta = json.load(f)
@@ -138,6 +138,30 @@ def test_shards_read_with_numpy_and_pyarrow_as_clip_retrieval_and_autofaiss_do(s
   assert [s["embeddings"] for s in meta["parts"][0]["shards"]] == [
     os.path.relpath(f, sharded) for f in embeddings
   ]
+
+
+def test_an_index_reads_its_rows_metadata_from_the_shards_only_when_asked(sharded):
+  saved = index_lib.load_index(sharded)
+  assert saved.rows.held == [] and len(saved.rows) == NUM  # Loaded: row counts only.
+  # The reference: each shard's parquet read whole with pyarrow, as another tool would.
+  expected = []
+  for path in sorted(glob.glob(f"{sharded}/metadata/*.parquet")):
+    table = pq.read_table(path)
+    expected += [
+      {"name": n, "label": la}
+      for n, la in zip(table["name"].to_pylist(), table["label"].to_pylist())
+    ]
+  assert saved.rows[13] == expected[13] and saved.rows.held == [2]  # Row 13: shard 2 of 6 rows.
+  assert saved.rows[-1] == expected[-1] and saved.rows.held == [2, 3]
+  assert saved.rows[0] == expected[0] and saved.rows.held == [3, 0]  # At most CACHED held.
+  picked = [19, 0, 7, 7, 12]
+  assert saved.rows.take(picked) == [expected[r] for r in picked]
+  assert saved.rows[4:9] == expected[4:9] and list(saved.rows) == expected
+  assert list(saved.rows.names()) == [row["name"] for row in expected]
+  wanted = [expected[16]["name"], expected[2]["name"], "not a row"]
+  assert saved.rows.find(wanted) == {expected[16]["name"]: 16, expected[2]["name"]: 2}
+  with pytest.raises(IndexError):
+    saved.rows.take([NUM])
 
 
 @pytest.mark.parametrize("damage", ["missing", "truncated", "fewer rows"])
@@ -185,7 +209,9 @@ def test_an_index_of_format_3_still_loads_and_searches(sharded, tmp_path):
   meta = dict(saved.meta, format_version=3, parts=[old_part], ann=None)  # Exact search.
   (workdir / index_lib.META).write_text(json.dumps(meta))
   old = index_lib.load_index(str(workdir))
-  assert old.rows == saved.rows and old.meta["format_version"] == index_lib.FORMAT_VERSION
+  assert (
+    list(old.rows) == list(saved.rows) and old.meta["format_version"] == index_lib.FORMAT_VERSION
+  )
   np.testing.assert_array_equal(old.embeddings, saved.embeddings)
   assert old.meta["parts"][0]["shards"] == [
     {"embeddings": "embeddings.npy", "metadata": "index.jsonl", "num_images": NUM}

@@ -304,7 +304,7 @@ def test_class_folders_label_a_folder_index_and_files_beside_them_are_listed(pre
   embed.run(embed_config(pretrained, dataset=None, folder=str(folder)), str(workdir))
   saved = index_lib.load_index(str(workdir))
   assert saved.class_names == ["cat", "ship"]
-  assert saved.rows == [
+  assert list(saved.rows) == [
     {"name": str(folder / "cat/x.png"), "label": 0},
     {"name": str(folder / "ship/y.png"), "label": 1},
     {"name": str(folder / "ship/z.png"), "label": 1},
@@ -406,7 +406,7 @@ def test_two_hosts_write_their_own_shards_and_no_process_gathers_every_row(pretr
   one = str(tmp_path / "one")
   embed.run(embed_config(pretrained, shard_rows=5), one)
   saved, single = index_lib.load_index(str(two)), index_lib.load_index(one)
-  assert saved.rows == single.rows and saved.meta["parts"] == single.meta["parts"]
+  assert list(saved.rows) == list(single.rows) and saved.meta["parts"] == single.meta["parts"]
   np.testing.assert_allclose(saved.embeddings, single.embeddings, atol=1e-5)
   for number in range(4):
     name = shards_lib.names(number)["metadata"]

@@ -229,12 +229,14 @@ def run(config, workdir: str) -> dict:
     ("leak", score, number + 1, a, 0, b) for number, pairs, _ in leaks for a, b, score in pairs
   ]
   table.sort(key=lambda p: (-p[1], p[0], p[2], p[3], p[5]))
+  described = _described(indexes, table)
   summary = _summary(
     config,
     reference_dir,
     others,
     indexes,
     table,
+    described,
     search,
     seconds,
     {"duplicate": int(dup_saturated.sum()), "leak": int(sum(s.sum() for _, _, s in leaks))},
@@ -242,9 +244,9 @@ def run(config, workdir: str) -> dict:
   with files.workdir_lock(workdir):
     if jax.process_index() == 0:
       tf.io.gfile.makedirs(workdir)
-      files.write_atomic(f"{workdir}/{PAIRS}", _csv(indexes, table).encode())
+      files.write_atomic(f"{workdir}/{PAIRS}", _csv(indexes, table, described).encode())
       if table and config.picture_pairs:
-        picture = _picture(config, indexes, _shown(table, config.picture_pairs))
+        picture = _picture(config, indexes, _shown(table, config.picture_pairs), described)
         pictures.write_png(f"{workdir}/{PICTURE}", picture)
         writer = metric_writers.create_default_writer(workdir, asynchronous=False)
         writer.write_images(0, {"pairs": picture[None]})
@@ -311,19 +313,34 @@ def leak_pairs(scores: np.ndarray, rows: np.ndarray, threshold: float):
   )
 
 
-def _class(index: index_lib.Index, row: int) -> str:
-  """The class of an index's row: its label's name, or for a folder's file its folder below
-  the index's folder, as the prepare job names classes ('' for a file at the top)."""
-  label = index.rows[row].get("label")
+def _class(index: index_lib.Index, row: dict) -> str:
+  """The class of an index's row (its {'name'[, 'label']}): its label's name, or for a folder's
+  file its folder below the index's folder, as the prepare job names classes ('' for a file at
+  the top)."""
+  label = row.get("label")
   if label is not None:
     return index.class_names[label] if index.class_names else str(label)
   if index.config.folder:
-    folder = os.path.relpath(os.path.dirname(index.rows[row]["name"]), index.config.folder)
+    folder = os.path.relpath(os.path.dirname(row["name"]), index.config.folder)
     return "" if folder == "." else folder
   return ""
 
 
-def _csv(indexes: list, table: list) -> str:
+def _described(indexes: list, table: list) -> dict:
+  """{(which, row): {'name'[, 'label']}} of the rows of the pairs in table, each index's read
+  from its shards in one pass (index.Rows.take), no other row's."""
+  wanted = collections.defaultdict(set)
+  for _, _, which, a, reference, b in table:
+    wanted[which].add(a)
+    wanted[reference].add(b)
+  described = {}
+  for which, rows in wanted.items():
+    rows = sorted(rows)
+    described.update(((which, r), d) for r, d in zip(rows, indexes[which].rows.take(rows)))
+  return described
+
+
+def _csv(indexes: list, table: list, described: dict) -> str:
   out = io.StringIO()
   writer = csv.writer(out, lineterminator="\n")
   writer.writerow(COLUMNS)
@@ -335,19 +352,21 @@ def _csv(indexes: list, table: list) -> str:
         f"{score:.6f}",
         split_name(ia),
         a,
-        ia.rows[a]["name"],
-        _class(ia, a),
+        described[which, a]["name"],
+        _class(ia, described[which, a]),
         split_name(ib),
         b,
-        ib.rows[b]["name"],
-        _class(ib, b),
+        described[reference, b]["name"],
+        _class(ib, described[reference, b]),
       ]
     )
   return out.getvalue()
 
 
-def _summary(config, reference_dir, others, indexes, table, search, seconds, saturated) -> dict:
-  """summary.json's content (the module docstring)."""
+def _summary(
+  config, reference_dir, others, indexes, table, described, search, seconds, saturated
+) -> dict:
+  """summary.json's content (the module docstring); described: _described(indexes, table)."""
   splits = {
     split_name(index): {"rows": len(index.rows), "pairs": 0, "images_in_pairs": 0}
     for index in indexes
@@ -361,7 +380,10 @@ def _summary(config, reference_dir, others, indexes, table, search, seconds, sat
     in_pairs[name].add(a)
     if kind == "duplicate":
       in_pairs[name].add(b)
-    names = {_class(indexes[which], a), _class(indexes[reference], b)}
+    names = {
+      _class(indexes[which], described[which, a]),
+      _class(indexes[reference], described[reference, b]),
+    }
     for cls in names:  # A pair of two classes counts for each.
       classes[cls][kind] += 1
     different[kind] += len(names) > 1
@@ -395,7 +417,7 @@ def _shown(table: list, count: int) -> list:
   return [table[i] for i in sorted(kinds["leak"][:leaks] + kinds["duplicate"][: count - leaks])]
 
 
-def _picture(config, indexes: list, table: list) -> np.ndarray:
+def _picture(config, indexes: list, table: list, described: dict) -> np.ndarray:
   """pairs.png: _PAIRS_PER_LINE pairs a line, each image then its pair, with captions.
 
   Images are read again from each index's dataset split or folder
@@ -418,7 +440,10 @@ def _picture(config, indexes: list, table: list) -> np.ndarray:
     line, caption = [], []
     for kind, score, which, a, reference, b in table[start : start + _PAIRS_PER_LINE]:
       line += [read[which, a], read[reference, b]]
-      classes = [_class(indexes[which], a), _class(indexes[reference], b)]
+      classes = [
+        _class(indexes[which], described[which, a]),
+        _class(indexes[reference], described[reference, b]),
+      ]
       caption += [
         f"{score:.4f} {kind}",
         classes[0] if classes[0] == classes[1] else "|".join(classes),

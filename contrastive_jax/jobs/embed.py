@@ -94,12 +94,6 @@ def check_config(config, num_devices: int):
     raise ConfigError("engine", config.engine, f"one of {list(ENGINES)}")
   if config.num_workers < 0:
     raise ConfigError("num_workers", config.num_workers, "an integer >= 0 (0: one per core)")
-  if config.engine == "beam" and config.add:
-    raise ConfigError(
-      "engine",
-      config.engine,
-      "'jax' when config.add is True: the Beam embed writes new indexes only",
-    )
   if config.engine == "beam" and jax.process_count() > 1:
     raise ConfigError(
       "engine",
@@ -141,16 +135,18 @@ def _beam_runner(config, workdir: str):
   return runner
 
 
-def worker_model(config_json: str) -> tuple:
+def worker_model(config_json: str, workdir: str) -> tuple:
   """(model, mesh, source, split): a Beam worker's encoder and images, of the config's JSON.
 
   What load_model of beam_embed.EncoderHandler calls, once per worker process: the
-  checkpoint is read there, the source opened (a folder listed) as the driver did.
+  checkpoint is read there, the source opened (a folder listed) as the driver did; with
+  config.add, the files the index in workdir holds left out, as the driver left them out.
   """
   config = ml_collections.ConfigDict(json.loads(config_json))
   mesh = mesh_lib.make_mesh()
   model = restore.embed_model(config, mesh)
-  source, split = open_source(config, shorter_side=model.eval_crop.shorter_side())
+  skip = frozenset(index_lib.load_index(workdir).rows.names()) if config.add else frozenset()
+  source, split = open_source(config, shorter_side=model.eval_crop.shorter_side(), skip=skip)
   return model, mesh, source, split
 
 
@@ -203,6 +199,11 @@ def _adding_config(config, existing: index_lib.Index):
     data_threads=config.data_threads,
     ann=ann,
     add=True,
+    # Who embeds this run's shards: this run's choice, whichever engine embedded the index.
+    engine=config.engine,
+    runner=config.runner,
+    num_workers=config.num_workers,
+    beam_options=config.beam_options,
   )
   return adding
 
@@ -264,9 +265,7 @@ def run(config, workdir: str):
       return _embed_and_write(config, workdir, mesh, model, source, split, None, runner)
   with files.workdir_lock(workdir):
     existing = _index_to_add_to(workdir)  # Again: another add may have grown it meanwhile.
-    source, split = open_source(
-      config, shorter_side=shorter, skip=frozenset(row["name"] for row in existing.rows)
-    )
+    source, split = open_source(config, shorter_side=shorter, skip=frozenset(existing.rows.names()))
     if not source.files:
       logging.info("Every file of %s is in the index already: nothing to add.", config.folder)
       return np.zeros((0, existing.embeddings.shape[1]), np.float32)
@@ -341,7 +340,7 @@ def _embed_and_write(
     beam_embed.embed_shards(
       missing,
       beam_embed.Embedding(
-        functools.partial(worker_model, config.to_json()),
+        functools.partial(worker_model, config.to_json(), workdir),
         workdir,
         config.batch_size,
         config.data_threads,

@@ -140,8 +140,9 @@ def _queries(config, index: index_lib.Index):
         f"comma-separated rows of the index, each in [0, {num_rows}) ({item!r} is not)",
       )
     found.append((item, int(item), None))
-  by_name = {row["name"]: i for i, row in enumerate(index.rows)}
-  for item, line in _named_queries(config):
+  named = list(_named_queries(config))
+  by_name = index.rows.find(item for item, _ in named)  # Only the rows of these names.
+  for item, line in named:
     if item in by_name:
       found.append((item, by_name[item], None))
     elif not os.path.isfile(item):
@@ -236,11 +237,7 @@ def _search_and_write(
       {
         "query": item,
         "row": row,
-        "neighbours": [
-          dict(index.rows[r], row=int(r), score=float(s))
-          for r, s in zip(rows[i], scores[i])
-          if r >= 0
-        ],
+        "neighbours": _described(index, rows[i], scores[i]),
       }
       for i, (item, row, _) in enumerate(queries)
     ],
@@ -255,6 +252,14 @@ def _search_and_write(
     writer.close()
     logging.info("Wrote %s and %s to %s.", RESULTS, PICTURE, workdir)
   return results
+
+
+def _described(index: index_lib.Index, rows, scores) -> list:
+  """[{'name'[, 'label'], 'row', 'score'}] of one query's neighbours (rows int [k], -1 for none;
+  scores float [k]), only their rows read from the index's shards."""
+  found = np.flatnonzero(np.asarray(rows) >= 0)
+  described = index.rows.take(np.asarray(rows)[found])
+  return [dict(d, row=int(rows[j]), score=float(scores[j])) for j, d in zip(found, described)]
 
 
 def _picture(config, index: index_lib.Index, queries, scores, rows) -> np.ndarray:

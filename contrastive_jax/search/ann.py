@@ -95,6 +95,10 @@ TYPES = ("auto", "none", "flat", "hnsw", "ivf", "ivfpq", "ivfsq8", "ivfpq8")
 # (memory-mapped), not with vectors the index keeps: what fits a memory budget below
 # the raw vectors (choose_within).
 RERANKED = ("ivfsq8", "ivfpq8")
+# 'auto' within a budget tries OPQ before a PQ code whose sub-vectors have at least this
+# many dimensions: there it raised recall (D = 128: 16 bytes, +0.03 at nprobe 16); with
+# finer codes (32 bytes) it gained 0.001 for 15 times the build (docs/search.md).
+OPQ_MIN_SUBDIM = 8
 # Candidates re-ranked per neighbour by a RERANKED type (k_factor 0).
 RERANK_K_FACTOR = 10
 # config.ann.max_memory's units (decimal and binary), case-insensitive.
@@ -192,6 +196,8 @@ def check_config(ann, *, adding: bool = False):
       raise ConfigError(f"ann.{field}", ann[field], "an integer >= 0 (0: chosen from the rows)")
   if ann.threads < 0:
     raise ConfigError("ann.threads", ann.threads, "an integer >= 0 (0: every core)")
+  if not isinstance(ann.get("opq", False), bool):
+    raise ConfigError("ann.opq", ann.opq, "True or False")
   if not 0 < ann.recall <= 1:
     raise ConfigError(
       "ann.recall", ann.recall, "a recall@10 in (0, 1] that nprobe left at 0 is calibrated to"
@@ -275,7 +281,8 @@ def choose(num_rows: int, dim: int, ann) -> dict:
   rounded to a power of two, FAISS's guideline, at most N / MIN_ROWS_PER_LIST;
   'ivfpq': dim / 2 codes of 4 bits, k_factor IVFPQ_K_FACTOR; 'ivfsq8' and
   'ivfpq8': k_factor RERANK_K_FACTOR, 'ivfpq8' dim / 4 bytes of code (pq_m),
-  'ivfsq8' a PCA to ann.pca dimensions first when it is > 0;
+  'ivfsq8' a PCA to ann.pca dimensions first when it is > 0, 'ivfpq8' an OPQ rotation
+  first when ann.opq;
   HNSW: efSearch HNSW_EF_SEARCH). When IVF's nprobe is 0, "calibration" is
   {"param": "nprobe", "target": ann.recall} and params holds None for it:
   build calibrates it. Otherwise "calibration" is None.
@@ -295,8 +302,9 @@ def choose(num_rows: int, dim: int, ann) -> dict:
   return _spec(kind, num_rows, dim, ann)
 
 
-def _spec(kind: str, num_rows: int, dim: int, ann, pq_m: int = 0) -> dict:
-  """choose's spec of the named type `kind` (not 'auto' or 'none'); pq_m: 'ivfpq8''s bytes."""
+def _spec(kind: str, num_rows: int, dim: int, ann, pq_m: int = 0, opq=None) -> dict:
+  """choose's spec of the named type `kind` (not 'auto' or 'none'); pq_m: 'ivfpq8''s bytes,
+  opq: whether an OPQ rotation comes first ('ivfpq8'; None: ann.opq)."""
   if kind == "flat":
     return {"type": "flat", "factory": "Flat", "params": {}, "calibration": None}
   if kind == "hnsw":
@@ -338,6 +346,10 @@ def _spec(kind: str, num_rows: int, dim: int, ann, pq_m: int = 0) -> dict:
       # 'np': no polysemous training (a slow reordering of the codes for Hamming
       # filtering, which the search does not use).
       factory, params = f"IVF{nlist},PQ{m}x8np", dict(params, m=m)
+      if ann.get("opq", False) if opq is None else opq:
+        # OPQ: a rotation trained so that the m sub-vectors quantize better (Ge et al.
+        # 2013, "Optimized Product Quantization"); applied to each row and query first.
+        factory, params = f"OPQ{m},{factory}", dict(params, opq=True)
     return {"type": kind, "factory": factory, "params": params, "calibration": calibration}
   codes = dim // 2 if dim % 2 == 0 else dim  # 2 dimensions per 4-bit code (1 if dim is odd).
   return {
@@ -354,7 +366,8 @@ def estimate_bytes(spec: dict, num_rows: int, dim: int) -> int:
   What it holds in memory once built: per row its code (4 D bytes for the
   vectors themselves, D for SQ8, m for PQ with 8-bit codes, D / 4 for
   'ivfpq''s 4-bit codes plus the vectors it re-ranks with; 'ivfsq8' with
-  pca: pca bytes, and the PCA's matrices) and, in an inverted file, its
+  pca: pca bytes, and the PCA's matrices; 'ivfpq8' with opq: the D x D rotation) and, in
+  an inverted file, its
   int64 id; per list its centroid (4 D bytes) and size;
   the quantizers' tables (SQ8: a minimum and a range per dimension; PQ: 2^bits
   centroids of each sub-vector). HNSW: the vectors and M int32 links per row
@@ -377,8 +390,8 @@ def estimate_bytes(spec: dict, num_rows: int, dim: int) -> int:
     return params["nlist"] * (4 * kept + 8) + 8 * n + n * kept + 2 * 4 * kept + pca
   if kind == "ivfsq8":
     return lists + n * dim + 2 * 4 * dim
-  if kind == "ivfpq8":
-    return lists + n * params["m"] + 256 * 4 * dim
+  if kind == "ivfpq8":  # With OPQ: its D x D rotation too.
+    return lists + n * params["m"] + 256 * 4 * dim + (4 * dim * dim if params.get("opq") else 0)
   codes = dim // 2 if dim % 2 == 0 else dim  # 'ivfpq': 4-bit codes, in blocks of 32 rows.
   blocks = -(-n // 32) + params["nlist"]
   return lists + blocks * 32 * codes // 2 + 16 * 4 * dim + vectors
@@ -390,15 +403,20 @@ def candidates(num_rows: int, dim: int, ann) -> list:
   today's choice without a budget ('flat' below EXACT_BELOW rows, 'ivf' from
   there: the vectors themselves), then IVF lists of codes re-ranked from the
   shards on disk: SQ8 (D bytes a row), then PQ with 8-bit codes of D / 2, D / 4,
-  ... bytes (m dividing D, down to 1). A finer code ranks the candidates better,
-  so the target recall takes fewer lists probed (benchmarks/ann.py, docs/search.md).
+  ... bytes (m dividing D, down to 1), those of sub-vectors of OPQ_MIN_SUBDIM or more
+  dimensions first after an OPQ rotation (4 D^2 bytes more) and then without. A finer
+  code ranks the candidates better, and OPQ's codes better than plain PQ's of the same
+  bytes where the code is coarse, so the target recall takes fewer lists probed
+  (benchmarks/ann.py, docs/search.md).
   """
   first = "flat" if num_rows < EXACT_BELOW else "ivf"
   specs = [_spec(first, num_rows, dim, ann), _spec("ivfsq8", num_rows, dim, ann)]
   m = dim // 2
   while m >= 1:
     if dim % m == 0:
-      specs.append(_spec("ivfpq8", num_rows, dim, ann, pq_m=m))
+      if dim // m >= OPQ_MIN_SUBDIM:
+        specs.append(_spec("ivfpq8", num_rows, dim, ann, pq_m=m, opq=True))
+      specs.append(_spec("ivfpq8", num_rows, dim, ann, pq_m=m, opq=False))
     m //= 2
   return specs
 

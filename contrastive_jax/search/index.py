@@ -47,6 +47,7 @@ from absl import logging
 import ml_collections
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import tensorflow as tf
 
 from contrastive_jax.core import files
@@ -307,19 +308,95 @@ class Parts:
     return np.concatenate([np.asarray(p) for p in self.parts]).astype(dtype or self.dtype)
 
 
+class Rows:
+  """The row descriptions {'name'[, 'label']} of an index's shards, read from their files when
+  asked: no Python object is made for a row not asked for, and at most CACHED shards' columns
+  are held (read_table: parquet memory-mapped where local).
+
+  len; rows[i] (an int: one dict); rows[a:b] and take(rows) (lists, read a shard at a time);
+  iteration (in row order, one shard at a time); find(names) (the rows of given names).
+  """
+
+  CACHED = 2
+
+  def __init__(self, paths: list, counts: list):
+    self.paths = paths
+    self.starts = np.cumsum([0] + list(counts))
+    self._cache = {}  # shard -> pyarrow.Table, at most CACHED of them, the oldest dropped.
+
+  def __len__(self):
+    return int(self.starts[-1])
+
+  @property
+  def held(self) -> list:
+    """The shards whose columns are held now (at most CACHED), oldest first."""
+    return list(self._cache)
+
+  def _table(self, shard: int) -> pa.Table:
+    if shard not in self._cache:
+      if len(self._cache) >= self.CACHED:
+        del self._cache[next(iter(self._cache))]
+      self._cache[shard] = _read_table(self.paths[shard])
+    return self._cache[shard]
+
+  def __getitem__(self, key):
+    if isinstance(key, slice):
+      return self.take(range(*key.indices(len(self))))
+    row = int(key) + len(self) if key < 0 else int(key)
+    if not 0 <= row < len(self):
+      raise IndexError(f"row {int(key)} outside [0, {len(self)})")
+    shard = int(np.searchsorted(self.starts, row, side="right")) - 1
+    return shards_lib.row_dicts(self._table(shard).slice(row - int(self.starts[shard]), 1))[0]
+
+  def take(self, rows) -> list:
+    """[{'name'[, 'label']}] of the given rows (ints in [0, len)), in their order."""
+    rows = np.asarray(rows, np.int64).ravel()
+    if len(rows) and (rows.min() < 0 or rows.max() >= len(self)):
+      raise IndexError(f"rows outside [0, {len(self)})")
+    shard = np.searchsorted(self.starts, rows, side="right") - 1
+    out = [None] * len(rows)
+    for s in np.unique(shard):
+      chosen = np.flatnonzero(shard == s)
+      picked = self._table(int(s)).take(pa.array(rows[chosen] - self.starts[s]))
+      for i, row in zip(chosen, shards_lib.row_dicts(picked)):
+        out[i] = row
+    return out
+
+  def __iter__(self):
+    for shard in range(len(self.paths)):
+      yield from shards_lib.row_dicts(_read_table(self.paths[shard]))
+
+  def names(self):
+    """Every row's name, in row order, a shard's at a time (an iterator of str)."""
+    for shard in range(len(self.paths)):
+      yield from _read_table(self.paths[shard])["name"].to_pylist()
+
+  def find(self, wanted) -> dict:
+    """{name: row} of the names in `wanted` that rows have (the first row of each)."""
+    wanted, found = set(wanted), {}
+    if not wanted:
+      return found
+    for shard in range(len(self.paths)):
+      column = _read_table(self.paths[shard])["name"]
+      hits = np.flatnonzero(pc.is_in(column, value_set=pa.array(sorted(wanted))).to_numpy(False))
+      for i in hits:
+        found.setdefault(column[int(i)].as_py(), int(self.starts[shard] + i))
+    return found
+
+
 class Index(NamedTuple):
   """An embed job's output, as load_index reads it.
 
   embeddings: float32 [N, D] unit rows of every shard, in order (a
   memory-mapped array for one local shard, a Parts of them for several).
-  rows: N dicts {'name'[, 'label']}.
+  rows: the N rows' {'name'[, 'label']}, read from the shards' metadata when asked (Rows).
   config: the embed job's config; eval_crop: how its images were cropped
   (input_pipeline.EvalCrop); class_names: list or None.
   meta: embed.json as read (its "ann": the ANN index's description, or None).
   """
 
   embeddings: np.ndarray
-  rows: list
+  rows: Rows
   config: ml_collections.ConfigDict
   eval_crop: input_pipeline.EvalCrop
   class_names: list
@@ -379,12 +456,34 @@ def _read_embeddings(path: str):
   return np.load(path, mmap_mode="r")  # The neighbours job reads it chunk by chunk.
 
 
-def _read_rows(path: str) -> list:
-  """[{"name"[, "label"]}] of a shard's metadata: parquet (format 4) or JSON lines (1 to 3)."""
+def _read_table(path: str) -> pa.Table:
+  """A shard's "name" and "label" columns: its parquet (format 4) or JSON lines (1 to 3).
+
+  Raises:
+    OSError, ValueError (pyarrow.ArrowInvalid, json.JSONDecodeError): a missing or damaged file.
+  """
   if path.endswith(".jsonl"):
     with tf.io.gfile.GFile(path) as f:
-      return [json.loads(line) for line in f]
-  return shards_lib.read_rows(path)
+      rows = [json.loads(line) for line in f]
+    return pa.table(
+      {
+        "name": pa.array([row["name"] for row in rows], pa.string()),
+        "label": pa.array([row.get("label") for row in rows], pa.int64()),
+      }
+    )
+  return shards_lib.read_table(path)
+
+
+def _count_rows(path: str) -> int:
+  """A shard's row count: its parquet's footer (format 4), or its JSON lines' (1 to 3).
+
+  Raises:
+    OSError, ValueError (pyarrow.ArrowInvalid): a missing or damaged file.
+  """
+  if path.endswith(".jsonl"):
+    with tf.io.gfile.GFile(path) as f:
+      return sum(1 for _ in f)
+  return shards_lib.num_rows(path)
 
 
 def _shard_error(where: str, shard: dict, error: Exception) -> JobError:
@@ -418,24 +517,25 @@ def load_index(workdir: str, *, where: Optional[str] = None) -> Index:
   except ValueError as e:
     raise JobError(f"{where}: {META} must be the JSON an embed job writes ({e})") from None
   meta = _upgrade_meta(meta, where)
-  rows, arrays = [], []
+  paths, counts, arrays = [], [], []
   for part in meta["parts"]:
     for shard in part["shards"]:
+      path = f"{workdir}/{shard['metadata']}"
       try:
-        shard_rows = _read_rows(f"{workdir}/{shard['metadata']}")
+        count = _count_rows(path)
         array = _read_embeddings(f"{workdir}/{shard['embeddings']}")
       except (ValueError, OSError, tf.errors.OpError, pa.ArrowException) as e:
         raise _shard_error(where, shard, e) from None
-      if not len(shard_rows) == len(array) == shard["num_images"] or array.shape[1:] != (
-        meta["dim"],
-      ):
+      if not count == len(array) == shard["num_images"] or array.shape[1:] != (meta["dim"],):
         raise JobError(
           f"{where}: {shard['embeddings']} holds {array.shape} and {shard['metadata']} "
-          f"{len(shard_rows)} rows: must be {shard['num_images']} rows of dimension "
+          f"{count} rows: must be {shard['num_images']} rows of dimension "
           f"{meta['dim']} ({META})"
         )
-      rows += shard_rows
+      paths.append(path)
+      counts.append(count)
       arrays.append(array)
+  rows = Rows(paths, counts)
   if meta.get("ann"):
     ann_lib.check_meta_file(workdir, meta["ann"], where=where)
     ann_lib.check(

@@ -102,18 +102,38 @@ def read_unreadable(workdir: str, number: int) -> list:
     return f.read().splitlines()
 
 
-def read_rows(path: str) -> list:
-  """The row descriptions of a metadata parquet file: [{"name"[, "label"]}] in row order.
+def read_table(path: str) -> pa.Table:
+  """A metadata parquet file's "name" and "label" columns, memory-mapped where local.
+
+  Only the columns are decoded: no Python object per row is made (row_dicts makes them).
 
   Raises:
     OSError, ValueError (pyarrow.ArrowInvalid): a missing or damaged file.
   """
-  with tf.io.gfile.GFile(path, "rb") as f:
-    table = pq.read_table(io.BytesIO(f.read()), columns=["name", "label"])
+  if "://" in path:
+    with tf.io.gfile.GFile(path, "rb") as f:
+      return pq.read_table(io.BytesIO(f.read()), columns=["name", "label"])
+  return pq.read_table(path, columns=["name", "label"], memory_map=True)
+
+
+def row_dicts(table: pa.Table) -> list:
+  """[{"name"[, "label"]}] of a table of "name" and "label" columns (read_table's), in order."""
   return [
     {"name": name, **({} if label is None else {"label": label})}
     for name, label in zip(table["name"].to_pylist(), table["label"].to_pylist())
   ]
+
+
+def num_rows(path: str) -> int:
+  """The row count of a metadata parquet file, from its footer (no row is read).
+
+  Raises:
+    OSError, ValueError (pyarrow.ArrowInvalid): a missing or damaged file.
+  """
+  if "://" in path:
+    with tf.io.gfile.GFile(path, "rb") as f:
+      return pq.ParquetFile(io.BytesIO(f.read())).metadata.num_rows
+  return pq.ParquetFile(path, memory_map=True).metadata.num_rows
 
 
 def entry(number: int, num_images: int) -> dict:
@@ -128,5 +148,4 @@ def entry(number: int, num_images: int) -> dict:
 
 def count_rows(workdir: str, number: int) -> int:
   """The row count of complete shard `number`, from its parquet footer (no row is read)."""
-  with tf.io.gfile.GFile(f"{workdir}/{names(number)['metadata']}", "rb") as f:
-    return pq.ParquetFile(io.BytesIO(f.read())).metadata.num_rows
+  return num_rows(f"{workdir}/{names(number)['metadata']}")
