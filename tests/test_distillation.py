@@ -2,9 +2,11 @@
 transcriptions of its formulas, value and gradient; the train step on 8 devices against 1;
 exact resume across an epoch boundary; a teacher that nothing updates or saves; bad input."""
 
+from helpers import TINY_DINOV3_TEACHER
 from helpers import TINY_TEACHER
 from helpers import sigterm_after_first_train_batch
 from helpers import tiny_distill_config
+from helpers import tiny_teacher_file
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -13,6 +15,7 @@ import optax
 import pytest
 
 from contrastive_jax import methods
+from contrastive_jax import models
 from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import mesh as mesh_lib
@@ -155,6 +158,13 @@ def _batch(config, seed=0):
   }
 
 
+def _dinov3_teacher(config, directory):
+  """config with TINY_DINOV3_TEACHER's file (seed 7) as its teacher."""
+  config.distill.teacher = tiny_teacher_file(directory, config.image_size, 7, TINY_DINOV3_TEACHER)
+  config.distill.teacher_model = dict(TINY_DINOV3_TEACHER)
+  return config
+
+
 def _steps(config, mesh, batches):
   run = pretraining.setup(config, mesh, steps_per_epoch=16, num_steps=100)
   state = run.init()
@@ -167,8 +177,10 @@ def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(
   # The tiny ViT config has no photometric augmentation, so the views do not depend on the
   # device a row is on; the mix-up and the queue are the global batch's. v3 runs v1's
   # global term and a local one; v2's step runs in tests/test_methods.py's contract test.
+  # The teacher is a DINOv3-shaped file (patch 16: the student's 8 x 8 patch map resized to
+  # its 2 x 2 grid).
   loss = "v3"
-  config = tiny_distill_config(teacher_dir, loss)
+  config = _dinov3_teacher(tiny_distill_config(teacher_dir, loss), teacher_dir)
   config.optimizer.warmup_epochs = 0.0
   batches = [_batch(config, 0), _batch(config, 1)]
   eight, m8 = _steps(config, mesh_lib.make_mesh(), batches)
@@ -206,6 +218,28 @@ def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(
     jax.grad(lambda v: sum(jnp.sum(o) for o in distillation.teacher_forward(module, v, x, 2)))
   )(teacher)
   assert all(not np.any(g) for g in jax.tree.leaves(grads))
+
+
+def test_a_dinov3_file_teaches_as_the_model_that_wrote_it(teacher_dir):
+  # A DINOv3-shaped teacher (patch 16: a 2 x 2 grid at 32 px) read through the one
+  # weights-in path (state_dicts.from_state_dict): its variables and its bfloat16 forward
+  # are those of the model that wrote the file (the train step with it: the 8-device test).
+  config = _dinov3_teacher(tiny_distill_config(teacher_dir, "v3"), teacher_dir)
+  mesh = mesh_lib.make_mesh(jax.devices()[:1])
+  loaded = jax.device_get(distillation.load_teacher(config, mesh))
+  model = ml_collections.ConfigDict(TINY_DINOV3_TEACHER)
+  x = jnp.asarray(_batch(config)["image"][:4, 0], jnp.float32) / 255
+  written = models.build_encoder(model).init(jax.random.PRNGKey(7), x[:1], train=False)
+  jax.tree.map(np.testing.assert_array_equal, loaded["params"], written["params"])
+  module = distillation.teacher_encoder(config)
+  forward = jax.jit(lambda v: distillation.teacher_forward(module, v, x, 2))
+  jax.tree.map(np.testing.assert_array_equal, forward(loaded), forward(written))
+  h, patches = forward(loaded)
+  assert h.shape == (4, 12) and patches.shape[:3] == (4, 2, 2)
+  # The image-size check uses the teacher's patch, 16.
+  config.image_size = 40
+  with pytest.raises(ConfigError, match="image_size=40: .* teacher's patch size 16"):
+    distillation.check_config(config, 256)
 
 
 def test_resumes_bit_for_bit_across_an_epoch_boundary_without_the_teacher_in_checkpoints(
