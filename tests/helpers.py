@@ -119,12 +119,14 @@ def tiny_teacher_file(directory, image_size: int = 32, seed: int = 7, model=None
   return path
 
 
-def tiny_distill_config(directory, loss: str = "v3"):
-  """tiny_config of configs/distill_cifar10.py:runlocal,model=vit_tiny with TINY_TEACHER
-  written in `directory` as its teacher and a queue of 32."""
+def tiny_distill_config(directory, loss: str = "v3", teacher=None):
+  """tiny_config of configs/distill_cifar10.py:runlocal,model=vit_tiny with `teacher` (a model
+  config dict, TINY_TEACHER by default) written in `directory` as its teacher and a queue
+  of 32."""
   config = tiny_config("distill", f"runlocal,model=vit_tiny,loss={loss}")
-  config.distill.teacher = tiny_teacher_file(directory, config.image_size)
-  config.distill.teacher_model = dict(TINY_TEACHER)
+  teacher = teacher or TINY_TEACHER
+  config.distill.teacher = tiny_teacher_file(directory, config.image_size, model=teacher)
+  config.distill.teacher_model = dict(teacher)
   config.distill.queue_size = 32
   return config
 

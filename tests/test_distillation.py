@@ -6,7 +6,6 @@ from helpers import TINY_DINOV3_TEACHER
 from helpers import TINY_TEACHER
 from helpers import sigterm_after_first_train_batch
 from helpers import tiny_distill_config
-from helpers import tiny_teacher_file
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -162,10 +161,7 @@ def _batch(config, seed=0):
 def v3_config(teacher_dir):
   """tiny_distill_config's v3 with TINY_DINOV3_TEACHER's file (seed 7) as its teacher (patch
   16: a 2 x 2 grid at 32 px, the cheapest teacher forward); tests take a copy."""
-  config = tiny_distill_config(teacher_dir, "v3")
-  config.distill.teacher = tiny_teacher_file(teacher_dir, config.image_size, 7, TINY_DINOV3_TEACHER)
-  config.distill.teacher_model = dict(TINY_DINOV3_TEACHER)
-  return config
+  return tiny_distill_config(teacher_dir, "v3", TINY_DINOV3_TEACHER)
 
 
 def _steps(config, mesh, batches):
