@@ -249,7 +249,7 @@ def test_resumes_bit_for_bit_across_an_epoch_boundary_without_the_teacher_in_che
   config = v3_config.copy_and_resolve_references()
   config.train_split = "train[:48]"
   config.duration = "4 steps"
-  config.checkpoint_every = "3 steps"
+  config.checkpoint_every = "4 steps"  # The stop's save and the last step's.
   config.evaluators = {}  # Their compiles would double the test's time; runner's own tests.
   straight, _ = runner.run(pretrain, config, str(tmp_path / "straight"))
   with monkeypatch.context() as m:
