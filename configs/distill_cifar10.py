@@ -5,7 +5,8 @@
 
 TEACHER is a pretraining workdir of this package (the encoder its method evaluates, at its
 latest checkpoint; --config.distill.teacher_step=N for another) or, with
-`teacher_model=NAME`, a DINOv2 weights file of that model (configs/dinov2.py's names).
+`teacher_model=NAME`, a DINOv2 or DINOv3 weights file of that model (configs/dinov2.py's
+and configs/dinov3.py's names).
 
 The reference's defaults (lightly-ai/lightly-train src/lightly_train/_methods/
 distillation*/ and _commands/train.py), each kept unless said below:
@@ -30,14 +31,16 @@ Where it departs from the reference, and why: a ResNet-18 student with the CIFAR
 (LightlyTrain's student is the user's model; the project's CIFAR-10 ResNet here); the queue
 and the mix-up over the global batch, not per GPU (methods/distillation.py: so that the
 step does not depend on the device count); the teacher in bfloat16 (the reference runs it
-in the trainer's precision). A DINOv2 teacher needs a multiple of its patch 14, so with
-`teacher_model` the images are 56 px (CIFAR-10's 32 px upsampled by the crop's resize),
-and a ViT student's patch is 8 there (7 x 7 patches, as 4 at 32 px gives 8 x 8).
+in the trainer's precision). A DINOv2 or DINOv3 teacher needs a multiple of its patch, 14
+or 16, so with `teacher_model` the images are 4 patches wide, 56 or 64 px (CIFAR-10's 32 px
+upsampled by the crop's resize), and a ViT student's patch is 8 there (7 x 7 or 8 x 8
+patches, as 4 at 32 px gives 8 x 8).
 
 Arguments (--config=configs/distill_cifar10.py:ARG,ARG...):
   `loss=v3` (the default), `v1` or `v2`;
   `model=resnet18` (the default) or `vit_tiny` (patch 4; MoCo v3's ViT initialisation);
-  `teacher_model=checkpoint` (the default: a pretraining workdir) or a DINOv2 model name;
+  `teacher_model=checkpoint` (the default: a pretraining workdir) or a DINOv2 or DINOv3
+      model name;
   `runlocal`: shrunk for a 2-core CPU, as the other CIFAR-10 runlocals: batch 256, the
       ResNet-18 at width 0.25 with the ImageNet stem (recipes.runlocal), the train split held
       and cropped on the device, 1500 steps (about 7.7 epochs; warm-up 1 epoch: the
@@ -55,7 +58,7 @@ ARGS = dict(
   runlocal=False,
   loss=("v3", "v1", "v2"),
   model=("resnet18", "vit_tiny"),
-  teacher_model=("checkpoint",) + tuple(recipes.DINOV2_MODELS),
+  teacher_model=("checkpoint",) + tuple(recipes.DINOV2_MODELS) + tuple(recipes.DINOV3_MODELS),
   dtype=("float32", "bfloat16"),
 )
 VARIANTS = {"runlocal_v1": "runlocal,loss=v1"}
@@ -68,15 +71,15 @@ def get_config(arg: str = ""):
   config.method = "distillation"
   config.batch_size = 128
   config.duration = f"{EPOCHS} epochs"
-  dinov2 = args.teacher_model != "checkpoint"
-  config.image_size = 56 if dinov2 else 32
-  teacher_model = recipes.dinov2_model(args.teacher_model, "bfloat16") if dinov2 else None
+  foundation = args.teacher_model != "checkpoint"
+  teacher_model = recipes.foundation_model(args.teacher_model, "bfloat16") if foundation else None
+  config.image_size = 4 * teacher_model["patch_size"] if foundation else 32
   config.distill = recipes.distillation(args.loss, teacher_model)
   config.crop = recipes.crop("torchvision", 0.14, "pil_bilinear")
   config.augment = recipes.distillation_views()
   vit = args.model == "vit_tiny"
   if vit:
-    patch = 8 if dinov2 else 4
+    patch = 8 if foundation else 4
     config.model = recipes.vit_model("vit_tiny", patch, "float32", random_patch_projection=False)
   else:
     config.model = recipes.model("resnet18", "cifar", "float32", "torchvision")

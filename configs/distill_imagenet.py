@@ -1,10 +1,11 @@
-"""Distillation on ImageNet: LightlyTrain's distillation v3 from a DINOv2 teacher.
+"""Distillation on ImageNet: LightlyTrain's distillation v3 from a DINOv3 teacher.
 
   python -m contrastive_jax.main --config=configs/distill_imagenet.py \\
-      --config.distill.teacher=dinov2_vitb14_pretrain.pth --workdir=RUN
+      --config.distill.teacher=dinov3_vitb16_pretrain_lvd1689m.pth --workdir=RUN
 
 The reference's defaults (lightly-ai/lightly-train src/lightly_train/_methods/
-distillation*/ and _commands/train.py): loss v3 (its default method), temperatures 0.07,
+distillation*/ and _commands/train.py): loss v3 (its default method) from DINOv3's ViT-B/16
+(DistillationV3Args.teacher 'dinov3/vitb16'), temperatures 0.07,
 local weight 1.0, v2's last 2 teacher blocks, a queue of 8192 (its 'auto' for 20,000
 images or more); one view mixed up with a permutation of the batch at l ~ U(0, 1);
 RandomResizedCrop at 224 px, scale 0.14-1, flip, ColorJitter (0.4, 0.4, 0.2, 0.1) p 0.8,
@@ -13,9 +14,10 @@ ResNet-50 student, 0.04 for a ViT), v1 LARS 1.8, v2 LARS 9.0 (weight decay 1e-6)
 sqrt(B / 1536), 10 warm-up epochs and a cosine to 0, gradients clipped at global norm 1.0
 (recipes.distillation_optimizer); 100 epochs (MethodArgs.default_epochs).
 
-Where it departs from the reference, and why: the teacher is DINOv2's ViT-B/14 without
-registers (DistillationArgs.teacher 'dinov2/vitb14-noreg', v1's and v2's default; v3's is
-DINOv3's ViT-B/16, whose weights this package cannot read yet); the batch is 1536, the
+Where it departs from the reference, and why: v1 and v2 keep v3's DINOv3 ViT-B/16 teacher
+(the reference's v1 and v2 default to DINOv2's ViT-B/14 without registers,
+DistillationArgs.teacher 'dinov2/vitb14-noreg': `teacher_model=vit_base_patch14_dinov2`
+for it), so that the three losses differ only in the loss; the batch is 1536, the
 reference's reference batch (its command's default of 128 is a one-GPU example); a
 ResNet-50 student in bfloat16 (the user's model in the reference); the queue and the
 mix-up over the global batch (methods/distillation.py).
@@ -23,7 +25,8 @@ mix-up over the global batch (methods/distillation.py).
 Arguments (--config=configs/distill_imagenet.py:ARG,ARG...):
   `loss=v3` (the default), `v1` or `v2`;
   `model=resnet50` (the default), `resnet18`, `vit_small` or `vit_tiny` (patch 16): the student;
-  `teacher_model=vit_base_patch14_dinov2` (the default) or any configs/dinov2.py name, or
+  `teacher_model=vit_base_patch16_dinov3` (the default), any configs/dinov3.py or
+      configs/dinov2.py name (224 px is a multiple of both patches, 16 and 14), or
       `checkpoint` for a pretraining workdir of this package;
   `dtype=bfloat16` (the default) or `dtype=float32`: the student's compute dtype.
 
@@ -36,8 +39,9 @@ from contrastive_jax import recipes
 ARGS = dict(
   loss=("v3", "v1", "v2"),
   model=("resnet50", "resnet18", "vit_small", "vit_tiny"),
-  teacher_model=("vit_base_patch14_dinov2", "checkpoint")
-  + tuple(m for m in recipes.DINOV2_MODELS if m != "vit_base_patch14_dinov2"),
+  teacher_model=("vit_base_patch16_dinov3", "checkpoint")
+  + tuple(m for m in recipes.DINOV3_MODELS if m != "vit_base_patch16_dinov3")
+  + tuple(recipes.DINOV2_MODELS),
   dtype=("bfloat16", "float32"),
 )
 EPOCHS = 100
@@ -50,7 +54,7 @@ def get_config(arg: str = ""):
   recipes.imagenet(config, batch_size=1536, num_epochs=EPOCHS, reference="torchvision")
   teacher = args.teacher_model
   config.distill = recipes.distillation(
-    args.loss, None if teacher == "checkpoint" else recipes.dinov2_model(teacher, "bfloat16")
+    args.loss, None if teacher == "checkpoint" else recipes.foundation_model(teacher, "bfloat16")
   )
   config.crop = recipes.crop("torchvision", 0.14, "pil_bilinear")
   config.augment = recipes.distillation_views()

@@ -3,10 +3,11 @@
 
   python -m contrastive_jax.main --config=configs/distill_images.py \\
       --config.dataset=NAME --config.data_dir=DIR \\
-      --config.distill.teacher=dinov2_vits14_pretrain.pth --workdir=RUN
+      --config.distill.teacher=dinov3_vits16_pretrain_lvd1689m.pth --workdir=RUN
 
 The reference's defaults (lightly-ai/lightly-train src/lightly_train/_methods/
-distillation*/ and _commands/train.py): loss v3, temperatures 0.07, local weight 1.0, v2's
+distillation*/ and _commands/train.py): loss v3 from a DINOv3 teacher (DistillationV3Args.
+teacher 'dinov3/vitb16'), temperatures 0.07, local weight 1.0, v2's
 last 2 teacher blocks; one view mixed up with a permutation of the batch at l ~ U(0, 1);
 RandomResizedCrop scale 0.14-1, flip, ColorJitter (0.4, 0.4, 0.2, 0.1) p 0.8, grayscale
 p 0.2 (recipes.distillation_views); v3 AdamW lr 5e-4 with weight decay 1e-6 (a ResNet
@@ -16,17 +17,18 @@ epochs, cosine to 0, gradients clipped at global norm 1.0; batch 128 and 100 epo
 Where it departs from the reference, and why: the queue is 2048, the reference's 'auto'
 for a folder of 4,000 to 10,000 images (set --config.distill.queue_size to its value for
 yours, distillation.reference_queue_size; the job refuses one not below the split's
-size); the teacher is DINOv2's ViT-S/14 (`teacher_model`; the reference's default is its
-ViT-B/14, 5x the cost per image on one accelerator); images at 224 px (a multiple of 14)
-and a ResNet-18 student as the project's other image-folder configs; the queue and the
-mix-up over the global batch (methods/distillation.py).
+size); the teacher is DINOv3's ViT-S/16 (`teacher_model`; the reference's default is its
+ViT-B/16, about 4x the cost per image; v1 and v2 keep it, where the reference's default
+is DINOv2's ViT-B/14); images at 224 px (a multiple of 16 and of 14) and a ResNet-18
+student as the project's other image-folder configs; the queue and the mix-up over the
+global batch (methods/distillation.py).
 
 Arguments (--config=configs/distill_images.py:ARG,ARG...):
   `loss=v3` (the default), `v1` or `v2`;
-  `teacher_model=vit_small_patch14_dinov2` (the default), any configs/dinov2.py name, or
-      `checkpoint` for a pretraining workdir of this package;
-  `runlocal`: 56 px (4 x 14; recipes.runlocal_images' 64 is not a multiple of the patch),
-      ResNet-18 at width 0.25, batch 128, 400 steps;
+  `teacher_model=vit_small_patch16_dinov3` (the default), any configs/dinov3.py or
+      configs/dinov2.py name, or `checkpoint` for a pretraining workdir of this package;
+  `runlocal`: recipes.runlocal_images (64 px: 4 x 16), 56 px (4 x 14) with a DINOv2 or
+      workdir teacher, ResNet-18 at width 0.25, batch 128, 400 steps;
   `dtype=float32` (the default) or `dtype=bfloat16`: the student's compute dtype.
 
 Preparing a folder and its configs: docs/images.md.
@@ -38,8 +40,9 @@ from contrastive_jax import recipes
 ARGS = dict(
   runlocal=False,
   loss=("v3", "v1", "v2"),
-  teacher_model=("vit_small_patch14_dinov2", "checkpoint")
-  + tuple(m for m in recipes.DINOV2_MODELS if m != "vit_small_patch14_dinov2"),
+  teacher_model=("vit_small_patch16_dinov3", "checkpoint")
+  + tuple(m for m in recipes.DINOV3_MODELS if m != "vit_small_patch16_dinov3")
+  + tuple(recipes.DINOV2_MODELS),
   dtype=("float32", "bfloat16"),
 )
 EPOCHS = 100
@@ -54,7 +57,7 @@ def get_config(arg: str = ""):
   teacher = args.teacher_model
   config.distill = recipes.distillation(
     args.loss,
-    None if teacher == "checkpoint" else recipes.dinov2_model(teacher, "bfloat16"),
+    None if teacher == "checkpoint" else recipes.foundation_model(teacher, "bfloat16"),
     queue_size=2048,
   )
   config.crop = recipes.crop("torchvision", 0.14, "pil_bilinear")
@@ -62,6 +65,7 @@ def get_config(arg: str = ""):
   config.optimizer = recipes.distillation_optimizer(args.loss, False, EPOCHS)
   if args.runlocal:
     recipes.runlocal_images(config, steps=400)
-    config.image_size = 56
+    if teacher not in recipes.DINOV3_MODELS:
+      config.image_size = 56
   config.model.dtype = args.dtype
   return config

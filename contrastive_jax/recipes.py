@@ -440,6 +440,12 @@ def dinov3_model(name: str, dtype: str) -> dict:
   )
 
 
+def foundation_model(name: str, dtype: str) -> dict:
+  """The model config of a DINOv2 or DINOv3 backbone: dinov3_model of a DINOV3_MODELS name,
+  else dinov2_model (KeyError for a name of neither)."""
+  return dinov3_model(name, dtype) if name in DINOV3_MODELS else dinov2_model(name, dtype)
+
+
 def foundation_backbone(config, model: dict, image_size: int):
   """Makes `config` (base_config's) the pretraining config of a DINOv2 or DINOv3 backbone's
   weights file: DINO's method (so that the probe's `auto` preset is DINO's), ImageNet's

@@ -85,9 +85,22 @@ TINY_TEACHER = dict(
   input_std=(0.229, 0.224, 0.225),
 )
 
+# TINY_TEACHER shaped as a DINOv3 ViT (recipes.dinov3_model): patch 16, RoPE, 4 storage
+# tokens, layer scale, the masked key bias, LayerNorm eps 1e-5.
+TINY_DINOV3_TEACHER = dict(
+  TINY_TEACHER,
+  patch_size=16,
+  position_embedding="rope",
+  layer_scale=True,
+  registers=4,
+  mask_key_bias=True,
+  norm_epsilon=1e-5,
+)
 
-def tiny_teacher_file(directory, image_size: int = 32, seed: int = 7) -> str:
-  """Writes a randomly initialised TINY_TEACHER as a safetensors state dict in `directory`
+
+def tiny_teacher_file(directory, image_size: int = 32, seed: int = 7, model=None) -> str:
+  """Writes a randomly initialised `model` (a model config dict, TINY_TEACHER by default),
+  its variables those of init at PRNGKey(seed), as a safetensors state dict in `directory`
   (touches the device when called); returns its path."""
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
@@ -97,20 +110,23 @@ def tiny_teacher_file(directory, image_size: int = 32, seed: int = 7) -> str:
   from contrastive_jax.core import tensor_files  # pylint: disable=g-import-not-at-top
   from contrastive_jax.models import state_dicts  # pylint: disable=g-import-not-at-top
 
-  model = ml_collections.ConfigDict(TINY_TEACHER)
+  model = ml_collections.ConfigDict(model or TINY_TEACHER)
   x = jnp.zeros((1, image_size, image_size, 3), jnp.float32)
   variables = models.build_encoder(model).init(jax.random.PRNGKey(seed), x, train=False)
-  path = os.path.join(str(directory), f"teacher_{seed}.safetensors")
+  kind = "dinov3" if model.get("position_embedding") == "rope" else "vit"
+  path = os.path.join(str(directory), f"teacher_{kind}_{seed}.safetensors")
   tensor_files.write(path, state_dicts.to_state_dict(model, variables, image_size))
   return path
 
 
-def tiny_distill_config(directory, loss: str = "v3"):
-  """tiny_config of configs/distill_cifar10.py:runlocal,model=vit_tiny with TINY_TEACHER
-  written in `directory` as its teacher and a queue of 32."""
+def tiny_distill_config(directory, loss: str = "v3", teacher=None):
+  """tiny_config of configs/distill_cifar10.py:runlocal,model=vit_tiny with `teacher` (a model
+  config dict, TINY_TEACHER by default) written in `directory` as its teacher and a queue
+  of 32."""
   config = tiny_config("distill", f"runlocal,model=vit_tiny,loss={loss}")
-  config.distill.teacher = tiny_teacher_file(directory, config.image_size)
-  config.distill.teacher_model = dict(TINY_TEACHER)
+  teacher = teacher or TINY_TEACHER
+  config.distill.teacher = tiny_teacher_file(directory, config.image_size, model=teacher)
+  config.distill.teacher_model = dict(teacher)
   config.distill.queue_size = 32
   return config
 

@@ -2,6 +2,7 @@
 transcriptions of its formulas, value and gradient; the train step on 8 devices against 1;
 exact resume across an epoch boundary; a teacher that nothing updates or saves; bad input."""
 
+from helpers import TINY_DINOV3_TEACHER
 from helpers import TINY_TEACHER
 from helpers import sigterm_after_first_train_batch
 from helpers import tiny_distill_config
@@ -13,6 +14,7 @@ import optax
 import pytest
 
 from contrastive_jax import methods
+from contrastive_jax import models
 from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
 from contrastive_jax.core import mesh as mesh_lib
@@ -155,6 +157,13 @@ def _batch(config, seed=0):
   }
 
 
+@pytest.fixture(scope="module")
+def v3_config(teacher_dir):
+  """tiny_distill_config's v3 with TINY_DINOV3_TEACHER's file (seed 7) as its teacher (patch
+  16: a 2 x 2 grid at 32 px, the cheapest teacher forward); tests take a copy."""
+  return tiny_distill_config(teacher_dir, "v3", TINY_DINOV3_TEACHER)
+
+
 def _steps(config, mesh, batches):
   run = pretraining.setup(config, mesh, steps_per_epoch=16, num_steps=100)
   state = run.init()
@@ -163,12 +172,14 @@ def _steps(config, mesh, batches):
   return jax.device_get(state), jax.device_get(metrics)
 
 
-def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(teacher_dir):
+def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(v3_config):
   # The tiny ViT config has no photometric augmentation, so the views do not depend on the
   # device a row is on; the mix-up and the queue are the global batch's. v3 runs v1's
   # global term and a local one; v2's step runs in tests/test_methods.py's contract test.
+  # The teacher is a DINOv3-shaped file (patch 16: the student's 8 x 8 patch map resized to
+  # its 2 x 2 grid).
   loss = "v3"
-  config = tiny_distill_config(teacher_dir, loss)
+  config = v3_config.copy_and_resolve_references()
   config.optimizer.warmup_epochs = 0.0
   batches = [_batch(config, 0), _batch(config, 1)]
   eight, m8 = _steps(config, mesh_lib.make_mesh(), batches)
@@ -198,7 +209,7 @@ def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(
   kernel = np.asarray(jax.device_get(teacher["params"]["patch_embed"]["kernel"]), np.float32)
   assert kernel.tobytes().hex().upper()[:64] not in hlo.upper()
   teacher = jax.device_get(teacher)
-  x = jnp.asarray(_batch(config)["image"][:, 0], jnp.float32) / 255
+  x = jnp.asarray(_batch(config)["image"][:2, 0], jnp.float32) / 255
   module = distillation.teacher_encoder(config)
   assert module.dtype == jnp.bfloat16
   # Its outputs carry no gradient to its weights.
@@ -208,14 +219,37 @@ def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(
   assert all(not np.any(g) for g in jax.tree.leaves(grads))
 
 
+def test_a_dinov3_file_teaches_as_the_model_that_wrote_it(v3_config):
+  # A DINOv3-shaped teacher (patch 16: a 2 x 2 grid at 32 px) read through the one
+  # weights-in path (state_dicts.from_state_dict): its variables and its bfloat16 forward
+  # are those of the model that wrote the file (the train step with it: the 8-device test).
+  config = v3_config.copy_and_resolve_references()
+  mesh = mesh_lib.make_mesh(jax.devices()[:1])
+  loaded = jax.device_get(distillation.load_teacher(config, mesh))
+  model = ml_collections.ConfigDict(TINY_DINOV3_TEACHER)
+  x = jnp.asarray(_batch(config)["image"][:4, 0], jnp.float32) / 255
+  written = models.build_encoder(model).init(jax.random.PRNGKey(7), x[:1], train=False)
+  jax.tree.map(np.testing.assert_array_equal, loaded["params"], written["params"])
+  module = distillation.teacher_encoder(config)
+  forward = jax.jit(lambda v: distillation.teacher_forward(module, v, x, 2))
+  jax.tree.map(np.testing.assert_array_equal, forward(loaded), forward(written))
+  h, patches = forward(loaded)
+  assert h.shape == (4, 12) and patches.shape[:3] == (4, 2, 2)
+  # The image-size check uses the teacher's patch, 16.
+  config.image_size = 40
+  with pytest.raises(ConfigError, match="image_size=40: .* teacher's patch size 16"):
+    distillation.check_config(config, 256)
+
+
 def test_resumes_bit_for_bit_across_an_epoch_boundary_without_the_teacher_in_checkpoints(
-  tmp_path, teacher_dir, monkeypatch
+  tmp_path, v3_config, monkeypatch
 ):
-  # 48 images at batch 16: 3 steps an epoch; stopped after step 2, resumed across epoch 1.
-  config = tiny_distill_config(teacher_dir, "v3")
+  # 48 images at batch 16: 3 steps an epoch; stopped after step 2, resumed across the
+  # epoch boundary to step 4 (the fewest steps that cross it after a stop mid-epoch).
+  config = v3_config.copy_and_resolve_references()
   config.train_split = "train[:48]"
-  config.duration = "6 steps"
-  config.checkpoint_every = "3 steps"
+  config.duration = "4 steps"
+  config.checkpoint_every = "4 steps"  # The stop's save and the last step's.
   config.evaluators = {}  # Their compiles would double the test's time; runner's own tests.
   straight, _ = runner.run(pretrain, config, str(tmp_path / "straight"))
   with monkeypatch.context() as m:
@@ -223,7 +257,7 @@ def test_resumes_bit_for_bit_across_an_epoch_boundary_without_the_teacher_in_che
     stopped, _ = runner.run(pretrain, config, str(tmp_path / "resumed"))
   assert int(stopped.step) == 2
   resumed, _ = runner.run(pretrain, config, str(tmp_path / "resumed"))
-  assert int(resumed.step) == 6
+  assert int(resumed.step) == 4
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(straight))
   ckpt = checkpointing.Checkpointer(str(tmp_path / "resumed" / "checkpoints"), read_only=True)
   try:
@@ -242,7 +276,7 @@ def test_resumes_bit_for_bit_across_an_epoch_boundary_without_the_teacher_in_che
   recorded = distillation.recorded_config(
     as_teacher, lambda name: methods.optional_attributes(name).evaluated_encoder
   )
-  assert recorded.distill.teacher_step == 6
+  assert recorded.distill.teacher_step == 4
   teacher_model = recorded.distill.teacher_model
   assert [teacher_model[k] for k in ("name", "width", "depth", "patch_size")] == [
     config.model[k] for k in ("name", "width", "depth", "patch_size")
@@ -259,8 +293,8 @@ def test_resumes_bit_for_bit_across_an_epoch_boundary_without_the_teacher_in_che
     distillation.recorded_config(changed, lambda name: methods.STUDENT_ENCODER)
 
 
-def test_bad_input_is_one_line_before_any_compute(teacher_dir):
-  config = tiny_distill_config(teacher_dir, "v1")
+def test_bad_input_is_one_line_before_any_compute(teacher_dir, v3_config):
+  config = v3_config.copy_and_resolve_references()
   missing = config.copy_and_resolve_references()
   missing.distill.teacher = str(teacher_dir / "nothing.safetensors")
   with pytest.raises(ConfigError, match="distill.teacher=.*nothing.safetensors.*existing"):

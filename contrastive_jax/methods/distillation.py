@@ -379,7 +379,7 @@ def check_teacher(config):
       raise ConfigError(
         "distill.teacher_model",
         d.get("teacher_model"),
-        "the model config of the weights file (e.g. recipes.dinov2_model)",
+        "the model config of the weights file (e.g. recipes.foundation_model)",
       )
 
 
