@@ -136,12 +136,10 @@ def _module(path):
 def test_bad_config_flags_end_in_one_line(tmp_path, args, line):
   """main.py's flags parser (app.run's) ends the process with the line: called here, as a
   process costs a JAX start each; the process test below runs absl's own parse error."""
-  try:
-    with pytest.raises(SystemExit) as exit_:
-      main.parse_flags(["main", *args, f"--workdir={tmp_path / 'run'}"])
-  finally:
-    flags.FLAGS.unparse_flags()  # The next test's parse starts from the defaults.
+  with pytest.raises(SystemExit) as exit_:
+    main.parse_flags(["main", *args, f"--workdir={tmp_path / 'run'}"])
   assert exit_.value.code == line
+  assert not flags.FLAGS.is_parsed()  # Refused by check_config_flags, before absl's parse.
   assert not os.path.exists(tmp_path / "run")
 
 

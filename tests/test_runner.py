@@ -135,7 +135,10 @@ def test_batch_of_8_pictures_its_8_images_and_trains(tmp_path):
 
 
 def test_batch_size_override_keeps_evaluation_intervals_in_epochs(tmp_path, caplog):
+  # absl's logger too: its level follows absl's flags (WARNING while they are unparsed),
+  # which another test in this worker may have left unparsed.
   caplog.set_level(logging.INFO)
+  caplog.set_level(logging.INFO, logger="absl")
   steps_with_knn = {}
   for batch_size in (16, 32):
     config = tiny_config()
