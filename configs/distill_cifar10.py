@@ -71,15 +71,14 @@ def get_config(arg: str = ""):
   config.method = "distillation"
   config.batch_size = 128
   config.duration = f"{EPOCHS} epochs"
-  foundation = args.teacher_model != "checkpoint"
-  teacher_model = recipes.foundation_model(args.teacher_model, "bfloat16") if foundation else None
-  config.image_size = 4 * teacher_model["patch_size"] if foundation else 32
+  teacher_model = recipes.distillation_teacher(args.teacher_model)
+  config.image_size = 32 if teacher_model is None else 4 * teacher_model["patch_size"]
   config.distill = recipes.distillation(args.loss, teacher_model)
   config.crop = recipes.crop("torchvision", 0.14, "pil_bilinear")
   config.augment = recipes.distillation_views()
   vit = args.model == "vit_tiny"
   if vit:
-    patch = 8 if foundation else 4
+    patch = 4 if teacher_model is None else 8
     config.model = recipes.vit_model("vit_tiny", patch, "float32", random_patch_projection=False)
   else:
     config.model = recipes.model("resnet18", "cifar", "float32", "torchvision")

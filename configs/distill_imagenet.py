@@ -39,9 +39,7 @@ from contrastive_jax import recipes
 ARGS = dict(
   loss=("v3", "v1", "v2"),
   model=("resnet50", "resnet18", "vit_small", "vit_tiny"),
-  teacher_model=("vit_base_patch16_dinov3", "checkpoint")
-  + tuple(m for m in recipes.DINOV3_MODELS if m != "vit_base_patch16_dinov3")
-  + tuple(recipes.DINOV2_MODELS),
+  teacher_model=recipes.teacher_models("vit_base_patch16_dinov3"),
   dtype=("bfloat16", "float32"),
 )
 EPOCHS = 100
@@ -52,10 +50,7 @@ def get_config(arg: str = ""):
   config = recipes.base_config()
   config.method = "distillation"
   recipes.imagenet(config, batch_size=1536, num_epochs=EPOCHS, reference="torchvision")
-  teacher = args.teacher_model
-  config.distill = recipes.distillation(
-    args.loss, None if teacher == "checkpoint" else recipes.foundation_model(teacher, "bfloat16")
-  )
+  config.distill = recipes.distillation(args.loss, recipes.distillation_teacher(args.teacher_model))
   config.crop = recipes.crop("torchvision", 0.14, "pil_bilinear")
   config.augment = recipes.distillation_views()
   vit = args.model.startswith("vit")

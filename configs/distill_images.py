@@ -40,9 +40,7 @@ from contrastive_jax import recipes
 ARGS = dict(
   runlocal=False,
   loss=("v3", "v1", "v2"),
-  teacher_model=("vit_small_patch16_dinov3", "checkpoint")
-  + tuple(m for m in recipes.DINOV3_MODELS if m != "vit_small_patch16_dinov3")
-  + tuple(recipes.DINOV2_MODELS),
+  teacher_model=recipes.teacher_models("vit_small_patch16_dinov3"),
   dtype=("float32", "bfloat16"),
 )
 EPOCHS = 100
@@ -54,18 +52,15 @@ def get_config(arg: str = ""):
     recipes.base_config(), batch_size=128, num_epochs=EPOCHS, reference="torchvision"
   )
   config.method = "distillation"
-  teacher = args.teacher_model
   config.distill = recipes.distillation(
-    args.loss,
-    None if teacher == "checkpoint" else recipes.foundation_model(teacher, "bfloat16"),
-    queue_size=2048,
+    args.loss, recipes.distillation_teacher(args.teacher_model), queue_size=2048
   )
   config.crop = recipes.crop("torchvision", 0.14, "pil_bilinear")
   config.augment = recipes.distillation_views()
   config.optimizer = recipes.distillation_optimizer(args.loss, False, EPOCHS)
   if args.runlocal:
     recipes.runlocal_images(config, steps=400)
-    if teacher not in recipes.DINOV3_MODELS:
+    if args.teacher_model not in recipes.DINOV3_MODELS:
       config.image_size = 56
   config.model.dtype = args.dtype
   return config

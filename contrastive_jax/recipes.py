@@ -446,6 +446,20 @@ def foundation_model(name: str, dtype: str) -> dict:
   return dinov3_model(name, dtype) if name in DINOV3_MODELS else dinov2_model(name, dtype)
 
 
+def teacher_models(default: str) -> tuple:
+  """The values of a distillation config's `teacher_model` argument, `default` first:
+  'checkpoint' (a pretraining workdir of this package), then every DINOv3 and DINOv2
+  backbone name (foundation_model's)."""
+  names = ("checkpoint", *DINOV3_MODELS, *DINOV2_MODELS)
+  return (default, *(name for name in names if name != default))
+
+
+def distillation_teacher(name: str):
+  """config.distill.teacher_model for a `teacher_model` argument: None for 'checkpoint' (the
+  workdir's own model config), else the backbone's model config computing in bfloat16."""
+  return None if name == "checkpoint" else foundation_model(name, "bfloat16")
+
+
 def foundation_backbone(config, model: dict, image_size: int):
   """Makes `config` (base_config's) the pretraining config of a DINOv2 or DINOv3 backbone's
   weights file: DINO's method (so that the probe's `auto` preset is DINO's), ImageNet's
