@@ -13,6 +13,7 @@ import optax
 
 from contrastive_jax import models
 from contrastive_jax.core import mesh as mesh_lib
+from contrastive_jax.core import runtime
 from contrastive_jax.data import augment
 from contrastive_jax.methods import common
 from contrastive_jax.methods import get_method
@@ -70,6 +71,45 @@ def setup(
   that every network of the state starts from) or (dino.with_imported, a DINO
   checkpoint's networks and centre).
   """
+  key = (
+    config.to_json_best_effort(sort_keys=True),
+    mesh,
+    steps_per_epoch,
+    num_steps,
+    num_classes,
+    runtime.cpu_tweaks(),
+  )
+  if key not in _PROGRAMS:
+    while len(_PROGRAMS) >= _KEPT_PROGRAMS:
+      _PROGRAMS.pop(next(iter(_PROGRAMS)))
+    _PROGRAMS[key] = _programs(config, mesh, steps_per_epoch, num_steps, num_classes)
+  model, schedule, init_state, train_step, probe = _PROGRAMS[key]
+  replicated = mesh_lib.replicated(mesh)
+  if start is not None:
+    drawn, (replace, variables) = init_state, start
+    replace = jax.jit(replace, out_shardings=replicated, donate_argnums=0)
+    init_state = lambda: replace(drawn(), variables)
+  read_frozen = optional_attributes(config.method).frozen_variables
+  if read_frozen is not None:  # Arguments of the executable, not constants of its program.
+    frozen, step = read_frozen(config, mesh), train_step
+    train_step = lambda state, batch: step(state, batch, frozen)
+  return Run(model, schedule, init_state, train_step, probe)
+
+
+# The programs of this process's last few setups, by everything they read: the whole config,
+# the mesh, the run's length, the probe's classes and whether the CPU-only lowerings are on
+# (models/conv.py reads it when tracing). A run of the same config again in one process (a
+# resumed run, the tests' repeated tiny runs) reuses jax.jit's traced, lowered and compiled
+# train step and initialiser instead of building them again.
+_PROGRAMS = {}
+_KEPT_PROGRAMS = 4
+
+
+def _programs(config, mesh, steps_per_epoch: int, num_steps: int, num_classes: int):
+  """(model, schedule, jitted init, jitted train step, probe) of a setup."""
+  config = (
+    config.copy_and_resolve_references()
+  )  # What the programs trace, whatever the caller changes.
   method = get_method(config.method)
   schedule = optim.learning_rate_schedule(
     config.optimizer, config.batch_size, steps_per_epoch, num_steps
@@ -91,20 +131,11 @@ def setup(
       state = state.replace(probe=probe.init(init_rng, models.encoder_width(config.model)))
     return state
 
-  replicated = mesh_lib.replicated(mesh)
-  init_state = jax.jit(init, out_shardings=replicated)
-  if start is not None:
-    drawn, (replace, variables) = init_state, start
-    replace = jax.jit(replace, out_shardings=replicated, donate_argnums=0)
-    init_state = lambda: replace(drawn(), variables)
+  init_state = jax.jit(init, out_shardings=mesh_lib.replicated(mesh))
   train_step = jax.jit(
     method.make_train_step(
       config, model, tx, views(config), mesh, common.RunLength(num_steps, steps_per_epoch), probe
     ),
     donate_argnums=0,
   )
-  read_frozen = optional_attributes(config.method).frozen_variables
-  if read_frozen is not None:  # Arguments of the executable, not constants of its program.
-    frozen, step = read_frozen(config, mesh), train_step
-    train_step = lambda state, batch: step(state, batch, frozen)
-  return Run(model, schedule, init_state, train_step, probe)
+  return model, schedule, init_state, train_step, probe
