@@ -250,17 +250,20 @@ def test_the_resnet_with_the_patches_lowering_equals_it_without(monkeypatch):
   x = jnp.asarray(np.random.default_rng(0).uniform(size=(4, 32, 32, 3)), jnp.float32)
   variables = encoder.init(jax.random.key(0), x, train=False)
 
-  def features(variables):
-    h, _ = encoder.apply(variables, x, train=True, mutable=["batch_stats"])
+  def features(params):
+    h, _ = encoder.apply({**variables, "params": params}, x, train=True, mutable=["batch_stats"])
     return h
 
-  def loss(params):
-    return jnp.sum(jnp.square(features({**variables, "params": params})))
+  def features_and_grads():
+    """(h, d sum(h^2) / d params) as one program, jitted anew: traced with the lowerings of
+    the moment (one compile, not one per operation)."""
+    loss = lambda params: jnp.sum(jnp.square(features(params)))
+    return jax.jit(lambda params: (features(params), jax.grad(loss)(params)))(variables["params"])
 
-  h, grads = features(variables), jax.grad(loss)(variables["params"])
+  h, grads = features_and_grads()
   monkeypatch.setattr(conv, "conv_general_dilated", lax.conv_general_dilated)
   monkeypatch.setattr(conv, "max_pool", lambda x, w, s, p: nn.max_pool(x, w, strides=s, padding=p))
-  want_h, want_grads = features(variables), jax.grad(loss)(variables["params"])
+  want_h, want_grads = features_and_grads()
   np.testing.assert_allclose(h, want_h, rtol=1e-4, atol=1e-5)
   jax.tree.map(
     lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-3, atol=1e-4 * float(np.max(np.abs(b)))),
