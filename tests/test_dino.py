@@ -56,6 +56,22 @@ def _vit_config():
   return config
 
 
+def _small_head_config():
+  """_vit_config with a small head, a teacher momentum of 0.5 (two steps move the teacher
+  visibly) and the full learning rate from the first step: the one-step, kNN-monitor and
+  checkpoint tests' run, one train step compiled for the three (pretraining.setup keeps the
+  programs of a config it has built; SMALL_HEAD_RUN is what pretrain.build gives it)."""
+  config = _vit_config()
+  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8, momentum_teacher=0.5)
+  config.optimizer.warmup_epochs = 0.0
+  return config
+
+
+# (steps_per_epoch, num_steps, num_classes) of _small_head_config's run: 256 images at batch
+# 16, 4 steps, CIFAR-10's classes.
+SMALL_HEAD_RUN = (16, 4, 10)
+
+
 # --- numpy transcriptions of the reference ------------------------------------------------
 
 
@@ -488,19 +504,20 @@ def test_stochastic_depth_drops_whole_samples_at_the_references_rates_and_spares
 
 
 def test_one_step_on_8_devices_loss_centre_teacher_ema_and_frozen_last_layer():
-  config = _vit_config()
-  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
-  config.optimizer.warmup_epochs = 0.0  # A step with a learning rate above 0.
+  config = _small_head_config()  # A step with a learning rate above 0.
   mesh = mesh_lib.make_mesh()
-  run = pretraining.setup(config, mesh, steps_per_epoch=4, num_steps=10)
+  run = pretraining.setup(config, mesh, *SMALL_HEAD_RUN)
   state = run.init()
   before = jax.device_get(state)
   jax.tree.map(np.testing.assert_array_equal, before.extra["teacher_params"], before.params)
   rng = np.random.default_rng(0)
-  batch = {"image": rng.integers(0, 256, (16, 2, 32, 32, 3), np.uint8)}
+  batch = {
+    "image": rng.integers(0, 256, (16, 2, 32, 32, 3), np.uint8),
+    "label": rng.integers(0, 10, 16).astype(np.int32),  # For the online probe.
+  }
   state, metrics = run.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
   after = jax.device_get(state)
-  m = 0.99  # tau_0 of the cosine: the base momentum of the runlocal config.
+  m = 0.5  # tau_0 of the cosine: the base momentum, config.dino.momentum_teacher.
   jax.tree.map(
     lambda t, s0, s1: np.testing.assert_allclose(t, m * s0 + (1 - m) * s1, rtol=1e-6, atol=1e-7),
     after.extra["teacher_params"],
@@ -536,11 +553,10 @@ def test_one_step_on_8_devices_loss_centre_teacher_ema_and_frozen_last_layer():
 
 
 def test_knn_monitor_evaluates_the_teacher_and_the_online_probe_the_student(tmp_path):
-  config = _vit_config()
-  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8, momentum_teacher=0.5)
-  config.optimizer.warmup_epochs = 0.0  # Steps with a learning rate above 0.
+  config = _small_head_config()  # Steps with a learning rate above 0.
   mesh = mesh_lib.make_mesh()
   task = pretrain.build(config, mesh, None, str(tmp_path))
+  assert (task.steps_per_epoch, task.num_steps, task.num_classes) == SMALL_HEAD_RUN
   state = task.init()
   rng = np.random.default_rng(0)
   for _ in range(2):
@@ -662,20 +678,43 @@ def test_local_crops_keep_torchvisions_distribution_and_the_global_views():
   assert len({row.tobytes() for row in flat}) == 12  # Each local view its own draw.
 
 
-def test_multi_crop_step_on_8_devices_equals_the_reference_over_all_views():
+def _multi_crop_config():
+  """_vit_config with a small head and 2 local crops, on 48 images at batch 16 (3 steps an
+  epoch) for 6 steps, the teacher temperature 0.04 in epoch 0 and 0.07 from epoch 1, no
+  evaluators: the multi-crop step's and the multi-crop resume's run, one train step
+  compiled for both (pretraining.setup keeps the programs of a config it has built;
+  MULTI_CROP_RUN is what pretrain.build gives it)."""
   config = _vit_config()
+  config.train_split = "train[:48]"
+  config.duration = "6 steps"
+  config.checkpoint_every = "3 steps"
   config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
-  config.local_crops = dict(number=3, size=16, area_min=0.05, area_max=0.4)
+  config.dino.update(teacher_temp=0.07, warmup_teacher_temp_epochs=2)  # 0.04, then 0.07.
+  config.local_crops = dict(number=2, size=16, area_min=0.05, area_max=0.4)
   config.augment.local = dict(color_jitter_prob=0.0)  # Identity, as tiny_config's views.
+  # No evaluators: the resume test compares the training state and its logged scalars, and
+  # a resume's evaluators are tests/test_runner.py's; theirs would be most of its three
+  # tiny runs' time.
+  config.evaluators = {}
+  return config
+
+
+# (steps_per_epoch, num_steps, num_classes) of _multi_crop_config's run.
+MULTI_CROP_RUN = (3, 6, 10)
+
+
+def test_multi_crop_step_on_8_devices_equals_the_reference_over_all_views():
+  config = _multi_crop_config()
   dino.check_config(config, 50_000)
   mesh = mesh_lib.make_mesh()
-  run = pretraining.setup(config, mesh, steps_per_epoch=4, num_steps=10)
+  run = pretraining.setup(config, mesh, *MULTI_CROP_RUN)
   state = run.init()
   params = jax.device_get(state).params
   rng = np.random.default_rng(1)
   batch = {
     "image": rng.integers(0, 256, (16, 2, 32, 32, 3), np.uint8),
-    "local_image": rng.integers(0, 256, (16, 3, 16, 16, 3), np.uint8),
+    "label": rng.integers(0, 10, 16).astype(np.int32),  # For the online probe.
+    "local_image": rng.integers(0, 256, (16, 2, 16, 16, 3), np.uint8),
   }
   state, metrics = run.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
   apply = lambda x: np.asarray(
@@ -683,10 +722,11 @@ def test_multi_crop_step_on_8_devices_equals_the_reference_over_all_views():
     np.float64,
   )
   teacher = apply(np.concatenate([batch["image"][:, v] for v in range(2)]))
-  local = apply(np.concatenate([batch["local_image"][:, v] for v in range(3)]))
+  local = apply(np.concatenate([batch["local_image"][:, v] for v in range(2)]))
   student = np.concatenate([teacher, local])  # Student = teacher at step 0.
+  assert float(metrics["teacher_temp"]) == pytest.approx(0.04)  # Epoch 0's.
   np.testing.assert_allclose(
-    metrics["loss"], reference_loss(student, teacher, np.zeros(32), 5, 0.1, 0.04), rtol=1e-5
+    metrics["loss"], reference_loss(student, teacher, np.zeros(32), 4, 0.1, 0.04), rtol=1e-5
   )
   # The centre averages the teacher's global views only.
   np.testing.assert_allclose(
@@ -717,14 +757,7 @@ def test_multi_crop_run_resumes_bit_for_bit_across_an_epoch_boundary(tmp_path, m
   # 48 images at batch 16: 3 steps an epoch. Stopped after step 2, the resumed run crosses
   # into epoch 1 at step 3, where the last layer's hold ends and the teacher temperature
   # steps up; its local views, teacher, centre and held optimizer state must match.
-  config = _vit_config()
-  config.train_split = "train[:48]"
-  config.duration = "6 steps"
-  config.checkpoint_every = "3 steps"
-  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
-  config.dino.update(teacher_temp=0.07, warmup_teacher_temp_epochs=2)  # 0.04, then 0.07.
-  config.local_crops = dict(number=2, size=16, area_min=0.05, area_max=0.4)
-  config.augment.local = dict(color_jitter_prob=0.0)
+  config = _multi_crop_config()  # MULTI_CROP_RUN: the step test's train step.
   straight, _ = runner.run(pretrain, config, str(tmp_path / "straight"))
   with monkeypatch.context() as m:
     sigterm_after_first_train_batch(m)
@@ -733,7 +766,9 @@ def test_multi_crop_run_resumes_bit_for_bit_across_an_epoch_boundary(tmp_path, m
   resumed, _ = runner.run(pretrain, config, str(tmp_path / "resumed"))
   assert int(resumed.step) == 6
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(straight))
-  temps = [r.get("teacher_temp") for r in read_metrics(tmp_path / "resumed")[1:]]
+  records = read_metrics(tmp_path / "resumed")  # No evaluators: the train steps' alone.
+  assert [r["step"] for r in records] == [1, 2, 3, 4, 5, 6]
+  temps = [r.get("teacher_temp") for r in records]
   np.testing.assert_allclose(temps, [0.04] * 3 + [0.07] * 3, rtol=1e-6)
 
 
@@ -821,12 +856,15 @@ def _reference_checkpoint(config, rng):
 def test_a_dino_training_checkpoint_continues_its_student_teacher_and_centre(variant):
   # ResNet: a 2-layer head with BN, its teacher under 'module.'; ViT: the reference's (3
   # layers, a learned position embedding), its teacher bare.
-  config = _vit_config() if variant == "runlocal" else tiny_config("dino", variant)
-  config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
+  if variant == "runlocal":  # The one-step test's run: its train step, compiled once.
+    config, length = _small_head_config(), SMALL_HEAD_RUN
+  else:
+    config, length = tiny_config("dino", variant), (10, 20, 10)
+    config.dino.update(out_dim=32, hidden_dim=16, bottleneck_dim=8)
   checkpoint = _reference_checkpoint(config, np.random.default_rng(0))
   imported = dino.imported_state(checkpoint, "f.pth", config)
   mesh = mesh_lib.make_mesh()
-  run = pretraining.setup(config, mesh, 10, 20, 10, (dino.with_imported, imported))
+  run = pretraining.setup(config, mesh, *length, (dino.with_imported, imported))
   state = jax.device_get(run.init())
   for name, params, network_stats in (
     ("student", state.params, state.batch_stats),
