@@ -104,6 +104,10 @@ def tiny_moco_config():
   config.moco.bn_group_size = 8  # 2 groups; on 8 devices, one image of each per device.
   for view in ("view1", "view2"):  # Identity: augmentation keys depend on the device.
     config.augment[view] = dict(color_jitter_prob=0.0, grayscale_prob=0.0)
+  # The full learning rate from step 0, so that step 0 moves the query encoder; and one
+  # config for both tests below, whose 8-device train step is then compiled once
+  # (pretraining.setup keeps the programs of a config it has built).
+  config.optimizer.warmup_epochs = 0
   return config
 
 
@@ -149,8 +153,7 @@ def test_eight_devices_equal_one_device_with_the_same_bn_groups():
 
 
 def test_keys_come_from_shuffled_bn_groups_and_key_encoder_follows_the_ema():
-  config = tiny_moco_config()
-  config.optimizer.warmup_epochs = 0  # So that step 0 moves the query encoder.
+  config = tiny_moco_config()  # Without warm-up: step 0 moves the query encoder.
   mesh = mesh_lib.make_mesh()
   run = pretraining.setup(config, mesh, steps_per_epoch=10, num_steps=100)
   state0 = jax.device_get(run.init())
