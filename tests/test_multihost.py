@@ -79,6 +79,7 @@ def pretrained(tmp_path_factory):
   workdir = tmp_path_factory.mktemp("pretrain")
   config = tiny_config()
   config.duration = "1 steps"
+  config.evaluators = {}  # The probes read its checkpoint only; evaluating it would compile.
   runner.run(pretrain, config, str(workdir))
   return workdir
 
