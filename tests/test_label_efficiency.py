@@ -303,12 +303,15 @@ def test_choices_are_made_without_the_test_split(curve, pretrained, tmp_path):
   """Cells scored on other test images make the same choices on the same validation scores."""
   config, workdir, _ = curve
   other = str(tmp_path / "other_test")
-  overrides = dict(test_split="test[40:80]", labels="20", curve_metric="auroc")
+  # One seed: a cell of another seed makes its choices by the same code on its own subset.
+  overrides = dict(test_split="test[40:80]", labels="20", seeds=1, curve_metric="auroc")
   main.run_job(tiny_config(pretrained, **overrides), other)
   assert os.path.exists(f"{other}/curve.png")
   with open(f"{workdir}/curve.csv") as f, open(f"{other}/curve.csv") as g:
     first = {
-      (r["init"], r["protocol"], r["seed"]): r for r in csv.DictReader(f) if r["labels"] == "20"
+      (r["init"], r["protocol"], r["seed"]): r
+      for r in csv.DictReader(f)
+      if r["labels"] == "20" and r["seed"] == "0"
     }
     second = {(r["init"], r["protocol"], r["seed"]): r for r in csv.DictReader(g)}
   assert set(first) == set(second)
@@ -375,24 +378,39 @@ def test_lp_ft_fine_tunes_from_a_probe(pretrained, tmp_path):
   assert summary["labels"]["20"]["best"]["pretrained"]["protocol"] == "lp_ft"
 
 
-def test_finetune_cells_from_the_heads_first_layer(pretrained, tmp_path):
+def curve_row(curve, init, protocol, labels, seed):
+  """The curve fixture's row of a cell: what a job of the same config with that init,
+  protocol, count and seed alone gives (a cell reads nothing of the others; a cell computed
+  again gives what it gave: test_a_job_killed_between_cells_resumes_at_the_next_one)."""
+  _, workdir, _ = curve
+  with open(f"{workdir}/curve.csv") as f:
+    (row,) = [
+      r
+      for r in csv.DictReader(f)
+      if (r["init"], r["protocol"], r["labels"], r["seed"]) == (init, protocol, labels, seed)
+    ]
+  return row
+
+
+def test_finetune_cells_from_the_heads_first_layer(curve, pretrained, tmp_path):
   """finetune.projector_layers=1: the cell fine-tunes the encoder with the head's first layer
-  (SimCLR v2) and scores differently from fine-tuning from h on the same subset."""
-  scores = {}
-  for layers in (0, 1):
-    config = tiny_config(pretrained, labels="20", seeds=1, inits="pretrained", protocols="finetune")
-    config.finetune.projector_layers = layers
-    main.run_job(config, str(tmp_path / str(layers)))
-    with open(tmp_path / str(layers) / "curve.csv") as f:
-      (row,) = csv.DictReader(f)
-    scores[layers] = row
+  (SimCLR v2) and scores differently from fine-tuning from h (projector_layers=0, the curve
+  fixture's cell) on the same subset."""
+  config = tiny_config(pretrained, labels="20", seeds=1, inits="pretrained", protocols="finetune")
+  config.finetune.projector_layers = 1
+  main.run_job(config, str(tmp_path / "1"))
+  with open(tmp_path / "1" / "curve.csv") as f:
+    (row,) = csv.DictReader(f)
+  scores = {0: curve_row(curve, "pretrained", "finetune", "20", "0"), 1: row}
+  assert curve[0].finetune.projector_layers == 0
   assert 0 <= float(scores[1]["top1"]) <= 1
   assert scores[0]["auroc"] != scores[1]["auroc"]
 
 
-def test_an_lr_grid_keeps_the_rate_validation_picks(pretrained, tmp_path):
+def test_an_lr_grid_keeps_the_rate_validation_picks(curve, pretrained, tmp_path):
   """With lr_grid '0.5,1' each protocol's cell is the single-rate cell of higher validation
-  top-1 (the first of equal ones), and its choice names that rate."""
+  top-1 (the first of equal ones), and its choice names that rate. The rate 1 cells are the
+  curve fixture's (lr_grid '1')."""
 
   def cell(grid):
     config = tiny_config(
@@ -403,7 +421,9 @@ def test_an_lr_grid_keeps_the_rate_validation_picks(pretrained, tmp_path):
     with open(tmp_path / grid / "curve.csv") as f:
       return {r["protocol"]: r for r in csv.DictReader(f)}
 
-  half, whole, grid = cell("0.5"), cell("1"), cell("0.5,1")
+  assert curve[0].linear_probe.lr_grid == curve[0].finetune.lr_grid == "1"
+  whole = {p: curve_row(curve, "pretrained", p, "20", "0") for p in ("linear_probe", "finetune")}
+  half, grid = cell("0.5"), cell("0.5,1")
   base = {"linear_probe": 0.1, "finetune": 0.05}  # configs/label_efficiency.py's rates.
   for protocol, row in grid.items():
     single = (
