@@ -441,14 +441,30 @@ def test_an_lr_grid_keeps_the_rate_validation_picks(curve, pretrained, tmp_path)
 
 def _weights_file(tmp_path, model_name: str, variables=None):
   """A .safetensors of helpers.tiny_config()'s encoder as `model_name` (its variables, or
-  its initialisation), and a config file (configs/X.py) of that model."""
+  values drawn on the host in its variables' shapes), and a config file (configs/X.py) of
+  that model.
+
+  The drawn values: kernels He-normal (fan-in), BN scales and variances in [0.5, 1.5), the
+  rest normal with deviation 0.1 (compiling the ResNet's initialisers, op by op, would take
+  longer than the job's kNN cell).
+  """
   config = helpers.tiny_config()
   config.model.name = model_name
   if variables is None:
     encoder = models.build_encoder(config.model)
-    variables = jax.device_get(
-      encoder.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)
+    shapes = jax.eval_shape(
+      lambda: encoder.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)
     )
+    rng = np.random.default_rng(0)
+
+    def draw(path, leaf):
+      if path[-1].key == "kernel":
+        return rng.normal(0, np.sqrt(2 / np.prod(leaf.shape[:-1])), leaf.shape).astype(np.float32)
+      if path[-1].key in ("scale", "var"):
+        return rng.uniform(0.5, 1.5, leaf.shape).astype(np.float32)
+      return rng.normal(0, 0.1, leaf.shape).astype(np.float32)
+
+    variables = jax.tree_util.tree_map_with_path(draw, shapes)
   path = str(tmp_path / f"{model_name}.safetensors")
   tensor_files.write(path, state_dicts.to_state_dict(config.model, variables, 32))
   config_file = tmp_path / f"{model_name}.py"
