@@ -275,8 +275,12 @@ def test_a_job_killed_between_cells_resumes_at_the_next_one(curve, pretrained, t
   resumed = str(tmp_path / "resumed")
   shutil.copytree(workdir, resumed)
   names = sorted(os.listdir(f"{resumed}/cells"))
-  # A job killed after its first cells: the later cells are not there.
-  for name in names[len(names) // 2 :]:
+  # A job killed after its first cells: the later cells are not there. The job computes the
+  # cells count by count, seed by seed: those of the last count and seed (every init and
+  # protocol) are missing, the three (count, seed) pairs before it are whole.
+  later = [name for name in names if name.endswith("-40-1.json")]
+  assert len(later) == 6
+  for name in later:
     os.remove(f"{resumed}/cells/{name}")
   # Marks a kept cell: a job that computed it again would write the file anew.
   kept = f"{resumed}/cells/{names[0]}"
@@ -303,12 +307,15 @@ def test_choices_are_made_without_the_test_split(curve, pretrained, tmp_path):
   """Cells scored on other test images make the same choices on the same validation scores."""
   config, workdir, _ = curve
   other = str(tmp_path / "other_test")
-  overrides = dict(test_split="test[40:80]", labels="20", curve_metric="auroc")
+  # One seed: a cell of another seed makes its choices by the same code on its own subset.
+  overrides = dict(test_split="test[40:80]", labels="20", seeds=1, curve_metric="auroc")
   main.run_job(tiny_config(pretrained, **overrides), other)
   assert os.path.exists(f"{other}/curve.png")
   with open(f"{workdir}/curve.csv") as f, open(f"{other}/curve.csv") as g:
     first = {
-      (r["init"], r["protocol"], r["seed"]): r for r in csv.DictReader(f) if r["labels"] == "20"
+      (r["init"], r["protocol"], r["seed"]): r
+      for r in csv.DictReader(f)
+      if r["labels"] == "20" and r["seed"] == "0"
     }
     second = {(r["init"], r["protocol"], r["seed"]): r for r in csv.DictReader(g)}
   assert set(first) == set(second)
@@ -375,24 +382,39 @@ def test_lp_ft_fine_tunes_from_a_probe(pretrained, tmp_path):
   assert summary["labels"]["20"]["best"]["pretrained"]["protocol"] == "lp_ft"
 
 
-def test_finetune_cells_from_the_heads_first_layer(pretrained, tmp_path):
+def curve_row(curve, init, protocol, labels, seed):
+  """The curve fixture's row of a cell: what a job of the same config with that init,
+  protocol, count and seed alone gives (a cell reads nothing of the others; a cell computed
+  again gives what it gave: test_a_job_killed_between_cells_resumes_at_the_next_one)."""
+  _, workdir, _ = curve
+  with open(f"{workdir}/curve.csv") as f:
+    (row,) = [
+      r
+      for r in csv.DictReader(f)
+      if (r["init"], r["protocol"], r["labels"], r["seed"]) == (init, protocol, labels, seed)
+    ]
+  return row
+
+
+def test_finetune_cells_from_the_heads_first_layer(curve, pretrained, tmp_path):
   """finetune.projector_layers=1: the cell fine-tunes the encoder with the head's first layer
-  (SimCLR v2) and scores differently from fine-tuning from h on the same subset."""
-  scores = {}
-  for layers in (0, 1):
-    config = tiny_config(pretrained, labels="20", seeds=1, inits="pretrained", protocols="finetune")
-    config.finetune.projector_layers = layers
-    main.run_job(config, str(tmp_path / str(layers)))
-    with open(tmp_path / str(layers) / "curve.csv") as f:
-      (row,) = csv.DictReader(f)
-    scores[layers] = row
+  (SimCLR v2) and scores differently from fine-tuning from h (projector_layers=0, the curve
+  fixture's cell) on the same subset."""
+  config = tiny_config(pretrained, labels="20", seeds=1, inits="pretrained", protocols="finetune")
+  config.finetune.projector_layers = 1
+  main.run_job(config, str(tmp_path / "1"))
+  with open(tmp_path / "1" / "curve.csv") as f:
+    (row,) = csv.DictReader(f)
+  scores = {0: curve_row(curve, "pretrained", "finetune", "20", "0"), 1: row}
+  assert curve[0].finetune.projector_layers == 0
   assert 0 <= float(scores[1]["top1"]) <= 1
   assert scores[0]["auroc"] != scores[1]["auroc"]
 
 
-def test_an_lr_grid_keeps_the_rate_validation_picks(pretrained, tmp_path):
+def test_an_lr_grid_keeps_the_rate_validation_picks(curve, pretrained, tmp_path):
   """With lr_grid '0.5,1' each protocol's cell is the single-rate cell of higher validation
-  top-1 (the first of equal ones), and its choice names that rate."""
+  top-1 (the first of equal ones), and its choice names that rate. The rate 1 cells are the
+  curve fixture's (lr_grid '1')."""
 
   def cell(grid):
     config = tiny_config(
@@ -403,7 +425,9 @@ def test_an_lr_grid_keeps_the_rate_validation_picks(pretrained, tmp_path):
     with open(tmp_path / grid / "curve.csv") as f:
       return {r["protocol"]: r for r in csv.DictReader(f)}
 
-  half, whole, grid = cell("0.5"), cell("1"), cell("0.5,1")
+  assert curve[0].linear_probe.lr_grid == curve[0].finetune.lr_grid == "1"
+  whole = {p: curve_row(curve, "pretrained", p, "20", "0") for p in ("linear_probe", "finetune")}
+  half, grid = cell("0.5"), cell("0.5,1")
   base = {"linear_probe": 0.1, "finetune": 0.05}  # configs/label_efficiency.py's rates.
   for protocol, row in grid.items():
     single = (
@@ -417,14 +441,30 @@ def test_an_lr_grid_keeps_the_rate_validation_picks(pretrained, tmp_path):
 
 def _weights_file(tmp_path, model_name: str, variables=None):
   """A .safetensors of helpers.tiny_config()'s encoder as `model_name` (its variables, or
-  its initialisation), and a config file (configs/X.py) of that model."""
+  values drawn on the host in its variables' shapes), and a config file (configs/X.py) of
+  that model.
+
+  The drawn values: kernels He-normal (fan-in), BN scales and variances in [0.5, 1.5), the
+  rest normal with deviation 0.1 (compiling the ResNet's initialisers, op by op, would take
+  longer than the job's kNN cell).
+  """
   config = helpers.tiny_config()
   config.model.name = model_name
   if variables is None:
     encoder = models.build_encoder(config.model)
-    variables = jax.device_get(
-      encoder.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)
+    shapes = jax.eval_shape(
+      lambda: encoder.init(jax.random.PRNGKey(0), jnp.zeros((1, 32, 32, 3)), train=False)
     )
+    rng = np.random.default_rng(0)
+
+    def draw(path, leaf):
+      if path[-1].key == "kernel":
+        return rng.normal(0, np.sqrt(2 / np.prod(leaf.shape[:-1])), leaf.shape).astype(np.float32)
+      if path[-1].key in ("scale", "var"):
+        return rng.uniform(0.5, 1.5, leaf.shape).astype(np.float32)
+      return rng.normal(0, 0.1, leaf.shape).astype(np.float32)
+
+    variables = jax.tree_util.tree_map_with_path(draw, shapes)
   path = str(tmp_path / f"{model_name}.safetensors")
   tensor_files.write(path, state_dicts.to_state_dict(config.model, variables, 32))
   config_file = tmp_path / f"{model_name}.py"

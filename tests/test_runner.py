@@ -1,6 +1,7 @@
 """The job runner end to end on the real CIFAR-10: resume bit for bit, intervals in
 epochs, the non-finite stop, bad configs and workdirs."""
 
+import contextlib
 import json
 import logging
 import os
@@ -44,13 +45,32 @@ def read_metrics(workdir):
     return [json.loads(line) for line in f]
 
 
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory):
+  """method -> (config, workdir, final state) of tiny_config(method)'s uninterrupted run of 4
+  steps, checkpointed at steps 3 and 4: made once per method, for the tests of this file
+  that need such a run (a test that changes its workdir changes a copy)."""
+  runs = {}
+
+  def straight(method):
+    if method not in runs:
+      config = tiny_config(method)
+      config.checkpoint_every = "3 steps"  # So the checkpoint of step 2 is a preemption's own.
+      workdir = str(tmp_path_factory.mktemp(f"straight_{method}"))
+      state, _ = runner.run(pretrain, config, workdir)
+      runs[method] = (config, workdir, state)
+    config, workdir, state = runs[method]
+    return config.copy_and_resolve_references(), workdir, state
+
+  return straight
+
+
 # SimCLR and MoCo v2's queue and key encoder; BYOL's target network is restored as the key
 # encoder is (a tree of the train state, the same Orbax restore).
 @pytest.mark.parametrize("method", ["simclr", "moco_v2"])
-def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, method):
-  config = tiny_config(method)
-  config.checkpoint_every = "3 steps"  # So the checkpoint of step 2 is the preemption's own.
-  straight, _ = runner.run(pretrain, config, str(tmp_path / "straight"))
+def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, method, straight_run):
+  # The same config as the straight run's: its programs are reused (pretraining.setup).
+  config, straight_workdir, straight = straight_run(method)
 
   with monkeypatch.context() as m:
     sigterm_after_first_train_batch(m)
@@ -81,12 +101,12 @@ def test_killed_run_resumes_bit_for_bit(tmp_path, monkeypatch, method):
   assert 0 <= records[0]["knn_top1"] <= 1 and "online_probe_top1" not in records[0]
   assert set(results) == {"knn_top1", "online_probe_top1", "online_probe_top5"}
   assert all(records[-1][k] == v for k, v in results.items())
-  straight_records = read_metrics(tmp_path / "straight")
+  straight_records = read_metrics(straight_workdir)
   np.testing.assert_array_equal(
     [r["loss"] for r in records[1:]], [r["loss"] for r in straight_records[1:]]
   )
   if method == "simclr":
-    check_views_picture(config, str(tmp_path / "straight" / "augmented_views.png"))
+    check_views_picture(config, os.path.join(straight_workdir, "augmented_views.png"))
 
 
 def check_views_picture(config, path):
@@ -124,41 +144,67 @@ def check_views_picture(config, path):
       np.testing.assert_array_equal(picture[top : top + cell, left : left + cell], expected)
 
 
-def test_batch_of_8_pictures_its_8_images_and_trains(tmp_path):
-  config = tiny_config()
-  config.batch_size = 8  # One image per device.
-  config.duration = "1 steps"
-  config.evaluators = {}
-  state, _ = runner.run(pretrain, config, str(tmp_path))
-  assert int(state.step) == 1
-  check_views_picture(config, str(tmp_path / "augmented_views.png"))
+@pytest.fixture(scope="module")
+def epoch_runs(tmp_path_factory):
+  """(batch size -> (config, workdir, final state), the messages logged) of two runs of 2
+  epochs of 32 images, at batch 8 (one image per device) and then 16, evaluated by kNN
+  every epoch and checkpointed every epoch."""
+  runs = {}
+  with logged_messages() as messages:
+    for batch_size in (8, 16):
+      config = tiny_config()
+      del config.evaluators["online_probe"]  # One evaluator shows it; compiling two is slow.
+      config.train_split = "train[:32]"
+      config.shuffle_buffer = 32
+      config.batch_size = batch_size
+      config.duration = "2 epochs"
+      config.evaluators.knn.every = "1 epochs"
+      config.checkpoint_every = "1 epochs"
+      workdir = str(tmp_path_factory.mktemp(f"batch_{batch_size}"))
+      state, _ = runner.run(pretrain, config, workdir)
+      runs[batch_size] = (config, workdir, state)
+  return runs, messages
 
 
-def test_batch_size_override_keeps_evaluation_intervals_in_epochs(tmp_path, caplog):
-  # absl's logger too: its level follows absl's flags (WARNING while they are unparsed),
-  # which another test in this worker may have left unparsed.
-  caplog.set_level(logging.INFO)
-  caplog.set_level(logging.INFO, logger="absl")
+@contextlib.contextmanager
+def logged_messages():
+  """The list of messages logged through absl while in it, at INFO and above.
+
+  absl's logger is set to INFO meanwhile: its level follows absl's flags (WARNING while
+  they are unparsed), which another test in this worker may have left unparsed.
+  """
+  messages = []
+  handler = logging.Handler(logging.INFO)
+  handler.emit = lambda record: messages.append(record.getMessage())
+  logger = logging.getLogger("absl")
+  level = logger.level
+  logger.setLevel(logging.INFO)
+  logger.addHandler(handler)
+  try:
+    yield messages
+  finally:
+    logger.removeHandler(handler)
+    logger.setLevel(level)
+
+
+def test_batch_of_8_pictures_its_8_images_and_trains(epoch_runs):
+  config, workdir, state = epoch_runs[0][8]
+  assert int(state.step) == 8
+  check_views_picture(config, os.path.join(workdir, "augmented_views.png"))
+
+
+def test_batch_size_override_keeps_evaluation_intervals_in_epochs(epoch_runs):
+  runs, messages = epoch_runs
   steps_with_knn = {}
-  for batch_size in (16, 32):
-    config = tiny_config()
-    del config.evaluators["online_probe"]  # One evaluator shows it; compiling two is slow.
-    config.train_split = "train[:64]"
-    config.shuffle_buffer = 64
-    config.batch_size = batch_size
-    config.duration = "2 epochs"
-    config.evaluators.knn.every = "1 epochs"
-    config.checkpoint_every = "1 epochs"
-    workdir = tmp_path / str(batch_size)
-    runner.run(pretrain, config, str(workdir))
+  for batch_size, (_, workdir, _) in runs.items():
     steps_with_knn[batch_size] = [r["step"] for r in read_metrics(workdir) if "knn_top1" in r]
-    assert checkpointing.Checkpointer(str(workdir / "checkpoints")).all_steps() == [
+    assert checkpointing.Checkpointer(os.path.join(workdir, "checkpoints")).all_steps() == [
+      32 // batch_size,
       64 // batch_size,
-      128 // batch_size,
     ]
-  assert steps_with_knn == {16: [0, 4, 8], 32: [0, 2, 4]}
+  assert steps_with_knn == {8: [0, 4, 8], 16: [0, 2, 4]}
   # Each evaluation is announced before it runs (it can take tens of seconds).
-  assert [l for l in caplog.messages if "evaluating" in l][-3:] == [
+  assert [l for l in messages if "evaluating" in l][-3:] == [
     f"Step {step}: evaluating knn ..." for step in (0, 2, 4)
   ]
 
@@ -228,12 +274,11 @@ def test_bad_config_fails_before_compute_naming_the_field(tmp_path, field, value
   assert not os.path.exists(tmp_path / "metrics.jsonl")
 
 
-def test_resume_refuses_every_changed_field_but_those_that_may_change(tmp_path, caplog):
-  config = tiny_config()
-  del config.evaluators["online_probe"]
-  config.duration = "2 steps"
-  config.checkpoint_every = "1 steps"
-  straight, _ = runner.run(pretrain, config, str(tmp_path))
+def test_resume_refuses_every_changed_field_but_those_that_may_change(
+  tmp_path, caplog, straight_run
+):
+  config, straight_workdir, straight = straight_run("simclr")  # Checkpoints of steps 3 and 4.
+  shutil.copytree(straight_workdir, tmp_path, dirs_exist_ok=True)
   # A field the checkpoint's config lacks (set in the model config only) and a changed
   # one are both named, with both values; nothing is computed.
   changed = ml_collections.ConfigDict(config.to_dict())
@@ -249,13 +294,13 @@ def test_resume_refuses_every_changed_field_but_those_that_may_change(tmp_path, 
     "config.model.new_field='x' (the checkpoint's: '<absent>'); config.model.width=0.125 "
     "(the checkpoint's: 0.0625): a resumed run must keep its checkpoint's config"
   )
-  # Fields that may change on resume: the run goes on from step 1 to the same state. Step 2
+  # Fields that may change on resume: the run goes on from step 3 to the same state. Step 4
   # loses its state item (a checkpoint partly deleted), and metrics.jsonl ends in a record
-  # cut short: the run falls back to step 1, deletes step 2 and saves it again, and drops
+  # cut short: the run falls back to step 3, deletes step 4 and saves it again, and drops
   # the partial record.
-  shutil.rmtree(tmp_path / "checkpoints" / "2" / "state")
+  shutil.rmtree(tmp_path / "checkpoints" / "4" / "state")
   with open(tmp_path / "metrics.jsonl", "a") as f:
-    f.write('{"step": 3, "lo')
+    f.write('{"step": 5, "lo')
   changed = ml_collections.ConfigDict(config.to_dict())
   changed.log_every = "1 steps"
   changed.keep_checkpoints = 1
@@ -266,13 +311,13 @@ def test_resume_refuses_every_changed_field_but_those_that_may_change(tmp_path, 
     for field in ("log_every", "keep_checkpoints", "data_threads", "evaluators")
   )
   resumed, results = runner.run(pretrain, changed, str(tmp_path))
-  assert int(resumed.step) == 2 and "knn_top1" in results
+  assert int(resumed.step) == 4 and "knn_top1" in results
   jax.tree.map(np.testing.assert_array_equal, jax.device_get(resumed), jax.device_get(straight))
-  assert "Deleting checkpoint step 2 in" in caplog.text
-  assert 'dropped line 4, \'{"step": 3, "lo\'' in caplog.text
-  assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2]
-  # Step 2 saved again; keep_checkpoints=1 removed step 1.
-  assert checkpointing.Checkpointer(str(tmp_path / "checkpoints")).complete_steps() == [2]
+  assert "Deleting checkpoint step 4 in" in caplog.text
+  assert 'dropped line 6, \'{"step": 5, "lo\'' in caplog.text
+  assert [r["step"] for r in read_metrics(tmp_path)] == [0, 1, 2, 3, 4]
+  # Step 4 saved again; keep_checkpoints=1 removed step 3.
+  assert checkpointing.Checkpointer(str(tmp_path / "checkpoints")).complete_steps() == [4]
 
 
 def test_workdir_that_is_a_file_ends_in_one_line(tmp_path):
@@ -356,12 +401,12 @@ def test_restore_falls_back_past_an_incomplete_checkpoint(tmp_path, caplog):
   assert checkpointing.Checkpointer(directory, read_only=True).complete_steps() == [1, 2, 3]
 
 
-def test_a_checkpoint_of_config_format_0_resumes_and_its_encoder_restores(tmp_path):
+def test_a_checkpoint_of_config_format_0_resumes_and_its_encoder_restores(tmp_path, straight_run):
   # Format 0 (no format_version) held the host crop in three flat fields: such a
   # checkpoint's saved config is read through config_files.upgrade_config everywhere.
-  config = tiny_config()
+  config, straight_workdir, _ = straight_run("simclr")
   workdir = str(tmp_path / "run")
-  runner.run(pretrain, config, workdir)
+  shutil.copytree(straight_workdir, workdir)
   paths = [
     os.path.join(d, f)
     for d, _, fs in os.walk(f"{workdir}/checkpoints")
