@@ -47,14 +47,16 @@ def read_metrics(workdir):
 
 @pytest.fixture(scope="module")
 def straight_run(tmp_path_factory):
-  """method -> (config, workdir, final state) of tiny_config(method)'s uninterrupted run of 4
-  steps, checkpointed at steps 3 and 4: made once per method, for the tests of this file
-  that need such a run (a test that changes its workdir changes a copy)."""
+  """method -> (config, workdir, final state) of the uninterrupted run of 4 steps of
+  tiny_config(method, photometric=True), checkpointed at steps 3 and 4: made once per
+  method, for the tests of this file that need such a run (a test that changes its workdir
+  changes a copy)."""
   runs = {}
 
   def straight(method):
     if method not in runs:
-      config = tiny_config(method)
+      # With the photometric augmentations: one run of the suite resumes through all of them.
+      config = tiny_config(method, photometric=True)
       config.checkpoint_every = "3 steps"  # So the checkpoint of step 2 is a preemption's own.
       workdir = str(tmp_path_factory.mktemp(f"straight_{method}"))
       state, _ = runner.run(pretrain, config, workdir)
