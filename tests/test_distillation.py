@@ -301,7 +301,7 @@ def test_bad_input_is_one_line_before_any_compute(teacher_dir, v3_config):
     distillation.check_config(missing, 256)
   no_workdir = config.copy_and_resolve_references()
   no_workdir.distill.teacher = str(teacher_dir / "no_such_run")
-  with pytest.raises(ConfigError, match="pretraining workdir"):
+  with pytest.raises(ConfigError, match="pretraining or fine-tuning workdir"):
     distillation.check_config(no_workdir, 256)
   # A patch-14 teacher and 32 px images: the two cannot share the input.
   patch14 = config.copy_and_resolve_references()

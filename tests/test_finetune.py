@@ -27,6 +27,7 @@ from contrastive_jax.data import labelled
 from contrastive_jax.data import sources
 from contrastive_jax.jobs import finetune
 from contrastive_jax.jobs import linear_probe
+from contrastive_jax.methods import distillation
 from contrastive_jax.training import downstream
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
@@ -300,6 +301,47 @@ def test_resume_refuses_another_config_or_another_job(finetuned, pretrained):
   probe.pretrain_workdir = pretrained
   with pytest.raises(ConfigError, match="config.job='linear_probe': must be 'finetune'"):
     runner.run(linear_probe, probe, str(workdir))
+
+
+def test_a_fine_tuning_workdir_teaches_distillation_with_its_fine_tuned_encoder(
+  finetuned, pretrained_state
+):
+  # The fine-tuning workdir as distillation's teacher: its step, the pretraining run's model
+  # and its encoder's key paths recorded; the variables read are the fine-tuned encoder's
+  # (params and BN statistics), not the pretraining checkpoint's.
+  _, workdir, _, state, _ = finetuned
+  _, pretrained_variables = pretrained_state
+  config = tiny_config("distill", "runlocal")
+  config.distill.teacher = str(workdir)
+  recorded = distillation.recorded_config(
+    config, lambda name: methods.optional_attributes(name).evaluated_encoder
+  )
+  assert recorded.distill.teacher_step == 3
+  # The model as its checkpoint saved it (JSON: tuples as lists).
+  model = json.loads(json.dumps(tiny_config().model.to_dict()))
+  assert recorded.distill.teacher_model.to_dict() == model
+  assert recorded.distill.teacher_paths == [["params", "encoder"], ["batch_stats", "encoder"]]
+  teacher = jax.device_get(distillation.load_teacher(recorded, mesh_lib.make_mesh()))
+  jax.tree.map(np.testing.assert_array_equal, teacher["params"], state.params["encoder"])
+  jax.tree.map(np.testing.assert_array_equal, teacher["batch_stats"], state.batch_stats["encoder"])
+  assert not np.array_equal(
+    teacher["params"]["stem_conv"]["kernel"],
+    pretrained_variables["params"]["encoder"]["stem_conv"]["kernel"],
+  )
+  # What cannot be a teacher: one line each.
+  ckpt = checkpointing.Checkpointer(str(workdir / "checkpoints"), read_only=True)
+  try:
+    saved = ckpt.saved_config()
+  finally:
+    ckpt.close()
+  for field, value, match in (
+    ("projector_layers", 1, "projector_layers 0 .*fine-tuned 1 projection-head layers"),
+    ("pretrain_workdir", "/w/resnet18.safetensors", "fine-tuned the weights file /w/resnet18"),
+  ):
+    bad = ml_collections.ConfigDict(saved.to_dict())
+    bad[field] = value
+    with pytest.raises(ConfigError, match=f"^config.distill.teacher=.*: must be .*{match}"):
+      distillation.finetuned_model(str(workdir), bad)
 
 
 class _Unlabeled(sources.TfdsSource):
