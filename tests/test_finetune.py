@@ -344,6 +344,31 @@ def test_a_fine_tuning_workdir_teaches_distillation_with_its_fine_tuned_encoder(
       distillation.finetuned_model(str(workdir), bad)
 
 
+def test_a_fine_tuning_workdir_is_a_pretrained_encoder_for_the_downstream_jobs(
+  finetuned, pretrained
+):
+  # restore_encoder of the fine-tuning workdir: its fine-tuned encoder, as the pretraining
+  # run's model (and its image size), at the fine-tuning checkpoint's step.
+  _, workdir, _, state, _ = finetuned
+  config = finetune_config(str(workdir))
+  encoder = restore.restore_encoder(config, mesh_lib.make_mesh())
+  assert encoder.step == 3 and encoder.pretrained.model.to_dict() == json.loads(
+    json.dumps(tiny_config().model.to_dict())
+  )
+  variables = jax.device_get(encoder.variables)
+  jax.tree.map(np.testing.assert_array_equal, variables["params"], state.params["encoder"])
+  jax.tree.map(
+    np.testing.assert_array_equal, variables["batch_stats"], state.batch_stats["encoder"]
+  )
+  assert restore.is_finetuning_workdir(str(workdir)) and not restore.is_finetuning_workdir(
+    pretrained
+  )
+  with pytest.raises(ConfigError, match="^config.random_init=True: must be False with a fine-t"):
+    restore.restore_encoder(finetune_config(str(workdir), random_init=True), mesh_lib.make_mesh())
+  with pytest.raises(ConfigError, match="^config.projector_layers=1: must be 0: a fine-tuning"):
+    restore.with_head_layers(config, encoder, 1, "projector_layers", mesh_lib.make_mesh())
+
+
 class _Unlabeled(sources.TfdsSource):
   """CIFAR-10 without its labels, as an unlabeled image folder reads."""
 

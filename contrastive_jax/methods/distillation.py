@@ -404,6 +404,13 @@ def finetuned_model(path: str, saved) -> dict:
     pretrained = ckpt.saved_config(saved.pretrain_step)
   finally:
     ckpt.close()
+  if "method" not in pretrained or "model" not in pretrained:
+    raise ConfigError(
+      "distill.teacher",
+      path,
+      f"a fine-tuning workdir of a pretraining workdir (this one fine-tuned {source}, which "
+      "another kind of job wrote)",
+    )
   return pretrained.model.to_dict()
 
 
