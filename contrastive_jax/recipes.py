@@ -53,8 +53,9 @@ def data_fields(config):
 
 def pretrained_encoder_fields(config):
   """Sets the fields that say which encoder a downstream job starts from (jobs/downstream.py)."""
-  # The pretraining job's --workdir, or a weights file (.safetensors; .pth with torch) of a
-  # torchvision ResNet or timm / MoCo v3 ViT, whose model pretrain_config then describes.
+  # The pretraining job's --workdir (or the fine-tuning job's: its fine-tuned encoder), or a
+  # weights file (.safetensors; .pth with torch) of a torchvision ResNet or timm / MoCo v3
+  # ViT, whose model pretrain_config then describes.
   config.pretrain_workdir = config_dict.placeholder(str)
   config.pretrain_config = config_dict.placeholder(str)  # configs/X.py[:ARG,...], for a file.
   config.pretrain_step = -1  # -1: the latest checkpoint.
