@@ -25,6 +25,7 @@ from contrastive_jax.data import crop_spec
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import labelled
 from contrastive_jax.data import sources
+from contrastive_jax.jobs import export
 from contrastive_jax.jobs import finetune
 from contrastive_jax.jobs import linear_probe
 from contrastive_jax.methods import distillation
@@ -367,6 +368,11 @@ def test_a_fine_tuning_workdir_is_a_pretrained_encoder_for_the_downstream_jobs(
     restore.restore_encoder(finetune_config(str(workdir), random_init=True), mesh_lib.make_mesh())
   with pytest.raises(ConfigError, match="^config.projector_layers=1: must be 0: a fine-tuning"):
     restore.with_head_layers(config, encoder, 1, "projector_layers", mesh_lib.make_mesh())
+  # The export job serves no projection head from it.
+  exported = load_config("export")
+  exported.update(pretrain_workdir=str(workdir), format="saved_model", projection=True)
+  with pytest.raises(ConfigError, match="^config.projection=True: .*a fine-tuning workdir"):
+    export.check_config(exported)
 
 
 class _Unlabeled(sources.TfdsSource):
