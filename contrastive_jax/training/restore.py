@@ -190,13 +190,20 @@ def _finetuned_encoder(config, ckpt, step: int, saved, mesh) -> Encoder:
 
 
 def is_finetuning_workdir(path: str) -> bool:
-  """Whether `path` is a workdir of the fine-tuning job (its latest checkpoint's config)."""
+  """Whether `path` is a workdir of the fine-tuning job (its latest checkpoint's config);
+  False for anything else (a weights file, no checkpoints, another tool's checkpoints).
+
+  Raises:
+    ConfigError: checkpoints of which none is complete.
+  """
   directory = f"{files.resolve_dir(path)}/checkpoints"
-  if tensor_files.is_weights_file(path) or not tf.io.gfile.isdir(directory):
+  if not path or tensor_files.is_weights_file(path) or not tf.io.gfile.isdir(directory):
     return False
   ckpt = checkpointing.Checkpointer(directory, read_only=True)
   try:
     return ckpt.saved_config().get("job") == FINETUNE_JOB
+  except ForeignCheckpointError:
+    return False
   finally:
     ckpt.close()
 
