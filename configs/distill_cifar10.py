@@ -4,7 +4,9 @@
       --config.distill.teacher=TEACHER --workdir=RUN
 
 TEACHER is a pretraining workdir of this package (the encoder its method evaluates, at its
-latest checkpoint; --config.distill.teacher_step=N for another) or, with
+latest checkpoint; --config.distill.teacher_step=N for another), a fine-tuning workdir of
+one (its fine-tuned encoder, e.g. a supervised teacher: configs/finetune.py with
+label_fraction=1.0) or, with
 `teacher_model=NAME`, a DINOv2 or DINOv3 weights file of that model (configs/dinov2.py's
 and configs/dinov3.py's names).
 
@@ -39,8 +41,8 @@ patches, as 4 at 32 px gives 8 x 8).
 Arguments (--config=configs/distill_cifar10.py:ARG,ARG...):
   `loss=v3` (the default), `v1` or `v2`;
   `model=resnet18` (the default) or `vit_tiny` (patch 4; MoCo v3's ViT initialisation);
-  `teacher_model=checkpoint` (the default: a pretraining workdir) or a DINOv2 or DINOv3
-      model name;
+  `teacher_model=checkpoint` (the default: a pretraining or fine-tuning workdir) or a
+      DINOv2 or DINOv3 model name;
   `runlocal`: shrunk for a 2-core CPU, as the other CIFAR-10 runlocals: batch 256, the
       ResNet-18 at width 0.25 with the ImageNet stem (recipes.runlocal), the train split held
       and cropped on the device, 1500 steps (about 7.7 epochs; warm-up 1 epoch: the

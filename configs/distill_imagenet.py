@@ -27,7 +27,7 @@ Arguments (--config=configs/distill_imagenet.py:ARG,ARG...):
   `model=resnet50` (the default), `resnet18`, `vit_small` or `vit_tiny` (patch 16): the student;
   `teacher_model=vit_base_patch16_dinov3` (the default), any configs/dinov3.py or
       configs/dinov2.py name (224 px is a multiple of both patches, 16 and 14), or
-      `checkpoint` for a pretraining workdir of this package;
+      `checkpoint` for a pretraining or fine-tuning workdir of this package;
   `dtype=bfloat16` (the default) or `dtype=float32`: the student's compute dtype.
 
 The recipes and their sources: docs/recipes.md.

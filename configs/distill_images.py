@@ -26,7 +26,8 @@ global batch (methods/distillation.py).
 Arguments (--config=configs/distill_images.py:ARG,ARG...):
   `loss=v3` (the default), `v1` or `v2`;
   `teacher_model=vit_small_patch16_dinov3` (the default), any configs/dinov3.py or
-      configs/dinov2.py name, or `checkpoint` for a pretraining workdir of this package;
+      configs/dinov2.py name, or `checkpoint` for a pretraining or fine-tuning workdir of
+      this package;
   `runlocal`: recipes.runlocal_images (64 px: 4 x 16), 56 px (4 x 14) with a DINOv2 or
       workdir teacher, ResNet-18 at width 0.25, batch 128, 400 steps;
   `dtype=float32` (the default) or `dtype=bfloat16`: the student's compute dtype.

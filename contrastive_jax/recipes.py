@@ -53,8 +53,9 @@ def data_fields(config):
 
 def pretrained_encoder_fields(config):
   """Sets the fields that say which encoder a downstream job starts from (jobs/downstream.py)."""
-  # The pretraining job's --workdir, or a weights file (.safetensors; .pth with torch) of a
-  # torchvision ResNet or timm / MoCo v3 ViT, whose model pretrain_config then describes.
+  # The pretraining job's --workdir (or the fine-tuning job's: its fine-tuned encoder), or a
+  # weights file (.safetensors; .pth with torch) of a torchvision ResNet or timm / MoCo v3
+  # ViT, whose model pretrain_config then describes.
   config.pretrain_workdir = config_dict.placeholder(str)
   config.pretrain_config = config_dict.placeholder(str)  # configs/X.py[:ARG,...], for a file.
   config.pretrain_step = -1  # -1: the latest checkpoint.
@@ -234,12 +235,12 @@ DISTILLATION_REFERENCE_BATCH = 1536
 def distillation(loss: str, teacher_model, **overrides) -> dict:
   """config.distill at LightlyTrain's defaults (DistillationArgs, DistillationV2Args,
   DistillationV3Args), overrides applied: the loss ('v1', 'v2', 'v3'); the teacher, a
-  weights file of teacher_model (a model config) or a pretraining workdir (teacher_model
-  None: recorded from it); temperatures 0.07 (v1's temperature, v3's temperature_global
-  and temperature_local); v3's loss_local_weight 1.0; v2's n_teacher_blocks 2; a queue of
-  8192 (the reference's 'auto' for a split of 20,000 images or more). What the run reads
-  of the teacher is recorded in teacher_sha256 / teacher_step / teacher_paths
-  (methods/distillation.py)."""
+  weights file of teacher_model (a model config) or a pretraining or fine-tuning workdir
+  (teacher_model None: recorded from it); temperatures 0.07 (v1's temperature, v3's
+  temperature_global and temperature_local); v3's loss_local_weight 1.0; v2's
+  n_teacher_blocks 2; a queue of 8192 (the reference's 'auto' for a split of 20,000
+  images or more). What the run reads of the teacher is recorded in teacher_sha256 /
+  teacher_step / teacher_paths (methods/distillation.py)."""
   return dict(
     dict(
       loss=loss,
@@ -448,8 +449,8 @@ def foundation_model(name: str, dtype: str) -> dict:
 
 def teacher_models(default: str) -> tuple:
   """The values of a distillation config's `teacher_model` argument, `default` first:
-  'checkpoint' (a pretraining workdir of this package), then every DINOv3 and DINOv2
-  backbone name (foundation_model's)."""
+  'checkpoint' (a pretraining or fine-tuning workdir of this package), then every DINOv3
+  and DINOv2 backbone name (foundation_model's)."""
   names = ("checkpoint", *DINOV3_MODELS, *DINOV2_MODELS)
   return (default, *(name for name in names if name != default))
 

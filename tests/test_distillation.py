@@ -5,7 +5,9 @@ exact resume across an epoch boundary; a teacher that nothing updates or saves; 
 from helpers import TINY_DINOV3_TEACHER
 from helpers import TINY_TEACHER
 from helpers import sigterm_after_first_train_batch
+from helpers import tiny_config
 from helpers import tiny_distill_config
+from helpers import tiny_teacher_file
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -20,6 +22,7 @@ from contrastive_jax.core import checkpointing
 from contrastive_jax.core import mesh as mesh_lib
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.jobs import pretrain
+from contrastive_jax.methods import common
 from contrastive_jax.methods import distillation
 from contrastive_jax.methods import optim
 from contrastive_jax.methods import pretraining
@@ -219,6 +222,47 @@ def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(
   assert all(not np.any(g) for g in jax.tree.leaves(grads))
 
 
+def test_a_resnet_students_first_v1_step_loss_is_the_references_formula(teacher_dir):
+  # One step of a tiny ResNet student (v1, 1 device, no photometric augmentation): its loss is
+  # the numpy KL of the teacher's and the student's softmaxes over the queue at T 0.07, the
+  # queue holding the batch's teacher embeddings (written before the loss) and zeros, on the
+  # images mixed up as the reference's _mixup_data (l ~ U(0, 1), a permutation of the batch).
+  config = tiny_config("distill", "runlocal,loss=v1")
+  config.distill.teacher = tiny_teacher_file(teacher_dir, config.image_size)
+  config.distill.teacher_model = dict(TINY_TEACHER)
+  config.distill.queue_size = 32
+  config.augment.view1 = dict(color_jitter_prob=0.0, grayscale_prob=0.0)
+  config.optimizer.warmup_epochs = 0.0
+  mesh = mesh_lib.make_mesh(jax.devices()[:1])
+  run = pretraining.setup(config, mesh, steps_per_epoch=16, num_steps=100)
+  state = run.init()
+  batch = _batch(config)
+  params, stats, rng = jax.device_get((state.params, state.batch_stats, state.rng))
+  _, metrics = run.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
+  # The mixed images, from the step's key as the reference draws l and the permutation.
+  key = common.shuffle_key(rng, 0)
+  lam = float(jax.random.uniform(jax.random.fold_in(key, 0)))
+  perm = np.asarray(jax.random.permutation(jax.random.fold_in(key, 1), config.batch_size))
+  x = batch["image"][:, 0].astype(np.float32) / 255
+  x = lam * x + (1 - lam) * x[perm]
+  teacher = distillation.load_teacher(config, mesh)
+  module = distillation.teacher_encoder(config)
+  t, _ = jax.jit(lambda v, x: distillation.teacher_forward(module, v, x, 1))(teacher, x)
+  encoder = models.build_encoder(config.model)
+  student = lambda p, bs, x: distillation.LinearHead(12).apply(
+    {"params": p["projector"]},
+    encoder.apply(
+      {"params": p["encoder"], "batch_stats": bs["encoder"]}, x, train=True, mutable=["batch_stats"]
+    )[0],
+  )
+  z = jax.jit(student)(params, stats, x)
+  t, z = _unit(np.asarray(t, np.float64)), _unit(np.asarray(z, np.float64))
+  queue = np.zeros((32, 12))
+  queue[: config.batch_size] = t
+  expected, _ = _kl_batchmean(z @ queue.T / 0.07, t @ queue.T / 0.07)
+  np.testing.assert_allclose(float(metrics["loss"]), expected, rtol=2e-5)
+
+
 def test_a_dinov3_file_teaches_as_the_model_that_wrote_it(v3_config):
   # A DINOv3-shaped teacher (patch 16: a 2 x 2 grid at 32 px) read through the one
   # weights-in path (state_dicts.from_state_dict): its variables and its bfloat16 forward
@@ -301,7 +345,7 @@ def test_bad_input_is_one_line_before_any_compute(teacher_dir, v3_config):
     distillation.check_config(missing, 256)
   no_workdir = config.copy_and_resolve_references()
   no_workdir.distill.teacher = str(teacher_dir / "no_such_run")
-  with pytest.raises(ConfigError, match="pretraining workdir"):
+  with pytest.raises(ConfigError, match="pretraining or fine-tuning workdir"):
     distillation.check_config(no_workdir, 256)
   # A patch-14 teacher and 32 px images: the two cannot share the input.
   patch14 = config.copy_and_resolve_references()

@@ -25,8 +25,10 @@ from contrastive_jax.data import crop_spec
 from contrastive_jax.data import input_pipeline
 from contrastive_jax.data import labelled
 from contrastive_jax.data import sources
+from contrastive_jax.jobs import export
 from contrastive_jax.jobs import finetune
 from contrastive_jax.jobs import linear_probe
+from contrastive_jax.methods import distillation
 from contrastive_jax.training import downstream
 from contrastive_jax.training import restore
 from contrastive_jax.training import runner
@@ -300,6 +302,77 @@ def test_resume_refuses_another_config_or_another_job(finetuned, pretrained):
   probe.pretrain_workdir = pretrained
   with pytest.raises(ConfigError, match="config.job='linear_probe': must be 'finetune'"):
     runner.run(linear_probe, probe, str(workdir))
+
+
+def test_a_fine_tuning_workdir_teaches_distillation_with_its_fine_tuned_encoder(
+  finetuned, pretrained_state
+):
+  # The fine-tuning workdir as distillation's teacher: its step, the pretraining run's model
+  # and its encoder's key paths recorded; the variables read are the fine-tuned encoder's
+  # (params and BN statistics), not the pretraining checkpoint's.
+  _, workdir, _, state, _ = finetuned
+  _, pretrained_variables = pretrained_state
+  config = tiny_config("distill", "runlocal")
+  config.distill.teacher = str(workdir)
+  recorded = distillation.recorded_config(
+    config, lambda name: methods.optional_attributes(name).evaluated_encoder
+  )
+  assert recorded.distill.teacher_step == 3
+  # The model as its checkpoint saved it (JSON: tuples as lists).
+  model = json.loads(json.dumps(tiny_config().model.to_dict()))
+  assert recorded.distill.teacher_model.to_dict() == model
+  assert recorded.distill.teacher_paths == [["params", "encoder"], ["batch_stats", "encoder"]]
+  teacher = jax.device_get(distillation.load_teacher(recorded, mesh_lib.make_mesh()))
+  jax.tree.map(np.testing.assert_array_equal, teacher["params"], state.params["encoder"])
+  jax.tree.map(np.testing.assert_array_equal, teacher["batch_stats"], state.batch_stats["encoder"])
+  assert not np.array_equal(
+    teacher["params"]["stem_conv"]["kernel"],
+    pretrained_variables["params"]["encoder"]["stem_conv"]["kernel"],
+  )
+  # What cannot be a teacher: one line each.
+  ckpt = checkpointing.Checkpointer(str(workdir / "checkpoints"), read_only=True)
+  try:
+    saved = ckpt.saved_config()
+  finally:
+    ckpt.close()
+  for field, value, match in (
+    ("projector_layers", 1, "projector_layers 0 .*fine-tuned 1 projection-head layers"),
+    ("pretrain_workdir", "/w/resnet18.safetensors", "fine-tuned the weights file /w/resnet18"),
+  ):
+    bad = ml_collections.ConfigDict(saved.to_dict())
+    bad[field] = value
+    with pytest.raises(ConfigError, match=f"^config.distill.teacher=.*: must be .*{match}"):
+      distillation.finetuned_model(str(workdir), bad)
+
+
+def test_a_fine_tuning_workdir_is_a_pretrained_encoder_for_the_downstream_jobs(
+  finetuned, pretrained
+):
+  # restore_encoder of the fine-tuning workdir: its fine-tuned encoder, as the pretraining
+  # run's model (and its image size), at the fine-tuning checkpoint's step.
+  _, workdir, _, state, _ = finetuned
+  config = finetune_config(str(workdir))
+  encoder = restore.restore_encoder(config, mesh_lib.make_mesh())
+  assert encoder.step == 3 and encoder.pretrained.model.to_dict() == json.loads(
+    json.dumps(tiny_config().model.to_dict())
+  )
+  variables = jax.device_get(encoder.variables)
+  jax.tree.map(np.testing.assert_array_equal, variables["params"], state.params["encoder"])
+  jax.tree.map(
+    np.testing.assert_array_equal, variables["batch_stats"], state.batch_stats["encoder"]
+  )
+  assert restore.is_finetuning_workdir(str(workdir)) and not restore.is_finetuning_workdir(
+    pretrained
+  )
+  with pytest.raises(ConfigError, match="^config.random_init=True: must be False with a fine-t"):
+    restore.restore_encoder(finetune_config(str(workdir), random_init=True), mesh_lib.make_mesh())
+  with pytest.raises(ConfigError, match="^config.projector_layers=1: must be 0: a fine-tuning"):
+    restore.with_head_layers(config, encoder, 1, "projector_layers", mesh_lib.make_mesh())
+  # The export job serves no projection head from it.
+  exported = load_config("export")
+  exported.update(pretrain_workdir=str(workdir), format="saved_model", projection=True)
+  with pytest.raises(ConfigError, match="^config.projection=True: .*a fine-tuning workdir"):
+    export.check_config(exported)
 
 
 class _Unlabeled(sources.TfdsSource):

@@ -86,13 +86,15 @@ def check_config(config):
       f"projection head (the formats {list(SERVING)} serve z too)",
     )
   if config.projection and (
-    config.random_init or tensor_files.is_weights_file(config.pretrain_workdir or "")
+    config.random_init
+    or tensor_files.is_weights_file(config.pretrain_workdir or "")
+    or restore.is_finetuning_workdir(config.pretrain_workdir or "")
   ):
     raise ConfigError(
       "projection",
       config.projection,
-      "False without a pretraining checkpoint (random_init, or a weights "
-      "file): only a checkpoint holds a trained projection head",
+      "False without a pretraining checkpoint (random_init, a weights file or a "
+      "fine-tuning workdir): only a pretraining checkpoint holds a trained projection head",
     )
   if config.format == "pth" and importlib.util.find_spec("torch") is None:
     raise ConfigError(

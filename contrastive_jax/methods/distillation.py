@@ -23,8 +23,9 @@ step):
 The teacher (models.build_encoder of its model config, computing in bfloat16 with float32
 weights) runs inside the same jitted step and shard_map as the student, under
 stop_gradient: its variables are read once by pretraining.setup (load_teacher: a weights
-file through models/state_dicts.py, as the downstream jobs read one, or the evaluated
-encoder of a pretraining workdir of this package) and replicated on the mesh. They are an
+file through models/state_dicts.py, as the downstream jobs read one, the evaluated
+encoder of a pretraining workdir of this package, or the fine-tuned encoder of a
+fine-tuning workdir) and replicated on the mesh. They are an
 argument of the jitted step and an input of its shard_map (common.build_train_step's
 frozen), so that the executable takes them as parameters: a closed-over array would be a
 constant of the program, the whole teacher in its HLO.
@@ -78,6 +79,11 @@ from contrastive_jax.models.common import DTYPES
 
 LOSSES = ("v1", "v2", "v3")
 LOCAL_PROJECTOR = "local_projector"
+# A fine-tuning workdir as the teacher: its job's name, and the (params, batch_stats) key
+# paths of its encoder in the TrainState it saves (training/downstream.finetune_state:
+# params {'encoder', 'head'}, batch_stats {'encoder'}).
+FINETUNE_JOB = "finetune"
+FINETUNED_ENCODER = (("params", "encoder"), ("batch_stats", "encoder"))
 
 # The reference's queue size for a train split of n images (DistillationArgs.resolve_auto,
 # about half of the smallest and a quarter of the largest split of each bucket): the size of
@@ -302,7 +308,7 @@ def local_projector(config):
 
 
 def is_workdir_teacher(path: str) -> bool:
-  """Whether the teacher path is a pretraining workdir (else a weights file)."""
+  """Whether the teacher path is a pretraining or fine-tuning workdir (else a weights file)."""
   return not tensor_files.is_weights_file(path)
 
 
@@ -323,7 +329,9 @@ def recorded_config(config, evaluated_encoder):
   """config with what the run reads of its teacher recorded in config.distill (a copy):
   a weights file's teacher_sha256; a pretraining workdir's teacher_step (the latest where
   -1), teacher_model (its run's model) and teacher_paths (the key paths of the encoder its
-  method evaluates, evaluated_encoder(method name) gives them). A resumed run records again
+  method evaluates, evaluated_encoder(method name) gives them); a fine-tuning workdir's
+  teacher_step, teacher_model (finetuned_model) and teacher_paths (its encoder,
+  FINETUNED_ENCODER). A resumed run records again
   and the runner's resume check names any field that changed (a file rewritten in place).
 
   Raises:
@@ -348,15 +356,62 @@ def recorded_config(config, evaluated_encoder):
     saved = ckpt.saved_config(step)
   finally:
     ckpt.close()
-  if "method" not in saved or "model" not in saved:
+  if "method" in saved and "model" in saved:
+    model, paths = saved.model.to_dict(), evaluated_encoder(saved.method)
+  elif saved.get("job") == FINETUNE_JOB:
+    model, paths = finetuned_model(d.teacher, saved), FINETUNED_ENCODER
+  else:
     raise ConfigError(
-      "distill.teacher", d.teacher, "a pretraining workdir; another kind of job wrote it"
+      "distill.teacher",
+      d.teacher,
+      "a pretraining or fine-tuning workdir; another kind of job wrote it",
     )
   d.teacher_step = step
-  d.teacher_model = saved.model.to_dict()
-  d.teacher_paths = [list(path) for path in evaluated_encoder(saved.method)]
+  d.teacher_model = model
+  d.teacher_paths = [list(path) for path in paths]
   check_shared_input(config)
   return config
+
+
+def finetuned_model(path: str, saved) -> dict:
+  """The model config (a dict) of the encoder that the fine-tuning workdir `path` trained,
+  whose checkpoint's config is `saved`: the model of the pretraining checkpoint it started
+  from (saved.pretrain_workdir at its recorded pretrain_step; with random_init, that run's
+  architecture).
+
+  Raises:
+    ConfigError: a fine-tuning run of a weights file (its model is a config file's, which
+      the run's own config does not hold), or one that fine-tuned projection-head layers
+      with its encoder (projector_layers > 0: the network is not the registry's encoder).
+  """
+  source = saved.get("pretrain_workdir") or ""
+  if saved.get("projector_layers", 0):
+    raise ConfigError(
+      "distill.teacher",
+      path,
+      "a fine-tuning workdir with projector_layers 0 (this one fine-tuned "
+      f"{saved.projector_layers} projection-head layers with its encoder)",
+    )
+  if tensor_files.is_weights_file(source):
+    raise ConfigError(
+      "distill.teacher",
+      path,
+      "a fine-tuning workdir of a pretraining workdir (this one fine-tuned the weights file "
+      f"{source}: export the fine-tuned encoder, or distil from the file with teacher_model)",
+    )
+  ckpt = checkpointing.Checkpointer(_checkpoint_dir(source), read_only=True)
+  try:
+    pretrained = ckpt.saved_config(saved.pretrain_step)
+  finally:
+    ckpt.close()
+  if "method" not in pretrained or "model" not in pretrained:
+    raise ConfigError(
+      "distill.teacher",
+      path,
+      f"a fine-tuning workdir of a pretraining workdir (this one fine-tuned {source}, which "
+      "another kind of job wrote)",
+    )
+  return pretrained.model.to_dict()
 
 
 def check_teacher(config):
@@ -369,8 +424,8 @@ def check_teacher(config):
       raise ConfigError(
         "distill.teacher",
         path,
-        "an existing weights file (.safetensors, .pth) or a pretraining workdir with "
-        f"checkpoints (looked for {_checkpoint_dir(path) if path else 'a path'})",
+        "an existing weights file (.safetensors, .pth) or a pretraining or fine-tuning "
+        f"workdir with checkpoints (looked for {_checkpoint_dir(path) if path else 'a path'})",
       )
   else:
     if not os.path.isfile(path):

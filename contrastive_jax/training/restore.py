@@ -3,7 +3,8 @@
 Only the encoder (params and BN statistics) that the method's paper evaluates
 (methods.OptionalAttributes.evaluated_encoder: MoCo's query encoder, BYOL's online
 encoder, DINO's teacher's encoder) is read from a checkpoint, with a partial restore onto
-however many devices the job has, and rebuilt from the config saved with the checkpoint; or,
+however many devices the job has, and rebuilt from the config saved with the checkpoint
+(a fine-tuning workdir: its fine-tuned encoder, as the model it started from); or,
 with config.random_init, the pretraining run's own initialisation of it (the
 baseline); or a weights file (docs/weights.md) is read as the model of
 config.pretrain_config. The export job also restores the projection head the
@@ -38,6 +39,10 @@ from contrastive_jax.models import heads
 from contrastive_jax.models import state_dicts
 
 PROJECTOR = "projector"  # The projection head's name in a method's model (heads.ContrastiveModel).
+# A fine-tuning workdir as a pretrained encoder: its job's name, and the (params, batch_stats)
+# key paths of its fine-tuned encoder in the TrainState it saves (downstream.finetune_state).
+FINETUNE_JOB = "finetune"
+FINETUNED_ENCODER = (("params", "encoder"), ("batch_stats", "encoder"))
 
 # What the export job writes beside an export, last: its run's config included.
 EXPORT_META = "export.json"
@@ -70,8 +75,9 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
   Raises:
     ConfigError: pretrain_workdir with no checkpoint or with checkpoints of
       another tool, a pretrain_step that was not saved (the saved ones are
-      listed), checkpoints of another kind of job, or a model_name that
-      differs from the checkpoint's model.
+      listed), checkpoints of another kind of job than pretraining or
+      fine-tuning (_finetuned_encoder), or a model_name that differs from the
+      checkpoint's model.
     JobError: a gs:// pretrain_workdir without Google Cloud credentials.
   """
   gcs.check_credentials(config.pretrain_workdir or "", "config.pretrain_workdir")
@@ -99,11 +105,13 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
         config.pretrain_workdir,
         f"a pretraining workdir of contrastive_jax; {e}",
       ) from None
+    if "method" not in saved and saved.get("job") == FINETUNE_JOB:
+      return _finetuned_encoder(config, ckpt, step, saved, mesh)
     if "method" not in saved:
       raise ConfigError(
         "pretrain_workdir",
         config.pretrain_workdir,
-        "a pretraining workdir; its checkpoints were written by another kind of job",
+        "a pretraining or fine-tuning workdir; its checkpoints were written by another kind of job",
       )
     if config.model_name and config.model_name != saved.model.name:
       raise ConfigError(
@@ -128,6 +136,76 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
     jax.ShapeDtypeStruct((1, saved.image_size, saved.image_size, 3), jnp.uint8),
   ).shape[-1]
   return Encoder(encoder, variables, saved, step, dim)
+
+
+def _finetuned_encoder(config, ckpt, step: int, saved, mesh) -> Encoder:
+  """The fine-tuned encoder of the fine-tuning workdir config.pretrain_workdir at checkpoint
+  `step` (its saved config `saved`), as the model of the pretraining run or weights file it
+  started from (whose config, image size and eval crop it keeps; step: the fine-tuning
+  checkpoint's).
+
+  Raises:
+    ConfigError: random_init (the fine-tuning run's start is its own pretrain_workdir's), a
+      fine-tuning run of projection-head layers (projector_layers > 0), a model_name that
+      differs.
+  """
+  path = config.pretrain_workdir
+  if config.random_init:
+    raise ConfigError(
+      "random_init",
+      config.random_init,
+      f"False with a fine-tuning workdir (its start: pretrain_workdir={saved.pretrain_workdir})",
+    )
+  if saved.get("projector_layers", 0):
+    raise ConfigError(
+      "pretrain_workdir",
+      path,
+      "a fine-tuning workdir with projector_layers 0 (this one fine-tuned "
+      f"{saved.projector_layers} projection-head layers with its encoder)",
+    )
+  source = saved.pretrain_workdir
+  if tensor_files.is_weights_file(source):
+    pretrained = weights_config(source, saved.get("pretrain_config"), "pretrain_config")
+  else:
+    start = checkpointing.Checkpointer(f"{files.resolve_dir(source)}/checkpoints", read_only=True)
+    try:
+      pretrained = config_files.upgrade_config(start.saved_config(saved.pretrain_step))
+    finally:
+      start.close()
+    if "method" not in pretrained:
+      raise ConfigError(
+        "pretrain_workdir",
+        path,
+        "a fine-tuning workdir of a pretraining workdir or a weights file (this one "
+        f"fine-tuned {source}, which another kind of job wrote)",
+      )
+  if config.model_name and config.model_name != pretrained.model.name:
+    raise ConfigError(
+      "model_name", config.model_name, f"{pretrained.model.name!r}, the model of {path}"
+    )
+  encoder = models.build_encoder(pretrained.model)
+  x = jnp.zeros((1, pretrained.image_size, pretrained.image_size, 3), jnp.float32)
+  variables = _restore_submodule(ckpt, step, encoder, x, FINETUNED_ENCODER, mesh)
+  return Encoder(encoder, variables, pretrained, step, models.encoder_width(pretrained.model))
+
+
+def is_finetuning_workdir(path: str) -> bool:
+  """Whether `path` is a workdir of the fine-tuning job (its latest checkpoint's config);
+  False for anything else (a weights file, no checkpoints, another tool's checkpoints).
+
+  Raises:
+    ConfigError: checkpoints of which none is complete.
+  """
+  directory = f"{files.resolve_dir(path)}/checkpoints"
+  if not path or tensor_files.is_weights_file(path) or not tf.io.gfile.isdir(directory):
+    return False
+  ckpt = checkpointing.Checkpointer(directory, read_only=True)
+  try:
+    return ckpt.saved_config().get("job") == FINETUNE_JOB
+  except ForeignCheckpointError:
+    return False
+  finally:
+    ckpt.close()
 
 
 def _restore_submodule(ckpt, step: int, module, example, paths, mesh) -> dict:
@@ -207,6 +285,8 @@ def with_head_layers(config, encoder: Encoder, layers: int, field: str, mesh) ->
   name = f"{pretrained.method}'s projection head ({type(projector).__name__})"
   if tensor_files.is_weights_file(config.pretrain_workdir or ""):
     hidden, allowed = 0, "0: a weights file holds no projection head"
+  elif is_finetuning_workdir(config.pretrain_workdir or ""):
+    hidden, allowed = 0, "0: a fine-tuning workdir holds its encoder, no projection head"
   elif not isinstance(projector, heads.MLP):
     hidden, allowed = 0, f"0: {name} has no Dense -> BN -> ReLU layers to fine-tune from"
   elif not projector.hidden_dims:
