@@ -27,6 +27,12 @@ from contrastive_jax.core.errors import ForeignCheckpointError
 # (item, the file of the item that Orbax writes last): a step holding both is complete.
 _STEP_METADATA = "_CHECKPOINT_METADATA"  # Orbax's file naming a step's items.
 _ITEM_MARKERS = (("state", "_METADATA"), ("config", "metadata"))
+# A fine-tuning workdir read as a pretrained encoder (downstream jobs, a distillation
+# teacher): its saved config's job name, and the (params, batch_stats) key paths of its
+# fine-tuned encoder in the TrainState it saves (training/downstream.finetune_state: params
+# {'encoder', 'head'}, batch_stats {'encoder'}).
+FINETUNE_JOB = "finetune"
+FINETUNED_ENCODER = (("params", "encoder"), ("batch_stats", "encoder"))
 
 
 def _leaves(tree: dict, prefix: str = "") -> dict:

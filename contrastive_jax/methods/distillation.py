@@ -79,11 +79,6 @@ from contrastive_jax.models.common import DTYPES
 
 LOSSES = ("v1", "v2", "v3")
 LOCAL_PROJECTOR = "local_projector"
-# A fine-tuning workdir as the teacher: its job's name, and the (params, batch_stats) key
-# paths of its encoder in the TrainState it saves (training/downstream.finetune_state:
-# params {'encoder', 'head'}, batch_stats {'encoder'}).
-FINETUNE_JOB = "finetune"
-FINETUNED_ENCODER = (("params", "encoder"), ("batch_stats", "encoder"))
 
 # The reference's queue size for a train split of n images (DistillationArgs.resolve_auto,
 # about half of the smallest and a quarter of the largest split of each bucket): the size of
@@ -331,7 +326,7 @@ def recorded_config(config, evaluated_encoder):
   -1), teacher_model (its run's model) and teacher_paths (the key paths of the encoder its
   method evaluates, evaluated_encoder(method name) gives them); a fine-tuning workdir's
   teacher_step, teacher_model (finetuned_model) and teacher_paths (its encoder,
-  FINETUNED_ENCODER). A resumed run records again
+  checkpointing.FINETUNED_ENCODER). A resumed run records again
   and the runner's resume check names any field that changed (a file rewritten in place).
 
   Raises:
@@ -358,8 +353,8 @@ def recorded_config(config, evaluated_encoder):
     ckpt.close()
   if "method" in saved and "model" in saved:
     model, paths = saved.model.to_dict(), evaluated_encoder(saved.method)
-  elif saved.get("job") == FINETUNE_JOB:
-    model, paths = finetuned_model(d.teacher, saved), FINETUNED_ENCODER
+  elif saved.get("job") == checkpointing.FINETUNE_JOB:
+    model, paths = finetuned_model(d.teacher, saved), checkpointing.FINETUNED_ENCODER
   else:
     raise ConfigError(
       "distill.teacher",

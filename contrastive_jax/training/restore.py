@@ -39,10 +39,6 @@ from contrastive_jax.models import heads
 from contrastive_jax.models import state_dicts
 
 PROJECTOR = "projector"  # The projection head's name in a method's model (heads.ContrastiveModel).
-# A fine-tuning workdir as a pretrained encoder: its job's name, and the (params, batch_stats)
-# key paths of its fine-tuned encoder in the TrainState it saves (downstream.finetune_state).
-FINETUNE_JOB = "finetune"
-FINETUNED_ENCODER = (("params", "encoder"), ("batch_stats", "encoder"))
 
 # What the export job writes beside an export, last: its run's config included.
 EXPORT_META = "export.json"
@@ -105,7 +101,7 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
         config.pretrain_workdir,
         f"a pretraining workdir of contrastive_jax; {e}",
       ) from None
-    if "method" not in saved and saved.get("job") == FINETUNE_JOB:
+    if "method" not in saved and saved.get("job") == checkpointing.FINETUNE_JOB:
       return _finetuned_encoder(config, ckpt, step, saved, mesh)
     if "method" not in saved:
       raise ConfigError(
@@ -185,7 +181,7 @@ def _finetuned_encoder(config, ckpt, step: int, saved, mesh) -> Encoder:
     )
   encoder = models.build_encoder(pretrained.model)
   x = jnp.zeros((1, pretrained.image_size, pretrained.image_size, 3), jnp.float32)
-  variables = _restore_submodule(ckpt, step, encoder, x, FINETUNED_ENCODER, mesh)
+  variables = _restore_submodule(ckpt, step, encoder, x, checkpointing.FINETUNED_ENCODER, mesh)
   return Encoder(encoder, variables, pretrained, step, models.encoder_width(pretrained.model))
 
 
@@ -201,7 +197,7 @@ def is_finetuning_workdir(path: str) -> bool:
     return False
   ckpt = checkpointing.Checkpointer(directory, read_only=True)
   try:
-    return ckpt.saved_config().get("job") == FINETUNE_JOB
+    return ckpt.saved_config().get("job") == checkpointing.FINETUNE_JOB
   except ForeignCheckpointError:
     return False
   finally:
