@@ -67,36 +67,49 @@ ocp.type_handlers.register_type_handler(
 )
 
 
-# The files that take longest, longest first (seconds of one worker on the 2-core VM: about
-# 180 for test_runner, 90 to 170 for the next eleven, 40 to 75 for the rest), run first:
-# pytest-xdist hands a worker the next file in collection order, so a long file collected
-# last would leave the other worker idle at the end.
+# The files that take longest, longest first (seconds of one worker in the suite on the 2-core
+# VM: 140 for test_images, 60 to 120 for the next eleven, 30 to 50 for the rest), run first:
+# pytest-xdist hands a worker the next file in this order when it finishes one, so a long file
+# left for last would run beside an idle worker. test_unchanged follows test_runner at a
+# distance: its runs compile the programs of test_runner's first runs, which the shared
+# compilation cache then holds.
 _SLOWEST_FIRST = (
-  "test_runner.py",
   "test_images.py",
-  "test_interruptions.py",
+  "test_runner.py",
+  "test_multihost.py",
   "test_label_efficiency.py",
   "test_weights.py",
-  "test_dinov2.py",
-  "test_multihost.py",
-  "test_methods.py",
-  "test_launcher.py",
-  "test_dino.py",
-  "test_multihost_equality.py",
-  "test_device_data.py",
-  "test_device_benchmark.py",
-  "test_linear_probe.py",
-  "test_conv.py",
+  "test_interruptions.py",
   "test_unchanged.py",
-  "test_export.py",
-  "test_finetune.py",
+  "test_dinov2.py",
+  "test_methods.py",
   "test_map.py",
-  "test_distillation.py",
+  "test_launcher.py",
+  "test_device_benchmark.py",
+  "test_multihost_equality.py",
+  "test_dino.py",
   "test_speedrun.py",
-  "test_capacity.py",
-  "test_without_tensorflow.py",
+  "test_device_data.py",
+  "test_conv.py",
+  "test_distillation.py",
+  "test_linear_probe.py",
+  "test_embed_beam.py",
+  "test_byol.py",
+  "test_export.py",
   "test_main.py",
+  "test_capacity.py",
+  "test_finetune.py",
+  "test_search.py",
+  "test_without_tensorflow.py",
 )
+
+
+def pytest_configure(config):
+  """Keeps _SLOWEST_FIRST's order in pytest-xdist's scheduling: its default for --dist loadfile
+  (loadscope_reorder) hands out the files with the most tests first, which put the long
+  files of few tests (the pod, the two hosts, the recorded runs) last, beside an idle worker."""
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
 
 
 def pytest_collection_modifyitems(session, config, items):
