@@ -545,7 +545,7 @@ def test_a_flat_index_searched_exactly_still_has_its_file_checked_and_says_how(
   content = open(path, "rb").read()
   assert described["type"] == "flat" and described["crc32"] == zlib.crc32(content)
   search = neighbours_config(workdir, query_rows="0")
-  with caplog.at_level("INFO"):
+  with caplog.at_level("INFO"), caplog.at_level("INFO", logger="absl"):
     assert neighbours.run(search, str(tmp_path / "out"))["search"] == {"method": "exact"}
   assert (
     "Searching the 4 rows exactly (its ANN index ann.0.faiss is 'flat', itself exact); "
@@ -571,7 +571,7 @@ def test_a_flat_index_searched_exactly_still_has_its_file_checked_and_says_how(
       del meta["ann"]["crc32"]
     open(os.path.join(workdir, name), "w").write(json.dumps(meta))
   caplog.clear()
-  with caplog.at_level("INFO"):
+  with caplog.at_level("INFO"), caplog.at_level("INFO", logger="absl"):
     neighbours.run(
       neighbours_config(workdir, query_rows="0", search="exact"), str(tmp_path / "out3")
     )

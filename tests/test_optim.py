@@ -119,7 +119,7 @@ def test_schedules_without_warmup_start_at_their_peak_and_log_nothing(caplog):
     ("step", [0, 29, 30, 40], [1.0, 1.0, 0.1, 0.01]),
   ]:
     cfg = _opt_config(schedule=schedule, decay_epochs=(3, 4), warmup_epochs=0)
-    with caplog.at_level("INFO"):
+    with caplog.at_level("INFO"), caplog.at_level("INFO", logger="absl"):
       sched = optim.learning_rate_schedule(cfg, 256, steps_per_epoch=10, total_steps=100)
     np.testing.assert_allclose([sched(t) for t in points], want, rtol=1e-6, atol=1e-7)
   assert "transition_steps" not in caplog.text  # optax's line for a ramp of 0 steps.
