@@ -15,7 +15,6 @@ import numpy as np
 import optax
 import pytest
 
-from contrastive_jax import methods
 from contrastive_jax import models
 from contrastive_jax import recipes
 from contrastive_jax.core import checkpointing
@@ -26,6 +25,7 @@ from contrastive_jax.methods import common
 from contrastive_jax.methods import distillation
 from contrastive_jax.methods import optim
 from contrastive_jax.methods import pretraining
+from contrastive_jax.training import restore
 from contrastive_jax.training import runner
 
 # --- the reference's formulas in numpy (float64) -------------------------------------------
@@ -317,9 +317,7 @@ def test_resumes_bit_for_bit_across_an_epoch_boundary_without_the_teacher_in_che
   as_teacher.distill.teacher = str(tmp_path / "straight")
   del as_teacher.distill["teacher_model"]
   as_teacher.distill.teacher_model = None
-  recorded = distillation.recorded_config(
-    as_teacher, lambda name: methods.optional_attributes(name).evaluated_encoder
-  )
+  recorded = distillation.recorded_config(as_teacher, restore.checkpoint_encoder)
   assert recorded.distill.teacher_step == 4
   teacher_model = recorded.distill.teacher_model
   assert [teacher_model[k] for k in ("name", "width", "depth", "patch_size")] == [
@@ -334,7 +332,7 @@ def test_resumes_bit_for_bit_across_an_epoch_boundary_without_the_teacher_in_che
   with pytest.raises(ConfigError, match="distill.teacher_sha256"):
     changed = config.copy_and_resolve_references()
     changed.distill.teacher_sha256 = "0" * 64
-    distillation.recorded_config(changed, lambda name: methods.STUDENT_ENCODER)
+    distillation.recorded_config(changed, restore.checkpoint_encoder)
 
 
 def test_bad_input_is_one_line_before_any_compute(teacher_dir, v3_config):

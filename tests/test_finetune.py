@@ -314,9 +314,7 @@ def test_a_fine_tuning_workdir_teaches_distillation_with_its_fine_tuned_encoder(
   _, pretrained_variables = pretrained_state
   config = tiny_config("distill", "runlocal")
   config.distill.teacher = str(workdir)
-  recorded = distillation.recorded_config(
-    config, lambda name: methods.optional_attributes(name).evaluated_encoder
-  )
+  recorded = distillation.recorded_config(config, restore.checkpoint_encoder)
   assert recorded.distill.teacher_step == 3
   # The model as its checkpoint saved it (JSON: tuples as lists).
   model = json.loads(json.dumps(tiny_config().model.to_dict()))
@@ -335,14 +333,18 @@ def test_a_fine_tuning_workdir_teaches_distillation_with_its_fine_tuned_encoder(
     saved = ckpt.saved_config()
   finally:
     ckpt.close()
-  for field, value, match in (
-    ("projector_layers", 1, "projector_layers 0 .*fine-tuned 1 projection-head layers"),
-    ("pretrain_workdir", "/w/resnet18.safetensors", "fine-tuned the weights file /w/resnet18"),
+  bad = ml_collections.ConfigDict(saved.to_dict())
+  bad.projector_layers = 1
+  with pytest.raises(
+    ConfigError,
+    match="^config.distill.teacher=.*: must be .*projector_layers 0 .*fine-tuned 1 projection-head",
   ):
-    bad = ml_collections.ConfigDict(saved.to_dict())
-    bad[field] = value
-    with pytest.raises(ConfigError, match=f"^config.distill.teacher=.*: must be .*{match}"):
-      distillation.finetuned_model(str(workdir), bad)
+    restore.checkpoint_encoder("distill.teacher", str(workdir), bad)
+  # A fine-tuning run of a weights file whose model no config names (no export.json beside).
+  bad = ml_collections.ConfigDict(saved.to_dict())
+  bad.pretrain_workdir = "/w/resnet18.safetensors"
+  with pytest.raises(ConfigError, match="^config.pretrain_config=None: .*/w/resnet18.safetensors"):
+    restore.checkpoint_encoder("distill.teacher", str(workdir), bad)
 
 
 def test_a_fine_tuning_workdir_is_a_pretrained_encoder_for_the_downstream_jobs(

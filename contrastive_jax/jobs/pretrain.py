@@ -91,7 +91,7 @@ def build(config, mesh, saved_config, workdir) -> runner.Task:
   method = get_method(config.method)
   recorded = optional_attributes(config.method).recorded_config
   if recorded is not None:  # What the run reads from outside (a teacher), recorded.
-    config = recorded(config, lambda name: optional_attributes(name).evaluated_encoder)
+    config = recorded(config, restore.checkpoint_encoder)
   # Read before any compute, and only when starting: a resumed run restores its state.
   start = imported_start(config) if config.get("init_from") and saved_config is None else None
   source = sources.get_source(config, {"train_split": config.train_split})

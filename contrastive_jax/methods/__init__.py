@@ -45,7 +45,7 @@ optional_attributes(name), never from the module itself:
       The (params, batch_stats) key paths in the TrainState of the encoder the
       method's paper evaluates (DINO: the teacher's); the kNN monitor
       (evaluated_encoder) and the downstream jobs' partial restore read it there.
-  recorded_config(config, evaluated_encoder) -> config (default None)
+  recorded_config(config, checkpoint_encoder) -> config (default None)
       For a method that reads something outside its workdir at every start
       (distillation's frozen teacher): the config with what it read recorded (a file's
       digest, a checkpoint's step); the pretraining job runs with it, so a resumed
@@ -142,10 +142,11 @@ class OptionalAttributes:
       for a method without such checkpoints.
     with_imported (with_imported): (state, variables) -> state, the state at step 0
       with imported_state's variables; None where imported_state is.
-    recorded_config (recorded_config): (config, evaluated_encoder) -> config, the config
+    recorded_config (recorded_config): (config, checkpoint_encoder) -> config, the config
       with what the run reads from outside its workdir recorded in its fields (the
-      distillation teacher's file digest or checkpoint step), evaluated_encoder(method
-      name) giving another method's evaluated_encoder; the pretraining job runs with it,
+      distillation teacher's file digest or checkpoint step), checkpoint_encoder(field,
+      workdir, saved config) giving the pretraining config and key paths of the encoder a
+      workdir's checkpoint holds (training.restore); the pretraining job runs with it,
       so a resumed run whose source changed stops at the resume check. None: nothing read.
     frozen_variables (frozen_variables): (config, mesh) -> a pytree replicated on the mesh
       that the step reads and nothing updates, kept out of the TrainState (distillation's

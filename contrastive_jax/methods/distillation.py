@@ -320,17 +320,18 @@ def _checkpoint_dir(path: str) -> str:
   return f"{files.resolve_dir(path)}/checkpoints"
 
 
-def recorded_config(config, evaluated_encoder):
+def recorded_config(config, checkpoint_encoder):
   """config with what the run reads of its teacher recorded in config.distill (a copy):
   a weights file's teacher_sha256; a pretraining workdir's teacher_step (the latest where
-  -1), teacher_model (its run's model) and teacher_paths (the key paths of the encoder its
-  method evaluates, evaluated_encoder(method name) gives them); a fine-tuning workdir's
-  teacher_step, teacher_model (finetuned_model) and teacher_paths (its encoder,
-  checkpointing.FINETUNED_ENCODER). A resumed run records again
+  -1), teacher_model and teacher_paths: the model and the key paths of the encoder that
+  checkpoint_encoder('distill.teacher', path, saved config) reads from a checkpoint of a
+  pretraining workdir (the encoder its method evaluates) or a fine-tuning workdir (its
+  fine-tuned encoder, as the model it started from). A resumed run records again
   and the runner's resume check names any field that changed (a file rewritten in place).
 
   Raises:
-    ConfigError: see check_teacher; a teacher_sha256 set by hand that is not the file's.
+    ConfigError: see check_teacher and checkpoint_encoder; a teacher_sha256 set by hand
+      that is not the file's.
   """
   check_teacher(config)
   config = config.copy_and_resolve_references()
@@ -351,62 +352,12 @@ def recorded_config(config, evaluated_encoder):
     saved = ckpt.saved_config(step)
   finally:
     ckpt.close()
-  if "method" in saved and "model" in saved:
-    model, paths = saved.model.to_dict(), evaluated_encoder(saved.method)
-  elif saved.get("job") == checkpointing.FINETUNE_JOB:
-    model, paths = finetuned_model(d.teacher, saved), checkpointing.FINETUNED_ENCODER
-  else:
-    raise ConfigError(
-      "distill.teacher",
-      d.teacher,
-      "a pretraining or fine-tuning workdir; another kind of job wrote it",
-    )
+  pretrained, paths = checkpoint_encoder("distill.teacher", d.teacher, saved)
   d.teacher_step = step
-  d.teacher_model = model
+  d.teacher_model = pretrained.model.to_dict()
   d.teacher_paths = [list(path) for path in paths]
   check_shared_input(config)
   return config
-
-
-def finetuned_model(path: str, saved) -> dict:
-  """The model config (a dict) of the encoder that the fine-tuning workdir `path` trained,
-  whose checkpoint's config is `saved`: the model of the pretraining checkpoint it started
-  from (saved.pretrain_workdir at its recorded pretrain_step; with random_init, that run's
-  architecture).
-
-  Raises:
-    ConfigError: a fine-tuning run of a weights file (its model is a config file's, which
-      the run's own config does not hold), or one that fine-tuned projection-head layers
-      with its encoder (projector_layers > 0: the network is not the registry's encoder).
-  """
-  source = saved.get("pretrain_workdir") or ""
-  if saved.get("projector_layers", 0):
-    raise ConfigError(
-      "distill.teacher",
-      path,
-      "a fine-tuning workdir with projector_layers 0 (this one fine-tuned "
-      f"{saved.projector_layers} projection-head layers with its encoder)",
-    )
-  if tensor_files.is_weights_file(source):
-    raise ConfigError(
-      "distill.teacher",
-      path,
-      "a fine-tuning workdir of a pretraining workdir (this one fine-tuned the weights file "
-      f"{source}: export the fine-tuned encoder, or distil from the file with teacher_model)",
-    )
-  ckpt = checkpointing.Checkpointer(_checkpoint_dir(source), read_only=True)
-  try:
-    pretrained = ckpt.saved_config(saved.pretrain_step)
-  finally:
-    ckpt.close()
-  if "method" not in pretrained or "model" not in pretrained:
-    raise ConfigError(
-      "distill.teacher",
-      path,
-      f"a fine-tuning workdir of a pretraining workdir (this one fine-tuned {source}, which "
-      "another kind of job wrote)",
-    )
-  return pretrained.model.to_dict()
 
 
 def check_teacher(config):

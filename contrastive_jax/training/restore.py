@@ -71,19 +71,20 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
   Raises:
     ConfigError: pretrain_workdir with no checkpoint or with checkpoints of
       another tool, a pretrain_step that was not saved (the saved ones are
-      listed), checkpoints of another kind of job than pretraining or
-      fine-tuning (_finetuned_encoder), or a model_name that differs from the
-      checkpoint's model.
+      listed), checkpoints that checkpoint_encoder refuses, random_init with a
+      fine-tuning workdir (its start is its own pretrain_workdir's), or a
+      model_name that differs from the checkpoint's model.
     JobError: a gs:// pretrain_workdir without Google Cloud credentials.
   """
   gcs.check_credentials(config.pretrain_workdir or "", "config.pretrain_workdir")
   if tensor_files.is_weights_file(config.pretrain_workdir or ""):
     return _imported_encoder(config, mesh)
-  directory = f"{files.resolve_dir(config.pretrain_workdir or '')}/checkpoints"
-  if not config.pretrain_workdir or not tf.io.gfile.isdir(directory):
+  path = config.pretrain_workdir
+  directory = f"{files.resolve_dir(path or '')}/checkpoints"
+  if not path or not tf.io.gfile.isdir(directory):
     raise ConfigError(
       "pretrain_workdir",
-      config.pretrain_workdir,
+      path,
       f"a pretraining workdir with Orbax checkpoints in WORKDIR/checkpoints "
       f"(looked in {directory})",
     )
@@ -94,95 +95,92 @@ def restore_encoder(config, mesh, saved_config=None) -> Encoder:
   try:
     try:
       step = ckpt.resolve_step(None if pretrain_step < 0 else pretrain_step, "pretrain_step")
-      saved = config_files.upgrade_config(ckpt.saved_config(step))
+      saved = ckpt.saved_config(step)
     except ForeignCheckpointError as e:
       raise ConfigError(
-        "pretrain_workdir",
-        config.pretrain_workdir,
-        f"a pretraining workdir of contrastive_jax; {e}",
+        "pretrain_workdir", path, f"a pretraining workdir of contrastive_jax; {e}"
       ) from None
-    if "method" not in saved and saved.get("job") == checkpointing.FINETUNE_JOB:
-      return _finetuned_encoder(config, ckpt, step, saved, mesh)
-    if "method" not in saved:
+    pretrained, paths = checkpoint_encoder("pretrain_workdir", path, saved)
+    if config.random_init and "method" not in saved:  # A fine-tuning workdir.
       raise ConfigError(
-        "pretrain_workdir",
-        config.pretrain_workdir,
-        "a pretraining or fine-tuning workdir; its checkpoints were written by another kind of job",
+        "random_init",
+        config.random_init,
+        f"False with a fine-tuning workdir (its start: pretrain_workdir={saved.pretrain_workdir})",
       )
-    if config.model_name and config.model_name != saved.model.name:
+    if config.model_name and config.model_name != pretrained.model.name:
       raise ConfigError(
-        "model_name",
-        config.model_name,
-        f"{saved.model.name!r}, the model of the checkpoint in {directory}",
+        "model_name", config.model_name, f"{pretrained.model.name!r}, the model of {path}"
       )
-    encoder = models.build_encoder(saved.model)
+    encoder = models.build_encoder(pretrained.model)
     if config.random_init:  # The pretraining run's own initialisation, as it drew it.
       variables = jax.jit(
-        lambda: initial_variables(saved), out_shardings=mesh_lib.replicated(mesh)
+        lambda: initial_variables(pretrained), out_shardings=mesh_lib.replicated(mesh)
       )()
     else:
-      x = jnp.zeros((1, saved.image_size, saved.image_size, 3), jnp.float32)
-      variables = _restore_submodule(
-        ckpt, step, encoder, x, optional_attributes(saved.method).evaluated_encoder, mesh
-      )
+      x = jnp.zeros((1, pretrained.image_size, pretrained.image_size, 3), jnp.float32)
+      variables = _restore_submodule(ckpt, step, encoder, x, paths, mesh)
   finally:
     ckpt.close()
   dim = jax.eval_shape(
     functools.partial(models.encode, encoder, variables),
-    jax.ShapeDtypeStruct((1, saved.image_size, saved.image_size, 3), jnp.uint8),
+    jax.ShapeDtypeStruct((1, pretrained.image_size, pretrained.image_size, 3), jnp.uint8),
   ).shape[-1]
-  return Encoder(encoder, variables, saved, step, dim)
+  return Encoder(encoder, variables, pretrained, step, dim)
 
 
-def _finetuned_encoder(config, ckpt, step: int, saved, mesh) -> Encoder:
-  """The fine-tuned encoder of the fine-tuning workdir config.pretrain_workdir at checkpoint
-  `step` (its saved config `saved`), as the model of the pretraining run or weights file it
-  started from (whose config, image size and eval crop it keeps; step: the fine-tuning
-  checkpoint's).
+def checkpoint_encoder(field: str, path: str, saved) -> tuple[ml_collections.ConfigDict, tuple]:
+  """Which encoder a checkpoint of the pretraining or fine-tuning workdir `path` holds, from
+  that checkpoint's saved config `saved`: (the config of the pretraining run that describes
+  it, upgraded to the current format (its model, image_size, eval_crop_fraction), the
+  (params, batch_stats) key paths of the encoder in the checkpoint's state). A pretraining
+  workdir: its own config and the encoder its method evaluates (MoCo's query encoder,
+  DINO's teacher's, ...); a fine-tuning workdir: the config of the pretraining run or
+  weights file it started from (at its recorded pretrain_step) and its fine-tuned encoder
+  (checkpointing.FINETUNED_ENCODER). The one reading of a workdir's encoder, for the
+  downstream jobs' restore and distillation's teacher.
 
   Raises:
-    ConfigError: random_init (the fine-tuning run's start is its own pretrain_workdir's), a
-      fine-tuning run of projection-head layers (projector_layers > 0), a model_name that
-      differs.
+    ConfigError (named `field`): checkpoints of another kind of job; a fine-tuning run of
+      projection-head layers with its encoder (projector_layers > 0: the network is not the
+      registry's encoder), or of a start another kind of job wrote.
+    ConfigError (pretrain_config): a fine-tuning run of a weights file whose model
+      weights_config cannot tell.
   """
-  path = config.pretrain_workdir
-  if config.random_init:
+  saved = config_files.upgrade_config(saved)
+  if "method" in saved:
+    return saved, optional_attributes(saved.method).evaluated_encoder
+  if saved.get("job") != checkpointing.FINETUNE_JOB:
     raise ConfigError(
-      "random_init",
-      config.random_init,
-      f"False with a fine-tuning workdir (its start: pretrain_workdir={saved.pretrain_workdir})",
+      field,
+      path,
+      "a pretraining or fine-tuning workdir; its checkpoints were written by another kind of job",
     )
   if saved.get("projector_layers", 0):
     raise ConfigError(
-      "pretrain_workdir",
+      field,
       path,
       "a fine-tuning workdir with projector_layers 0 (this one fine-tuned "
       f"{saved.projector_layers} projection-head layers with its encoder)",
     )
   source = saved.pretrain_workdir
   if tensor_files.is_weights_file(source):
-    pretrained = weights_config(source, saved.get("pretrain_config"), "pretrain_config")
-  else:
-    start = checkpointing.Checkpointer(f"{files.resolve_dir(source)}/checkpoints", read_only=True)
-    try:
-      pretrained = config_files.upgrade_config(start.saved_config(saved.pretrain_step))
-    finally:
-      start.close()
-    if "method" not in pretrained:
-      raise ConfigError(
-        "pretrain_workdir",
-        path,
-        "a fine-tuning workdir of a pretraining workdir or a weights file (this one "
-        f"fine-tuned {source}, which another kind of job wrote)",
-      )
-  if config.model_name and config.model_name != pretrained.model.name:
-    raise ConfigError(
-      "model_name", config.model_name, f"{pretrained.model.name!r}, the model of {path}"
+    return (
+      weights_config(source, saved.get("pretrain_config"), "pretrain_config"),
+      checkpointing.FINETUNED_ENCODER,
     )
-  encoder = models.build_encoder(pretrained.model)
-  x = jnp.zeros((1, pretrained.image_size, pretrained.image_size, 3), jnp.float32)
-  variables = _restore_submodule(ckpt, step, encoder, x, checkpointing.FINETUNED_ENCODER, mesh)
-  return Encoder(encoder, variables, pretrained, step, models.encoder_width(pretrained.model))
+  start = checkpointing.Checkpointer(f"{files.resolve_dir(source)}/checkpoints", read_only=True)
+  try:
+    pretrained = config_files.upgrade_config(start.saved_config(saved.pretrain_step))
+  finally:
+    start.close()
+  if "method" not in pretrained:
+    raise ConfigError(
+      field,
+      path,
+      "a fine-tuning workdir of a pretraining workdir or a weights file (this one "
+      f"fine-tuned {source}, which another kind of job wrote)",
+    )
+  return pretrained, checkpointing.FINETUNED_ENCODER
 
 
 def is_finetuning_workdir(path: str) -> bool:
