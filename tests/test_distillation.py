@@ -167,26 +167,46 @@ def v3_config(teacher_dir):
   return tiny_distill_config(teacher_dir, "v3", TINY_DINOV3_TEACHER)
 
 
+@pytest.fixture(scope="module")
+def run_config(v3_config):
+  """v3_config as the resume test runs it; tests take a copy. 48 images at batch 16: 3 steps
+  an epoch; 4 steps; no evaluators (their compiles would double the resume test's time;
+  runner's own tests run them); the full learning rate from the first step."""
+  config = v3_config.copy_and_resolve_references()
+  config.train_split = "train[:48]"
+  config.duration = "4 steps"
+  config.checkpoint_every = "4 steps"  # The stop's save and the last step's.
+  config.evaluators = {}
+  config.optimizer.warmup_epochs = 0.0
+  return config
+
+
 def _steps(config, mesh, batches):
-  run = pretraining.setup(config, mesh, steps_per_epoch=16, num_steps=100)
+  """The batches' steps of run_config's run, as pretrain.build sets it up (3 steps an epoch, 4
+  steps, the online probe of CIFAR-10's 10 classes): on its 8-device mesh, the program that
+  the resume test's runs then reuse (pretraining.setup keeps it)."""
+  run = pretraining.setup(config, mesh, steps_per_epoch=3, num_steps=4, num_classes=10)
   state = run.init()
   for batch in batches:
     state, metrics = run.train_step(state, jax.device_put(batch, mesh_lib.batch_sharded(mesh)))
   return jax.device_get(state), jax.device_get(metrics)
 
 
-def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(v3_config):
+def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(run_config):
   # The tiny ViT config has no photometric augmentation, so the views do not depend on the
   # device a row is on; the mix-up and the queue are the global batch's. v3 runs v1's
   # global term and a local one; v2's step runs in tests/test_methods.py's contract test.
   # The teacher is a DINOv3-shaped file (patch 16: the student's 8 x 8 patch map resized to
   # its 2 x 2 grid).
   loss = "v3"
-  config = v3_config.copy_and_resolve_references()
-  config.optimizer.warmup_epochs = 0.0
+  config = run_config.copy_and_resolve_references()
   batches = [_batch(config, 0), _batch(config, 1)]
-  eight, m8 = _steps(config, mesh_lib.make_mesh(), batches)
-  one, m1 = _steps(config, mesh_lib.make_mesh(jax.devices()[:1]), batches)
+  # The config as pretrain.build passes it on: the teacher file's digest recorded.
+  recorded = distillation.recorded_config(
+    config, lambda name: methods.optional_attributes(name).evaluated_encoder
+  )
+  eight, m8 = _steps(recorded, mesh_lib.make_mesh(), batches)
+  one, m1 = _steps(recorded, mesh_lib.make_mesh(jax.devices()[:1]), batches)
   assert int(eight.step) == 2 and np.isfinite(m8["loss"])
   np.testing.assert_allclose(m8["loss"], m1["loss"], rtol=1e-5)
   same = lambda a, b: np.testing.assert_allclose(a, b, rtol=2e-4, atol=1e-6)
@@ -286,15 +306,11 @@ def test_a_dinov3_file_teaches_as_the_model_that_wrote_it(v3_config):
 
 
 def test_resumes_bit_for_bit_across_an_epoch_boundary_without_the_teacher_in_checkpoints(
-  tmp_path, v3_config, monkeypatch
+  tmp_path, run_config, monkeypatch
 ):
   # 48 images at batch 16: 3 steps an epoch; stopped after step 2, resumed across the
   # epoch boundary to step 4 (the fewest steps that cross it after a stop mid-epoch).
-  config = v3_config.copy_and_resolve_references()
-  config.train_split = "train[:48]"
-  config.duration = "4 steps"
-  config.checkpoint_every = "4 steps"  # The stop's save and the last step's.
-  config.evaluators = {}  # Their compiles would double the test's time; runner's own tests.
+  config = run_config.copy_and_resolve_references()
   straight, _ = runner.run(pretrain, config, str(tmp_path / "straight"))
   with monkeypatch.context() as m:
     sigterm_after_first_train_batch(m)

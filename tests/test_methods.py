@@ -106,7 +106,7 @@ def test_method_meets_the_contract_and_its_online_probe_leaves_the_encoder_uncha
   # The encoder downstream jobs read is where the contract says.
   encoder = methods.encoder_variables(state)
   x = jnp.zeros((2, config.image_size, config.image_size, 3))
-  h = model.encoder.apply(encoder, x, train=False)
+  h = jax.jit(lambda v, x: model.encoder.apply(v, x, train=False))(encoder, x)  # One compile.
   assert h.shape == (2, models.encoder_width(config.model)) and h.dtype == jnp.float32
   # The encoder its paper evaluates (optional_attributes' evaluated_encoder) is there too,
   # shaped like the student's.
