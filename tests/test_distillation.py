@@ -202,9 +202,7 @@ def test_train_step_on_8_devices_equals_1_device_and_the_teacher_gets_no_update(
   config = run_config.copy_and_resolve_references()
   batches = [_batch(config, 0), _batch(config, 1)]
   # The config as pretrain.build passes it on: the teacher file's digest recorded.
-  recorded = distillation.recorded_config(
-    config, lambda name: methods.optional_attributes(name).evaluated_encoder
-  )
+  recorded = distillation.recorded_config(config, restore.checkpoint_encoder)
   eight, m8 = _steps(recorded, mesh_lib.make_mesh(), batches)
   one, m1 = _steps(recorded, mesh_lib.make_mesh(jax.devices()[:1]), batches)
   assert int(eight.step) == 2 and np.isfinite(m8["loss"])
