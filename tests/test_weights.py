@@ -378,6 +378,24 @@ def _onnx_h(config, tensors, size, images):
   return session.run([onnx_graph.H], {onnx_graph.INPUT: images})[0]
 
 
+def _drawn_variables(shapes, rng):
+  """float32 numpy variables of the ShapeDtypeStructs `shapes`, drawn on the host as the
+  networks initialise them (kernels normal with He's variance by fan-in, BN and LayerNorm
+  scales and BN variances 1, the rest 0), each plus U(0.1, 0.5): non-trivial BN statistics
+  and shifts, so that a misplaced one shows. (Flax's eager initialisation of a whole
+  network compiles each of its operations: about 2 s of CPU a network.)"""
+
+  def draw(path, leaf):
+    name = path[-1].key
+    if name == "kernel":
+      base = rng.normal(0, np.sqrt(2 / np.prod(leaf.shape[:-1])), leaf.shape)
+    else:
+      base = np.full(leaf.shape, 1.0 if name in ("scale", "var") else 0.0)
+    return (base + rng.uniform(0.1, 0.5, leaf.shape)).astype(np.float32)
+
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
 @pytest.mark.parametrize("case", list(make.CASES))
 def test_onnx_graph_gives_the_reference_implementations_h(case):
   config, size = make.model_config(case), make.CASES[case][1]
@@ -397,13 +415,7 @@ def test_onnx_graph_pads_as_each_rule_on_even_and_odd_images(stem, padding, size
   )
   encoder = models.build_encoder(config)
   rng = np.random.default_rng(size)
-  variables = encoder.init(
-    jax.random.PRNGKey(0), np.zeros((1, size, size, 3), np.float32), train=False
-  )
-  # Non-trivial BN statistics and shifts, so that a misplaced one shows.
-  variables = jax.tree.map(
-    lambda v: np.asarray(v) + rng.uniform(0.1, 0.5, v.shape).astype(np.float32), variables
-  )
+  variables = _drawn_variables(state_dicts.variable_shapes(config, size), rng)
   images = rng.integers(0, 256, (3, size, size, 3), dtype=np.uint8)
   want = np.asarray(models.encode(encoder, variables, images))
   tensors = state_dicts.to_state_dict(config, variables, size)
@@ -452,12 +464,10 @@ def test_onnx_graph_gives_each_methods_projection(method, variant):
   config = tiny_config(method, variant)
   model = get_method(config.method).build_model(config)
   size, rng = 32, np.random.default_rng(7)
-  variables = model.init(
-    jax.random.PRNGKey(0), np.zeros((1, size, size, 3), np.float32), train=False
+  shapes = jax.eval_shape(
+    lambda: model.init(jax.random.PRNGKey(0), np.zeros((1, size, size, 3), np.float32), train=False)
   )
-  variables = jax.tree.map(
-    lambda v: np.asarray(v) + rng.uniform(0.1, 0.5, v.shape).astype(np.float32), variables
-  )
+  variables = _drawn_variables(shapes, rng)
   part = lambda name: {c: variables[c][name] for c in variables if name in variables[c]}
   images = rng.integers(0, 256, (3, size, size, 3), dtype=np.uint8)
   h = np.asarray(models.encode(model.encoder, part("encoder"), images))
