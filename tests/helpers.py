@@ -1,5 +1,6 @@
 """Test helpers that touch no JAX device (the multi-host worker imports them too)."""
 
+import functools
 import glob
 import importlib.util
 import os
@@ -32,6 +33,22 @@ def load_benchmark(name: str):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   return module
+
+
+def reference_state_dict(make, case: str) -> dict:
+  """make.random_state_dict(case) of a tests/reference_outputs module `make`, drawn once in
+  a process (the float32 tensors of a ResNet-50 or a ViT-S take about a second of CPU to
+  draw): each call a new dict of the same arrays, which are read-only, so that a test may
+  add or drop names but an in-place change of a tensor raises."""
+  return dict(_drawn_state_dict(make, case))
+
+
+@functools.cache
+def _drawn_state_dict(make, case: str) -> dict:
+  tensors = make.random_state_dict(case)
+  for value in tensors.values():
+    value.flags.writeable = False
+  return tensors
 
 
 def tiny_config(method: str = "simclr", variant: str = "runlocal", photometric: bool = False):

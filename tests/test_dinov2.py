@@ -13,6 +13,7 @@ import os
 import subprocess
 import sys
 
+from helpers import reference_state_dict
 import jax
 import jax.numpy as jnp
 import ml_collections
@@ -69,7 +70,7 @@ def _timm_names(case, tensors):
 @pytest.mark.parametrize("size", make.SIZES)
 @pytest.mark.parametrize("case", list(make.CASES))
 def test_tokens_equal_the_references_at_its_size_and_interpolated(case, size):
-  variables = _import(make.random_state_dict(case), case)
+  variables = _import(reference_state_dict(make, case), case)
   tokens, h = _tokens(make.model_config(case), variables, make.images(case, size))
   want = _committed(case, size)
   assert tokens.shape == want.shape == (2, 1 + (size // 14) ** 2, 384)
@@ -79,7 +80,7 @@ def test_tokens_equal_the_references_at_its_size_and_interpolated(case, size):
 
 @pytest.mark.parametrize("case", list(make.CASES))
 def test_timms_names_give_the_same_tokens(case):
-  tensors = _timm_names(case, make.random_state_dict(case))
+  tensors = _timm_names(case, reference_state_dict(make, case))
   variables = _import(tensors, case)
   for size in make.SIZES[:2]:
     tokens, _ = _tokens(make.model_config(case), variables, make.images(case, size))
@@ -90,7 +91,7 @@ def test_timms_names_give_the_same_tokens(case):
 def test_the_other_interpolation_gives_other_tokens(case):
   """What the interpolated sizes guard against: the two rules differ where they resize."""
   config = make.model_config(case)
-  variables = _import(make.random_state_dict(case), case)
+  variables = _import(reference_state_dict(make, case), case)
   config.position_interpolation = (
     "offset" if config.position_interpolation == "antialias" else "antialias"
   )
@@ -123,7 +124,7 @@ def test_antialiased_resizing_matrix_is_a_normalised_pil_cubic_filter(grid, out)
 def test_export_writes_dinov2s_state_dict():
   """The export is DINOv2's layout: every tensor of the file bit for bit, mask_token zeros."""
   case = "dinov2_vit_small_reg4"
-  tensors = make.random_state_dict(case)
+  tensors = reference_state_dict(make, case)
   variables = _import(tensors, case)
   exported = state_dicts.to_state_dict(make.model_config(case), variables, make.SIZES[0])
   assert sorted(exported) == sorted(tensors)
@@ -180,7 +181,7 @@ def _swiglu_names(tensors):
   ],
 )
 def test_a_file_of_another_kind_is_refused_in_one_line(source, change, fields, message):
-  tensors = make.random_state_dict(source)
+  tensors = reference_state_dict(make, source)
   tensors = change(tensors) if change else tensors
   config = make.model_config("dinov2_vit_small")
   config.update(fields)
@@ -273,7 +274,7 @@ def test_onnx_graph_gives_the_references_class_token(case):
   import onnxruntime  # pylint: disable=import-outside-toplevel
 
   config = make.model_config(case)
-  variables = _import(make.random_state_dict(case), case)
+  variables = _import(reference_state_dict(make, case), case)
   for size in make.SIZES[:2]:
     tensors = state_dicts.to_state_dict(config, variables, size)
     session = onnxruntime.InferenceSession(

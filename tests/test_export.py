@@ -46,28 +46,16 @@ def export_config(pretrain_workdir, fmt):
   return config
 
 
-def _project_h(pretrained, images):
-  """The project's h of uint8 images after the evaluation's centre crop."""
-  encoder = restore.restore_encoder(export_config(pretrained, "safetensors"), mesh_lib.make_mesh())
-  pretrained = encoder.pretrained
-  crops = np.stack(
-    [
-      input_pipeline.center_crop(
-        tf.constant(image),
-        pretrained.image_size,
-        pretrained.eval_crop_fraction,
-        pretrained.crop.resize,
-      ).numpy()
-      for image in images
-    ]
-  )
-  return encoder, np.asarray(models.encode(encoder.module, encoder.variables, crops))
+@pytest.fixture(scope="module")
+def source(pretrained):
+  """The fixture run's encoder, restored as the export job restores it (restore.Encoder)."""
+  return restore.restore_encoder(export_config(pretrained, "safetensors"), mesh_lib.make_mesh())
 
 
-def _crops(pretrained, images):
-  """uint8 images centre-cropped as the evaluation of the checkpoint in workdir pretrained does."""
-  encoder, _ = _project_h(pretrained, images[:1])
-  config = encoder.pretrained
+def _crops(source, images):
+  """uint8 images centre-cropped as the evaluation of the checkpoint of `source` (a
+  restore.Encoder) does."""
+  config = source.pretrained
   return np.stack(
     [
       input_pipeline.center_crop(
@@ -78,25 +66,33 @@ def _crops(pretrained, images):
   )
 
 
+def _project_h(source, images):
+  """The project's h of uint8 images after the evaluation's centre crop.
+
+  models.encode runs eagerly: each new batch size compiles its operations again (~2.5 s
+  of CPU for the tiny ResNet), so the tests here use batches of 2 and 3 images only.
+  """
+  return np.asarray(models.encode(source.module, source.variables, _crops(source, images)))
+
+
 def _relative(h, ref):
   return float(np.max(np.abs(np.asarray(h) - ref)) / np.max(np.abs(ref)))
 
 
-def test_safetensors_export_reimports_bit_for_bit(pretrained, tmp_path):
+def test_safetensors_export_reimports_bit_for_bit(pretrained, source, tmp_path):
   path = export.run(export_config(pretrained, "safetensors"), str(tmp_path / "out"))
-  encoder, _ = _project_h(pretrained, np.zeros((1, 32, 32, 3), np.uint8))
   variables = state_dicts.from_state_dict(
-    tensor_files.read(path), path, encoder.pretrained.model, 32
+    tensor_files.read(path), path, source.pretrained.model, 32
   )
-  jax.tree.map(np.testing.assert_array_equal, variables, jax.device_get(encoder.variables))
+  jax.tree.map(np.testing.assert_array_equal, variables, jax.device_get(source.variables))
 
 
-def test_saved_model_serves_the_projects_h_on_images_of_any_size(pretrained, tmp_path):
+def test_saved_model_serves_the_projects_h_on_images_of_any_size(pretrained, source, tmp_path):
   path = export.run(export_config(pretrained, "saved_model"), str(tmp_path / "out"))
   serve = tf.saved_model.load(path).signatures[export.SIGNATURE]
   for shape in [(3, 32, 32, 3), (2, 45, 38, 3)]:  # The export's size, and another.
     images = np.random.default_rng(0).integers(0, 256, shape, dtype=np.uint8)
-    _, want = _project_h(pretrained, images)
+    want = _project_h(source, images)
     assert _relative(serve(images=tf.constant(images))["h"].numpy(), want) < TOLERANCE, shape
 
 
@@ -118,7 +114,7 @@ def test_bad_export_formats_are_refused_before_anything_is_read(tmp_path):
 
 @pytest.mark.parametrize("method", ["simclr", "mocov3"])
 def test_pretraining_from_an_imported_file_starts_every_network_from_it(
-  pretrained, tmp_path, method
+  pretrained, source, tmp_path, method
 ):
   path = export.run(export_config(pretrained, "safetensors"), str(tmp_path / "out"))
   config = tiny_config(method)
@@ -140,8 +136,7 @@ def test_pretraining_from_an_imported_file_starts_every_network_from_it(
   if method != "simclr":  # The same model config as the exported run's: same features.
     return
   # Step 0's kNN monitor and the exporter see the same encoder: the kNN of the two is equal.
-  source = restore.restore_encoder(export_config(pretrained, "safetensors"), mesh_lib.make_mesh())
-  images = np.random.default_rng(1).integers(0, 256, (4, 32, 32, 3), dtype=np.uint8)
+  images = np.random.default_rng(1).integers(0, 256, (3, 32, 32, 3), dtype=np.uint8)
   np.testing.assert_array_equal(
     task.eval_model.features(task.eval_model.variables(state), images),
     models.encode(source.module, source.variables, images),
@@ -171,12 +166,13 @@ def _tiny_config_file(tmp_path):
   return str(path)
 
 
-def test_downstream_jobs_take_a_weights_file_as_their_pretrain_config_says(pretrained, tmp_path):
+def test_downstream_jobs_take_a_weights_file_as_their_pretrain_config_says(
+  pretrained, source, tmp_path
+):
   path = export.run(export_config(pretrained, "safetensors"), str(tmp_path / "out"))
   config = export_config(path, "safetensors")
   config.pretrain_config = _tiny_config_file(tmp_path)
   encoder = restore.restore_encoder(config, mesh_lib.make_mesh())
-  source = restore.restore_encoder(export_config(pretrained, "safetensors"), mesh_lib.make_mesh())
   jax.tree.map(
     np.testing.assert_array_equal,
     jax.device_get(encoder.variables),
@@ -222,13 +218,13 @@ def test_pth_export_holds_the_safetensors_tensors(pretrained, tmp_path):
     np.testing.assert_array_equal(read[name], value)
 
 
-def test_saved_model_serves_the_projection_too_when_asked(pretrained, tmp_path):
+def test_saved_model_serves_the_projection_too_when_asked(pretrained, source, tmp_path):
   config = export_config(pretrained, "saved_model")
   config.projection = True
   path = export.run(config, str(tmp_path / "out"))
   images = np.random.default_rng(2).integers(0, 256, (2, 32, 32, 3), dtype=np.uint8)
-  encoder, h = _project_h(pretrained, images)
-  projector, variables = restore.restore_projector(config, encoder, mesh_lib.make_mesh())
+  h = _project_h(source, images)
+  projector, variables = restore.restore_projector(config, source, mesh_lib.make_mesh())
   want = np.asarray(projector.apply(variables, h, train=False))
   served = tf.saved_model.load(path).signatures[export.SIGNATURE](images=tf.constant(images))
   assert _relative(served["h"].numpy(), h) < TOLERANCE
@@ -238,7 +234,7 @@ def test_saved_model_serves_the_projection_too_when_asked(pretrained, tmp_path):
     export.run(config, str(tmp_path / "out2"))
 
 
-def test_onnx_export_gives_the_projects_h_and_z_under_onnx_runtime(pretrained, tmp_path):
+def test_onnx_export_gives_the_projects_h_and_z_under_onnx_runtime(pretrained, source, tmp_path):
   import onnx
   import onnxruntime
 
@@ -246,18 +242,18 @@ def test_onnx_export_gives_the_projects_h_and_z_under_onnx_runtime(pretrained, t
   config.projection = True
   path = export.run(config, str(tmp_path / "out"))
   images = np.random.default_rng(3).integers(0, 256, (3, 45, 38, 3), dtype=np.uint8)
-  encoder, h = _project_h(pretrained, images)
-  projector, variables = restore.restore_projector(config, encoder, mesh_lib.make_mesh())
+  h = _project_h(source, images)
+  projector, variables = restore.restore_projector(config, source, mesh_lib.make_mesh())
   z = np.asarray(projector.apply(variables, h, train=False))
   session = onnxruntime.InferenceSession(path, providers=["CPUExecutionProvider"])
-  got_h, got_z = session.run(["h", "z"], {"images": _crops(pretrained, images)})
+  got_h, got_z = session.run(["h", "z"], {"images": _crops(source, images)})
   assert _relative(got_h, h) < TOLERANCE and _relative(got_z, z) < TOLERANCE
   metadata = {p.key: p.value for p in onnx.load(path).metadata_props}
-  assert metadata["pretrain_step"] == str(encoder.step)
+  assert metadata["pretrain_step"] == str(source.step)
   assert json.loads(metadata["eval_crop"]) == {
     "size": 32,
-    "fraction": encoder.pretrained.eval_crop_fraction,
-    "resize": encoder.pretrained.crop.resize,
+    "fraction": source.pretrained.eval_crop_fraction,
+    "resize": source.pretrained.crop.resize,
   }
 
 

@@ -448,21 +448,6 @@ def test_learning_rate_multipliers_decay_layer_by_layer():
   }
 
 
-def test_a_decayed_encoder_moves_less_the_nearer_its_input(pretrained, tmp_path):
-  """With layer_decay 1e-3 the stem's rate is 1e-15 of the head's (4 blocks): its kernel
-  stays as restored (below float32's resolution) while the last block's moves; the plain
-  recipe moves both
-  (test_finetune_trains_the_whole_encoder_and_reports_the_test_split)."""
-  config = finetune_config(pretrained, backbone_lr_multiplier=0.5, layer_decay=1e-3)
-  restored = jax.device_get(restore.restore_encoder(config, mesh_lib.make_mesh()).variables)
-  state, _ = runner.run(finetune, config, str(tmp_path))
-  tuned = jax.device_get(state.params["encoder"])
-  stem = restored["params"]["stem_conv"]["kernel"]
-  np.testing.assert_array_equal(tuned["stem_conv"]["kernel"], stem)
-  last = restored["params"]["BasicBlock_3"]["Conv_1"]["kernel"]
-  assert not np.array_equal(tuned["BasicBlock_3"]["Conv_1"]["kernel"], last)
-
-
 @pytest.mark.parametrize(
   "field, value, message",
   [
@@ -505,15 +490,41 @@ def test_the_head_layer_network_is_the_encoder_then_the_heads_first_layer(pretra
   assert "Dense_1" not in tuned.variables["params"]["projector"]  # Only the first layer.
 
 
-def test_finetune_from_the_heads_first_layer_trains_it_and_resumes(pretrained_state, tmp_path):
-  workdir, state = pretrained_state
-  config = finetune_config(workdir, projector_layers=1)
-  final, result = runner.run(finetune, config, str(tmp_path))
+@pytest.fixture(scope="module")
+def head_layer_run(pretrained_state, tmp_path_factory):
+  """A finished 3-step fine-tune from the projection head's first layer, with layer-wise
+  decay and a lower backbone rate: one run serves the tests of both. (config, workdir, the
+  restored encoder variables, the pretraining state, final state, final evaluation)."""
+  pretrained, state = pretrained_state
+  workdir = str(tmp_path_factory.mktemp("head_layer"))
+  config = finetune_config(
+    pretrained, projector_layers=1, backbone_lr_multiplier=0.5, layer_decay=1e-3
+  )
+  restored = jax.device_get(restore.restore_encoder(config, mesh_lib.make_mesh()).variables)
+  final, result = runner.run(finetune, config, workdir)
+  return config, workdir, restored, state, final, result
+
+
+def test_a_decayed_encoder_moves_less_the_nearer_its_input(head_layer_run):
+  """With layer_decay 1e-3 the stem's rate is 1e-15 of the head's (4 blocks, the head layer
+  after them at the backbone's 0.5): its kernel stays as restored (below float32's
+  resolution) while the last block's moves; the plain recipe moves both
+  (test_finetune_trains_the_whole_encoder_and_reports_the_test_split)."""
+  _, _, restored, _, final, _ = head_layer_run
+  tuned = jax.device_get(final.params["encoder"]["encoder"])
+  stem = restored["params"]["stem_conv"]["kernel"]
+  np.testing.assert_array_equal(tuned["stem_conv"]["kernel"], stem)
+  last = restored["params"]["BasicBlock_3"]["Conv_1"]["kernel"]
+  assert not np.array_equal(tuned["BasicBlock_3"]["Conv_1"]["kernel"], last)
+
+
+def test_finetune_from_the_heads_first_layer_trains_it_and_resumes(head_layer_run):
+  config, workdir, _, state, final, result = head_layer_run
   head_layer = jax.device_get(final.params["encoder"]["projector"]["Dense_0"]["kernel"])
   assert not np.array_equal(head_layer, state["params"]["projector"]["Dense_0"]["kernel"])
   assert final.params["head"]["kernel"].shape[0] == head_layer.shape[1]
   assert set(final.batch_stats["encoder"]) == {"encoder", "projector"}
-  again, result_again = runner.run(finetune, config, str(tmp_path))  # Finished: restored.
+  again, result_again = runner.run(finetune, config, workdir)  # Finished: restored.
   assert int(again.step) == int(final.step) and result_again == result
 
 

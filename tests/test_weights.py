@@ -12,6 +12,7 @@ import subprocess
 import sys
 
 from helpers import load_config
+from helpers import reference_state_dict
 from helpers import tiny_config
 import jax
 import ml_collections
@@ -47,7 +48,7 @@ def _committed(case):
 @pytest.mark.parametrize("case", list(make.CASES))
 def test_h_equals_the_reference_implementations(case):
   config, size = make.model_config(case), make.CASES[case][1]
-  variables = state_dicts.from_state_dict(make.random_state_dict(case), "x", config, size)
+  variables = state_dicts.from_state_dict(reference_state_dict(make, case), "x", config, size)
   assert _relative(_h(case, variables), _committed(case)) < TOLERANCE
 
 
@@ -56,7 +57,7 @@ def test_the_legacy_padding_differs_from_torchvision():
   case = "torchvision_resnet18"
   config = make.model_config(case)
   config.padding = "legacy"
-  variables = state_dicts.from_state_dict(make.random_state_dict(case), "x", config, 64)
+  variables = state_dicts.from_state_dict(reference_state_dict(make, case), "x", config, 64)
   assert _relative(_h(case, variables, config), _committed(case)) > 0.01
 
 
@@ -117,7 +118,7 @@ def test_live_reference_agrees_with_committed_outputs_and_its_own_init(case, liv
 @pytest.mark.parametrize("case", sorted(make.DINO_TEACHER_PREFIX))
 def test_a_dino_checkpoint_gives_its_teachers_h_and_exports_its_backbone(case):
   config, size = make.model_config(case), make.CASES[case][1]
-  backbone = make.random_state_dict(case)
+  backbone = reference_state_dict(make, case)
   checkpoint = make.dino_checkpoint(case, backbone)
   tensors = tensor_files.state_dict(
     {k: v for k, v in checkpoint.items() if isinstance(v, dict)}, "x"
@@ -140,7 +141,7 @@ def test_a_dino_checkpoint_gives_its_teachers_h_and_exports_its_backbone(case):
     np.testing.assert_array_equal(exported[name], value)
   # Another architecture's DINO checkpoint: one line naming what the file holds.
   other_case = "dino_resnet50" if case == "dino_vit_small" else "dino_vit_small"
-  held = make.dino_checkpoint(other_case, make.random_state_dict(other_case))["teacher"]
+  held = make.dino_checkpoint(other_case, reference_state_dict(make, other_case))["teacher"]
   with pytest.raises(WeightsError, match=r"^f.pth: not the weights of a .*; it holds a "):
     state_dicts.from_state_dict(held, "f.pth", config, size)
 
@@ -148,7 +149,7 @@ def test_a_dino_checkpoint_gives_its_teachers_h_and_exports_its_backbone(case):
 @pytest.mark.parametrize("case", ["torchvision_resnet18", "mocov3_vit_small", "timm_vit_small"])
 def test_import_export_import_round_trips_bit_for_bit(case, tmp_path):
   config, size = make.model_config(case), make.CASES[case][1]
-  tensors = make.random_state_dict(case)
+  tensors = reference_state_dict(make, case)
   variables = state_dicts.from_state_dict(tensors, "x", config, size)
   path = str(tmp_path / "encoder.safetensors")
   tensor_files.write(path, state_dicts.to_state_dict(config, variables, size), {"a": "b"})
@@ -181,7 +182,7 @@ def test_checkpoint_prefixes_and_heads_are_stripped():
   projector in base_encoder.head (left out)."""
   case = "mocov3_vit_small"
   config, size = make.model_config(case), make.CASES[case][1]
-  tensors = make.random_state_dict(case)
+  tensors = reference_state_dict(make, case)
   tensors["pos_embed"] = state_dicts.fixed_position_embedding(config, size)
   checkpoint = {f"module.base_encoder.{k}": v for k, v in tensors.items()}
   checkpoint.update({f"module.momentum_encoder.{k}": v + 1 for k, v in tensors.items()})
@@ -236,7 +237,7 @@ def _resnet(name="resnet18", **fields):
   ],
 )
 def test_a_file_that_does_not_fit_is_refused_naming_the_first_misfit(change, message):
-  tensors = change(make.random_state_dict("torchvision_resnet18"))
+  tensors = change(reference_state_dict(make, "torchvision_resnet18"))
   if message is None:
     state_dicts.from_state_dict(tensors, "f.safetensors", _resnet(), 64)
     return
@@ -248,11 +249,13 @@ def test_a_file_that_does_not_fit_is_refused_naming_the_first_misfit(change, mes
 
 def test_a_resnet50_file_is_not_a_resnet18():
   with pytest.raises(WeightsError, match="has a tensor 'layer1.0.bn3.bias' that a resnet18"):
-    state_dicts.from_state_dict(make.random_state_dict("torchvision_resnet50"), "f", _resnet(), 64)
+    state_dicts.from_state_dict(
+      reference_state_dict(make, "torchvision_resnet50"), "f", _resnet(), 64
+    )
 
 
 def test_a_learned_position_embedding_is_not_taken_for_the_fixed_one():
-  tensors = make.random_state_dict("timm_vit_small")
+  tensors = reference_state_dict(make, "timm_vit_small")
   config = make.model_config("timm_vit_small")
   config.position_embedding = "sincos"
   with pytest.raises(WeightsError, match="position_embedding=learned"):
@@ -375,10 +378,28 @@ def _onnx_h(config, tensors, size, images):
   return session.run([onnx_graph.H], {onnx_graph.INPUT: images})[0]
 
 
+def _drawn_variables(shapes, rng):
+  """float32 numpy variables of the ShapeDtypeStructs `shapes`, drawn on the host as the
+  networks initialise them (kernels normal with He's variance by fan-in, BN and LayerNorm
+  scales and BN variances 1, the rest 0), each plus U(0.1, 0.5): non-trivial BN statistics
+  and shifts, so that a misplaced one shows. (Flax's eager initialisation of a whole
+  network compiles each of its operations: about 2 s of CPU a network.)"""
+
+  def draw(path, leaf):
+    name = path[-1].key
+    if name == "kernel":
+      base = rng.normal(0, np.sqrt(2 / np.prod(leaf.shape[:-1])), leaf.shape)
+    else:
+      base = np.full(leaf.shape, 1.0 if name in ("scale", "var") else 0.0)
+    return (base + rng.uniform(0.1, 0.5, leaf.shape)).astype(np.float32)
+
+  return jax.tree_util.tree_map_with_path(draw, shapes)
+
+
 @pytest.mark.parametrize("case", list(make.CASES))
 def test_onnx_graph_gives_the_reference_implementations_h(case):
   config, size = make.model_config(case), make.CASES[case][1]
-  variables = state_dicts.from_state_dict(make.random_state_dict(case), "x", config, size)
+  variables = state_dicts.from_state_dict(reference_state_dict(make, case), "x", config, size)
   tensors = state_dicts.to_state_dict(config, variables, size)
   assert _relative(_onnx_h(config, tensors, size, make.images(case)), _committed(case)) < TOLERANCE
 
@@ -394,13 +415,7 @@ def test_onnx_graph_pads_as_each_rule_on_even_and_odd_images(stem, padding, size
   )
   encoder = models.build_encoder(config)
   rng = np.random.default_rng(size)
-  variables = encoder.init(
-    jax.random.PRNGKey(0), np.zeros((1, size, size, 3), np.float32), train=False
-  )
-  # Non-trivial BN statistics and shifts, so that a misplaced one shows.
-  variables = jax.tree.map(
-    lambda v: np.asarray(v) + rng.uniform(0.1, 0.5, v.shape).astype(np.float32), variables
-  )
+  variables = _drawn_variables(state_dicts.variable_shapes(config, size), rng)
   images = rng.integers(0, 256, (3, size, size, 3), dtype=np.uint8)
   want = np.asarray(models.encode(encoder, variables, images))
   tensors = state_dicts.to_state_dict(config, variables, size)
@@ -449,12 +464,10 @@ def test_onnx_graph_gives_each_methods_projection(method, variant):
   config = tiny_config(method, variant)
   model = get_method(config.method).build_model(config)
   size, rng = 32, np.random.default_rng(7)
-  variables = model.init(
-    jax.random.PRNGKey(0), np.zeros((1, size, size, 3), np.float32), train=False
+  shapes = jax.eval_shape(
+    lambda: model.init(jax.random.PRNGKey(0), np.zeros((1, size, size, 3), np.float32), train=False)
   )
-  variables = jax.tree.map(
-    lambda v: np.asarray(v) + rng.uniform(0.1, 0.5, v.shape).astype(np.float32), variables
-  )
+  variables = _drawn_variables(shapes, rng)
   part = lambda name: {c: variables[c][name] for c in variables if name in variables[c]}
   images = rng.integers(0, 256, (3, size, size, 3), dtype=np.uint8)
   h = np.asarray(models.encode(model.encoder, part("encoder"), images))

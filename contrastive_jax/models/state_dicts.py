@@ -26,6 +26,7 @@ from typing import Callable, Dict, List, NamedTuple
 import flax
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 
 from contrastive_jax import models
@@ -78,11 +79,24 @@ BIAS_MASK = ".attn.qkv.bias_mask"
 
 
 def variable_shapes(model_config, image_size: int):
-  """The encoder's {'params', 'batch_stats'} as ShapeDtypeStructs, for images of image_size."""
-  encoder = models.build_encoder(model_config)
-  x = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
-  shapes = jax.eval_shape(lambda x: encoder.init(jax.random.PRNGKey(0), x, train=False), x)
-  return {"params": shapes["params"], "batch_stats": shapes.get("batch_stats", {})}
+  """The encoder's {'params', 'batch_stats'} as ShapeDtypeStructs, for images of image_size
+  (a new tree each call)."""
+  key = (ml_collections.ConfigDict(model_config).to_json_best_effort(sort_keys=True), image_size)
+  if key not in _SHAPES:
+    while len(_SHAPES) >= _KEPT_SHAPES:
+      _SHAPES.pop(next(iter(_SHAPES)))
+    encoder = models.build_encoder(model_config)
+    x = jax.ShapeDtypeStruct((1, image_size, image_size, 3), jnp.float32)
+    shapes = jax.eval_shape(lambda x: encoder.init(jax.random.PRNGKey(0), x, train=False), x)
+    _SHAPES[key] = {"params": shapes["params"], "batch_stats": shapes.get("batch_stats", {})}
+  return jax.tree.map(lambda leaf: leaf, _SHAPES[key])
+
+
+# variable_shapes' trees of the last few (model config, image size) of this process: tracing
+# the initialiser of a ViT-S takes about a second of CPU, and importing or exporting a file
+# reads the shapes of the same model more than once (entries, the shape checks).
+_SHAPES = {}
+_KEPT_SHAPES = 16
 
 
 def _bn(name: str, module: tuple) -> List[Entry]:
