@@ -15,6 +15,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 import zlib
 
 from array_record.python.array_record_data_source import ArrayRecordDataSource
@@ -882,8 +883,21 @@ def test_prepare_ctrl_c_ends_in_one_line_replaces_nothing_and_stops_its_workers(
   assert _gone(group)  # Nothing left running (Beam's driver's group with 2 workers).
 
 
-@pytest.mark.parametrize("to", ["process", "group"])
-def test_prepare_ctrl_c_into_a_new_folder_leaves_no_folder(prepared, tmp_path, to):
+def _group(group: int) -> list:
+  """The process ids of process group `group`, from /proc."""
+  members = []
+  for stat in glob.glob("/proc/[0-9]*/stat"):
+    try:
+      with open(stat) as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:  # It ended meanwhile.
+      continue
+    if int(fields[2]) == group:
+      members.append(int(os.path.basename(os.path.dirname(stat))))
+  return members
+
+
+def test_prepare_ctrl_c_into_a_new_folder_leaves_no_folder(prepared, tmp_path):
   src = prepared[0]
   data_dir = tmp_path / "new" / "tfds"  # Neither exists before.
   hook, decoding = _blocking_hook(tmp_path)
@@ -913,10 +927,10 @@ def test_prepare_ctrl_c_into_a_new_folder_leaves_no_folder(prepared, tmp_path, t
   try:
     _wait_for_decoding(decoding, lambda: job.poll() is None)
     assert os.path.exists(data_dir / files.LOCK)  # It is writing there, holding the lock.
-    if to == "group":
-      os.killpg(job.pid, signal.SIGINT)  # A terminal's Ctrl-C.
-    else:
-      os.kill(job.pid, signal.SIGINT)
+    # One worker decodes in the job's own process, so the job is its group's only process:
+    # a terminal's Ctrl-C (to the group) is the same signal as `kill -INT` of the job alone.
+    assert _group(job.pid) == [job.pid]
+    os.killpg(job.pid, signal.SIGINT)
     job.wait(timeout=120)
   finally:
     job.kill()
@@ -979,25 +993,39 @@ def test_prepare_worker_killed_ends_in_one_line_and_stops_the_others(
   assert _gone(killed["group"])  # ended: the other worker too.
 
 
+def _killed_while_staging(data_dir: str) -> int:
+  """A preparation killed (kill -9) while it wrote; the signal that ended it.
+
+  A child forked from this process (a new Python process would spend seconds importing
+  TensorFlow) makes a staging folder of 'mini' in data_dir, holding its owner file as a
+  preparation does, writes into it and kills itself with SIGKILL. JAX warns at any fork of
+  its multithreaded process (a child running JAX code may deadlock); this child runs none.
+  """
+  with warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)
+    pid = os.fork()
+  if pid == 0:  # The child: never returns into pytest.
+    try:
+      staging = tfds_folder.Staging(data_dir, "mini")
+      with open(os.path.join(staging.path, "part"), "w") as f:
+        f.write("half")
+    finally:
+      os.kill(os.getpid(), signal.SIGKILL)
+  for _ in range(600):  # An event, not a duration: at most 60 s for the child to end.
+    done, status = os.waitpid(pid, os.WNOHANG)
+    if done:
+      return os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1
+    time.sleep(0.1)
+  os.kill(pid, signal.SIGKILL)
+  os.waitpid(pid, 0)
+  raise AssertionError("the forked preparation did not end")
+
+
 def test_prepare_removes_its_stale_temporary_folders_and_keeps_live_ones(prepared, tmp_path):
   src, prepared_dir, _ = prepared
   data_dir = tmp_path / "tfds"
   shutil.copytree(prepared_dir, data_dir)
-  killed = subprocess.run(  # A preparation killed (kill -9) while it wrote.
-    [
-      sys.executable,
-      "-c",
-      "import os, sys\n"
-      "from contrastive_jax.data import tfds_folder\n"
-      "staging = tfds_folder.Staging(sys.argv[1], 'mini')\n"
-      "open(os.path.join(staging.path, 'part'), 'w').write('half')\n"
-      "os.kill(os.getpid(), 9)",
-      str(data_dir),
-    ],
-    env=subprocess_env(),
-    timeout=300,
-  )
-  assert killed.returncode == -signal.SIGKILL
+  assert _killed_while_staging(str(data_dir)) == signal.SIGKILL
   (stale,) = [n for n in os.listdir(data_dir) if n.startswith(".mini.preparing.")]
   live = tfds_folder.Staging(str(data_dir), "mini")  # Held open: a preparation under way.
   unowned = data_dir / ".mini.preparing.0123456789ab"  # No owner file: not provably one.

@@ -38,8 +38,16 @@ def pretrained(tmp_path_factory):
   config = tiny_config()
   config.duration = "2 steps"
   config.checkpoint_every = "1 steps"
+  config.evaluators = {}  # The probes read its checkpoints only; evaluating it would compile.
   runner.run(pretrain, config, workdir)
   return workdir
+
+
+def pretraining_programs(saved_config, mesh):
+  """pretraining.setup as the `pretrained` run's job called it (256 images in batches of 16,
+  2 steps, CIFAR-10's 10 classes): that run's own init and train step, which this process
+  traced and compiled for it (pretraining.setup keeps them), not a second compile."""
+  return pretraining.setup(saved_config, mesh, 256 // 16, 2, num_classes=10)
 
 
 def probe_config(pretrain_workdir, **overrides):
@@ -68,7 +76,7 @@ def test_probe_trains_and_leaves_the_encoder_bit_identical(pretrained, tmp_path)
   ckpt = checkpointing.Checkpointer(os.path.join(pretrained, "checkpoints"), read_only=True)
   full = ckpt.restore(
     checkpointing.abstract_like(
-      jax.eval_shape(pretraining.setup(saved_config, mesh, 1, 1, num_classes=10).init),
+      jax.eval_shape(pretraining_programs(saved_config, mesh).init),
       mesh_lib.replicated(mesh),
     )
   )
@@ -141,7 +149,7 @@ def test_random_init_baseline_is_the_pretraining_runs_initialisation(pretrained)
   random = restore.restore_encoder(
     probe_config(pretrained, random_init=True), mesh_lib.make_mesh()
   ).variables
-  init = jax.device_get(pretraining.setup(saved, mesh_lib.make_mesh(), 1, 1).init())
+  init = jax.device_get(pretraining_programs(saved, mesh_lib.make_mesh()).init())
   jax.tree.map(
     np.testing.assert_array_equal, jax.device_get(random["params"]), init.params["encoder"]
   )
