@@ -15,7 +15,6 @@ import subprocess
 import sys
 import threading
 import time
-import warnings
 import zlib
 
 from array_record.python.array_record_data_source import ArrayRecordDataSource
@@ -993,39 +992,25 @@ def test_prepare_worker_killed_ends_in_one_line_and_stops_the_others(
   assert _gone(killed["group"])  # ended: the other worker too.
 
 
-def _killed_while_staging(data_dir: str) -> int:
-  """A preparation killed (kill -9) while it wrote; the signal that ended it.
-
-  A child forked from this process (a new Python process would spend seconds importing
-  TensorFlow) makes a staging folder of 'mini' in data_dir, holding its owner file as a
-  preparation does, writes into it and kills itself with SIGKILL. JAX warns at any fork of
-  its multithreaded process (a child running JAX code may deadlock); this child runs none.
-  """
-  with warnings.catch_warnings():
-    warnings.simplefilter("ignore", RuntimeWarning)
-    pid = os.fork()
-  if pid == 0:  # The child: never returns into pytest.
-    try:
-      staging = tfds_folder.Staging(data_dir, "mini")
-      with open(os.path.join(staging.path, "part"), "w") as f:
-        f.write("half")
-    finally:
-      os.kill(os.getpid(), signal.SIGKILL)
-  for _ in range(600):  # An event, not a duration: at most 60 s for the child to end.
-    done, status = os.waitpid(pid, os.WNOHANG)
-    if done:
-      return os.WTERMSIG(status) if os.WIFSIGNALED(status) else -1
-    time.sleep(0.1)
-  os.kill(pid, signal.SIGKILL)
-  os.waitpid(pid, 0)
-  raise AssertionError("the forked preparation did not end")
-
-
 def test_prepare_removes_its_stale_temporary_folders_and_keeps_live_ones(prepared, tmp_path):
   src, prepared_dir, _ = prepared
   data_dir = tmp_path / "tfds"
   shutil.copytree(prepared_dir, data_dir)
-  assert _killed_while_staging(str(data_dir)) == signal.SIGKILL
+  killed = subprocess.run(  # A preparation killed (kill -9) while it wrote.
+    [
+      sys.executable,
+      "-c",
+      "import os, sys\n"
+      "from contrastive_jax.data import tfds_folder\n"
+      "staging = tfds_folder.Staging(sys.argv[1], 'mini')\n"
+      "open(os.path.join(staging.path, 'part'), 'w').write('half')\n"
+      "os.kill(os.getpid(), 9)",
+      str(data_dir),
+    ],
+    env=subprocess_env(),
+    timeout=300,
+  )
+  assert killed.returncode == -signal.SIGKILL
   (stale,) = [n for n in os.listdir(data_dir) if n.startswith(".mini.preparing.")]
   live = tfds_folder.Staging(str(data_dir), "mini")  # Held open: a preparation under way.
   unowned = data_dir / ".mini.preparing.0123456789ab"  # No owner file: not provably one.
