@@ -51,6 +51,16 @@ def _drawn_state_dict(make, case: str) -> dict:
   return tensors
 
 
+# tiny_config's views on the command line of a SimCLR CIFAR-10 job (its views have no blur or
+# solarisation): crops and flips only. The colour jitter and grayscale compile to about as
+# much as a tiny network's whole step: ~8 s of CPU in each job process started.
+CROPS_AND_FLIPS_ARGS = tuple(
+  f"--config.augment.{view}.{field}=0.0"
+  for view in ("view1", "view2")
+  for field in ("color_jitter_prob", "grayscale_prob")
+)
+
+
 def tiny_config(method: str = "simclr", variant: str = "runlocal", photometric: bool = False):
   """configs/METHOD_cifar10.py:VARIANT shrunk to seconds: 8 devices x 2 images, 4 steps,
   a ResNet-10 (one basic block per stage) at width 0.0625 or a 1-block ViT of D = 12

@@ -11,6 +11,7 @@ import sys
 import time
 
 from helpers import CONFIG_DIR
+from helpers import CROPS_AND_FLIPS_ARGS
 from helpers import TFDS_DIR
 from helpers import damaged_copy
 from helpers import receive_ctrl_c
@@ -22,7 +23,8 @@ from contrastive_jax.core import files
 
 
 def command(workdir, *overrides):
-  """main.py on the tiny SimCLR (1 CPU device, no evaluator), logging every step."""
+  """main.py on the tiny SimCLR (1 CPU device, no evaluator, crops and flips only), logging
+  every step."""
   return [
     sys.executable,
     "-m",
@@ -38,6 +40,7 @@ def command(workdir, *overrides):
     "--config.evaluators={}",
     "--config.shuffle_buffer=256",
     "--config.data_threads=1",
+    *CROPS_AND_FLIPS_ARGS,
     *overrides,
   ]
 

@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 
+from helpers import CROPS_AND_FLIPS_ARGS
 from helpers import TFDS_DIR
 import pytest
 
@@ -41,12 +42,7 @@ def job_args(workdir):
     # No evaluators: their pipelines, step-0 kNN and compiles were a third of each job's
     # start; the launcher is what is tested here, the evaluators in test_runner.
     "--config.evaluators={}",
-    # Crops and flips only, as tests/helpers.tiny_config: the photometric augmentations
-    # compile to about as much as the tiny network's whole step, in each of the four jobs.
-    "--config.augment.view1.color_jitter_prob=0.0",
-    "--config.augment.view1.grayscale_prob=0.0",
-    "--config.augment.view2.color_jitter_prob=0.0",
-    "--config.augment.view2.grayscale_prob=0.0",
+    *CROPS_AND_FLIPS_ARGS,  # In each of the four jobs.
     "--config.shuffle_buffer=256",
     "--config.data_threads=1",
   ]
