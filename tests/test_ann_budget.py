@@ -4,15 +4,18 @@ shard-by-shard fill, re-ranking from the shards, and the budgets refused."""
 import json
 import os
 
+from helpers import tiny_config
 import ml_collections
 import numpy as np
 import pytest
 
 # The tiny pretraining workdir and the job configs of the embed and neighbours tests.
+from test_search import NUM
 from test_search import embed_config  # noqa: F401
 from test_search import neighbours_config  # noqa: F401
 from test_search import pretrained  # noqa: F401
 
+from contrastive_jax import models
 from contrastive_jax.core.errors import ConfigError
 from contrastive_jax.jobs import embed
 from contrastive_jax.jobs import neighbours
@@ -43,6 +46,16 @@ def data():
   return _clustered(rng, N, centres), _clustered(rng, 500, centres)
 
 
+@pytest.fixture(scope="module")
+def opq_index(data):
+  """(index, spec): ann_lib.build of the whole bank within 400 KB, OPQ4,IVF512,PQ4x8np.
+
+  Built once: OPQ's training is most of the cost of the tests that read it.
+  """
+  spec = ann_lib.choose(N, D, _ann(max_memory="400KB"))
+  return ann_lib.build(data[0], spec, threads=1)
+
+
 def _ann(**fields):
   config = embed_config("unused").ann
   config.update(dict(threads=1, **fields))
@@ -70,19 +83,23 @@ def test_max_memory_takes_bytes_or_units_and_refuses_anything_else_in_one_line()
     assert "\n" not in str(e.value)
 
 
-def test_the_estimate_is_faiss_serialized_size(data):
+def test_the_estimate_is_faiss_serialized_size(data, opq_index):
   """Codes + ids + centroids + the quantizers' tables, by hand, and FAISS's own bytes."""
-  bank = data[0][:5000]
   for kind, pq_m, pca, opq in (
     ("flat", 0, 0, False),
     ("ivf", 0, 0, False),
     ("ivfsq8", 0, 0, False),
     ("ivfsq8", 0, 16, False),
     ("ivfpq8", 4, 0, False),
-    ("ivfpq8", 4, 0, True),
+    ("ivfpq8", 4, 0, True),  # The whole bank's, built by opq_index.
     ("ivfpq", 0, 0, False),
   ):
-    spec = ann_lib.choose(len(bank), D, _ann(type=kind, pq_m=pq_m, pca=pca, opq=opq, nprobe=4))
+    if opq:
+      bank = data[0]
+      spec = ann_lib.choose(len(bank), D, _ann(max_memory="400KB"))
+    else:
+      bank = data[0][:5000]
+      spec = ann_lib.choose(len(bank), D, _ann(type=kind, pq_m=pq_m, pca=pca, opq=opq, nprobe=4))
     nlist = spec["params"].get("nlist", 0)
     lists = nlist * (4 * D + 8) + 8 * len(bank)
     by_hand = {
@@ -96,19 +113,19 @@ def test_the_estimate_is_faiss_serialized_size(data):
       by_hand[kind] = nlist * (4 * 16 + 8) + 8 * len(bank) + len(bank) * 16 + 2 * 4 * 16
       by_hand[kind] += 4 * (D * 16 + D * D + 16 + 2 * D)
     if opq:  # The rotation: D x D floats before the lists.
-      assert spec["factory"] == "OPQ4,IVF128,PQ4x8np"
+      assert spec["factory"] == "OPQ4,IVF512,PQ4x8np"
       by_hand[kind] += 4 * D * D
     estimate = ann_lib.estimate_bytes(spec, len(bank), D)
     if kind in by_hand:
       assert estimate == by_hand[kind], kind
-    built, _ = ann_lib.build(bank, spec, threads=1)
+    built = opq_index[0] if opq else ann_lib.build(bank, spec, threads=1)[0]
     size = len(faiss.serialize_index(built))
     # FAISS's headers: a few hundred bytes; 'ivfpq''s fast-scan blocks are padded per list.
     assert abs(size - estimate) <= (512 if kind in by_hand else 0.03 * size), (kind, size)
 
 
 def test_a_budget_chooses_the_largest_index_that_fits_and_its_reranked_recall_reaches_the_target(
-  data,
+  data, opq_index
 ):
   bank, queries = data
   exact = _numpy_top(queries, bank, 10)
@@ -123,7 +140,10 @@ def test_a_budget_chooses_the_largest_index_that_fits_and_its_reranked_recall_re
     )
     if want == "Flat":
       continue
-    built, spec = ann_lib.build(bank, spec, threads=1)
+    if want == "OPQ4,IVF512,PQ4x8np":  # Built by opq_index from this spec.
+      built, spec = opq_index
+    else:
+      built, spec = ann_lib.build(bank, spec, threads=1)
     assert len(faiss.serialize_index(built)) <= spec["memory"]["budget"]
     assert spec["calibration"]["recall"] >= 0.95
     rerank = ann_lib.reranker(spec, bank)
@@ -210,8 +230,8 @@ def test_the_neighbours_job_searches_a_budget_index_with_reranking(pretrained, t
   """Below the raw vectors' bytes the embed job builds SQ8 codes, re-ranked from the shards:
   the neighbours job finds the exact neighbours (one list: every row a candidate)."""
   workdir = str(tmp_path / "index")
-  flat = embed.run(embed_config(pretrained), str(tmp_path / "flat"))
-  budget = 4 * flat.shape[0] * flat.shape[1] - 1  # A byte less than the vectors.
+  dim = models.encoder_width(tiny_config().model)  # pretrained's encoder.
+  budget = 4 * NUM * dim - 1  # A byte less than the vectors.
   embed.run(embed_config(pretrained, ann=_ann(max_memory=str(budget)).to_dict()), workdir)
   with open(os.path.join(workdir, ann_lib.META)) as f:
     described = json.load(f)
@@ -219,6 +239,7 @@ def test_the_neighbours_job_searches_a_budget_index_with_reranking(pretrained, t
   assert described["bytes"] <= budget and "recall" in described["score"]
   saved = index_lib.load_index(workdir)
   bank = np.asarray(saved.embeddings)
+  assert bank.shape == (NUM, dim)
   result = neighbours.run(
     neighbours_config(workdir, query_rows="0,1,2,3"), str(tmp_path / "search")
   )

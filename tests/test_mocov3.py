@@ -191,7 +191,9 @@ def test_vit_output_shapes_for_each_size(name, width, params):
 def test_adamw_decays_kernels_only_and_leaves_the_frozen_projection_alone():
   cfg = ml_collections.ConfigDict(recipes.vit_model("vit_tiny", 8, "float32", True))
   cfg.update(width=0.125, depth=1)
-  params, _ = common.init_variables(models.build_encoder(cfg), jax.random.PRNGKey(0), 16)
+  encoder = models.build_encoder(cfg)
+  # Jitted: one program, not one per op run eagerly.
+  params, _ = jax.jit(lambda key: common.init_variables(encoder, key, 16))(jax.random.PRNGKey(0))
   mask = {
     "/".join(k.key for k in path): v
     for path, v in jax.tree_util.tree_leaves_with_path(optim.decay_mask(params, "kernels"))

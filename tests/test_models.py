@@ -35,9 +35,10 @@ FAMILY_CONFIGS = {
 }
 
 
-# A ResNet-18 at 1/16 width (8 to 64 channels) with the CIFAR stem and a legacy config's fields.
+# A ResNet-10 (one block a stage: the fewest ops to compile) at 1/16 width (8 to 64 channels)
+# with the CIFAR stem and a legacy config's fields.
 SMALL_RESNET = dict(
-  name="resnet18",
+  name="resnet10",
   width=0.0625,
   stem="cifar",
   zero_init_residual=True,
@@ -82,7 +83,10 @@ def test_every_family_owns_its_names_and_builds_each_model_at_its_width():
 def test_global_bn_equals_bn_on_the_whole_batch():
   mesh = mesh_lib.make_mesh()
   x = jnp.asarray(np.random.default_rng(0).uniform(size=(16, 8, 8, 3)), jnp.float32)
-  params, stats = common.init_variables(_encoder(None), jax.random.PRNGKey(0), 8)
+  # Jitted, as the tests' other model calls: one program, not one per op run eagerly.
+  params, stats = jax.jit(lambda key: common.init_variables(_encoder(None), key, 8))(
+    jax.random.PRNGKey(0)
+  )
 
   def forward(model):
     def fn(x):
@@ -143,9 +147,11 @@ def test_config_builds_model_with_expected_shapes(name, variant, image_size, h_d
 def test_bfloat16_compute_keeps_float32_params_and_outputs():
   cfg = ml_collections.ConfigDict(dict(SMALL_RESNET, dtype="bfloat16"))
   model = models.build_encoder(cfg)
-  params, stats = common.init_variables(model, jax.random.PRNGKey(0), 8)
+  params, stats = jax.jit(lambda key: common.init_variables(model, key, 8))(jax.random.PRNGKey(0))
   assert all(p.dtype == jnp.float32 for p in jax.tree.leaves(params))
-  out = model.apply({"params": params, "batch_stats": stats}, jnp.ones((2, 8, 8, 3)), train=False)
+  out = jax.jit(model.apply, static_argnames="train")(
+    {"params": params, "batch_stats": stats}, jnp.ones((2, 8, 8, 3)), train=False
+  )
   assert out.dtype == jnp.float32
 
 
@@ -198,14 +204,16 @@ def test_learned_position_embedding_vit_takes_another_grid_with_it_interpolated(
   )
   cfg.update(width=0.0625, depth=1, position_embedding="learned")
   vit_model = models.build_encoder(cfg)
-  params, _ = common.init_variables(vit_model, jax.random.PRNGKey(0), 32)
+  # Jitted: one program each, not one per op run eagerly.
+  params, _ = jax.jit(lambda key: common.init_variables(vit_model, key, 32))(jax.random.PRNGKey(0))
   assert params["pos_embed"].shape == (1, 17, 12)
   x = jax.random.uniform(jax.random.PRNGKey(1), (2, 16, 16, 3))
-  h = vit_model.apply({"params": params}, x, train=False)
+  h = jax.jit(lambda p: vit_model.apply({"params": p}, x, train=False))(params)
   small = dict(params, pos_embed=vit.interpolate_position_embedding(params["pos_embed"], 2))
   assert small["pos_embed"].shape == (1, 5, 12)
   small_model = models.build_encoder(cfg)
-  np.testing.assert_allclose(h, small_model.apply({"params": small}, x, train=False), rtol=1e-6)
+  small_apply = jax.jit(lambda p: small_model.apply({"params": p}, x, train=False))
+  np.testing.assert_allclose(h, small_apply(small), rtol=1e-6)
   # The embedding matters: the un-interpolated rows of a 2 x 2 grid give another h.
   cut = dict(params, pos_embed=params["pos_embed"][:, :5])
-  assert np.abs(h - small_model.apply({"params": cut}, x, train=False)).max() > 1e-4
+  assert np.abs(h - small_apply(cut)).max() > 1e-4
