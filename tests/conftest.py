@@ -68,7 +68,7 @@ ocp.type_handlers.register_type_handler(
 
 
 # The files that take longest, longest first (seconds of one worker in the suite on the 2-core
-# VM: 140 for test_images, 60 to 120 for the next eleven, 30 to 50 for the rest), run first:
+# VM: about 130 for test_images, 40 to 105 for the next eleven, 30 to 60 for the rest), run first:
 # pytest-xdist hands a worker the next file in this order when it finishes one, so a long file
 # left for last would run beside an idle worker. test_unchanged follows test_runner at a
 # distance: its runs compile the programs of test_runner's first runs, which the shared
